@@ -1,0 +1,1 @@
+"""agentkv: an async agent runtime whose conversations keep their KV cache alive."""

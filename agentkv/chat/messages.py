@@ -1,0 +1,97 @@
+"""Chat messages as pydantic models: what users, assistants and tools say.
+
+``Message.user("hi")``, ``Message.assistant("2", tool_calls=[ToolCall(name="calc", arguments={"expr": "1+1"})])``,
+``Message.tool("2", tool_call_id=call.id, name="calc")``. Assistant messages may carry the
+exact ``token_ids`` the model generated, so re-rendering them never re-tokenises.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Role = Literal["system", "user", "assistant", "tool"]
+
+
+def new_call_id() -> str:
+    """A short unique id for a tool call."""
+    return "call_" + uuid.uuid4().hex[:12]
+
+
+class ToolCall(BaseModel):
+    """One tool call the model made."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: str = Field(default_factory=new_call_id)
+    """Links the call to its result message (``Message.tool_call_id``)."""
+    name: str
+    """The tool's name."""
+    arguments: dict[str, Any] = Field(default_factory=dict)
+    """Arguments as parsed JSON (validated later against the tool's schema)."""
+
+
+class Message(BaseModel):
+    """One chat message."""
+
+    model_config = ConfigDict(frozen=True)
+
+    role: Role
+    content: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
+    """Calls made in an assistant message."""
+    tool_call_id: str | None = None
+    """For a tool result: the id of the call it answers."""
+    name: str | None = None
+    """For a tool result: the tool's name."""
+    token_ids: tuple[int, ...] | None = None
+    """For an assistant message: the ids the model generated (rendered verbatim)."""
+
+    @classmethod
+    def system(cls, content: str) -> Message:
+        return cls(role="system", content=content)
+
+    @classmethod
+    def user(cls, content: str) -> Message:
+        return cls(role="user", content=content)
+
+    @classmethod
+    def assistant(
+        cls,
+        content: str = "",
+        *,
+        tool_calls: tuple[ToolCall, ...] | list[ToolCall] = (),
+        token_ids: tuple[int, ...] | list[int] | None = None,
+    ) -> Message:
+        return cls(
+            role="assistant",
+            content=content,
+            tool_calls=tuple(tool_calls),
+            token_ids=tuple(token_ids) if token_ids is not None else None,
+        )
+
+    @classmethod
+    def tool(cls, content: str, *, tool_call_id: str, name: str) -> Message:
+        return cls(role="tool", content=content, tool_call_id=tool_call_id, name=name)
+
+    def to_openai(self) -> dict[str, Any]:
+        """The OpenAI chat-completions message dict (for export)."""
+        import json
+
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
+                }
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            out["name"] = self.name
+        return out

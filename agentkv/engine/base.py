@@ -1,0 +1,278 @@
+"""The engine contract: GenerationConfig, typed results, and the Engine / KVSession protocols.
+
+Everything above ``engine/`` (runner, policies, runtime) talks to a model only
+through these types, so the real OpenVINO engine and the scripted test engine
+are interchangeable::
+
+    session = await engine.open_session()
+    result = await session.generate(prompt_ids, GenerationConfig(max_new_tokens=32))
+    print(result.text, result.metrics.prefilled_tokens)
+
+The invariant every implementation keeps: the session's KV is exactly the KV
+of ``session.tokens`` at positions ``0..len-1`` (unless ``session.shifted``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+if TYPE_CHECKING:
+    from agentkv.engine.snapshot import KVSnapshot
+
+
+class GenerationConfig(BaseModel):
+    """How to pick tokens. Invalid values raise ``pydantic.ValidationError``.
+
+    ``GenerationConfig(max_new_tokens=64)`` is greedy; ``temperature>0`` samples.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_new_tokens: int = Field(256, ge=0)
+    """Upper bound on generated tokens (the stop token included)."""
+    temperature: float = Field(0.0, ge=0.0)
+    """0 means greedy; >0 samples from the tempered distribution."""
+    top_k: int = Field(0, ge=0)
+    """Keep only the k most likely tokens (0 = off)."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling: keep the smallest set whose probability reaches top_p."""
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    """Drop tokens whose probability is below min_p × the top probability."""
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    """>1 discourages tokens already in the prompt or the output (CTRL-style)."""
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    """Subtracted once from the logit of every token already generated."""
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    """Subtracted per occurrence from the logit of every token already generated."""
+    seed: int | None = None
+    """Seed for sampling; the same seed gives the same tokens."""
+    stop_token_ids: frozenset[int] = frozenset()
+    """Extra token ids that end generation (the model's EOS always does unless ignore_eos)."""
+    stop_strings: tuple[str, ...] = ()
+    """Generation ends once the text contains one of these; it is cut from the text."""
+    ignore_eos: bool = False
+    """Keep generating past EOS (benchmarks)."""
+    num_beams: int = Field(1, ge=1)
+    """>1 runs beam search through the model's beam_idx cache reorder."""
+    length_penalty: float = 1.0
+    """Beam score = sum logprob / len ** length_penalty."""
+    num_return_sequences: int = Field(1, ge=1)
+    """How many finished beams to return (≤ num_beams)."""
+
+    @model_validator(mode="after")
+    def _check_beams(self) -> GenerationConfig:
+        if self.num_return_sequences > self.num_beams:
+            raise ValueError(
+                f"num_return_sequences={self.num_return_sequences} exceeds "
+                f"num_beams={self.num_beams}; raise num_beams or lower num_return_sequences"
+            )
+        if self.num_beams > 1 and self.temperature > 0:
+            raise ValueError("beam search is deterministic: use temperature=0 with num_beams>1")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        """True when every step takes the argmax."""
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class GenerationMetrics:
+    """What one ``generate`` call cost and reused."""
+
+    prompt_tokens: int
+    """Length of the prompt passed in."""
+    reused_tokens: int
+    """Prompt tokens whose KV was already in the session (longest common prefix)."""
+    prefix_cache_tokens: int
+    """Prompt tokens whose KV was copied from the shared prefix cache."""
+    restored_tokens: int
+    """Prompt tokens whose KV came back from an offloaded snapshot."""
+    prefilled_tokens: int
+    """Prompt tokens actually run through the model before the first new token."""
+    generated_tokens: int
+    """New tokens returned."""
+    ttft_s: float
+    """Seconds from the call to the first new token (alignment + prefill + first sample)."""
+    tpot_s: float
+    """Mean seconds per output token after the first."""
+    kv_tokens: int
+    """Tokens in the session's KV when the call returned."""
+    kv_bytes: int
+    """Bytes the session's KV occupies in the model's cache precision."""
+
+
+@dataclass(frozen=True)
+class BeamHypothesis:
+    """One finished beam: its tokens and normalised score."""
+
+    token_ids: tuple[int, ...]
+    score: float
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """What ``KVSession.generate`` returns."""
+
+    token_ids: tuple[int, ...]
+    """Generated ids (stop token included if one ended generation)."""
+    text: str
+    """Decoded text (stop string cut)."""
+    finish_reason: str
+    """"stop" (EOS / stop token / stop string), "length" or "constraint"."""
+    metrics: GenerationMetrics
+    beams: tuple[BeamHypothesis, ...] = ()
+    """With num_beams>1: the best ``num_return_sequences`` hypotheses, best first."""
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """One streamed step: the new token and the text it completes (may be empty)."""
+
+    token_id: int
+    text: str
+
+
+@dataclass
+class GenerationStream:
+    """Async iterator of ``TokenDelta``; ``result`` is set once iteration ends.
+
+    ``stream = session.stream(ids, cfg); async for d in stream: print(d.text, end="")``
+    """
+
+    _events: AsyncIterator[TokenDelta | GenerationResult]
+    result: GenerationResult | None = field(default=None)
+
+    def __aiter__(self) -> AsyncIterator[TokenDelta]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[TokenDelta]:
+        async for event in self._events:
+            if isinstance(event, GenerationResult):
+                self.result = event
+            else:
+                yield event
+
+    async def collect(self) -> GenerationResult:
+        """Run to the end and return the result."""
+        async for _ in self:
+            pass
+        assert self.result is not None
+        return self.result
+
+
+class TokenConstraint(Protocol):
+    """A per-step token mask (grammar-constrained decoding). See ``engine/constraints.py``."""
+
+    def allowed_mask(self) -> Any:
+        """Boolean numpy mask over the vocabulary for the next token (pure, no state change)."""
+
+    def advance(self, token_id: int) -> None:
+        """Consume the chosen token (changes state)."""
+
+    def is_finished(self) -> bool:
+        """True once the grammar accepts and nothing more may follow."""
+
+
+@runtime_checkable
+class KVSession(Protocol):
+    """One conversation's KV cache. Operations on one session are serialised by its own lock;
+    callers need hold nothing. Every method may raise ``SessionClosed`` after ``close()``."""
+
+    @property
+    def id(self) -> str:
+        """Unique id of the session inside its engine."""
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        """The token log: exactly the tokens whose KV the session holds (read-only)."""
+
+    @property
+    def shifted(self) -> bool:
+        """True once a span was dropped by RoPE shift: KV is close to, not equal to, a prefill."""
+
+    def stream(
+        self,
+        prompt_tokens: Sequence[int],
+        config: GenerationConfig,
+        constraint: TokenConstraint | None = None,
+    ) -> GenerationStream:
+        """Align to ``prompt_tokens`` (trim to the longest common prefix, prefill the rest),
+        then decode. Mutates the KV and ``tokens``; generated tokens that were fed through the
+        model join ``tokens``. Raises ``ContextOverflowError`` before touching the KV if the
+        prompt plus ``max_new_tokens`` cannot fit. Cancellation leaves KV and tokens consistent."""
+
+    async def generate(
+        self,
+        prompt_tokens: Sequence[int],
+        config: GenerationConfig,
+        constraint: TokenConstraint | None = None,
+    ) -> GenerationResult:
+        """``stream(...)`` run to the end."""
+
+    async def prefill(self, prompt_tokens: Sequence[int]) -> GenerationMetrics:
+        """Align to ``prompt_tokens`` without generating (mutates KV and tokens)."""
+
+    async def next_token_logits(self) -> Any:
+        """float32 logits ``[vocab]`` for the token after ``tokens`` (may feed the last token
+        again after a trim; does not change ``tokens``)."""
+
+    async def trim(self, n: int) -> None:
+        """Keep only the first ``n`` tokens of the log and their KV (mutates)."""
+
+    async def fork(self) -> KVSession:
+        """A new session with a copy of this KV and log; the two diverge independently."""
+
+    async def snapshot(self) -> KVSnapshot:
+        """A host copy of the KV and log (no state change)."""
+
+    async def restore(self, snapshot: KVSnapshot) -> None:
+        """Replace KV and log by the snapshot's. Raises ``SnapshotIncompatible`` for another
+        model; on any failure the session is left empty, never with partial KV."""
+
+    async def close(self) -> None:
+        """Release the slot and the KV. Idempotent."""
+
+
+class Tokenizer(Protocol):
+    """Text ↔ ids and chat-template rendering, as the engine's model sees them."""
+
+    def encode(self, text: str) -> list[int]:
+        """Ids for ``text`` with no special tokens added."""
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text for ``ids`` (special tokens kept as text)."""
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A model plus a pool of KV slots. ``open_session`` is cheap; a slot is bound lazily."""
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer."""
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Ids that end an assistant turn."""
+
+    @property
+    def max_context_len(self) -> int:
+        """Most tokens a session may hold."""
+
+    @property
+    def fingerprint(self) -> str:
+        """Identifies model + KV layout; snapshots from another fingerprint are refused."""
+
+    async def open_session(self) -> KVSession:
+        """A new empty session."""
+
+    def register_prefix(self, tokens: Sequence[int]) -> None:
+        """Mark ``tokens`` as a shared prefix worth caching (system prompt + tool schemas)."""
+
+    async def aclose(self) -> None:
+        """Close every session and release the model."""
