@@ -1,0 +1,306 @@
+"""StatefulSession: one conversation's KV on the OpenVINO stateful engine.
+
+Keeps the invariant of DESIGN.md — the slot's KV is exactly the KV of ``tokens`` — through
+generate (align to the longest common prefix, prefill the rest, decode), trim, fork,
+snapshot/restore and slot offload. Every public method takes the session's lock, then a
+slot lease, then runs blocking model work in a worker thread::
+
+    session = await engine.open_session()
+    async for delta in session.stream(ids, GenerationConfig(max_new_tokens=32)):
+        print(delta.text, end="")
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING
+
+import anyio
+import numpy as np
+
+from agentkv.engine.base import (
+    GenerationConfig,
+    GenerationMetrics,
+    GenerationResult,
+    GenerationStream,
+    TokenConstraint,
+    TokenDelta,
+)
+from agentkv.engine.decode import DecodeLoop
+from agentkv.engine.slot import Slot
+from agentkv.engine.snapshot import KVSnapshot
+from agentkv.errors import ContextOverflowError, SessionClosed, SnapshotIncompatible, UserError
+
+if TYPE_CHECKING:
+    from agentkv.engine.stateful import StatefulEngine
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two id sequences."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class StatefulSession:
+    """A KV session bound (lazily) to a slot of a ``StatefulEngine``."""
+
+    def __init__(self, engine: StatefulEngine, session_id: str | None = None) -> None:
+        self._engine = engine
+        self._id = session_id or uuid.uuid4().hex
+        self._tokens: list[int] = []
+        self._last_logits: np.ndarray | None = None  # logits after tokens[-1], if known
+        self._host: KVSnapshot | None = None  # KV waiting to be put into a slot
+        self._shifted = False
+        self._closed = False
+        self._lock = anyio.Lock()
+        self.restored_tokens_pending = 0
+        self.last_metrics: GenerationMetrics | None = None
+
+    # ---- read-only views -------------------------------------------------------------
+    @property
+    def id(self) -> str:
+        return self._id
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return tuple(self._tokens)
+
+    @property
+    def shifted(self) -> bool:
+        return self._shifted
+
+    def __repr__(self) -> str:
+        return f"StatefulSession(id={self._id[:8]}, tokens={len(self._tokens)})"
+
+    # ---- slot pool callbacks (run in worker threads, under the pool's lease) ---------
+    def offload(self, slot: Slot) -> None:
+        """Copy this session's KV to host memory before its slot is given away."""
+        keys, values = slot.read()
+        self._host = self._engine.make_snapshot(self._tokens, keys, values, self._shifted)
+        slot.reset()
+
+    def adopt(self, slot: Slot) -> None:
+        """Fill a newly bound slot with this session's KV (empty if it has none on the host)."""
+        slot.reset()
+        host, self._host = self._host, None
+        if host is None or host.num_tokens == 0:
+            return
+        try:
+            keys, values = host.to_float()
+            slot.write(keys, values)
+        except BaseException:
+            slot.reset()  # never leave partial KV behind
+            self._tokens, self._last_logits = [], None
+            raise
+        self.restored_tokens_pending += host.num_tokens
+
+    # ---- generation ------------------------------------------------------------------
+    def stream(
+        self,
+        prompt_tokens: Sequence[int],
+        config: GenerationConfig,
+        constraint: TokenConstraint | None = None,
+    ) -> GenerationStream:
+        """See ``KVSession.stream``."""
+        prompt = [int(t) for t in prompt_tokens]
+        self._check_prompt(prompt, config)
+        return GenerationStream(self._generate_events(prompt, config, constraint))
+
+    async def generate(
+        self,
+        prompt_tokens: Sequence[int],
+        config: GenerationConfig,
+        constraint: TokenConstraint | None = None,
+    ) -> GenerationResult:
+        """``stream(...)`` run to the end."""
+        return await self.stream(prompt_tokens, config, constraint).collect()
+
+    def _check_prompt(self, prompt: list[int], config: GenerationConfig) -> None:
+        self._ensure_open()
+        if not prompt:
+            raise UserError("prompt_tokens is empty: render at least one token before generating")
+        limit = self._engine.max_context_len
+        if len(prompt) >= limit:
+            raise ContextOverflowError(
+                f"prompt of {len(prompt)} tokens does not fit the model's context of {limit}; "
+                "shorten the history or give the agent a context-window policy",
+                prompt_tokens=len(prompt),
+                limit=limit,
+            )
+
+    async def _generate_events(
+        self, prompt: list[int], config: GenerationConfig, constraint: TokenConstraint | None
+    ) -> AsyncIterator[TokenDelta | GenerationResult]:
+        async with self._lock:
+            self._ensure_open()
+            async with self._engine.pool.lease(self) as slot:
+                started = time.perf_counter()
+                align = await self._align(slot, prompt)
+                loop = DecodeLoop(self, slot, prompt, config, constraint, align, started)
+                async for event in loop.run():
+                    yield event
+                self.last_metrics = loop.metrics
+
+    async def prefill(self, prompt_tokens: Sequence[int]) -> GenerationMetrics:
+        """Align to ``prompt_tokens`` without generating."""
+        prompt = [int(t) for t in prompt_tokens]
+        self._check_prompt(prompt, GenerationConfig(max_new_tokens=0))
+        async with self._lock:
+            self._ensure_open()
+            async with self._engine.pool.lease(self) as slot:
+                started = time.perf_counter()
+                align = await self._align(slot, prompt)
+                elapsed = time.perf_counter() - started
+                return self._engine.metrics_for(self, align, generated=0, ttft=elapsed, tpot=0.0)
+
+    async def _align(self, slot: Slot, prompt: list[int]) -> dict[str, int]:
+        """Trim the KV to the longest common prefix with ``prompt``, prefill the rest.
+
+        Returns counts for the metrics. Leaves ``_last_logits`` = logits after ``prompt[-1]``.
+        """
+        restored, self.restored_tokens_pending = self.restored_tokens_pending, 0
+        reused = common_prefix_len(self._tokens, prompt)
+        if reused == len(prompt) and reused == len(self._tokens) and self._last_logits is not None:
+            return {"reused": reused, "prefix_cache": 0, "restored": restored, "prefilled": 0}
+        # NOTE: a prompt fully covered by the KV still needs its last token fed to get logits.
+        reused = min(reused, len(prompt) - 1)
+        cached = 0
+        if reused < len(self._tokens):
+            await self._run(self._trim_blocking, slot, reused)
+        hit = self._engine.prefix_cache_lookup(prompt, reused)
+        if hit is not None:
+            await self._run(self._load_prefix_blocking, slot, hit)
+            cached = hit.num_tokens - reused
+            reused_from_cache = hit.num_tokens
+        else:
+            reused_from_cache = reused
+        await self._run(self._feed_blocking, slot, prompt[reused_from_cache:])
+        await self._engine.prefix_cache_store(self, slot)
+        return {
+            "reused": reused,
+            "prefix_cache": cached,
+            "restored": min(restored, reused),
+            "prefilled": len(prompt) - reused_from_cache,
+        }
+
+    # ---- blocking steps (worker threads; the caller holds lock + lease) --------------
+    async def _run(self, fn, *args):  # type: ignore[no-untyped-def]
+        # NOTE: not abandoned on cancellation: the step finishes and updates tokens with the
+        # KV, then the cancellation is delivered. That keeps the invariant under cancel.
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self._engine.pool.limiter)
+
+    def _feed_blocking(self, slot: Slot, ids: Sequence[int]) -> np.ndarray:
+        """Run ``ids`` through the model after the current tokens; they join the log."""
+        chunk = self._engine.prefill_chunk_size or len(ids)
+        logits = self._last_logits
+        for start in range(0, len(ids), chunk):
+            piece = list(ids[start : start + chunk])
+            logits = slot.feed(np.array([piece], dtype=np.int64), past_len=len(self._tokens))[0]
+            self._tokens.extend(piece)
+            self._last_logits = logits
+        assert logits is not None
+        return logits
+
+    def _trim_blocking(self, slot: Slot, n: int) -> None:
+        if n < len(self._tokens):
+            slot.trim(n)
+            del self._tokens[n:]
+            self._last_logits = None
+            if n == 0:
+                self._shifted = False
+
+    def _load_prefix_blocking(self, slot: Slot, snapshot: KVSnapshot) -> None:
+        keys, values = snapshot.to_float()
+        try:
+            slot.write(keys, values)
+        except BaseException:
+            slot.reset()
+            self._tokens, self._last_logits = [], None
+            raise
+        self._tokens = list(snapshot.tokens)
+        self._last_logits = None
+
+    # ---- other operations ------------------------------------------------------------
+    async def next_token_logits(self) -> np.ndarray:
+        """float32 logits ``[vocab]`` for the token after ``tokens``."""
+        async with self._lock:
+            self._ensure_open()
+            if not self._tokens:
+                raise UserError("the session is empty: prefill or generate before asking for logits")
+            async with self._engine.pool.lease(self) as slot:
+                self.restored_tokens_pending = 0
+                if self._last_logits is None:
+                    last = self._tokens[-1]
+                    await self._run(self._trim_blocking, slot, len(self._tokens) - 1)
+                    await self._run(self._feed_blocking, slot, [last])
+                assert self._last_logits is not None
+                return self._last_logits.copy()
+
+    async def trim(self, n: int) -> None:
+        """Keep the first ``n`` tokens and their KV."""
+        if n < 0:
+            raise UserError(f"trim(n) needs n >= 0, got {n}")
+        async with self._lock:
+            self._ensure_open()
+            if n >= len(self._tokens):
+                return
+            async with self._engine.pool.lease(self) as slot:
+                await self._run(self._trim_blocking, slot, n)
+
+    async def snapshot(self) -> KVSnapshot:
+        """A host copy of KV and tokens."""
+        async with self._lock:
+            self._ensure_open()
+            return await self._snapshot_locked()
+
+    async def _snapshot_locked(self) -> KVSnapshot:
+        if not self._engine.pool.is_bound(self) and self._host is not None:
+            return self._host
+        async with self._engine.pool.lease(self) as slot:
+            keys, values = await self._run(slot.read)
+            return self._engine.make_snapshot(self._tokens, keys, values, self._shifted)
+
+    async def restore(self, snapshot: KVSnapshot) -> None:
+        """Replace KV and tokens by ``snapshot``'s (fresh state or nothing)."""
+        if snapshot.fingerprint != self._engine.fingerprint:
+            raise SnapshotIncompatible(
+                f"snapshot was made by model {snapshot.fingerprint!r}, this engine runs "
+                f"{self._engine.fingerprint!r}; re-prefill the history instead"
+            )
+        async with self._lock:
+            self._ensure_open()
+            async with self._engine.pool.lease(self) as slot:
+                self._tokens, self._last_logits = [], None
+                await self._run(self._load_prefix_blocking, slot, snapshot)
+                self._shifted = snapshot.shifted
+                self.restored_tokens_pending = snapshot.num_tokens
+
+    async def fork(self) -> StatefulSession:
+        """A new session with a copy of this KV; the KV is put into a slot when it first runs."""
+        async with self._lock:
+            self._ensure_open()
+            snap = await self._snapshot_locked()
+        child = self._engine.new_session()
+        child._tokens = list(snap.tokens)
+        child._host = snap
+        child._shifted = snap.shifted
+        return child
+
+    async def close(self) -> None:
+        """Release the slot and the KV (idempotent)."""
+        async with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._host = None
+            await self._engine.pool.release(self)
+            self._engine.forget(self)
+
+    def _ensure_open(self) -> None:
+        if self._closed:
+            raise SessionClosed(f"session {self._id} is closed; open a new one with engine.open_session()")

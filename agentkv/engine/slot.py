@@ -1,0 +1,87 @@
+"""One KV slot: an InferRequest of the stateful model, and the forward pass run on it.
+
+A slot knows tensors, not sessions. ``Slot.feed`` runs new tokens through the model on top
+of the KV already held and returns the last position's logits (the compiled model slices
+hidden states to the last token before the LM head)::
+
+    logits = slot.feed(np.array([[5, 6, 7]]), past_len=0)   # prefill: logits [1, vocab]
+    logits = slot.feed(np.array([[8]]), past_len=3)          # one decode step
+
+Every method blocks (call it from a worker thread) and must be called by one thread at a
+time: the slot pool's lease guarantees that.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import openvino as ov
+
+from agentkv.engine.ov_state import KVLayout
+
+
+class Slot:
+    """An InferRequest plus its KV layout."""
+
+    def __init__(self, request: ov.InferRequest, index: int, input_names: frozenset[str]) -> None:
+        self.request = request
+        self.index = index
+        self.layout = KVLayout.of(request)
+        self._has_positions = "position_ids" in input_names
+        self._has_beam_idx = "beam_idx" in input_names
+
+    def feed(
+        self,
+        input_ids: np.ndarray,
+        past_len: int,
+        beam_idx: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """Run ``input_ids`` ``[batch, T]`` at positions ``past_len..past_len+T-1``.
+
+        ``beam_idx`` ``[batch]`` reorders the cached batch rows before the step (beam search);
+        by default each row keeps its own cache. Returns float32 logits ``[batch, vocab]`` of
+        the last position. Mutates the KV: it now holds ``past_len + T`` positions per row.
+        """
+        batch, length = input_ids.shape
+        inputs: dict[str, np.ndarray] = {
+            "input_ids": np.ascontiguousarray(input_ids, dtype=np.int64),
+            "attention_mask": np.ones((batch, past_len + length), dtype=np.int64),
+        }
+        if self._has_positions:
+            positions = np.arange(past_len, past_len + length, dtype=np.int64)
+            inputs["position_ids"] = np.broadcast_to(positions, (batch, length)).copy()
+        if self._has_beam_idx:
+            if beam_idx is None:
+                beam_idx = np.arange(batch, dtype=np.int32)
+            inputs["beam_idx"] = np.ascontiguousarray(beam_idx, dtype=np.int32)
+        # NOTE: infer(dict) copies its inputs; set_tensor with numpy-backed tensors was measured
+        # to crash once requests were replaced, so it is not used.
+        self.request.infer(inputs)
+        logits = self.request.get_tensor("logits").data  # [batch, 1 or T, vocab]
+        return np.array(logits[:, -1, :], dtype=np.float32)
+
+    def length(self) -> int:
+        """Positions currently held per row."""
+        try:
+            return self.layout.length(self.request)
+        except RuntimeError:
+            return 0
+
+    def reset(self) -> None:
+        """Empty the KV."""
+        self.request.reset_state()
+
+    def trim(self, n: int) -> None:
+        """Keep the first ``n`` positions."""
+        self.layout.trim(self.request, n)
+
+    def read(self) -> tuple[np.ndarray, np.ndarray]:
+        """float32 K and V ``[layers, batch, heads, T, dim]`` (copies)."""
+        return self.layout.read(self.request)
+
+    def write(self, keys: np.ndarray, values: np.ndarray) -> None:
+        """Replace the KV by ``keys`` / ``values`` ``[layers, batch, heads, T, dim]``."""
+        self.layout.write(self.request, keys, values)
+
+    def select_row(self, row: int, n: int) -> None:
+        """Keep only batch row ``row`` and its first ``n`` positions."""
+        self.layout.select_row(self.request, row, n)

@@ -1,0 +1,243 @@
+"""StatefulEngine: an OpenVINO stateful LLM compiled once, with a pool of InferRequests as KV slots.
+
+::
+
+    engine = StatefulEngine()                       # the default model, CPU, plugin's KV precision
+    session = await engine.open_session()
+    ids = engine.tokenizer.encode("Hello")
+    result = await session.generate(ids, GenerationConfig(max_new_tokens=16))
+    await engine.aclose()
+
+Prefill computes logits for the last position only: a slice is inserted before the LM head
+(``slice_logits=False`` keeps every position, for measuring the gain).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import openvino as ov
+
+from agentkv.engine.base import GenerationMetrics
+from agentkv.engine.models import ModelFiles, compiled_cache_dir, resolve_model
+from agentkv.engine.session import StatefulSession
+from agentkv.engine.slot import Slot
+from agentkv.engine.slots import SlotPool
+from agentkv.engine.snapshot import KVSnapshot
+from agentkv.engine.tokenizer import OVTokenizer
+from agentkv.errors import UserError
+
+KVPrecision = Literal["u8", "f16", "f32"]
+_OV_PRECISION = {"u8": "u8", "f16": "f16", "f32": "f32"}
+_BYTES = {"u8": 1, "f16": 2, "f32": 4}
+DEFAULT_CONTEXT_LEN = 8192
+
+
+def slice_last_position(model: ov.Model) -> bool:
+    """Insert ``hidden[:, -1:, :]`` before the LM head MatMul so logits cover the last position.
+
+    Returns False (model unchanged) when the graph does not end in Result ← MatMul.
+    """
+    import openvino.opset13 as ops
+
+    logits = next((o for o in model.outputs if "logits" in o.get_names()), None)
+    if logits is None:
+        return False
+    matmul = logits.get_node().input_value(0).get_node()
+    if matmul.get_type_name() != "MatMul":
+        return False
+    hidden = matmul.input_value(0)
+    sliced = ops.slice(
+        hidden,
+        np.array([-1], dtype=np.int64),
+        np.array([np.iinfo(np.int64).max], dtype=np.int64),
+        np.array([1], dtype=np.int64),
+        np.array([1], dtype=np.int64),
+    )
+    matmul.input(0).replace_source_output(sliced.output(0))
+    model.validate_nodes_and_infer_types()
+    return True
+
+
+class StatefulEngine:
+    """The local OpenVINO engine. See the module docstring for a call."""
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | None = None,
+        *,
+        device: str = "CPU",
+        kv_cache_precision: KVPrecision | None = None,
+        num_slots: int = 4,
+        max_context_len: int | None = None,
+        prefill_chunk_size: int | None = None,
+        slice_logits: bool = True,
+        snapshot_precision: Literal["auto", "f32", "f16", "u8"] = "auto",
+        ov_config: dict[str, str] | None = None,
+    ) -> None:
+        if num_slots < 1:
+            raise UserError(f"num_slots must be >= 1, got {num_slots}")
+        if kv_cache_precision is not None and kv_cache_precision not in _OV_PRECISION:
+            raise UserError(f"kv_cache_precision must be one of u8, f16, f32, got {kv_cache_precision!r}")
+        self.files: ModelFiles = resolve_model(model)
+        self.device = device
+        self.prefill_chunk_size = prefill_chunk_size
+        self._tokenizer = OVTokenizer(self.files.ir_dir)
+        core = ov.Core()
+        ov_model = core.read_model(str(self.files.model_xml))
+        self.logits_sliced = slice_logits and slice_last_position(ov_model)
+        config: dict[str, str] = {"CACHE_DIR": str(compiled_cache_dir())}
+        if kv_cache_precision is not None:
+            config["KV_CACHE_PRECISION"] = _OV_PRECISION[kv_cache_precision]
+        config.update(ov_config or {})
+        self._compiled = core.compile_model(ov_model, device, config)
+        self.kv_cache_precision: str = _read_kv_precision(self._compiled, kv_cache_precision)
+        self.snapshot_precision = (
+            ("f32" if self.kv_cache_precision == "f32" else "f16")
+            if snapshot_precision == "auto"
+            else snapshot_precision
+        )
+        inputs = frozenset(name for i in ov_model.inputs for name in i.get_names())
+        slots = [Slot(self._compiled.create_infer_request(), i, inputs) for i in range(num_slots)]
+        self.pool = SlotPool(slots)
+        first = slots[0].layout
+        self.num_layers = first.num_layers
+        self._max_context_len = max_context_len or _context_length(self.files) or DEFAULT_CONTEXT_LEN
+        self._fingerprint = _fingerprint(self.files.model_xml, self.kv_cache_precision, device)
+        self._eos = frozenset({self._tokenizer.eos_token_id})
+        self._sessions: set[StatefulSession] = set()
+        heads, head_dim = _state_head_shape(slots[0])
+        self._kv_token_bytes = 2 * self.num_layers * heads * head_dim * _BYTES[self.kv_cache_precision]
+        self.prefix_cache = None  # set by the prefix-cache layer (engine/prefix_cache.py)
+
+    # ---- Engine protocol ---------------------------------------------------------------
+    @property
+    def tokenizer(self) -> OVTokenizer:
+        return self._tokenizer
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self._eos
+
+    @property
+    def max_context_len(self) -> int:
+        return self._max_context_len
+
+    @property
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+    async def open_session(self) -> StatefulSession:
+        """A new empty session (its slot is bound when it first runs)."""
+        return self.new_session()
+
+    def new_session(self) -> StatefulSession:
+        """Synchronous constructor used by ``open_session`` and ``fork``."""
+        session = StatefulSession(self)
+        self._sessions.add(session)
+        return session
+
+    def forget(self, session: StatefulSession) -> None:
+        """Called by ``session.close()``."""
+        self._sessions.discard(session)
+
+    def register_prefix(self, tokens: Sequence[int]) -> None:
+        """Mark ``tokens`` as a shared prefix (cached once the prefix cache is enabled)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.register(tokens)
+
+    async def aclose(self) -> None:
+        """Close every open session."""
+        for session in list(self._sessions):
+            await session.close()
+
+    # ---- helpers used by sessions ------------------------------------------------------
+    def make_snapshot(
+        self, tokens: Sequence[int], keys: np.ndarray, values: np.ndarray, shifted: bool
+    ) -> KVSnapshot:
+        """Host snapshot of float32 KV arrays in this engine's snapshot precision."""
+        return KVSnapshot.from_float(
+            tuple(tokens),
+            keys,
+            values,
+            precision=self.snapshot_precision,  # type: ignore[arg-type]
+            fingerprint=self._fingerprint,
+            shifted=shifted,
+        )
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one token's K and V take in the model's cache precision (all layers)."""
+        return self._kv_token_bytes
+
+    def metrics_for(
+        self, session: StatefulSession, align: dict[str, int], *, generated: int, ttft: float, tpot: float
+    ) -> GenerationMetrics:
+        """Metrics of one call from the alignment counts."""
+        kv_tokens = len(session.tokens)
+        return GenerationMetrics(
+            prompt_tokens=align["reused"] + align["prefix_cache"] + align["prefilled"],
+            reused_tokens=align["reused"],
+            prefix_cache_tokens=align["prefix_cache"],
+            restored_tokens=align["restored"],
+            prefilled_tokens=align["prefilled"],
+            generated_tokens=generated,
+            ttft_s=ttft,
+            tpot_s=tpot,
+            kv_tokens=kv_tokens,
+            kv_bytes=kv_tokens * self.kv_bytes_per_token(),
+        )
+
+    def prefix_cache_lookup(self, prompt: Sequence[int], reused: int) -> KVSnapshot | None:
+        """The longest cached prefix of ``prompt`` longer than ``reused`` (and < len(prompt))."""
+        if self.prefix_cache is None:
+            return None
+        return self.prefix_cache.lookup(prompt, longer_than=reused)
+
+    async def prefix_cache_store(self, session: StatefulSession, slot: Slot) -> None:
+        """Give the prefix cache a chance to copy registered prefixes out of ``slot``."""
+        if self.prefix_cache is not None:
+            await self.prefix_cache.capture(session, slot)
+
+
+def _state_head_shape(slot: Slot) -> tuple[int, int]:
+    """(heads, head_dim) of the KV states, read from a fresh request's ``[0, H, 0, D]`` state."""
+    shape = slot.request.query_state()[0].state.shape
+    return int(shape[1]), int(shape[3])
+
+
+def _read_kv_precision(compiled: ov.CompiledModel, requested: str | None) -> str:
+    try:
+        value = str(compiled.get_property("KV_CACHE_PRECISION")).lower()
+    except RuntimeError:
+        return requested or "f32"
+    for name in ("u8", "f16", "f32", "bf16"):
+        if name in value or {"u8": "uint8", "f16": "f16", "f32": "f32", "bf16": "bf16"}[name] in value:
+            return "f16" if name == "bf16" else name
+    return requested or "f32"
+
+
+def _context_length(files: ModelFiles) -> int | None:
+    """The model's trained context length, from GGUF metadata or config.json."""
+    import json
+
+    config = files.ir_dir / "config.json"
+    if config.is_file():
+        value = json.loads(config.read_text()).get("max_position_embeddings")
+        return int(value) if value else None
+    for name, value in files.gguf_metadata().items():
+        if name.endswith(".context_length"):
+            return int(value)
+    return None
+
+
+def _fingerprint(model_xml: Path, kv_precision: str, device: str) -> str:
+    digest = hashlib.sha256()
+    digest.update(model_xml.read_bytes())
+    weights = model_xml.with_suffix(".bin")
+    digest.update(str(weights.stat().st_size if weights.exists() else 0).encode())
+    return f"{model_xml.parent.name}:{digest.hexdigest()[:16]}:kv={kv_precision}:{device}"

@@ -1,0 +1,191 @@
+"""The ``@tool`` decorator and the ``Tool`` it makes: a function the model can call by name.
+
+::
+
+    @tool
+    def add(a: int, b: int) -> int:
+        '''Add two integers.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+        '''
+        return a + b
+
+    add(2, 3)                              # 5: still the function
+    await add.invoke({"a": 2, "b": 3})     # "5": validated, run, serialised
+    add.schema_for_prompt()                # {"type": "function", "function": {...}}
+
+    @tool(name="slow_search", timeout_s=5.0, max_result_chars=4000)
+    async def search(query: str) -> list[str]: ...
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, overload
+
+import anyio.to_thread
+from pydantic import BaseModel
+
+from agentkv.errors import UserError
+from agentkv.tools.results import serialize_result, truncate_text
+from agentkv.tools.schema import FunctionSchema, function_schema
+
+DEFAULT_MAX_RESULT_CHARS = 8_000
+"""Results longer than this many characters are cut (with a marker) unless a tool says otherwise."""
+
+
+@dataclass(frozen=True, eq=False)
+class Tool:
+    """A function with the schema, limits and runner the agent loop needs. Make one with ``@tool``."""
+
+    function: Callable[..., Any]
+    """The decorated function (sync or async)."""
+    spec: FunctionSchema = field(repr=False)
+    """Name, description, JSON schema and arguments model derived from the function."""
+    timeout_s: float | None = None
+    """Seconds a call may take; ``None`` leaves it to ``run_tool_calls(default_timeout_s=...)``."""
+    max_result_chars: int | None = DEFAULT_MAX_RESULT_CHARS
+    """Results are cut to this many characters (plus a marker); ``None`` keeps them whole."""
+
+    def __post_init__(self) -> None:
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            raise UserError(f"tool {self.name!r}: timeout_s must be > 0 or None, got {self.timeout_s!r}")
+        if self.max_result_chars is not None and self.max_result_chars < 1:
+            raise UserError(
+                f"tool {self.name!r}: max_result_chars must be >= 1 or None, got {self.max_result_chars!r}"
+            )
+
+    @property
+    def name(self) -> str:
+        """The name the model calls the tool by."""
+        return self.spec.name
+
+    @property
+    def description(self) -> str:
+        """What the tool does (the docstring's first paragraph unless given)."""
+        return self.spec.description
+
+    @property
+    def parameters(self) -> dict[str, Any]:
+        """JSON schema of the arguments."""
+        return self.spec.parameters
+
+    @property
+    def args_model(self) -> type[BaseModel]:
+        """Pydantic model that validates the arguments."""
+        return self.spec.args_model
+
+    @property
+    def is_async(self) -> bool:
+        """True for ``async def`` tools; sync tools run in a worker thread."""
+        return _is_async_callable(self.function)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the original function directly (no validation, no limits)."""
+        return self.function(*args, **kwargs)
+
+    def schema_for_prompt(self) -> dict[str, Any]:
+        """The OpenAI tool format: ``{"type": "function", "function": {name, description, parameters}}``."""
+        return {
+            "type": "function",
+            "function": {
+                "name": self.name,
+                "description": self.description,
+                "parameters": copy.deepcopy(self.parameters),
+            },
+        }
+
+    def validate_arguments(self, arguments: Mapping[str, Any]) -> BaseModel:
+        """Validate the model's arguments; raises ``pydantic.ValidationError``."""
+        return self.args_model.model_validate(dict(arguments))
+
+    async def call_validated(self, validated: BaseModel) -> str:
+        """Run the function on validated arguments and return its result as capped text.
+
+        Sync functions run in a worker thread. No timeout here: ``run_tool_calls`` applies it.
+        Whatever the function raises propagates.
+        """
+        args, kwargs = self.spec.call_arguments(validated)
+        if self.is_async:
+            result = await self.function(*args, **kwargs)
+        else:
+            call = functools.partial(self.function, *args, **kwargs)
+            result = await anyio.to_thread.run_sync(call, abandon_on_cancel=True)
+            if inspect.isawaitable(result):
+                result = await result
+        return truncate_text(serialize_result(result), self.max_result_chars)
+
+    async def invoke(self, arguments: Mapping[str, Any]) -> str:
+        """Validate ``arguments``, run the tool, return the result as text.
+
+        ``await add.invoke({"a": 2, "b": 3})`` → ``"5"``. Raises ``pydantic.ValidationError`` on bad
+        arguments and whatever the tool raises; ``run_tool_calls`` turns both into error results.
+        """
+        return await self.call_validated(self.validate_arguments(arguments))
+
+
+@overload
+def tool(
+    function: Callable[..., Any],
+    /,
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    timeout_s: float | None = None,
+    max_result_chars: int | None = DEFAULT_MAX_RESULT_CHARS,
+) -> Tool: ...
+
+
+@overload
+def tool(
+    function: None = None,
+    /,
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    timeout_s: float | None = None,
+    max_result_chars: int | None = DEFAULT_MAX_RESULT_CHARS,
+) -> Callable[[Callable[..., Any]], Tool]: ...
+
+
+def tool(
+    function: Callable[..., Any] | None = None,
+    /,
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    timeout_s: float | None = None,
+    max_result_chars: int | None = DEFAULT_MAX_RESULT_CHARS,
+) -> Tool | Callable[[Callable[..., Any]], Tool]:
+    """Make a :class:`Tool` of a function: ``@tool`` or ``@tool(name=..., timeout_s=...)``.
+
+    Raises ``UserError`` at once when the function cannot be a tool (a parameter without a type
+    annotation, ``*args``/``**kwargs``, a name the tool format refuses, a non-callable).
+    """
+
+    def decorate(target: Callable[..., Any]) -> Tool:
+        if isinstance(target, Tool):
+            raise UserError(
+                f"{target.name!r} is already a Tool; to change its options wrap the function: "
+                f"tool({target.name}.function, ...)"
+            )
+        spec = function_schema(target, name=name, description=description)
+        return Tool(target, spec, timeout_s=timeout_s, max_result_chars=max_result_chars)
+
+    if function is None:
+        return decorate
+    return decorate(function)
+
+
+def _is_async_callable(function: Callable[..., Any]) -> bool:
+    """True for coroutine functions, partials of them and objects with an ``async def __call__``."""
+    if inspect.iscoroutinefunction(function):
+        return True
+    call = getattr(type(function), "__call__", None)
+    return not inspect.isroutine(function) and inspect.iscoroutinefunction(call)

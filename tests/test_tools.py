@@ -1,0 +1,547 @@
+"""Tests of agentkv.tools: schemas from signatures, execution (errors, timeouts, concurrency), built-ins."""
+
+import enum
+import json
+import math
+import threading
+import time
+from datetime import datetime, timedelta, timezone
+from typing import Annotated, Literal, Optional
+from zoneinfo import ZoneInfo
+
+import anyio
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic import BaseModel, Field, ValidationError
+
+from agentkv.chat.messages import ToolCall
+from agentkv.errors import UserError
+from agentkv.tools import Tool, ToolOutcome, calculator, clock, run_tool_calls, tool
+from agentkv.tools.arithmetic import MAX_EXPRESSION_CHARS, evaluate
+from agentkv.tools.docstrings import parse_docstring
+from agentkv.tools.results import truncate_text
+
+
+class Color(enum.Enum):
+    RED = "red"
+    GREEN = "green"
+
+
+class Point(BaseModel):
+    x: int
+    y: int = 0
+
+
+@tool
+def add(a: int, b: int = 1) -> int:
+    """Add two integers.
+
+    The second is optional.
+
+    Args:
+        a: The first integer.
+        b (int): The second integer,
+            which may be negative.
+
+    Returns:
+        The sum.
+    """
+    return a + b
+
+
+@tool
+async def async_add(a: int, b: int) -> int:
+    """Add two integers, asynchronously."""
+    return a + b
+
+
+def sleeper(name: str, seconds: float, **options) -> Tool:
+    """An async tool that sleeps ``seconds`` then returns ``name``."""
+
+    async def sleep_then_answer() -> str:
+        await anyio.sleep(seconds)
+        return name
+
+    return tool(sleep_then_answer, name=name, **options)
+
+
+def call(name: str, **arguments) -> ToolCall:
+    return ToolCall(name=name, arguments=arguments)
+
+
+# --- schema from signature and docstring -------------------------------------------------------
+
+
+def test_schema_has_types_defaults_required_and_docstring_descriptions():
+    assert add.name == "add"
+    assert add.description == "Add two integers."
+    assert add.parameters == {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {
+            "a": {"type": "integer", "description": "The first integer."},
+            "b": {
+                "type": "integer",
+                "default": 1,
+                "description": "The second integer, which may be negative.",
+            },
+        },
+        "required": ["a"],
+    }
+
+
+def test_schema_for_prompt_is_the_openai_tool_format():
+    prompt = add.schema_for_prompt()
+    assert prompt == {
+        "type": "function",
+        "function": {"name": "add", "description": "Add two integers.", "parameters": add.parameters},
+    }
+    prompt["function"]["parameters"]["properties"].clear()
+    assert add.parameters["properties"], "schema_for_prompt must hand out a copy"
+
+
+def test_literal_enum_optional_and_model_arguments_have_their_schemas():
+    @tool
+    def paint(mode: Literal["fast", "slow"], color: Color, where: Point, note: Optional[str] = None) -> str:
+        """Paint."""
+        return f"{mode} {color.value} {where.x},{where.y} {note}"
+
+    properties = paint.parameters["properties"]
+    assert properties["mode"] == {"type": "string", "enum": ["fast", "slow"]}
+    assert properties["color"] == {"$ref": "#/$defs/Color"}
+    assert paint.parameters["$defs"]["Color"]["enum"] == ["red", "green"]
+    assert properties["where"] == {"$ref": "#/$defs/Point"}
+    assert properties["note"] == {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None}
+    assert paint.parameters["required"] == ["mode", "color", "where"]
+
+
+async def test_model_and_enum_arguments_reach_the_function_as_instances():
+    @tool
+    def describe(where: Point, color: Color, note: Optional[str] = None) -> str:
+        """Describe."""
+        assert isinstance(where, Point) and isinstance(color, Color)
+        return f"{where.x},{where.y} {color.name} {note}"
+
+    assert await describe.invoke({"where": {"x": 2}, "color": "green"}) == "2,0 GREEN None"
+    assert await describe.invoke({"where": {"x": 2}, "color": "red", "note": None}) == "2,0 RED None"
+
+
+def test_explicit_field_description_wins_over_the_docstring():
+    @tool
+    def search(query: Annotated[str, Field(description="explicit")], limit: int = Field(5, ge=1)) -> str:
+        """Search.
+
+        Args:
+            query: from the docstring.
+            limit: how many results.
+        """
+        return query
+
+    properties = search.parameters["properties"]
+    assert properties["query"]["description"] == "explicit"
+    assert properties["limit"] == {
+        "type": "integer",
+        "default": 5,
+        "minimum": 1,
+        "description": "how many results.",
+    }
+
+
+def test_parameter_names_pydantic_reserves_still_work():
+    @tool
+    def parse(json: str, _hidden: int = 0, model_config: str = "c") -> str:
+        """Parse."""
+        return f"{json}|{_hidden}|{model_config}"
+
+    assert set(parse.parameters["properties"]) == {"json", "_hidden", "model_config"}
+    assert anyio.run(parse.invoke, {"json": "j", "_hidden": 3}) == "j|3|c"
+
+
+async def test_positional_only_and_keyword_only_parameters_are_called_correctly():
+    @tool
+    def combine(a: str, /, b: str, *, c: str) -> str:
+        """Combine."""
+        return a + b + c
+
+    assert await combine.invoke({"a": "x", "b": "y", "c": "z"}) == "xyz"
+
+
+def test_docstring_parser_handles_missing_docstring_and_leading_section():
+    assert parse_docstring(None).summary == ""
+    parsed = parse_docstring("Args:\n    x: the x.\n")
+    assert parsed.summary == ""
+    assert parsed.arguments == {"x": "the x."}
+
+
+def test_description_option_overrides_the_docstring():
+    @tool(description="Custom text.")
+    def f(x: int) -> int:
+        """Docstring text."""
+        return x
+
+    assert f.description == "Custom text."
+
+
+# --- the decorator: options, callability, misuse ----------------------------------------------------
+
+
+async def test_tool_stays_callable_like_the_original_function():
+    assert add(2, 3) == 5
+    assert await async_add(2, 3) == 5
+    assert async_add.is_async and not add.is_async
+
+
+def test_decorator_options_set_name_timeout_and_result_cap():
+    @tool(name="calc", timeout_s=5.0, max_result_chars=4000)
+    def compute(x: int) -> int:
+        """Compute."""
+        return x
+
+    assert (compute.name, compute.timeout_s, compute.max_result_chars) == ("calc", 5.0, 4000)
+
+
+async def test_a_bound_method_can_be_a_tool():
+    class Counter:
+        def __init__(self) -> None:
+            self.total = 0
+
+        def bump(self, by: int) -> int:
+            """Bump the counter."""
+            self.total += by
+            return self.total
+
+    counter = Counter()
+    bump = tool(counter.bump)
+    assert list(bump.parameters["properties"]) == ["by"]
+    assert await bump.invoke({"by": 4}) == "4"
+
+
+def _no_annotation(x):  # pragma: no cover - only decorated
+    return x
+
+
+def _var_args(*values: int) -> int:  # pragma: no cover - only decorated
+    return sum(values)
+
+
+def _var_kwargs(**options: int) -> int:  # pragma: no cover - only decorated
+    return len(options)
+
+
+@pytest.mark.parametrize(
+    ("target", "options", "message"),
+    [
+        (_no_annotation, {}, "parameter 'x' of tool '_no_annotation' has no type annotation"),
+        (_var_args, {}, "takes *values"),
+        (_var_kwargs, {}, "takes **options"),
+        (42, {}, "@tool needs a function"),
+        ("calc", {}, "pass name= as a keyword"),
+        (lambda x: x, {}, "tool name '<lambda>' is not allowed"),
+        (add.function, {"name": "has space"}, "tool name 'has space' is not allowed"),
+        (add.function, {"timeout_s": 0}, "timeout_s must be > 0"),
+        (add.function, {"max_result_chars": 0}, "max_result_chars must be >= 1"),
+        (add, {}, "is already a Tool"),
+    ],
+)
+def test_misuse_raises_user_error_at_decoration_time(target, options, message):
+    with pytest.raises(UserError, match=message.replace("*", r"\*").replace("(", r"\(")):
+        tool(target, **options)
+
+
+def test_invoke_refuses_extra_and_invalid_arguments_with_pydantic_errors():
+    with pytest.raises(ValidationError):
+        anyio.run(add.invoke, {"a": 1, "c": 2})
+    with pytest.raises(ValidationError):
+        anyio.run(add.invoke, {"a": "x"})
+
+
+# --- execution ----------------------------------------------------------------------------------------
+
+
+async def test_sync_and_async_tools_run_and_results_are_serialised():
+    @tool
+    def as_dict(key: str) -> dict:
+        """Dict."""
+        return {"key": key, "when": datetime(2026, 1, 2, tzinfo=timezone.utc)}
+
+    @tool
+    async def as_model(x: int) -> Point:
+        """Model."""
+        return Point(x=x, y=2)
+
+    @tool
+    def nothing() -> None:
+        """Nothing."""
+
+    outcomes = await run_tool_calls(
+        [add, as_dict, as_model, nothing],
+        [call("add", a=2, b=3), call("as_dict", key="é"), call("as_model", x=1), call("nothing")],
+    )
+    assert [o.content for o in outcomes] == [
+        "5",
+        '{"key": "é", "when": "2026-01-02T00:00:00Z"}',
+        '{"x":1,"y":2}',
+        "",
+    ]
+    assert not any(o.is_error for o in outcomes)
+    assert all(isinstance(o, ToolOutcome) and o.duration_s >= 0 for o in outcomes)
+
+
+async def test_invalid_arguments_become_an_error_text_for_the_model():
+    [wrong_type, missing, extra] = await run_tool_calls(
+        [add], [call("add", a=1, b="x"), call("add", b=2), call("add", a=1, c=3)]
+    )
+    assert wrong_type.is_error
+    assert wrong_type.content == (
+        "error: invalid arguments for 'add': b: Input should be a valid integer, "
+        "unable to parse string as an integer (got 'x')"
+    )
+    assert missing.content == "error: invalid arguments for 'add': a: Field required"
+    assert extra.content == "error: invalid arguments for 'add': c: Extra inputs are not permitted"
+
+
+async def test_an_exception_in_a_tool_becomes_an_error_outcome():
+    @tool
+    def divide(a: float, b: float) -> float:
+        """Divide."""
+        return a / b
+
+    @tool
+    async def fail_quietly() -> str:
+        """Fail without a message."""
+        raise RuntimeError
+
+    calls = [call("divide", a=1, b=0), call("fail_quietly")]
+    [zero, quiet] = await run_tool_calls([divide, fail_quietly], calls)
+    assert zero.is_error
+    assert zero.content == "error: tool 'divide' raised ZeroDivisionError: float division by zero"
+    assert quiet.is_error and quiet.content == "error: tool 'fail_quietly' raised RuntimeError"
+
+
+async def test_unknown_tool_lists_the_available_ones():
+    [outcome] = await run_tool_calls([clock, add], [call("foo")])
+    assert outcome.is_error
+    assert outcome.content == "error: unknown tool 'foo'; available tools: add, clock"
+
+
+async def test_a_slow_async_tool_times_out_with_its_own_timeout():
+    slow = sleeper("slow", 5.0, timeout_s=0.1)
+    started = time.perf_counter()
+    [outcome] = await run_tool_calls([slow], [call("slow")], default_timeout_s=30)
+    assert time.perf_counter() - started < 1.0
+    assert outcome.is_error and outcome.content == "error: tool 'slow' timed out after 0.1 s"
+
+
+async def test_a_blocked_sync_tool_times_out_without_waiting_for_its_thread():
+    release = threading.Event()
+
+    @tool
+    def blocked() -> str:
+        """Block until released."""
+        release.wait(5.0)
+        return "done"
+
+    started = time.perf_counter()
+    try:
+        [outcome] = await run_tool_calls([blocked], [call("blocked")], default_timeout_s=0.2)
+    finally:
+        release.set()
+    assert time.perf_counter() - started < 1.0
+    assert outcome.content == "error: tool 'blocked' timed out after 0.2 s"
+
+
+async def test_a_timeout_error_raised_by_the_tool_is_not_reported_as_our_timeout():
+    @tool
+    async def flaky() -> str:
+        """Raise TimeoutError itself."""
+        raise TimeoutError("upstream did not answer")
+
+    [outcome] = await run_tool_calls([flaky], [call("flaky")])
+    assert outcome.content == "error: tool 'flaky' raised TimeoutError: upstream did not answer"
+
+
+async def test_calls_run_concurrently_and_outcomes_keep_call_order():
+    first, second = sleeper("first", 0.3), sleeper("second", 0.2)
+    started = time.perf_counter()
+    outcomes = await run_tool_calls([first, second], [call("first"), call("second"), call("first")])
+    assert time.perf_counter() - started < 0.5
+    assert [o.content for o in outcomes] == ["first", "second", "first"]
+
+
+async def test_sync_tools_also_run_concurrently_in_threads():
+    @tool
+    def nap(tag: str) -> str:
+        """Sleep in a thread."""
+        time.sleep(0.3)
+        return tag
+
+    started = time.perf_counter()
+    outcomes = await run_tool_calls([nap], [call("nap", tag="a"), call("nap", tag="b")])
+    assert time.perf_counter() - started < 0.5
+    assert [o.content for o in outcomes] == ["a", "b"]
+
+
+async def test_long_results_are_cut_with_a_visible_marker():
+    @tool(max_result_chars=10)
+    def long_text() -> str:
+        """Long."""
+        return "x" * 1244
+
+    [outcome] = await run_tool_calls([long_text], [call("long_text")])
+    assert outcome.content == "x" * 10 + "…[truncated 1234 chars]"
+    assert not outcome.is_error
+
+
+async def test_cancelling_the_caller_propagates_and_cancels_the_tools():
+    seen_cancellation = anyio.Event()
+
+    @tool
+    async def wait_forever() -> str:
+        """Wait."""
+        try:
+            await anyio.sleep(10)
+        except anyio.get_cancelled_exc_class():
+            seen_cancellation.set()
+            raise
+        return "never"
+
+    started = time.perf_counter()
+    result = None
+    with anyio.move_on_after(0.2) as scope:
+        result = await run_tool_calls([wait_forever], [call("wait_forever")], default_timeout_s=30)
+    assert scope.cancelled_caught and result is None
+    assert seen_cancellation.is_set()
+    assert time.perf_counter() - started < 1.0
+
+
+async def test_outcome_becomes_a_tool_message_and_empty_calls_give_no_outcomes():
+    the_call = call("add", a=1)
+    [outcome] = await run_tool_calls([add], [the_call])
+    message = outcome.to_message()
+    assert (message.role, message.content) == ("tool", "2")
+    assert (message.tool_call_id, message.name) == (the_call.id, "add")
+    assert await run_tool_calls([add], []) == []
+
+
+async def test_duplicate_tool_names_and_a_bad_default_timeout_are_user_errors():
+    with pytest.raises(UserError, match="two tools are named 'add'"):
+        await run_tool_calls([add, tool(add.function)], [call("add", a=1)])
+    with pytest.raises(UserError, match="default_timeout_s must be > 0"):
+        await run_tool_calls([add], [call("add", a=1)], default_timeout_s=0)
+
+
+@settings(max_examples=100, deadline=None)
+@given(text=st.text(max_size=200), cap=st.integers(min_value=1, max_value=100))
+def test_truncation_keeps_a_prefix_and_counts_what_it_cut(text, cap):
+    cut = truncate_text(text, cap)
+    if len(text) <= cap:
+        assert cut == text
+    else:
+        kept, marker = cut[:cap], cut[cap:]
+        assert text.startswith(kept)
+        assert marker == f"…[truncated {len(text) - cap} chars]"
+
+
+# --- built-ins ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("expression", "expected"),
+    [
+        ("1 + 2 * 3", 7),
+        ("(1 + 2) * 3", 9),
+        ("7 / 2", 3.5),
+        ("7 // 2", 3),
+        ("-7 % 3", 2),
+        ("2 ** 10", 1024),
+        ("-(3 - 5)", 2),
+        ("2 ** -1", 0.5),
+        ("sqrt(16) + abs(-2)", 6.0),
+        ("sin(pi / 2) + cos(0)", 2.0),
+        ("log(e) + log(8, 2)", 4.0),
+        ("round(2.567, 2)", 2.57),
+        ("min(3, 1, 2) + max(4, 5)", 6),
+        ("1_000 * 1e-3", 1.0),
+    ],
+)
+def test_calculator_computes_arithmetic(expression, expected):
+    assert calculator(expression) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("expression", "message"),
+    [
+        ("x + 1", "unknown name 'x'"),
+        ("__import__('os')", "function '__import__' is not allowed"),
+        ("(1).__class__", "attribute access"),
+        ("math.pi", "attribute access"),
+        ("open('f')", "function 'open' is not allowed"),
+        ("(lambda: 1)()", "cannot be called"),
+        ("'a' * 3", "only numbers are allowed"),
+        ("True + 1", "only numbers are allowed"),
+        ("[1, 2]", "is not allowed in a calculation"),
+        ("2 ^ 3", "write powers with \\*\\*"),
+        ("9 ** 9 ** 9", "too large"),
+        ("10 ** 5000", "too large"),
+        ("2.0 ** 5000", "too large"),
+        ("(-8) ** 0.5", "not a real number"),
+        ("1 / 0", "division by zero"),
+        ("sqrt(-1)", "math domain error"),
+        ("sqrt(x=4)", "positional arguments only"),
+        ("round(1, 2, 3)", "takes 1 to 2 arguments"),
+        ("1 +", "cannot parse"),
+        ("", "empty"),
+        ("1+" * MAX_EXPRESSION_CHARS + "1", "the limit is"),
+    ],
+)
+def test_calculator_refuses_everything_but_arithmetic(expression, message):
+    with pytest.raises(ValueError, match=message):
+        evaluate(expression)
+
+
+_leaf = st.integers(min_value=-50, max_value=50).map(lambda n: (f"({n})", n))
+
+
+def _combine(children):
+    def join(pair):
+        (left_text, left), operation, (right_text, right) = pair
+        value = {"+": left + right, "-": left - right, "*": left * right}[operation]
+        return f"({left_text} {operation} {right_text})", value
+
+    return st.tuples(children, st.sampled_from("+-*"), children).map(join)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.recursive(_leaf, _combine, max_leaves=12))
+def test_calculator_agrees_with_integer_arithmetic(expression_and_value):
+    expression, value = expression_and_value
+    assert evaluate(expression) == value
+
+
+async def test_calculator_refusal_reaches_the_model_as_an_error():
+    [outcome] = await run_tool_calls([calculator], [call("calculator", expression="os.system('ls')")])
+    assert outcome.is_error
+    assert outcome.content.startswith("error: tool 'calculator' raised ValueError: attribute access")
+
+
+async def test_clock_gives_iso_time_in_the_requested_timezone():
+    text = await clock.invoke({"timezone": "Asia/Kolkata"})
+    moment = datetime.fromisoformat(text)
+    assert moment.utcoffset() == timedelta(hours=5, minutes=30)
+    assert moment.utcoffset() == datetime.now(ZoneInfo("Asia/Kolkata")).utcoffset()
+    assert abs(moment - datetime.now(timezone.utc)) < timedelta(seconds=5)
+
+
+async def test_clock_defaults_to_utc_and_refuses_unknown_zones():
+    assert datetime.fromisoformat(await clock.invoke({})).utcoffset() == timedelta(0)
+    [outcome] = await run_tool_calls([clock], [call("clock", timezone="Mars/Olympus")])
+    assert outcome.is_error and "unknown time zone 'Mars/Olympus'" in outcome.content
+
+
+def test_builtin_tools_have_prompt_schemas():
+    assert calculator.parameters["required"] == ["expression"]
+    assert "pi" in calculator.parameters["properties"]["expression"]["description"]
+    assert clock.parameters["properties"]["timezone"]["default"] is None
+    json.dumps([calculator.schema_for_prompt(), clock.schema_for_prompt()])
+    assert math.isclose(calculator("sqrt(2) ** 2"), 2.0)
