@@ -84,3 +84,18 @@ class ConstraintError(AgentKVError):
 
 class SchemaVersionError(AgentKVError):
     """The database was written by a newer agentkv schema than this one understands."""
+
+
+class AgentNotFound(AgentKVError):
+    """No agent with this name is stored; ``upsert_agent`` it first."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(
+            f"no agent {name!r} in the store; store it with upsert_agent (Runtime does this "
+            "when it opens a session for the agent)"
+        )
+        self.name = name
+
+
+class StoreLocked(AgentKVError):
+    """The database stayed locked by another writer through every bounded retry."""

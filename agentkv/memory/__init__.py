@@ -1,0 +1,24 @@
+"""Persistence: agents, sessions, append-only messages, leases and KV snapshot files (SQLAlchemy).
+
+``from agentkv.memory import Store``; the store never sees OpenVINO objects, only
+``KVSnapshot`` arrays and chat ``Message`` models.
+"""
+
+from agentkv.memory.records import (
+    AgentRecord,
+    SessionRecord,
+    SessionSummary,
+    SnapshotRecord,
+    StoredMessage,
+)
+from agentkv.memory.store import ENV_DB_URL, Store
+
+__all__ = [
+    "ENV_DB_URL",
+    "AgentRecord",
+    "SessionRecord",
+    "SessionSummary",
+    "SnapshotRecord",
+    "StoredMessage",
+    "Store",
+]

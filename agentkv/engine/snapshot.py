@@ -1,0 +1,398 @@
+"""KV snapshots as plain numpy arrays: quantise, slice, checksum, and write/read snapshot files.
+
+The engine reads each layer's K and V state as float32 ``[batch, heads, T, head_dim]``,
+stacks them on a layer axis and hands them here; nothing in this module knows OpenVINO::
+
+    snap = KVSnapshot.from_float(tokens, keys, values, precision="u8", fingerprint=fp)
+    snap.to_file(path)
+    keys, values = KVSnapshot.from_file(path, expected_fingerprint=fp).to_float()
+
+File layout (little-endian, no pickle)::
+
+    b"AGKVSNAP" | u32 format version | u32 header length | header JSON (utf-8) | raw arrays
+
+The header lists every array's name, dtype and shape in payload order plus the
+snapshot's ``checksum()``, which covers the metadata and every array byte.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any, BinaryIO, Literal
+
+import numpy as np
+
+from agentkv.errors import SnapshotCorrupt, SnapshotIncompatible, UserError
+
+Precision = Literal["f32", "f16", "u8"]
+
+MAGIC = b"AGKVSNAP"
+FORMAT_VERSION = 1
+_PREAMBLE = struct.Struct("<8sII")  # magic, format version, header length
+_MAX_HEADER_BYTES = 1 << 20
+_STORAGE_DTYPE: dict[str, np.dtype[Any]] = {
+    "f32": np.dtype("<f4"),
+    "f16": np.dtype("<f2"),
+    "u8": np.dtype("u1"),
+}
+_PARAM_DTYPES = (np.dtype("<f4"), np.dtype("<f2"))
+_QUANT_PARAMS = ("key_scale", "key_zero", "value_scale", "value_zero")
+_U8_LEVELS = 255.0
+
+
+def tokens_digest(tokens: Sequence[int]) -> str:
+    """A short hex digest of a token log (int64 little-endian), e.g. to match a snapshot to a log."""
+    data = np.asarray(tokens, dtype="<i8").tobytes()
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def quantize_u8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Asymmetric min/max quantisation over the last axis: ``x ≈ q * scale + zero``.
+
+    ``x``: float ``[..., head_dim]`` → ``q`` uint8 ``[..., head_dim]``, ``scale`` and ``zero``
+    float32 ``[...]``. The error is at most ``scale / 2`` per element (plus float rounding).
+    """
+    x = np.asarray(x, dtype=np.float32)
+    lo = x.min(axis=-1)  # [...]
+    hi = x.max(axis=-1)
+    scale = (hi - lo) / np.float32(_U8_LEVELS)
+    # NOTE: a constant vector has range 0; any non-zero scale then gives q = 0 and exact values.
+    scale = np.where(scale > 0, scale, np.float32(1.0)).astype(np.float32)
+    q = np.rint((x - lo[..., None]) / scale[..., None])
+    q = np.clip(q, 0, _U8_LEVELS).astype(np.uint8)
+    return q, scale, lo.astype(np.float32)
+
+
+def dequantize_u8(q: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> np.ndarray:
+    """Inverse of ``quantize_u8``: float32 ``q * scale + zero`` (scale, zero broadcast on the last axis)."""
+    scale32 = scale.astype(np.float32)[..., None]
+    zero32 = zero.astype(np.float32)[..., None]
+    return q.astype(np.float32) * scale32 + zero32
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    """A read-only view of ``a`` (the caller's array keeps its own flags)."""
+    view = a.view()
+    view.setflags(write=False)
+    return view
+
+
+@dataclass(frozen=True, eq=False)
+class KVSnapshot:
+    """The KV of a token log, detached from any model request. Arrays are read-only views.
+
+    Build one with ``KVSnapshot.from_float``; read it back as float32 with ``to_float()``.
+    """
+
+    tokens: tuple[int, ...]
+    """The token log whose KV this is (positions 0..len-1)."""
+    keys: np.ndarray
+    """``[layers, batch, heads, T, head_dim]`` in the storage dtype of ``precision``."""
+    values: np.ndarray
+    """Same shape and dtype as ``keys``."""
+    precision: Precision
+    """Storage precision: "f32", "f16" or "u8" (u8 carries per-token affine params)."""
+    fingerprint: str
+    """Model + KV layout identity; a snapshot is only restored where the fingerprint matches."""
+    shifted: bool = False
+    """The KV had a span dropped by a RoPE shift: close to, not equal to, a fresh prefill."""
+    key_scale: np.ndarray | None = None
+    """u8 only: ``[layers, batch, heads, T]`` scale of the keys (float32 or float16)."""
+    key_zero: np.ndarray | None = None
+    """u8 only: ``[layers, batch, heads, T]`` offset of the keys (the per-vector minimum)."""
+    value_scale: np.ndarray | None = None
+    """u8 only: like ``key_scale``, for the values."""
+    value_zero: np.ndarray | None = None
+    """u8 only: like ``key_zero``, for the values."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tokens", tuple(int(t) for t in self.tokens))
+        self._check_layout()
+        for name in ("keys", "values", *_QUANT_PARAMS):
+            array = getattr(self, name)
+            if array is not None:
+                object.__setattr__(self, name, _read_only(array))
+
+    def _check_layout(self) -> None:
+        if self.precision not in _STORAGE_DTYPE:
+            raise UserError(f"precision must be one of f32, f16, u8, not {self.precision!r}")
+        dtype = _STORAGE_DTYPE[self.precision]
+        if self.keys.ndim != 5 or self.keys.shape != self.values.shape:
+            raise UserError(
+                "keys and values must share one shape [layers, batch, heads, T, head_dim]; got "
+                f"{self.keys.shape} and {self.values.shape}"
+            )
+        if self.keys.dtype != dtype or self.values.dtype != dtype:
+            raise UserError(
+                f"precision {self.precision} stores {dtype}, got {self.keys.dtype}/{self.values.dtype}; "
+                "build snapshots with KVSnapshot.from_float"
+            )
+        if self.keys.shape[3] != len(self.tokens):
+            raise UserError(f"KV holds {self.keys.shape[3]} tokens but the log has {len(self.tokens)}")
+        params = [getattr(self, name) for name in _QUANT_PARAMS]
+        if self.precision != "u8":
+            if any(p is not None for p in params):
+                raise UserError("scale/zero arrays belong to u8 snapshots only")
+            return
+        for name, p in zip(_QUANT_PARAMS, params):
+            if p is None or p.shape != self.keys.shape[:4] or p.dtype not in _PARAM_DTYPES:
+                got = None if p is None else (p.shape, str(p.dtype))
+                raise UserError(
+                    f"u8 snapshot needs {name} of shape {self.keys.shape[:4]} in float32/float16, "
+                    f"got {got}"
+                )
+
+    @classmethod
+    def from_float(
+        cls,
+        tokens: Sequence[int],
+        keys_f32: np.ndarray,
+        values_f32: np.ndarray,
+        *,
+        precision: Precision,
+        fingerprint: str,
+        shifted: bool = False,
+    ) -> KVSnapshot:
+        """Cast (f32, f16) or quantise (u8) float K/V ``[layers, batch, heads, T, head_dim]``.
+
+        The result owns copies: later writes to ``keys_f32`` do not change the snapshot.
+        """
+        keys = np.asarray(keys_f32, dtype=np.float32)
+        values = np.asarray(values_f32, dtype=np.float32)
+        common = {"tokens": tuple(tokens), "precision": precision, "fingerprint": fingerprint,
+                  "shifted": shifted}
+        if precision == "u8":
+            kq, ks, kz = quantize_u8(keys)
+            vq, vs, vz = quantize_u8(values)
+            return cls(keys=kq, values=vq, key_scale=ks, key_zero=kz, value_scale=vs,
+                       value_zero=vz, **common)
+        if precision not in _STORAGE_DTYPE:
+            raise UserError(f"precision must be one of f32, f16, u8, not {precision!r}")
+        dtype = _STORAGE_DTYPE[precision]
+        return cls(keys=keys.astype(dtype, copy=True), values=values.astype(dtype, copy=True),
+                   **common)
+
+    def to_float(self) -> tuple[np.ndarray, np.ndarray]:
+        """Float32 ``(keys, values)``, fresh writable arrays ready to set into a model."""
+        if self.precision == "u8":
+            assert self.key_scale is not None and self.key_zero is not None
+            assert self.value_scale is not None and self.value_zero is not None
+            return (dequantize_u8(self.keys, self.key_scale, self.key_zero),
+                    dequantize_u8(self.values, self.value_scale, self.value_zero))
+        return self.keys.astype(np.float32, copy=True), self.values.astype(np.float32, copy=True)
+
+    def prefix(self, n: int) -> KVSnapshot:
+        """The snapshot of the first ``n`` tokens: ``snap.prefix(32).tokens == snap.tokens[:32]``."""
+        if not 0 <= n <= self.num_tokens:
+            raise UserError(f"prefix length must be in 0..{self.num_tokens}, got {n}")
+        cut: dict[str, Any] = {
+            name: (None if getattr(self, name) is None else getattr(self, name)[:, :, :, :n])
+            for name in _QUANT_PARAMS
+        }
+        return KVSnapshot(
+            tokens=self.tokens[:n], keys=self.keys[:, :, :, :n], values=self.values[:, :, :, :n],
+            precision=self.precision, fingerprint=self.fingerprint, shifted=self.shifted, **cut,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens held (the T axis)."""
+        return len(self.tokens)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the arrays hold in memory (K, V and any u8 scale/zero arrays)."""
+        held = [self.keys, self.values, *(getattr(self, name) for name in _QUANT_PARAMS)]
+        return sum(a.nbytes for a in held if a is not None)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token costs in this precision and layout (K + V + u8 params)."""
+        layers, batch, heads, _, head_dim = self.keys.shape
+        per_vector = head_dim * self.keys.dtype.itemsize
+        if self.precision == "u8":
+            assert self.key_scale is not None and self.value_scale is not None
+            per_vector += 2 * self.key_scale.dtype.itemsize  # scale + zero
+        return 2 * layers * batch * heads * per_vector
+
+    def _arrays(self) -> dict[str, np.ndarray | None]:
+        """Every array in payload order; the token log travels as int64."""
+        arrays: dict[str, np.ndarray | None] = {
+            "tokens": np.asarray(self.tokens, dtype="<i8").reshape(-1),
+            "keys": self.keys,
+            "values": self.values,
+        }
+        arrays.update({name: getattr(self, name) for name in _QUANT_PARAMS})
+        return arrays
+
+    def _metadata(self) -> dict[str, Any]:
+        """What identifies the snapshot apart from its bytes (covered by the checksum)."""
+        return {
+            "precision": self.precision,
+            "fingerprint": self.fingerprint,
+            "shifted": self.shifted,
+            "num_tokens": self.num_tokens,
+            "arrays": [
+                {"name": name, "dtype": array.dtype.newbyteorder("<").str, "shape": list(array.shape)}
+                for name, array in self._arrays().items()
+                if array is not None
+            ],
+        }
+
+    def checksum(self) -> str:
+        """blake2b-256 hex digest over the metadata and every array byte (prefixed "blake2b:")."""
+        return self._digest
+
+    @cached_property
+    def _digest(self) -> str:
+        # NOTE: computed once; the arrays are read-only views, so the digest cannot go stale.
+        digest = hashlib.blake2b(digest_size=32)
+        digest.update(json.dumps(self._metadata(), sort_keys=True).encode())
+        for array in self._arrays().values():
+            if array is not None:
+                digest.update(_little_endian_bytes(array))
+        return "blake2b:" + digest.hexdigest()
+
+    def to_file(self, path: str | os.PathLike[str]) -> None:
+        """Write atomically: a temp file in the same directory, fsync, then ``os.replace``.
+
+        ``path`` either keeps its old content or holds the whole new snapshot, never a part.
+        """
+        target = Path(path)
+        header = {"format_version": FORMAT_VERSION, **self._metadata(), "checksum": self.checksum()}
+        header_bytes = json.dumps(header, sort_keys=True).encode()
+        fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as out:
+                out.write(_PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(header_bytes)))
+                out.write(header_bytes)
+                for array in self._arrays().values():
+                    if array is not None:
+                        out.write(_little_endian_bytes(array))
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp_name, target)
+        except BaseException:
+            Path(tmp_name).unlink(missing_ok=True)
+            raise
+        _fsync_directory(target.parent)
+
+    @classmethod
+    def from_file(
+        cls, path: str | os.PathLike[str], *, expected_fingerprint: str | None = None
+    ) -> KVSnapshot:
+        """Read and verify a snapshot file.
+
+        Raises ``SnapshotCorrupt`` (damaged, truncated, unreadable or missing file) or
+        ``SnapshotIncompatible`` (another fingerprint or a newer file format).
+        """
+        target = Path(path)
+        try:
+            with target.open("rb") as f:
+                header = _read_header(f, target)
+                arrays = _read_arrays(f, header, target)
+        except OSError as e:
+            raise SnapshotCorrupt(_corrupt_message(target, f"cannot be read ({e})")) from e
+        snapshot = _build(header, arrays, target)
+        if snapshot.checksum() != header.get("checksum"):
+            raise SnapshotCorrupt(_corrupt_message(target, "fails its checksum"))
+        if expected_fingerprint is not None and snapshot.fingerprint != expected_fingerprint:
+            raise SnapshotIncompatible(
+                f"snapshot {target} was made for {snapshot.fingerprint!r}, not "
+                f"{expected_fingerprint!r}; restore it with that model and KV precision, or "
+                "delete it and let the session re-prefill"
+            )
+        return snapshot
+
+
+def _little_endian_bytes(array: np.ndarray) -> memoryview:
+    """The array's bytes in C order and little-endian byte order."""
+    contiguous = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
+    return memoryview(contiguous).cast("B")
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make a rename durable (POSIX); platforms that cannot open directories skip it."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _corrupt_message(path: Path, what: str) -> str:
+    return f"KV snapshot {path} {what}; delete it, the session will re-prefill from its history"
+
+
+def _read_header(f: BinaryIO, path: Path) -> dict[str, Any]:
+    preamble = f.read(_PREAMBLE.size)
+    if len(preamble) != _PREAMBLE.size:
+        raise SnapshotCorrupt(_corrupt_message(path, "is truncated (no header)"))
+    magic, version, header_len = _PREAMBLE.unpack(preamble)
+    if magic != MAGIC:
+        raise SnapshotCorrupt(_corrupt_message(path, "is not an agentkv snapshot (bad magic)"))
+    if version > FORMAT_VERSION:
+        raise SnapshotIncompatible(
+            f"snapshot {path} has format version {version}, newer than {FORMAT_VERSION}; "
+            "upgrade agentkv, or delete it and let the session re-prefill"
+        )
+    if version < 1 or header_len > _MAX_HEADER_BYTES:
+        raise SnapshotCorrupt(_corrupt_message(path, "has a damaged header"))
+    raw = f.read(header_len)
+    try:
+        header = json.loads(raw.decode())
+    except (UnicodeDecodeError, ValueError) as e:
+        raise SnapshotCorrupt(_corrupt_message(path, "has a damaged header")) from e
+    if not isinstance(header, dict) or not isinstance(header.get("arrays"), list):
+        raise SnapshotCorrupt(_corrupt_message(path, "has a damaged header"))
+    return header
+
+
+def _read_arrays(f: BinaryIO, header: dict[str, Any], path: Path) -> dict[str, np.ndarray]:
+    arrays: dict[str, np.ndarray] = {}
+    for spec in header["arrays"]:
+        try:
+            dtype = np.dtype(spec["dtype"])
+            shape = tuple(int(d) for d in spec["shape"])
+            name = str(spec["name"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise SnapshotCorrupt(_corrupt_message(path, "has a damaged header")) from e
+        if dtype.hasobject or any(d < 0 for d in shape):
+            raise SnapshotCorrupt(_corrupt_message(path, "has a damaged header"))
+        size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        buffer = bytearray(size)
+        if f.readinto(buffer) != size:
+            raise SnapshotCorrupt(_corrupt_message(path, "is truncated"))
+        arrays[name] = np.frombuffer(buffer, dtype=dtype).reshape(shape)
+    if f.read(1):
+        raise SnapshotCorrupt(_corrupt_message(path, "has trailing bytes after its arrays"))
+    return arrays
+
+
+def _build(header: dict[str, Any], arrays: dict[str, np.ndarray], path: Path) -> KVSnapshot:
+    """The snapshot the verified header and arrays describe; layout errors mean a damaged file."""
+    try:
+        return KVSnapshot(
+            tokens=tuple(arrays["tokens"].tolist()),
+            keys=arrays["keys"],
+            values=arrays["values"],
+            precision=header["precision"],
+            fingerprint=str(header["fingerprint"]),
+            shifted=bool(header["shifted"]),
+            **{name: arrays.get(name) for name in _QUANT_PARAMS},
+        )
+    except (KeyError, UserError) as e:
+        raise SnapshotCorrupt(_corrupt_message(path, f"has an inconsistent layout ({e})")) from e

@@ -1,0 +1,68 @@
+"""Conversions between ORM rows and the store's records / chat messages."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from agentkv.chat.messages import Message
+from agentkv.errors import UserError
+from agentkv.memory.records import AgentRecord, SessionRecord, SnapshotRecord, StoredMessage
+from agentkv.memory.schema import AgentRow, MessageRow, SessionRow, SnapshotRow
+from agentkv.memory.snapshots import SnapshotFiles
+
+
+def json_object(value: dict[str, Any] | None, what: str) -> dict[str, Any]:
+    """``value`` as a JSON-safe dict (a copy); raises ``UserError`` if it is not JSON."""
+    if value is None:
+        return {}
+    try:
+        return dict(json.loads(json.dumps(value)))
+    except (TypeError, ValueError) as e:
+        raise UserError(f"{what} must be JSON-serialisable (str, numbers, lists, dicts): {e}") from e
+
+
+def agent_record(row: AgentRow) -> AgentRecord:
+    return AgentRecord(name=row.name, instructions=row.instructions,
+                       tool_names=tuple(row.tool_names), settings=dict(row.settings),
+                       updated_at=row.updated_at)
+
+
+def session_record(row: SessionRow) -> SessionRecord:
+    return SessionRecord(id=row.id, agent_name=row.agent_name, created_at=row.created_at,
+                         updated_at=row.updated_at, lease_holder=row.lease_holder,
+                         lease_expires_at=row.lease_expires_at, metadata=dict(row.metadata_))
+
+
+def message_fields(message: Message) -> dict[str, Any]:
+    """The message columns of a ``MessageRow`` for ``message``."""
+    return {
+        "role": message.role,
+        "content": message.content,
+        "tool_calls": [call.model_dump(mode="json") for call in message.tool_calls],
+        "tool_call_id": message.tool_call_id,
+        "name": message.name,
+        "token_ids": None if message.token_ids is None else list(message.token_ids),
+    }
+
+
+def stored_message(row: MessageRow) -> StoredMessage:
+    message = Message.model_validate({
+        "role": row.role,
+        "content": row.content,
+        "tool_calls": row.tool_calls,
+        "tool_call_id": row.tool_call_id,
+        "name": row.name,
+        "token_ids": row.token_ids,
+    })
+    return StoredMessage(session_id=row.session_id, seq=row.seq, message=message,
+                         token_count=row.token_count, in_window=bool(row.in_window),
+                         replaced_by_seq=row.replaced_by_seq, created_at=row.created_at)
+
+
+def snapshot_record(row: SnapshotRow, files: SnapshotFiles) -> SnapshotRecord:
+    return SnapshotRecord(id=row.id, session_id=row.session_id, num_tokens=row.num_tokens,
+                          token_hash=row.token_hash, fingerprint=row.fingerprint,
+                          precision=row.precision, path=files.resolve(row.path),
+                          checksum=row.checksum, nbytes=row.nbytes, shifted=bool(row.shifted),
+                          created_at=row.created_at)

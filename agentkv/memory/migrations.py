@@ -1,0 +1,162 @@
+"""Numbered schema migrations and the ``schema_version`` table that records which ran.
+
+``migrate(engine)`` brings a database up to ``LATEST_VERSION`` in one transaction and
+refuses (``SchemaVersionError``) a database written by a newer agentkv. Each migration is
+frozen once released: it spells out its own DDL in SQLAlchemy Core instead of reading the
+ORM classes, so a fresh database and an upgraded one end up with the same tables. To change
+the schema, append a migration and update ``schema.py`` to match (a test compares them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    Column,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    func,
+    insert,
+    select,
+    text,
+)
+from sqlalchemy.engine import Connection, Engine
+
+from agentkv.errors import SchemaVersionError
+from agentkv.memory.schema import utcnow
+
+_version_metadata = MetaData()
+schema_version = Table(
+    "schema_version",
+    _version_metadata,
+    Column("version", Integer, primary_key=True, autoincrement=False),
+    Column("name", String(255), nullable=False),
+    Column("applied_at", DateTime, nullable=False),  # naive UTC
+)
+
+# Any constant works: it names the PostgreSQL advisory lock that serialises migrations.
+_PG_MIGRATION_LOCK = 0x61676B76
+
+
+@dataclass(frozen=True)
+class Migration:
+    """One schema step: ``apply`` runs inside the migration transaction."""
+
+    version: int
+    name: str
+    apply: Callable[[Connection], None]
+
+
+def _m001_initial(conn: Connection) -> None:
+    """1: agents, sessions (with a lease), append-only messages, KV snapshot metadata."""
+    md = MetaData()
+    Table(
+        "agents", md,
+        Column("name", String(255), primary_key=True),
+        Column("instructions", Text, nullable=False),
+        Column("tool_names", JSON, nullable=False),
+        Column("settings", JSON, nullable=False),
+        Column("updated_at", DateTime, nullable=False),
+    )
+    Table(
+        "sessions", md,
+        Column("id", String(255), primary_key=True),
+        Column("agent_name", String(255), ForeignKey("agents.name"), nullable=False, index=True),
+        Column("created_at", DateTime, nullable=False),
+        Column("updated_at", DateTime, nullable=False),
+        Column("lease_holder", String(255)),
+        Column("lease_expires_at", DateTime),
+        Column("metadata", JSON, nullable=False),
+    )
+    # Messages are keyed by (session, seq); rows are appended and never rewritten, except
+    # for in_window / replaced_by_seq when a context policy moves them out of the window.
+    Table(
+        "messages", md,
+        Column("session_id", String(255), ForeignKey("sessions.id", ondelete="CASCADE"),
+               primary_key=True),
+        Column("seq", Integer, primary_key=True, autoincrement=False),
+        Column("role", String(16), nullable=False),
+        Column("content", Text, nullable=False),
+        Column("tool_calls", JSON, nullable=False),
+        Column("tool_call_id", String(255)),
+        Column("name", String(255)),
+        Column("token_ids", JSON),
+        Column("token_count", Integer, nullable=False),
+        Column("in_window", Boolean, nullable=False),
+        Column("replaced_by_seq", Integer),
+        Column("created_at", DateTime, nullable=False),
+    )
+    # Only metadata lives here: the tensors are in files beside the database.
+    Table(
+        "kv_snapshots", md,
+        Column("id", Integer, primary_key=True, autoincrement=True),
+        Column("session_id", String(255), ForeignKey("sessions.id", ondelete="CASCADE"),
+               nullable=False, index=True),
+        Column("num_tokens", Integer, nullable=False),
+        Column("token_hash", String(64), nullable=False),
+        Column("fingerprint", Text, nullable=False),
+        Column("precision", String(8), nullable=False),
+        Column("path", Text, nullable=False),
+        Column("checksum", String(128), nullable=False),
+        Column("nbytes", BigInteger, nullable=False),
+        Column("shifted", Boolean, nullable=False),
+        Column("created_at", DateTime, nullable=False),
+    )
+    md.create_all(conn)
+
+
+def _m002_sessions_by_recency(conn: Connection) -> None:
+    """2: index sessions.updated_at, the order ``list_sessions`` returns them in."""
+    md = MetaData()
+    sessions = Table("sessions", md, Column("updated_at", DateTime))
+    Index("ix_sessions_updated_at", sessions.c.updated_at).create(conn)
+
+
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(1, "initial", _m001_initial),
+    Migration(2, "sessions_by_recency", _m002_sessions_by_recency),
+)
+LATEST_VERSION = MIGRATIONS[-1].version
+
+
+def current_version(conn: Connection) -> int:
+    """The highest applied migration, 0 for an empty database."""
+    if not conn.dialect.has_table(conn, schema_version.name):
+        return 0
+    return int(conn.execute(select(func.max(schema_version.c.version))).scalar() or 0)
+
+
+def migrate(engine: Engine) -> int:
+    """Apply every pending migration in one transaction; return the resulting version.
+
+    ``engine`` should begin write transactions (SQLite: ``BEGIN IMMEDIATE``), so that two
+    processes opening a fresh database do not both create it. Raises ``SchemaVersionError``
+    if the database is newer than this code.
+    """
+    with engine.begin() as conn:
+        if conn.dialect.name == "postgresql":
+            conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _PG_MIGRATION_LOCK})
+        found = current_version(conn)
+        if found > LATEST_VERSION:
+            raise SchemaVersionError(
+                f"the database {engine.url.render_as_string(hide_password=True)} has schema "
+                f"version {found}, newer than {LATEST_VERSION} which this agentkv understands; "
+                "upgrade agentkv (or point AGENTKV_DB_URL at another database)"
+            )
+        _version_metadata.create_all(conn)
+        for step in MIGRATIONS[found:]:
+            step.apply(conn)
+            conn.execute(insert(schema_version).values(
+                version=step.version, name=step.name, applied_at=utcnow().replace(tzinfo=None)
+            ))
+    return LATEST_VERSION

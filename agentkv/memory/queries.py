@@ -1,0 +1,209 @@
+"""The SQL of each store operation: synchronous functions run inside one transaction.
+
+Each takes an ORM ``Session`` whose transaction the caller (``Store``) opened and commits;
+raising rolls the whole operation back. Rows are turned into records before returning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import case, delete, func, or_, select, update
+from sqlalchemy.orm import Session
+
+from agentkv.chat.messages import Message
+from agentkv.engine.snapshot import KVSnapshot, tokens_digest
+from agentkv.errors import AgentNotFound, SessionBusy, SessionNotFound, UserError
+from agentkv.memory import convert
+from agentkv.memory.records import (
+    AgentRecord,
+    SessionRecord,
+    SessionSummary,
+    SnapshotRecord,
+    StoredMessage,
+)
+from agentkv.memory.schema import AgentRow, MessageRow, SessionRow, SnapshotRow, utcnow
+from agentkv.memory.snapshots import SnapshotFiles
+
+
+def upsert_agent(s: Session, name: str, instructions: str, tool_names: list[str],
+                 settings: dict[str, Any]) -> None:
+    row = s.get(AgentRow, name)
+    if row is None:
+        row = AgentRow(name=name)
+        s.add(row)
+    row.instructions = instructions
+    row.tool_names = tool_names
+    row.settings = settings
+    row.updated_at = utcnow()
+
+
+def get_agent(s: Session, name: str) -> AgentRecord:
+    row = s.get(AgentRow, name)
+    if row is None:
+        raise AgentNotFound(name)
+    return convert.agent_record(row)
+
+
+def create_session(s: Session, agent_name: str, session_id: str,
+                   metadata: dict[str, Any]) -> SessionRecord:
+    if s.get(AgentRow, agent_name) is None:
+        raise AgentNotFound(agent_name)
+    if s.get(SessionRow, session_id) is not None:
+        raise UserError(f"session {session_id!r} already exists; pass another id or none")
+    now = utcnow()
+    row = SessionRow(id=session_id, agent_name=agent_name, created_at=now, updated_at=now,
+                     lease_holder=None, lease_expires_at=None, metadata_=metadata)
+    s.add(row)
+    s.flush()
+    return convert.session_record(row)
+
+
+def session_row(s: Session, session_id: str, *, for_update: bool = False) -> SessionRow:
+    """The session's row (locked on PostgreSQL with ``for_update``); ``SessionNotFound`` if absent."""
+    query = select(SessionRow).where(SessionRow.id == session_id)
+    if for_update:
+        query = query.with_for_update()
+    row = s.execute(query).scalar_one_or_none()
+    if row is None:
+        raise SessionNotFound(session_id)
+    return row
+
+
+def list_sessions(s: Session) -> list[SessionSummary]:
+    in_window_tokens = case((MessageRow.in_window.is_(True), MessageRow.token_count), else_=0)
+    query = (
+        select(SessionRow, func.count(MessageRow.seq),
+               func.coalesce(func.sum(MessageRow.token_count), 0),
+               func.coalesce(func.sum(in_window_tokens), 0))
+        .outerjoin(MessageRow, MessageRow.session_id == SessionRow.id)
+        .group_by(SessionRow.id)
+        .order_by(SessionRow.updated_at.desc(), SessionRow.id)
+    )
+    return [
+        SessionSummary(id=row.id, agent_name=row.agent_name, created_at=row.created_at,
+                       updated_at=row.updated_at, message_count=int(count),
+                       total_tokens=int(total), in_window_tokens=int(in_window))
+        for row, count, total, in_window in s.execute(query)
+    ]
+
+
+def append_message(s: Session, session_id: str, message: Message, token_count: int,
+                   in_window: bool) -> StoredMessage:
+    # NOTE: the row lock (PostgreSQL) or BEGIN IMMEDIATE (SQLite) serialises appends to one
+    # session, so max(seq) + 1 is unique without a retry loop.
+    session = session_row(s, session_id, for_update=True)
+    last = s.execute(select(func.max(MessageRow.seq))
+                     .where(MessageRow.session_id == session_id)).scalar()
+    now = utcnow()
+    row = MessageRow(session_id=session_id, seq=(last or 0) + 1, token_count=token_count,
+                     in_window=in_window, replaced_by_seq=None, created_at=now,
+                     **convert.message_fields(message))
+    s.add(row)
+    session.updated_at = now
+    s.flush()
+    return convert.stored_message(row)
+
+
+def messages(s: Session, session_id: str, in_window_only: bool) -> list[StoredMessage]:
+    session_row(s, session_id)
+    query = select(MessageRow).where(MessageRow.session_id == session_id)
+    if in_window_only:
+        query = query.where(MessageRow.in_window.is_(True))
+    return [convert.stored_message(row) for row in s.scalars(query.order_by(MessageRow.seq))]
+
+
+def mark_out_of_window(s: Session, session_id: str, seqs: Sequence[int],
+                       replaced_by_seq: int | None) -> None:
+    session = session_row(s, session_id, for_update=True)
+    wanted = set(seqs) | ({replaced_by_seq} if replaced_by_seq is not None else set())
+    found = set(s.scalars(select(MessageRow.seq).where(
+        MessageRow.session_id == session_id, MessageRow.seq.in_(wanted))))
+    if missing := sorted(wanted - found):
+        raise UserError(f"session {session_id!r} has no messages with seq {missing}")
+    if replaced_by_seq is not None and replaced_by_seq in seqs:
+        raise UserError(f"message {replaced_by_seq} cannot replace itself")
+    s.execute(
+        update(MessageRow)
+        .where(MessageRow.session_id == session_id, MessageRow.seq.in_(set(seqs)))
+        .values(in_window=False, replaced_by_seq=replaced_by_seq)
+        .execution_options(synchronize_session=False)
+    )
+    session.updated_at = utcnow()
+
+
+def delete_session(s: Session, session_id: str) -> list[str]:
+    """Delete the session's rows; return the snapshot file names to remove after commit."""
+    session_row(s, session_id, for_update=True)
+    names = list(s.scalars(select(SnapshotRow.path).where(SnapshotRow.session_id == session_id)))
+    s.execute(delete(SnapshotRow).where(SnapshotRow.session_id == session_id))
+    s.execute(delete(MessageRow).where(MessageRow.session_id == session_id))
+    s.execute(delete(SessionRow).where(SessionRow.id == session_id))
+    return names
+
+
+def acquire_lease(s: Session, session_id: str, holder: str, ttl_s: float) -> None:
+    now = utcnow()
+    # One conditional UPDATE: atomic on SQLite and PostgreSQL alike, whoever races us.
+    result = s.execute(
+        update(SessionRow)
+        .where(SessionRow.id == session_id,
+               or_(SessionRow.lease_holder.is_(None), SessionRow.lease_expires_at < now,
+                   SessionRow.lease_holder == holder))
+        .values(lease_holder=holder, lease_expires_at=now + timedelta(seconds=ttl_s))
+        .execution_options(synchronize_session=False)
+    )
+    if result.rowcount == 1:  # type: ignore[attr-defined]
+        return
+    current = session_row(s, session_id)
+    raise SessionBusy(session_id, current.lease_holder)
+
+
+def release_lease(s: Session, session_id: str, holder: str) -> None:
+    s.execute(
+        update(SessionRow)
+        .where(SessionRow.id == session_id, SessionRow.lease_holder == holder)
+        .values(lease_holder=None, lease_expires_at=None)
+        .execution_options(synchronize_session=False)
+    )
+
+
+def add_snapshot(s: Session, files: SnapshotFiles, session_id: str, snapshot: KVSnapshot,
+                 name: str, keep: int) -> tuple[SnapshotRecord, list[str]]:
+    """Insert the row of a written file; drop rows beyond the ``keep`` newest.
+
+    Returns the record and the file names of the dropped rows (removed after commit).
+    """
+    session_row(s, session_id, for_update=True)
+    row = SnapshotRow(session_id=session_id, num_tokens=snapshot.num_tokens,
+                      token_hash=tokens_digest(snapshot.tokens), fingerprint=snapshot.fingerprint,
+                      precision=snapshot.precision, path=name, checksum=snapshot.checksum(),
+                      nbytes=snapshot.nbytes, shifted=snapshot.shifted, created_at=utcnow())
+    s.add(row)
+    s.flush()
+    older = list(s.scalars(_newest_first(session_id).offset(keep)))
+    for old in older:
+        s.delete(old)
+    return convert.snapshot_record(row, files), [old.path for old in older]
+
+
+def snapshots(s: Session, files: SnapshotFiles, session_id: str) -> list[SnapshotRecord]:
+    session_row(s, session_id)
+    return [convert.snapshot_record(row, files) for row in s.scalars(_newest_first(session_id))]
+
+
+def delete_snapshot(s: Session, snapshot_id: int) -> str | None:
+    """Delete a snapshot row; return its file name (None if the row was already gone)."""
+    row = s.get(SnapshotRow, snapshot_id)
+    if row is None:
+        return None
+    s.delete(row)
+    return row.path
+
+
+def _newest_first(session_id: str) -> Any:
+    return (select(SnapshotRow).where(SnapshotRow.session_id == session_id)
+            .order_by(SnapshotRow.created_at.desc(), SnapshotRow.id.desc()))
+

@@ -1,0 +1,103 @@
+"""What the store hands back: frozen records, never ORM rows.
+
+``record = await store.get_session(sid); print(record.agent_name, record.lease_holder)``
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from agentkv.chat.messages import Message
+
+
+@dataclass(frozen=True)
+class AgentRecord:
+    """An agent's stored definition (what ``upsert_agent`` wrote last)."""
+
+    name: str
+    """Primary key: the agent's name."""
+    instructions: str
+    """The system prompt the agent runs with."""
+    tool_names: tuple[str, ...]
+    """Names of the tools the agent may call."""
+    settings: dict[str, Any]
+    """Generation and policy settings as plain JSON."""
+    updated_at: datetime
+    """When the row was last written (UTC)."""
+
+
+@dataclass(frozen=True)
+class SessionRecord:
+    """One conversation's row."""
+
+    id: str
+    """The session id (given to ``create_session`` or a fresh uuid hex)."""
+    agent_name: str
+    """The agent the session runs."""
+    created_at: datetime
+    """When the session was created (UTC)."""
+    updated_at: datetime
+    """When a message was last appended or marked (UTC)."""
+    lease_holder: str | None
+    """Who runs the session now (may be expired: compare ``lease_expires_at``)."""
+    lease_expires_at: datetime | None
+    """When the current lease lapses (UTC); a lapsed lease can be taken over."""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    """Free-form JSON the caller attached at creation."""
+
+
+@dataclass(frozen=True)
+class SessionSummary:
+    """A line of ``list_sessions``: the session and what its history holds."""
+
+    id: str
+    agent_name: str
+    created_at: datetime
+    updated_at: datetime
+    message_count: int
+    """Every stored message, in or out of the window."""
+    total_tokens: int
+    """Sum of ``token_count`` over every stored message."""
+    in_window_tokens: int
+    """Sum of ``token_count`` over the messages still in the context window."""
+
+
+@dataclass(frozen=True)
+class StoredMessage:
+    """A message as stored: its position in the session and its window state."""
+
+    session_id: str
+    seq: int
+    """1..n within the session, in append order."""
+    message: Message
+    token_count: int
+    """Tokens the message took when rendered into the prompt."""
+    in_window: bool
+    """False once a policy moved the message out of the context window."""
+    replaced_by_seq: int | None
+    """The summary message that replaced this one, if a summary did."""
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class SnapshotRecord:
+    """A KV snapshot's row; the tensors live in the file at ``path``."""
+
+    id: int
+    session_id: str
+    num_tokens: int
+    token_hash: str
+    """``tokens_digest`` of the snapshot's token log."""
+    fingerprint: str
+    """Model + KV layout identity; restore refuses another fingerprint."""
+    precision: str
+    path: Path
+    """Absolute path of the snapshot file."""
+    checksum: str
+    """``KVSnapshot.checksum()`` when saved; loading checks the file against it."""
+    nbytes: int
+    shifted: bool
+    created_at: datetime

@@ -1,0 +1,104 @@
+"""The store's tables as SQLAlchemy 2 ORM classes (the current shape; migrations build it).
+
+Rows never leave ``agentkv.memory``: ``store.py`` turns them into the records of ``records.py``.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, Boolean, DateTime, ForeignKey, Integer, String, Text
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
+
+
+def utcnow() -> datetime:
+    """The current time, timezone-aware UTC."""
+    return datetime.now(timezone.utc)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Aware UTC datetimes in Python, naive UTC in the database (same on SQLite and PostgreSQL)."""
+
+    impl = DateTime
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("store datetimes must be timezone-aware; use datetime.now(timezone.utc)")
+        return value.astimezone(timezone.utc).replace(tzinfo=None)
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        return None if value is None else value.replace(tzinfo=timezone.utc)
+
+
+class Base(DeclarativeBase):
+    """Declarative base of the store's tables."""
+
+    type_annotation_map = {datetime: UTCDateTime, dict[str, Any]: JSON, list[Any]: JSON}
+
+
+class AgentRow(Base):
+    __tablename__ = "agents"
+
+    name: Mapped[str] = mapped_column(String(255), primary_key=True)
+    instructions: Mapped[str] = mapped_column(Text)
+    tool_names: Mapped[list[Any]] = mapped_column(JSON)
+    settings: Mapped[dict[str, Any]] = mapped_column(JSON)
+    updated_at: Mapped[datetime]
+
+
+class SessionRow(Base):
+    __tablename__ = "sessions"
+
+    id: Mapped[str] = mapped_column(String(255), primary_key=True)
+    agent_name: Mapped[str] = mapped_column(String(255), ForeignKey("agents.name"), index=True)
+    created_at: Mapped[datetime]
+    updated_at: Mapped[datetime] = mapped_column(index=True)
+    lease_holder: Mapped[str | None] = mapped_column(String(255))
+    lease_expires_at: Mapped[datetime | None]
+    # NOTE: "metadata" is reserved on declarative classes, so the attribute has another name.
+    metadata_: Mapped[dict[str, Any]] = mapped_column("metadata", JSON)
+
+
+class MessageRow(Base):
+    """Append-only: content never changes; only the window flags are updated."""
+
+    __tablename__ = "messages"
+
+    session_id: Mapped[str] = mapped_column(
+        String(255), ForeignKey("sessions.id", ondelete="CASCADE"), primary_key=True
+    )
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    role: Mapped[str] = mapped_column(String(16))
+    content: Mapped[str] = mapped_column(Text)
+    tool_calls: Mapped[list[Any]] = mapped_column(JSON)
+    tool_call_id: Mapped[str | None] = mapped_column(String(255))
+    name: Mapped[str | None] = mapped_column(String(255))
+    token_ids: Mapped[list[Any] | None] = mapped_column(JSON)
+    token_count: Mapped[int] = mapped_column(Integer)
+    in_window: Mapped[bool] = mapped_column(Boolean)
+    replaced_by_seq: Mapped[int | None] = mapped_column(Integer)
+    created_at: Mapped[datetime]
+
+
+class SnapshotRow(Base):
+    __tablename__ = "kv_snapshots"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    session_id: Mapped[str] = mapped_column(
+        String(255), ForeignKey("sessions.id", ondelete="CASCADE"), index=True
+    )
+    num_tokens: Mapped[int] = mapped_column(Integer)
+    token_hash: Mapped[str] = mapped_column(String(64))
+    fingerprint: Mapped[str] = mapped_column(Text)
+    precision: Mapped[str] = mapped_column(String(8))
+    path: Mapped[str] = mapped_column(Text)
+    checksum: Mapped[str] = mapped_column(String(128))
+    nbytes: Mapped[int] = mapped_column(BigInteger)
+    shifted: Mapped[bool] = mapped_column(Boolean)
+    created_at: Mapped[datetime]

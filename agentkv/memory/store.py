@@ -1,0 +1,278 @@
+"""The persistent store: agents, sessions, append-only messages, leases and KV snapshots.
+
+An async API over a synchronous SQLAlchemy engine (each call runs one transaction in a
+worker thread); SQLite by default, any SQLAlchemy URL such as PostgreSQL for many processes::
+
+    store = Store.from_env()                      # AGENTKV_DB_URL or the default SQLite file
+    await store.upsert_agent("helper", "Be brief.", ["calc"], {})
+    session = await store.create_session("helper")
+    await store.append_message(session.id, Message.user("hi"), token_count=3)
+    await store.close()
+
+A write has been committed when its coroutine returns. Cancelling the coroutine does not
+abort a transaction already running: the thread finishes it, then the cancellation lands.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import uuid
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from functools import partial
+from pathlib import Path
+from typing import Any, TypeVar
+
+import anyio.to_thread
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from agentkv.chat.messages import Message
+from agentkv.engine.snapshot import KVSnapshot
+from agentkv.errors import UserError
+from agentkv.memory import convert, queries
+from agentkv.memory.database import (
+    WRITE_OPTION,
+    create_db_engine,
+    default_snapshot_dir,
+    default_url,
+    is_memory_sqlite,
+    retry_locked,
+)
+from agentkv.memory.migrations import migrate
+from agentkv.memory.records import (
+    AgentRecord,
+    SessionRecord,
+    SessionSummary,
+    SnapshotRecord,
+    StoredMessage,
+)
+from agentkv.memory.snapshots import SnapshotFiles, refuse_other_fingerprint
+
+T = TypeVar("T")
+
+ENV_DB_URL = "AGENTKV_DB_URL"
+"""Environment variable read by ``Store.from_env`` (only there)."""
+SNAPSHOTS_KEPT = 2
+"""Snapshots kept per session by default; older ones are pruned on save."""
+
+
+class Store:
+    """Agents, sessions, messages and KV snapshots in one database plus a snapshot directory.
+
+    ``Store("sqlite:////tmp/a.db")``, ``Store("postgresql+psycopg2://u:p@host/db",
+    snapshot_dir=Path("/srv/kv"))``. The schema is created or upgraded on first use;
+    a database from a newer agentkv raises ``SchemaVersionError`` then.
+    """
+
+    def __init__(self, url: str | None = None, *, snapshot_dir: Path | None = None) -> None:
+        parsed = make_url(url or default_url())
+        self.url = parsed.render_as_string(hide_password=True)
+        """The database URL for display (password hidden)."""
+        self._engine = create_db_engine(parsed)
+        self._write_engine = self._engine.execution_options(**{WRITE_OPTION: True})
+        self.files = SnapshotFiles(snapshot_dir or default_snapshot_dir(parsed))
+        self._schema_lock = threading.Lock()
+        self._schema_ready = False
+        is_sqlite = parsed.get_backend_name() == "sqlite"
+        # SQLite admits one writer at a time: queueing this process's writers on a lock is
+        # faster than letting them poll SQLite's busy handler. An in-memory database shares
+        # one connection, so there every transaction takes the lock.
+        self._writer_lock: threading.Lock | None = threading.Lock() if is_sqlite else None
+        self._reader_lock = self._writer_lock if is_memory_sqlite(parsed) else None
+
+    @classmethod
+    def from_env(cls) -> Store:
+        """The store at ``$AGENTKV_DB_URL``, or the default SQLite file if it is unset."""
+        return cls(os.environ.get(ENV_DB_URL) or None)
+
+    async def close(self) -> None:
+        """Close pooled connections; the store can still be used afterwards (it reconnects)."""
+        await anyio.to_thread.run_sync(self._engine.dispose)
+
+    async def __aenter__(self) -> Store:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        return await anyio.to_thread.run_sync(partial(self._in_thread, fn, *args))
+
+    def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        self._ensure_schema()
+        return fn(*args)
+
+    def _ensure_schema(self) -> None:
+        if self._schema_ready:
+            return
+        with self._schema_lock, self._locked(self._writer_lock):
+            if not self._schema_ready:
+                retry_locked(lambda: migrate(self._write_engine))
+                self._schema_ready = True
+
+    @staticmethod
+    def _locked(lock: threading.Lock | None) -> AbstractContextManager[Any]:
+        return lock if lock is not None else nullcontext()
+
+    def _write(self, work: Callable[[Session], T]) -> T:
+        """Run ``work`` in one write transaction (committed on return, retried on lock errors)."""
+        def attempt() -> T:
+            with self._locked(self._writer_lock), Session(self._write_engine,
+                                                          expire_on_commit=False) as s:
+                with s.begin():
+                    return work(s)
+        return retry_locked(attempt)
+
+    def _read(self, work: Callable[[Session], T]) -> T:
+        def attempt() -> T:
+            with self._locked(self._reader_lock), Session(self._engine) as s, s.begin():
+                return work(s)
+        return retry_locked(attempt)
+
+    # -- agents and sessions ----------------------------------------------------------------
+
+    async def upsert_agent(self, name: str, instructions: str, tool_names: Sequence[str],
+                           settings: dict[str, Any]) -> None:
+        """Store an agent's definition, replacing a previous one with the same name."""
+        args = (name, instructions, [str(t) for t in tool_names],
+                convert.json_object(settings, "agent settings"))
+
+        def upsert() -> None:
+            try:
+                self._write(lambda s: queries.upsert_agent(s, *args))
+            except IntegrityError:  # another process inserted the same name first: update it
+                self._write(lambda s: queries.upsert_agent(s, *args))
+        await self._call(upsert)
+
+    async def get_agent(self, name: str) -> AgentRecord:
+        """The stored agent; ``AgentNotFound`` if none has this name."""
+        return await self._call(self._read, lambda s: queries.get_agent(s, name))
+
+    async def create_session(self, agent_name: str, *, session_id: str | None = None,
+                             metadata: dict[str, Any] | None = None) -> SessionRecord:
+        """A new session of a stored agent; ``UserError`` if ``session_id`` is taken."""
+        sid = session_id or uuid.uuid4().hex
+        meta = convert.json_object(metadata, "session metadata")
+
+        def create() -> SessionRecord:
+            try:
+                return self._write(lambda s: queries.create_session(s, agent_name, sid, meta))
+            except IntegrityError as e:
+                raise UserError(f"session {sid!r} already exists; pass another id or none") from e
+        return await self._call(create)
+
+    async def get_session(self, session_id: str) -> SessionRecord:
+        """The session's row; ``SessionNotFound`` if absent."""
+        return await self._call(
+            self._read, lambda s: convert.session_record(queries.session_row(s, session_id)))
+
+    async def list_sessions(self) -> list[SessionSummary]:
+        """Every session with its message and token counts, most recently updated first."""
+        return await self._call(self._read, queries.list_sessions)
+
+    async def delete_session(self, session_id: str) -> None:
+        """Delete the session, its messages, snapshot rows and snapshot files."""
+        def delete() -> None:
+            names = self._write(lambda s: queries.delete_session(s, session_id))
+            self.files.remove(names)
+        await self._call(delete)
+
+    # -- messages ---------------------------------------------------------------------------
+
+    async def append_message(self, session_id: str, message: Message, *, token_count: int,
+                             in_window: bool = True) -> StoredMessage:
+        """Append ``message`` as the session's next seq; committed when this returns."""
+        if token_count < 0:
+            raise UserError(f"token_count must be >= 0, got {token_count}")
+        return await self._call(self._write, lambda s: queries.append_message(
+            s, session_id, message, token_count, in_window))
+
+    async def messages(self, session_id: str, *, in_window_only: bool = False
+                       ) -> list[StoredMessage]:
+        """The session's messages in seq order (only those in the window if asked)."""
+        return await self._call(
+            self._read, lambda s: queries.messages(s, session_id, in_window_only))
+
+    async def mark_out_of_window(self, session_id: str, seqs: Sequence[int], *,
+                                 replaced_by_seq: int | None = None) -> None:
+        """Flag messages as out of the context window (they stay stored), optionally
+        recording the summary message that replaced them. ``UserError`` for unknown seqs."""
+        chosen = [int(seq) for seq in seqs]
+        if not chosen:
+            return
+        await self._call(self._write, lambda s: queries.mark_out_of_window(
+            s, session_id, chosen, replaced_by_seq))
+
+    async def export_jsonl(self, session_id: str, *, in_window_only: bool = False) -> str:
+        """The session as OpenAI chat messages, one JSON object per line (every message by default)."""
+        stored = await self.messages(session_id, in_window_only=in_window_only)
+        return "".join(json.dumps(m.message.to_openai(), ensure_ascii=False) + "\n"
+                       for m in stored)
+
+    # -- leases -----------------------------------------------------------------------------
+
+    async def acquire_lease(self, session_id: str, holder: str, ttl_s: float = 60) -> None:
+        """Take (or renew) the session's lease for ``ttl_s`` seconds.
+
+        Raises ``SessionBusy`` while another holder's lease is live; an expired lease is
+        taken over. Atomic across processes (one conditional UPDATE).
+        """
+        if ttl_s <= 0:
+            raise UserError(f"ttl_s must be > 0, got {ttl_s}")
+        await self._call(self._write, lambda s: queries.acquire_lease(s, session_id, holder, ttl_s))
+
+    async def release_lease(self, session_id: str, holder: str) -> None:
+        """Give the lease back if ``holder`` has it; otherwise nothing happens."""
+        await self._call(self._write, lambda s: queries.release_lease(s, session_id, holder))
+
+    # -- KV snapshots -----------------------------------------------------------------------
+
+    async def save_snapshot(self, session_id: str, snapshot: KVSnapshot, *,
+                            keep: int = SNAPSHOTS_KEPT) -> SnapshotRecord:
+        """Write the snapshot file (temp + rename), then its row; prune beyond ``keep`` newest."""
+        if keep < 1:
+            raise UserError(f"keep must be >= 1, got {keep}")
+        return await self._call(self._save_snapshot, session_id, snapshot, keep)
+
+    def _save_snapshot(self, session_id: str, snapshot: KVSnapshot, keep: int) -> SnapshotRecord:
+        self._read(lambda s: queries.session_row(s, session_id))  # no file for a missing session
+        name = self.files.write(session_id, snapshot)
+        try:
+            record, pruned = self._write(
+                lambda s: queries.add_snapshot(s, self.files, session_id, snapshot, name, keep))
+        except BaseException:
+            self.files.remove([name])
+            raise
+        self.files.remove(pruned)
+        return record
+
+    async def snapshots(self, session_id: str) -> list[SnapshotRecord]:
+        """The session's snapshot records, newest first."""
+        return await self._call(self._read, lambda s: queries.snapshots(s, self.files, session_id))
+
+    async def load_snapshot(self, record: SnapshotRecord, *, expected_fingerprint: str
+                            ) -> KVSnapshot:
+        """Read and verify a snapshot file.
+
+        ``SnapshotIncompatible`` for another fingerprint; ``SnapshotCorrupt`` for a missing,
+        damaged or replaced file (``delete_snapshot`` it; the session re-prefills).
+        """
+        refuse_other_fingerprint(record.path, record.fingerprint, expected_fingerprint)
+        load = partial(self.files.load, str(record.path),
+                       expected_fingerprint=expected_fingerprint,
+                       expected_checksum=record.checksum)
+        return await anyio.to_thread.run_sync(load)
+
+    async def delete_snapshot(self, record: SnapshotRecord) -> None:
+        """Delete one snapshot's row and file (e.g. after ``SnapshotCorrupt``)."""
+        def delete() -> None:
+            name = self._write(lambda s: queries.delete_snapshot(s, record.id))
+            self.files.remove([name or str(record.path)])
+        await self._call(delete)
+

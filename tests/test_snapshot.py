@@ -1,0 +1,218 @@
+"""Tests for agentkv.engine.snapshot: precisions, prefixes, checksums and snapshot files."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from agentkv.engine import snapshot as snapshot_module
+from agentkv.engine.snapshot import KVSnapshot, dequantize_u8, quantize_u8, tokens_digest
+from agentkv.errors import SnapshotCorrupt, SnapshotIncompatible, UserError
+
+FP = "model-abc|kv:u8|layers:30"
+DEFAULT_SHAPE = (30, 1, 3, 64)  # layers, batch, heads, head_dim of the default model
+
+
+def random_kv(num_tokens: int, *, seed: int = 0, layers: int = 4) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    shape = (layers, 1, 3, num_tokens, 64)
+    return (rng.standard_normal(shape, dtype=np.float32),
+            rng.standard_normal(shape, dtype=np.float32))
+
+
+def make(precision: str, num_tokens: int = 12, **kw: object) -> KVSnapshot:
+    keys, values = random_kv(num_tokens)
+    return KVSnapshot.from_float(range(100, 100 + num_tokens), keys, values,
+                                 precision=precision, fingerprint=FP, **kw)  # type: ignore[arg-type]
+
+
+def leftovers(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.name.endswith(".tmp"))
+
+
+@pytest.mark.parametrize("precision", ["f32", "f16", "u8"])
+def test_file_round_trip_keeps_tokens_metadata_and_values(tmp_path: Path, precision: str) -> None:
+    keys, values = random_kv(9)
+    snap = KVSnapshot.from_float(list(range(9)), keys, values, precision=precision,  # type: ignore[arg-type]
+                                 fingerprint=FP, shifted=True)
+    path = tmp_path / "s.agkv"
+    snap.to_file(path)
+    loaded = KVSnapshot.from_file(path, expected_fingerprint=FP)
+
+    assert loaded.tokens == tuple(range(9))
+    assert (loaded.precision, loaded.fingerprint, loaded.shifted) == (precision, FP, True)
+    assert loaded.checksum() == snap.checksum()
+    k_back, v_back = loaded.to_float()
+    assert k_back.dtype == np.float32 and k_back.shape == keys.shape
+    np.testing.assert_array_equal(k_back, snap.to_float()[0])
+    np.testing.assert_array_equal(v_back, snap.to_float()[1])
+    tolerance = {"f32": 0.0, "f16": 4e-3, "u8": 0.02}[precision]
+    assert np.abs(k_back - keys).max() <= tolerance
+    assert np.abs(v_back - values).max() <= tolerance
+
+
+def test_u8_error_and_bytes_per_token_for_the_default_model_shape() -> None:
+    rng = np.random.default_rng(1)
+    keys = rng.standard_normal((*DEFAULT_SHAPE[:3], 256, DEFAULT_SHAPE[3]), dtype=np.float32)
+    values = rng.standard_normal(keys.shape, dtype=np.float32)
+    snaps = {p: KVSnapshot.from_float(range(256), keys, values, precision=p, fingerprint=FP)
+             for p in ("f32", "f16", "u8")}
+    errors = {p: float(np.abs(s.to_float()[0] - keys).max()) for p, s in snaps.items()}
+    per_token = {p: s.bytes_per_token for p, s in snaps.items()}
+    print(f"\nmax abs error vs f32 (standard normal): {errors}")
+    print(f"bytes/token (30 layers x K,V x 3 heads x 64): {per_token}")
+
+    assert per_token == {"f32": 46_080, "f16": 23_040, "u8": 12_960}
+    assert all(s.nbytes == s.bytes_per_token * 256 for s in snaps.values())
+    assert errors["f32"] == 0.0
+    assert errors["f16"] < 4e-3
+    # Range of 64 normal samples is ~5, so the step is ~0.02 and the error at most half of it.
+    assert 0.005 < errors["u8"] < 0.02
+
+
+@settings(max_examples=60, deadline=None)
+@given(hnp.arrays(np.float32, hnp.array_shapes(min_dims=2, max_dims=3, max_side=9),
+                  elements=st.floats(-1e4, 1e4, width=32)))
+def test_u8_quantisation_error_is_at_most_half_a_step(x: np.ndarray) -> None:
+    q, scale, zero = quantize_u8(x)
+    error = np.abs(dequantize_u8(q, scale, zero) - x)
+    bound = scale[..., None] / 2 + 1e-6 * (np.abs(x) + 1)
+    assert np.all(error <= bound)
+
+
+def test_u8_constant_vectors_come_back_exactly() -> None:
+    keys = np.full((2, 1, 3, 4, 64), 0.75, dtype=np.float32)
+    snap = KVSnapshot.from_float(range(4), keys, -keys, precision="u8", fingerprint=FP)
+    k_back, v_back = snap.to_float()
+    np.testing.assert_array_equal(k_back, keys)
+    np.testing.assert_array_equal(v_back, -keys)
+
+
+@pytest.mark.parametrize("precision", ["f32", "f16", "u8"])
+def test_prefix_equals_the_first_n_tokens(tmp_path: Path, precision: str) -> None:
+    snap = make(precision, 12)
+    head = snap.prefix(5)
+    assert head.tokens == snap.tokens[:5] and head.num_tokens == 5
+    full_k, full_v = snap.to_float()
+    head_k, head_v = head.to_float()
+    np.testing.assert_array_equal(head_k, full_k[:, :, :, :5])
+    np.testing.assert_array_equal(head_v, full_v[:, :, :, :5])
+    head.to_file(tmp_path / "head.agkv")  # a strided view still writes and reads back
+    assert KVSnapshot.from_file(tmp_path / "head.agkv").checksum() == head.checksum()
+    assert snap.prefix(0).num_tokens == 0 and snap.prefix(12).checksum() == snap.checksum()
+
+
+def test_prefix_out_of_range_is_a_user_error() -> None:
+    with pytest.raises(UserError, match="0..12"):
+        make("f16", 12).prefix(13)
+
+
+def test_from_float_copies_and_arrays_are_read_only() -> None:
+    keys, values = random_kv(3)
+    snap = KVSnapshot.from_float(range(3), keys, values, precision="f32", fingerprint=FP)
+    keys[:] = 0.0
+    assert np.abs(snap.keys).max() > 0
+    with pytest.raises(ValueError):
+        snap.keys[0, 0, 0, 0, 0] = 1.0
+
+
+def test_token_count_must_match_the_kv_length() -> None:
+    keys, values = random_kv(3)
+    with pytest.raises(UserError, match="3 tokens but the log has 2"):
+        KVSnapshot.from_float([1, 2], keys, values, precision="f32", fingerprint=FP)
+
+
+def test_checksum_changes_with_data_and_metadata() -> None:
+    base = make("u8")
+    assert base.checksum() == make("u8").checksum()
+    assert base.checksum() != make("u8", shifted=True).checksum()
+    assert base.checksum() != make("f16").checksum()
+    flipped = base.keys.copy()
+    flipped[0, 0, 0, 0, 0] ^= 1
+    other = KVSnapshot(tokens=base.tokens, keys=flipped, values=base.values, precision="u8",
+                       fingerprint=FP, key_scale=base.key_scale, key_zero=base.key_zero,
+                       value_scale=base.value_scale, value_zero=base.value_zero)
+    assert other.checksum() != base.checksum()
+
+
+@pytest.mark.parametrize("where", ["header", "payload", "last"])
+def test_a_flipped_byte_in_the_file_is_corrupt(tmp_path: Path, where: str) -> None:
+    path = tmp_path / "s.agkv"
+    make("u8").to_file(path)
+    data = bytearray(path.read_bytes())
+    offset = {"header": 40, "payload": len(data) // 2, "last": len(data) - 1}[where]
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(SnapshotCorrupt, match="delete it"):
+        KVSnapshot.from_file(path)
+
+
+@pytest.mark.parametrize("keep", [0, 10, 100, -1])
+def test_a_truncated_file_is_corrupt(tmp_path: Path, keep: int) -> None:
+    path = tmp_path / "s.agkv"
+    make("f16").to_file(path)
+    data = path.read_bytes()
+    path.write_bytes(data[:keep] if keep >= 0 else data[:keep])
+    with pytest.raises(SnapshotCorrupt, match=str(path)):
+        KVSnapshot.from_file(path)
+
+
+def test_a_missing_file_or_foreign_file_is_corrupt(tmp_path: Path) -> None:
+    with pytest.raises(SnapshotCorrupt, match="cannot be read"):
+        KVSnapshot.from_file(tmp_path / "absent.agkv")
+    (tmp_path / "notes.txt").write_bytes(b"hello, this is not a snapshot at all")
+    with pytest.raises(SnapshotCorrupt, match="bad magic"):
+        KVSnapshot.from_file(tmp_path / "notes.txt")
+
+
+def test_another_fingerprint_is_incompatible(tmp_path: Path) -> None:
+    path = tmp_path / "s.agkv"
+    make("f32").to_file(path)
+    with pytest.raises(SnapshotIncompatible, match="other-model"):
+        KVSnapshot.from_file(path, expected_fingerprint="other-model")
+    assert KVSnapshot.from_file(path).fingerprint == FP
+
+
+def test_a_newer_file_format_is_incompatible(tmp_path: Path) -> None:
+    path = tmp_path / "s.agkv"
+    make("f32").to_file(path)
+    data = bytearray(path.read_bytes())
+    data[8:12] = (snapshot_module.FORMAT_VERSION + 1).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    with pytest.raises(SnapshotIncompatible, match="upgrade agentkv"):
+        KVSnapshot.from_file(path)
+
+
+def test_write_leaves_no_temp_file_and_replaces_the_old_one(tmp_path: Path) -> None:
+    path = tmp_path / "s.agkv"
+    make("f32", 4).to_file(path)
+    make("u8", 7).to_file(path)
+    assert KVSnapshot.from_file(path).num_tokens == 7
+    assert leftovers(tmp_path) == [] and [p.name for p in tmp_path.iterdir()] == ["s.agkv"]
+
+
+def test_a_failed_write_keeps_the_existing_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "s.agkv"
+    make("f32", 4).to_file(path)
+    before = path.read_bytes()
+
+    def disk_full(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        make("u8", 9).to_file(path)
+    assert path.read_bytes() == before
+    assert leftovers(tmp_path) == []
+
+
+def test_tokens_digest_depends_on_order_and_values() -> None:
+    assert tokens_digest([1, 2, 3]) == tokens_digest((1, 2, 3))
+    assert tokens_digest([1, 2, 3]) != tokens_digest([3, 2, 1])
+    assert len(tokens_digest([])) == 32
