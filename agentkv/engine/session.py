@@ -124,6 +124,8 @@ class StatefulSession:
         self._ensure_open()
         if not prompt:
             raise UserError("prompt_tokens is empty: render at least one token before generating")
+        if config.num_beams > 1 and config.stop_strings:
+            raise UserError("stop_strings are not supported with num_beams>1; use stop_token_ids")
         limit = self._engine.max_context_len
         if len(prompt) >= limit:
             raise ContextOverflowError(
