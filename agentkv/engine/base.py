@@ -141,7 +141,8 @@ class TokenDelta:
 class GenerationStream:
     """Async iterator of ``TokenDelta``; ``result`` is set once iteration ends.
 
-    ``stream = session.stream(ids, cfg); async for d in stream: print(d.text, end="")``
+    ``stream = session.stream(ids, cfg); async for d in stream: print(d.text, end="")``;
+    use ``async with session.stream(...) as stream:`` when you may stop early.
     """
 
     _events: AsyncIterator[TokenDelta | GenerationResult]
@@ -156,6 +157,18 @@ class GenerationStream:
                 self.result = event
             else:
                 yield event
+
+    async def aclose(self) -> None:
+        """Stop early: the generation ends at the current step and the session is released."""
+        close = getattr(self._events, "aclose", None)
+        if close is not None:
+            await close()
+
+    async def __aenter__(self) -> GenerationStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
 
     async def collect(self) -> GenerationResult:
         """Run to the end and return the result."""

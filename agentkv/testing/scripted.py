@@ -1,0 +1,228 @@
+"""ScriptedEngine: a deterministic engine that replays scripted replies through the real protocol.
+
+Each ``generate`` call pops the next step — a reply string, a function of the call, or an
+exception to raise — and decodes the reply's tokens (then ``<|im_end|>``) exactly as the
+stateful engine would: longest-common-prefix alignment, token log, metrics, streaming, stop
+strings, ``max_new_tokens``, trim / fork / snapshot / restore and their errors::
+
+    engine = ScriptedEngine(["Hello!", lambda call: f"You said {len(call.prompt_ids)} tokens"])
+    session = await engine.open_session()
+    tok = engine.tokenizer
+    chat = [{"role": "user", "content": "hi"}]
+    ids = tok.encode(tok.apply_chat_template(chat, add_generation_prompt=True))
+    result = await session.generate(ids, GenerationConfig(max_new_tokens=32))
+    assert result.text == "Hello!" and result.metrics.prefilled_tokens == len(ids)
+    engine.calls[0].prompt_text   # what the "model" was shown
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from agentkv.engine.base import GenerationConfig, GenerationMetrics, GenerationResult
+from agentkv.errors import UserError
+from agentkv.testing.session import ScriptedSession
+from agentkv.testing.tokenizer import ScriptedTokenizer
+
+FINGERPRINT = "scripted"
+KV_BYTES_PER_TOKEN = 8
+"""One float32 key and one float32 value per token: the ``[1, 1, 1, T, 1]`` snapshot layout."""
+
+
+@dataclass
+class ScriptedCall:
+    """One ``generate`` / ``stream`` call as the scripted engine saw it."""
+
+    index: int
+    """0-based position among the engine's calls."""
+    session_id: str
+    """Id of the session that made the call."""
+    prompt_ids: tuple[int, ...]
+    """The prompt tokens passed in."""
+    prompt_text: str
+    """``tokenizer.decode(prompt_ids)``: the rendered prompt, special tokens kept."""
+    config: GenerationConfig
+    """The generation settings passed in."""
+    constraint_given: bool
+    """True when a ``TokenConstraint`` object was passed."""
+    grammar: str | None = None
+    """The grammar last requested through ``engine.make_constraint`` before this call, if any."""
+    reply: str | None = None
+    """The scripted reply text used (None when the step raised)."""
+    result: GenerationResult | None = None
+    """Set once the call finished."""
+
+    @property
+    def metrics(self) -> GenerationMetrics | None:
+        """The finished call's metrics (None while running or after an error)."""
+        return None if self.result is None else self.result.metrics
+
+
+Step = str | Callable[[ScriptedCall], str | Awaitable[str]] | Exception
+"""A scripted reply: its text, a (sync or async) function of the call returning it, or an error."""
+
+
+def _check_step(step: object) -> None:
+    if not (isinstance(step, (str, Exception)) or callable(step)):
+        raise UserError(
+            f"a scripted step is a reply str, a callable (ScriptedCall) -> str, or an Exception "
+            f"instance; got {type(step).__name__}"
+        )
+
+
+class ScriptedEngine:
+    """An ``Engine`` whose "model" replays scripted replies; see the module docstring."""
+
+    def __init__(
+        self,
+        steps: Iterable[Step] | Step = (),
+        *,
+        max_context_len: int = 8192,
+        prefill_s_per_token: float = 0.0,
+        decode_s_per_token: float = 0.0,
+    ) -> None:
+        if max_context_len < 2:
+            raise UserError(f"max_context_len must be >= 2, got {max_context_len}")
+        if prefill_s_per_token < 0 or decode_s_per_token < 0:
+            raise UserError("prefill_s_per_token and decode_s_per_token must be >= 0")
+        self._tokenizer = ScriptedTokenizer()
+        self._max_context_len = max_context_len
+        self.prefill_s_per_token = prefill_s_per_token
+        self.decode_s_per_token = decode_s_per_token
+        self._steps: deque[Step] = deque()
+        self.calls: list[ScriptedCall] = []
+        """Every generate call, in the order they started."""
+        self.registered_prefixes: list[tuple[int, ...]] = []
+        """Every ``register_prefix`` argument, in order."""
+        self.requested_grammars: list[str] = []
+        """Every ``make_constraint`` argument, in order."""
+        self._pending_grammar: str | None = None
+        self._sessions: set[ScriptedSession] = set()
+        if isinstance(steps, (str, Exception)) or callable(steps):
+            steps = [steps]  # type: ignore[list-item]
+        self.add_steps(*steps)  # type: ignore[misc]
+
+    # ---- Engine protocol ---------------------------------------------------------------
+    @property
+    def tokenizer(self) -> ScriptedTokenizer:
+        return self._tokenizer
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return frozenset({self._tokenizer.eos_token_id})
+
+    @property
+    def max_context_len(self) -> int:
+        return self._max_context_len
+
+    @property
+    def fingerprint(self) -> str:
+        return FINGERPRINT
+
+    async def open_session(self) -> ScriptedSession:
+        """A new empty session."""
+        return self.new_session()
+
+    def new_session(self) -> ScriptedSession:
+        """Synchronous constructor used by ``open_session`` and ``fork``."""
+        session = ScriptedSession(self)
+        self._sessions.add(session)
+        return session
+
+    def forget(self, session: ScriptedSession) -> None:
+        """Called by ``session.close()``."""
+        self._sessions.discard(session)
+
+    def register_prefix(self, tokens: Sequence[int]) -> None:
+        """Record ``tokens`` in ``registered_prefixes`` (the scripted engine has no prefix cache)."""
+        self.registered_prefixes.append(tuple(int(t) for t in tokens))
+
+    def make_constraint(self, grammar: str) -> None:
+        """Record the grammar (the next call's ``ScriptedCall.grammar``); replies are fixed text."""
+        self.requested_grammars.append(grammar)
+        self._pending_grammar = grammar
+
+    async def aclose(self) -> None:
+        """Close every open session."""
+        for session in list(self._sessions):
+            await session.close()
+
+    # ---- the script --------------------------------------------------------------------
+    def add_steps(self, *steps: Step) -> None:
+        """Append replies to the FIFO: ``engine.add_steps("ok", ValueError("boom"))``."""
+        for step in steps:
+            _check_step(step)
+        self._steps.extend(steps)
+
+    @property
+    def remaining_steps(self) -> int:
+        """Steps not yet consumed."""
+        return len(self._steps)
+
+    def assert_complete(self) -> None:
+        """Raise ``AssertionError`` if scripted steps were never used."""
+        if self._steps:
+            listed = ", ".join(repr(step) for step in list(self._steps)[:5])
+            raise AssertionError(
+                f"{len(self._steps)} scripted step(s) were never used after {len(self.calls)} "
+                f"call(s): {listed}; remove them or make the code under test call the model again"
+            )
+
+    def begin_call(
+        self, session_id: str, prompt: list[int], config: GenerationConfig, constrained: bool
+    ) -> ScriptedCall:
+        """Record a new call (taking any pending grammar)."""
+        grammar, self._pending_grammar = self._pending_grammar, None
+        call = ScriptedCall(
+            index=len(self.calls),
+            session_id=session_id,
+            prompt_ids=tuple(prompt),
+            prompt_text=self._tokenizer.decode(prompt),
+            config=config,
+            constraint_given=constrained,
+            grammar=grammar,
+        )
+        self.calls.append(call)
+        return call
+
+    async def reply_for(self, call: ScriptedCall) -> str:
+        """Pop the next step and turn it into reply text (raising scripted errors)."""
+        if not self._steps:
+            tail = call.prompt_text[-120:]
+            raise AssertionError(
+                f"ScriptedEngine ran out of steps at call #{call.index} (session {call.session_id}, "
+                f"prompt ending {tail!r}); script a reply with engine.add_steps(...)"
+            )
+        step = self._steps.popleft()
+        if isinstance(step, Exception):
+            raise step
+        reply = step if isinstance(step, str) else step(call)
+        if inspect.isawaitable(reply):
+            reply = await reply
+        if not isinstance(reply, str):
+            raise UserError(f"a scripted step function must return str, got {type(reply).__name__}")
+        call.reply = reply
+        return reply
+
+    def metrics_for(
+        self, session: ScriptedSession, align: dict[str, int], *, generated: int, ttft: float, tpot: float
+    ) -> GenerationMetrics:
+        """Metrics of one call from the alignment counts (as ``StatefulEngine.metrics_for``)."""
+        kv_tokens = len(session.tokens)
+        return GenerationMetrics(
+            prompt_tokens=align["reused"] + align["prefix_cache"] + align["prefilled"],
+            reused_tokens=align["reused"],
+            prefix_cache_tokens=align["prefix_cache"],
+            restored_tokens=align["restored"],
+            prefilled_tokens=align["prefilled"],
+            generated_tokens=generated,
+            ttft_s=ttft,
+            tpot_s=tpot,
+            kv_tokens=kv_tokens,
+            kv_bytes=kv_tokens * KV_BYTES_PER_TOKEN,
+        )
+
+

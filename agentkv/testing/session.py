@@ -1,0 +1,266 @@
+"""ScriptedSession: the scripted engine's KVSession, whose whole state is the token log.
+
+Keeps the stateful session's observable behaviour — longest-common-prefix alignment (a fully
+covered prompt still "prefills" its last token), the log holding every fed token, metrics,
+errors, trim / fork / snapshot / restore — without a model::
+
+    session = await engine.open_session()
+    await session.prefill(ids)
+    assert session.tokens == tuple(ids)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING
+
+import anyio
+import anyio.lowlevel
+import numpy as np
+
+from agentkv.engine.base import (
+    GenerationConfig,
+    GenerationMetrics,
+    GenerationResult,
+    GenerationStream,
+    TokenConstraint,
+    TokenDelta,
+)
+from agentkv.engine.snapshot import KVSnapshot
+from agentkv.errors import ContextOverflowError, SessionClosed, SnapshotIncompatible, UserError
+from agentkv.testing.decode import ScriptedDecode, as_beam_search
+
+if TYPE_CHECKING:
+    from agentkv.testing.scripted import ScriptedEngine
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two id sequences (as the stateful session's)."""
+    # NOTE: not imported from engine/session.py, which would import OpenVINO.
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def scripted_logits(tokens: Sequence[int], vocab_size: int) -> np.ndarray:
+    """Deterministic float32 logits ``[vocab_size]`` for a token log: equal logs, equal logits."""
+    digest = hashlib.blake2b(np.asarray(tokens, dtype="<i8").tobytes(), digest_size=8).digest()
+    rng = np.random.default_rng(int.from_bytes(digest, "little"))
+    return rng.standard_normal(vocab_size, dtype=np.float32)
+
+
+class ScriptedSession:
+    """A ``KVSession`` over a fictional KV: the token log is the whole state."""
+
+    def __init__(self, engine: ScriptedEngine) -> None:
+        self._engine = engine
+        self._id = uuid.uuid4().hex
+        self._tokens: list[int] = []
+        self._logits_ready = False  # the "model" has fed tokens[-1] (the real _last_logits)
+        self._shifted = False
+        self._closed = False
+        self._lock = anyio.Lock()
+        self.restored_tokens_pending = 0
+        self.last_metrics: GenerationMetrics | None = None
+
+    @property
+    def id(self) -> str:
+        return self._id
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return tuple(self._tokens)
+
+    @property
+    def shifted(self) -> bool:
+        return self._shifted
+
+    @property
+    def engine(self) -> ScriptedEngine:
+        """The engine that opened this session."""
+        return self._engine
+
+    def __repr__(self) -> str:
+        return f"ScriptedSession(id={self._id[:8]}, tokens={len(self._tokens)})"
+
+    # ---- generation ------------------------------------------------------------------
+    def stream(
+        self,
+        prompt_tokens: Sequence[int],
+        config: GenerationConfig,
+        constraint: TokenConstraint | None = None,
+    ) -> GenerationStream:
+        """See ``KVSession.stream``; the reply is the engine's next scripted step."""
+        prompt = [int(t) for t in prompt_tokens]
+        self._check_prompt(prompt)
+        return GenerationStream(self._generate_events(prompt, config, constraint))
+
+    async def generate(
+        self,
+        prompt_tokens: Sequence[int],
+        config: GenerationConfig,
+        constraint: TokenConstraint | None = None,
+    ) -> GenerationResult:
+        """``stream(...)`` run to the end."""
+        return await self.stream(prompt_tokens, config, constraint).collect()
+
+    async def prefill(self, prompt_tokens: Sequence[int]) -> GenerationMetrics:
+        """Align to ``prompt_tokens`` without generating (consumes no step)."""
+        prompt = [int(t) for t in prompt_tokens]
+        self._check_prompt(prompt)
+        async with self._lock:
+            self._ensure_open()
+            started = time.perf_counter()
+            align = await self._align(prompt)
+            elapsed = time.perf_counter() - started
+            return self._engine.metrics_for(self, align, generated=0, ttft=elapsed, tpot=0.0)
+
+    def _check_prompt(self, prompt: list[int]) -> None:
+        self._ensure_open()
+        if not prompt:
+            raise UserError("prompt_tokens is empty: render at least one token before generating")
+        limit = self._engine.max_context_len
+        if len(prompt) >= limit:
+            raise ContextOverflowError(
+                f"prompt of {len(prompt)} tokens does not fit the model's context of {limit}; "
+                "shorten the history or give the agent a context-window policy",
+                prompt_tokens=len(prompt),
+                limit=limit,
+            )
+
+    async def _generate_events(
+        self, prompt: list[int], config: GenerationConfig, constraint: TokenConstraint | None
+    ) -> AsyncIterator[TokenDelta | GenerationResult]:
+        async with self._lock:
+            self._ensure_open()
+            engine = self._engine
+            call = engine.begin_call(self._id, prompt, config, constraint is not None)
+            reply_ids = engine.tokenizer.encode(await engine.reply_for(call))
+            started = time.perf_counter()
+            align = await self._align(prompt)
+            decode = ScriptedDecode(self, prompt, config, constraint, align, started)
+            events = decode.run(reply_ids)
+            if config.num_beams > 1:
+                events = as_beam_search(events)
+            async for event in events:
+                if isinstance(event, GenerationResult):
+                    call.result = event
+                    self.last_metrics = event.metrics
+                yield event
+
+    async def _align(self, prompt: list[int]) -> dict[str, int]:
+        """Trim the log to the longest common prefix with ``prompt``, "prefill" the rest."""
+        restored, self.restored_tokens_pending = self.restored_tokens_pending, 0
+        reused = common_prefix_len(self._tokens, prompt)
+        if reused == len(prompt) == len(self._tokens) and self._logits_ready:
+            return {"reused": reused, "prefix_cache": 0, "restored": restored, "prefilled": 0}
+        # NOTE: a prompt fully covered by the KV still needs its last token fed to get logits.
+        reused = min(reused, len(prompt) - 1)
+        self._trim_to(reused)
+        await self.feed(prompt[reused:], self._engine.prefill_s_per_token)
+        return {
+            "reused": reused,
+            "prefix_cache": 0,
+            "restored": min(restored, reused),
+            "prefilled": len(prompt) - reused,
+        }
+
+    async def feed(self, ids: Sequence[int], seconds_per_token: float) -> None:
+        """Run ``ids`` through the "model": they join the log once the step completes.
+
+        Like a real model step in a worker thread, a started step is not abandoned on
+        cancellation: it finishes (log updated), then the cancellation is delivered.
+        """
+        with anyio.CancelScope(shield=True):
+            if seconds_per_token > 0:
+                await anyio.sleep(seconds_per_token * len(ids))
+            self._tokens.extend(int(t) for t in ids)
+            self._logits_ready = True
+        await anyio.lowlevel.checkpoint()
+
+    def _trim_to(self, n: int) -> None:
+        if n < len(self._tokens):
+            del self._tokens[n:]
+            self._logits_ready = False
+            if n == 0:
+                self._shifted = False
+
+    # ---- other operations ------------------------------------------------------------
+    async def next_token_logits(self) -> np.ndarray:
+        """Deterministic float32 logits ``[n_vocab]`` derived from ``tokens``."""
+        async with self._lock:
+            self._ensure_open()
+            if not self._tokens:
+                raise UserError("the session is empty: prefill or generate before asking for logits")
+            self.restored_tokens_pending = 0
+            if not self._logits_ready:
+                last = self._tokens[-1]
+                self._trim_to(len(self._tokens) - 1)
+                await self.feed([last], self._engine.prefill_s_per_token)
+            return scripted_logits(self._tokens, self._engine.tokenizer.n_vocab)
+
+    async def trim(self, n: int) -> None:
+        """Keep the first ``n`` tokens of the log."""
+        if n < 0:
+            raise UserError(f"trim(n) needs n >= 0, got {n}")
+        async with self._lock:
+            self._ensure_open()
+            self._trim_to(n)
+
+    async def snapshot(self) -> KVSnapshot:
+        """An f32 snapshot of the log with zero K/V arrays ``[1, 1, 1, T, 1]``."""
+        async with self._lock:
+            self._ensure_open()
+            return self._snapshot_now()
+
+    def _snapshot_now(self) -> KVSnapshot:
+        zeros = np.zeros((1, 1, 1, len(self._tokens), 1), dtype=np.float32)
+        return KVSnapshot.from_float(
+            tuple(self._tokens), zeros, zeros, precision="f32",
+            fingerprint=self._engine.fingerprint, shifted=self._shifted,
+        )
+
+    async def restore(self, snapshot: KVSnapshot) -> None:
+        """Replace the log by ``snapshot``'s; another fingerprint raises ``SnapshotIncompatible``."""
+        if snapshot.fingerprint != self._engine.fingerprint:
+            raise SnapshotIncompatible(
+                f"snapshot was made by model {snapshot.fingerprint!r}, this engine runs "
+                f"{self._engine.fingerprint!r}; re-prefill the history instead"
+            )
+        async with self._lock:
+            self._ensure_open()
+            self._tokens = list(snapshot.tokens)
+            self._logits_ready = False
+            self._shifted = snapshot.shifted
+            self.restored_tokens_pending = snapshot.num_tokens
+
+    async def fork(self) -> ScriptedSession:
+        """A new session with a copy of this log; its KV counts as restored when it first runs."""
+        async with self._lock:
+            self._ensure_open()
+            snap = self._snapshot_now()
+        child = self._engine.new_session()
+        child._tokens = list(snap.tokens)
+        child._shifted = snap.shifted
+        child.restored_tokens_pending = snap.num_tokens
+        return child
+
+    async def close(self) -> None:
+        """Drop the log (idempotent)."""
+        async with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._tokens, self._logits_ready = [], False
+            self._engine.forget(self)
+
+    def _ensure_open(self) -> None:
+        if self._closed:
+            raise SessionClosed(f"session {self._id} is closed; open a new one with engine.open_session()")
+
+
