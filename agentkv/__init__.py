@@ -1,1 +1,79 @@
-"""agentkv: an async agent runtime whose conversations keep their KV cache alive."""
+"""agentkv: an async agent runtime whose conversations keep their KV cache alive.
+
+::
+
+    from agentkv import Agent, Runtime, StatefulEngine, tool
+
+    engine = StatefulEngine()                  # the default offline model
+    runtime = Runtime(engine)
+    session = await runtime.open_session(Agent(name="helper"))
+    result = await runtime.run(session, "Hello!")
+
+Importing agentkv does not load a model: ``StatefulEngine`` (and OpenVINO) load on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from agentkv.agent import Agent
+from agentkv.chat.messages import Message, ToolCall
+from agentkv.conversation import AgentSession
+from agentkv.engine.base import (
+    Engine,
+    GenerationConfig,
+    GenerationMetrics,
+    GenerationResult,
+    GenerationStream,
+    KVSession,
+    TokenDelta,
+)
+from agentkv.engine.snapshot import KVSnapshot
+from agentkv.errors import (
+    AgentKVError,
+    ConstraintError,
+    ContextOverflowError,
+    MaxTurnsExceeded,
+    ModelNotFound,
+    SessionBusy,
+    SessionClosed,
+    SessionNotFound,
+    SnapshotCorrupt,
+    SnapshotIncompatible,
+    UserError,
+)
+from agentkv.events import (
+    ContextCompacted,
+    RunEvent,
+    RunFinished,
+    TextDelta,
+    ToolCallEvent,
+    ToolResultEvent,
+    TurnMetricsEvent,
+)
+from agentkv.result import RunResult
+from agentkv.runner import Runner
+from agentkv.runtime import Runtime
+from agentkv.tools import Tool, ToolOutcome, calculator, clock, run_tool_calls, tool
+
+if TYPE_CHECKING:
+    from agentkv.engine.stateful import StatefulEngine
+
+__all__ = [
+    "Agent", "AgentKVError", "AgentSession", "ConstraintError", "ContextCompacted", "ContextOverflowError",
+    "Engine", "GenerationConfig", "GenerationMetrics", "GenerationResult", "GenerationStream", "KVSession",
+    "KVSnapshot", "MaxTurnsExceeded", "Message", "ModelNotFound", "RunEvent", "RunFinished", "RunResult",
+    "Runner", "Runtime", "SessionBusy", "SessionClosed", "SessionNotFound", "SnapshotCorrupt",
+    "SnapshotIncompatible", "StatefulEngine", "TextDelta", "TokenDelta", "Tool", "ToolCall", "ToolCallEvent",
+    "ToolOutcome", "ToolResultEvent", "TurnMetricsEvent", "UserError", "calculator", "clock",
+    "run_tool_calls", "tool",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # StatefulEngine imports OpenVINO: load it only when asked for.
+    if name == "StatefulEngine":
+        from agentkv.engine.stateful import StatefulEngine
+
+        return StatefulEngine
+    raise AttributeError(f"module 'agentkv' has no attribute {name!r}")

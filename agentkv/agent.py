@@ -1,0 +1,84 @@
+"""Agent: what a user declares — name, instructions, tools, generation settings, window policy.
+
+::
+
+    from agentkv import Agent, tool
+
+    @tool
+    def add(a: int, b: int) -> int:
+        "Add two integers."
+        return a + b
+
+    agent = Agent(name="math", instructions="Use tools for arithmetic.", tools=[add])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from agentkv.engine.base import GenerationConfig
+from agentkv.errors import UserError
+from agentkv.tools import Tool
+
+if TYPE_CHECKING:
+    from agentkv.policies.base import ContextPolicy
+
+TOOL_CHOICES = ("auto", "required", "none")
+
+
+@dataclass(frozen=True)
+class Agent:
+    """An agent definition (immutable; share one across many sessions)."""
+
+    name: str
+    """Unique name; sessions and stored rows refer to it."""
+    instructions: str = "You are a helpful assistant."
+    """The system prompt."""
+    tools: Sequence[Tool] = ()
+    """Tools the model may call; an agent only ever runs its own tools."""
+    generation: GenerationConfig = field(default_factory=lambda: GenerationConfig(max_new_tokens=256))
+    """How the model picks tokens on every call of a run."""
+    tool_choice: str = "auto"
+    """"auto" (text or a call), "required" (the first step must call a tool), "none" (no calls),
+    or a tool's name (the first step must call that tool)."""
+    max_turns: int = 10
+    """Most model calls in one run; more raises ``MaxTurnsExceeded``."""
+    policy: ContextPolicy | None = None
+    """Context-window policy applied when the prompt outgrows ``max_prompt_len``; None raises
+    ``ContextOverflowError`` instead."""
+    max_prompt_len: int | None = None
+    """Prompt budget in tokens (default: the engine's context length)."""
+    min_response_len: int = 256
+    """Tokens reserved for the answer inside ``max_prompt_len``."""
+    constrain_tool_calls: bool = True
+    """Decode tool calls under a grammar so they always parse (engines that support it)."""
+    tool_timeout_s: float = 30.0
+    """Timeout for tools that set none."""
+    settings: dict[str, Any] = field(default_factory=dict)
+    """Free-form settings stored with the agent."""
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.name.strip():
+            raise UserError("Agent(name=...) must be a non-empty string")
+        names = [t.name for t in self.tools]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise UserError(f"agent {self.name!r} has two tools named {duplicates}; rename one")
+        if self.tool_choice not in TOOL_CHOICES and self.tool_choice not in names:
+            raise UserError(
+                f"tool_choice={self.tool_choice!r} is neither auto/required/none nor one of the "
+                f"agent's tools {names}"
+            )
+        if self.tool_choice != "auto" and self.tool_choice != "none" and not self.tools:
+            raise UserError(f"tool_choice={self.tool_choice!r} needs at least one tool")
+        if self.max_turns < 1:
+            raise UserError(f"max_turns must be >= 1, got {self.max_turns}")
+        if self.min_response_len < 0:
+            raise UserError(f"min_response_len must be >= 0, got {self.min_response_len}")
+
+    @property
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        """The tools in OpenAI function format, for rendering and grammars."""
+        return [t.schema_for_prompt() for t in self.tools]

@@ -1,0 +1,104 @@
+"""AgentSession: one conversation — its KV session, its message window, and where messages are recorded.
+
+Opened by ``Runtime.open_session(agent)`` (or ``Runtime.resume(id)``) and passed to the runner::
+
+    session = await runtime.open_session(agent)
+    result = await Runner.run(agent, session, "What is 2+2?")
+    print([m.role for m in session.window])
+
+Only one run may use a session at a time: a second concurrent run raises ``SessionBusy``
+rather than queueing behind the first (a queued run would answer a stale history).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from agentkv.chat.messages import Message
+from agentkv.engine.base import Engine, KVSession
+from agentkv.errors import SessionBusy
+
+if TYPE_CHECKING:
+    from agentkv.agent import Agent
+    from agentkv.chat.render import ChatRenderer, RenderedPrompt
+
+
+@dataclass
+class WindowEntry:
+    """A message in the window and its row number in the store (None when not stored)."""
+
+    message: Message
+    seq: int | None = None
+    token_count: int = 0
+
+
+MessageSink = Callable[["AgentSession", Message, int, bool], Awaitable[int | None]]
+"""``(session, message, token_count, in_window) -> seq``: persists a message (the store's hook)."""
+
+
+class AgentSession:
+    """A conversation: agent, KV session, and the messages currently in the context window."""
+
+    def __init__(
+        self,
+        session_id: str,
+        agent: Agent,
+        engine: Engine,
+        kv: KVSession,
+        renderer: ChatRenderer,
+        *,
+        sink: MessageSink | None = None,
+        window: list[WindowEntry] | None = None,
+    ) -> None:
+        self.id = session_id
+        self.agent = agent
+        self.engine = engine
+        self.kv = kv
+        self.renderer = renderer
+        self.window: list[WindowEntry] = window or []
+        self._sink = sink
+        self._running = False
+        self.summaries = 0  # summaries this session's policy has inserted (for naming)
+
+    @property
+    def context_len(self) -> int:
+        """The engine's context length: the hard ceiling for any prompt."""
+        return self.engine.max_context_len
+
+    @property
+    def messages(self) -> list[Message]:
+        """The messages in the window, oldest first (the system prompt is not among them)."""
+        return [entry.message for entry in self.window]
+
+    async def record(self, message: Message, *, token_count: int = 0) -> WindowEntry:
+        """Append ``message`` to the window and persist it (committed when this returns)."""
+        seq = await self._sink(self, message, token_count, True) if self._sink else None
+        entry = WindowEntry(message, seq, token_count)
+        self.window.append(entry)
+        return entry
+
+    def render(self, agent: Agent, *, add_generation_prompt: bool = True) -> RenderedPrompt:
+        """The prompt for ``agent`` over the current window (system prompt + tools first)."""
+        system = Message.system(agent.instructions)
+        tools = agent.tool_schemas if agent.tool_choice != "none" else []
+        return self.renderer.render(
+            [system, *self.messages], tools=tools, add_generation_prompt=add_generation_prompt
+        )
+
+    @asynccontextmanager
+    async def run_guard(self) -> AsyncIterator[None]:
+        """Mark the session as running for the block; a concurrent run raises ``SessionBusy``."""
+        if self._running:
+            raise SessionBusy(self.id, "another run in this process")
+        self._running = True
+        try:
+            yield
+        finally:
+            self._running = False
+
+    async def close(self) -> None:
+        """Release the KV session."""
+        await self.kv.close()

@@ -1,0 +1,79 @@
+"""Typed stream events of an agent run: one small dataclass per kind, one union for all.
+
+::
+
+    async for event in Runner.run_stream(agent, session, "hi"):
+        if event.type == "text_delta":
+            print(event.text, end="")
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, Union
+
+from agentkv.chat.messages import ToolCall
+from agentkv.engine.base import GenerationMetrics
+
+if TYPE_CHECKING:
+    from agentkv.result import RunResult
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """Assistant text as it is generated (tool-call markup is not streamed)."""
+
+    text: str
+    type: Literal["text_delta"] = "text_delta"
+
+
+@dataclass(frozen=True)
+class ToolCallEvent:
+    """The model called a tool."""
+
+    call: ToolCall
+    type: Literal["tool_call"] = "tool_call"
+
+
+@dataclass(frozen=True)
+class ToolResultEvent:
+    """A tool returned (or failed; ``is_error``)."""
+
+    call: ToolCall
+    content: str
+    is_error: bool
+    duration_s: float
+    type: Literal["tool_result"] = "tool_result"
+
+
+@dataclass(frozen=True)
+class TurnMetricsEvent:
+    """What one model call cost and reused."""
+
+    step: int
+    """0-based index of the model call within the run."""
+    metrics: GenerationMetrics
+    type: Literal["turn_metrics"] = "turn_metrics"
+
+
+@dataclass(frozen=True)
+class ContextCompacted:
+    """A context-window policy removed messages from the window."""
+
+    policy: str
+    tokens_before: int
+    tokens_after: int
+    messages_removed: int
+    cost_ms: float
+    type: Literal["context_compacted"] = "context_compacted"
+
+
+@dataclass(frozen=True)
+class RunFinished:
+    """The run ended with a final answer."""
+
+    result: RunResult
+    type: Literal["run_finished"] = "run_finished"
+
+
+RunEvent = Union[TextDelta, ToolCallEvent, ToolResultEvent, TurnMetricsEvent, ContextCompacted, RunFinished]

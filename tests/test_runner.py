@@ -1,0 +1,205 @@
+"""The agent loop on the scripted engine: tool use, errors, limits, cancellation, events."""
+
+from __future__ import annotations
+
+import json
+
+import anyio
+import pytest
+
+from agentkv import Agent, Runner, Runtime, tool
+from agentkv.errors import MaxTurnsExceeded, SessionBusy
+from agentkv.events import RunFinished, TextDelta, ToolCallEvent, ToolResultEvent, TurnMetricsEvent
+from agentkv.testing import ScriptedEngine
+from agentkv.tools import calculator
+
+
+def call(name: str, **arguments) -> str:
+    return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
+
+
+@tool
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+@tool
+def explode(reason: str) -> str:
+    """Always fails."""
+    raise RuntimeError(f"boom: {reason}")
+
+
+@tool(timeout_s=0.2)
+async def slow(seconds: float) -> str:
+    """Sleeps."""
+    await anyio.sleep(seconds)
+    return "done"
+
+
+async def open_session(engine, agent):
+    runtime = Runtime(engine)
+    return runtime, await runtime.open_session(agent)
+
+
+async def test_multi_step_tool_use_feeds_results_back_and_finishes():
+    engine = ScriptedEngine([call("add", a=2, b=3), "The sum is 5."])
+    agent = Agent(name="math", tools=[add])
+    _, session = await open_session(engine, agent)
+    result = await Runner.run(agent, session, "What is 2+3?")
+    assert result.final_text == "The sum is 5."
+    assert [c.name for c in result.tool_calls] == ["add"]
+    assert [m.role for m in session.messages] == ["user", "assistant", "tool", "assistant"]
+    assert session.messages[2].content == "5"
+    assert "5" in engine.calls[1].prompt_text.split("<|im_start|>tool")[-1]
+    engine.assert_complete()
+
+
+async def test_second_step_prefills_only_the_tool_result_delta():
+    engine = ScriptedEngine([call("add", a=1, b=1), "2"])
+    agent = Agent(name="math", tools=[add])
+    _, session = await open_session(engine, agent)
+    result = await Runner.run(agent, session, "1+1?")
+    first, second = result.step_metrics
+    assert second.reused_tokens >= first.prompt_tokens
+    assert second.prefilled_tokens < 40
+
+
+async def test_parallel_calls_run_and_results_keep_call_order():
+    engine = ScriptedEngine([call("add", a=1, b=2) + "\n" + call("add", a=10, b=20), "3 and 30"])
+    agent = Agent(name="math", tools=[add])
+    _, session = await open_session(engine, agent)
+    await Runner.run(agent, session, "two sums")
+    tool_messages = [m for m in session.messages if m.role == "tool"]
+    assert [m.content for m in tool_messages] == ["3", "30"]
+    calls = session.messages[1].tool_calls
+    assert [m.tool_call_id for m in tool_messages] == [c.id for c in calls]
+
+
+async def test_tool_exception_becomes_an_error_result_and_the_loop_continues():
+    engine = ScriptedEngine([call("explode", reason="x"), "It failed."])
+    agent = Agent(name="a", tools=[explode])
+    _, session = await open_session(engine, agent)
+    result = await Runner.run(agent, session, "go")
+    assert result.final_text == "It failed."
+    assert "boom: x" in session.messages[2].content
+
+
+async def test_tool_timeout_is_reported_to_the_model():
+    engine = ScriptedEngine([call("slow", seconds=5), "too slow"])
+    agent = Agent(name="a", tools=[slow])
+    _, session = await open_session(engine, agent)
+    await Runner.run(agent, session, "go")
+    assert "timed out" in session.messages[2].content
+
+
+async def test_invalid_arguments_and_unknown_tools_come_back_as_errors():
+    engine = ScriptedEngine([call("add", a="x", b=1) + "\n" + call("nope"), "ok"])
+    agent = Agent(name="a", tools=[add])
+    _, session = await open_session(engine, agent)
+    await Runner.run(agent, session, "go")
+    results = [m.content for m in session.messages if m.role == "tool"]
+    assert "invalid arguments" in results[0]
+    assert "unknown tool" in results[1]
+
+
+async def test_max_turns_exceeded_raises_and_keeps_the_history():
+    engine = ScriptedEngine([call("add", a=1, b=1)] * 3)
+    agent = Agent(name="a", tools=[add], max_turns=3)
+    _, session = await open_session(engine, agent)
+    with pytest.raises(MaxTurnsExceeded):
+        await Runner.run(agent, session, "loop")
+    assert [m.role for m in session.messages].count("tool") == 3
+    # the session stays usable
+    engine.add_steps("fine")
+    result = await Runner.run(agent, session, "stop now")
+    assert result.final_text == "fine"
+
+
+async def test_stream_events_arrive_in_order():
+    engine = ScriptedEngine([call("add", a=2, b=2), "four"])
+    agent = Agent(name="a", tools=[add])
+    _, session = await open_session(engine, agent)
+    kinds = [event.type async for event in Runner.run_stream(agent, session, "2+2")]
+    assert kinds[0] == "turn_metrics"  # the tool-call markup is not streamed as text
+    assert kinds[1:4] == ["tool_call", "tool_result", "text_delta"]
+    assert kinds[-2:] == ["turn_metrics", "run_finished"]
+
+
+async def test_text_before_a_tool_call_is_streamed_and_markup_hidden():
+    engine = ScriptedEngine(["Let me add. " + call("add", a=1, b=2), "3"])
+    agent = Agent(name="a", tools=[add])
+    _, session = await open_session(engine, agent)
+    events = [e async for e in Runner.run_stream(agent, session, "1+2")]
+    text = "".join(e.text for e in events if isinstance(e, TextDelta))
+    assert text == "Let me add. 3"
+    assert any(isinstance(e, ToolCallEvent) for e in events)
+    assert any(isinstance(e, ToolResultEvent) and e.content == "3" for e in events)
+    assert isinstance(events[-1], RunFinished)
+
+
+async def test_cancellation_mid_decode_leaves_session_consistent():
+    engine = ScriptedEngine(["a long answer " * 20, "short"], decode_s_per_token=0.01)
+    agent = Agent(name="a")
+    _, session = await open_session(engine, agent)
+    with anyio.move_on_after(0.2):
+        await Runner.run(agent, session, "talk")
+    assert [m.role for m in session.messages] == ["user"]
+    kv_tokens = session.kv.tokens
+    rendered = session.render(agent).token_ids
+    assert rendered[: len(kv_tokens) - 40] == kv_tokens[: len(kv_tokens) - 40]
+    result = await Runner.run(agent, session, "again")
+    assert result.final_text == "short"
+
+
+async def test_cancellation_mid_tool_keeps_the_call_and_drops_nothing():
+    engine = ScriptedEngine([call("slow", seconds=0.15)], decode_s_per_token=0.0)
+    agent = Agent(name="a", tools=[slow])
+    _, session = await open_session(engine, agent)
+    with anyio.move_on_after(0.05):
+        await Runner.run(agent, session, "go")
+    assert [m.role for m in session.messages] == ["user", "assistant"]
+    assert session.messages[1].tool_calls[0].name == "slow"
+
+
+async def test_a_second_concurrent_run_on_one_session_raises_session_busy():
+    engine = ScriptedEngine(["one " * 10, "two"], decode_s_per_token=0.01)
+    agent = Agent(name="a")
+    _, session = await open_session(engine, agent)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(Runner.run, agent, session, "first")
+        await anyio.sleep(0.02)
+        with pytest.raises(SessionBusy):
+            await Runner.run(agent, session, "second")
+
+
+async def test_turn_metrics_are_reported_per_model_call():
+    engine = ScriptedEngine([call("calculator", expression="6*7"), "42"])
+    agent = Agent(name="a", tools=[calculator])
+    _, session = await open_session(engine, agent)
+    events = [e async for e in Runner.run_stream(agent, session, "6*7?")]
+    metrics = [e for e in events if isinstance(e, TurnMetricsEvent)]
+    assert [m.step for m in metrics] == [0, 1]
+    assert session.messages[2].content == "42"
+
+
+async def test_runtime_registers_the_agents_system_prompt_as_a_shared_prefix():
+    engine = ScriptedEngine([])
+    agent = Agent(name="a", instructions="Be brief.", tools=[add])
+    runtime = Runtime(engine)
+    await runtime.open_session(agent)
+    (prefix,) = engine.registered_prefixes
+    assert "Be brief." in engine.tokenizer.decode(prefix)
+
+
+def test_agent_rejects_misuse_with_user_errors():
+    from agentkv.errors import UserError
+
+    with pytest.raises(UserError):
+        Agent(name="a", tools=[add, add])
+    with pytest.raises(UserError):
+        Agent(name="a", tools=[add], tool_choice="missing_tool")
+    with pytest.raises(UserError):
+        Agent(name="a", tool_choice="required")
+    with pytest.raises(UserError):
+        Agent(name="", tools=[add])
