@@ -1,28 +1,37 @@
-"""Runtime: owns one engine (and optionally one store); opens and resumes agent sessions.
+"""Runtime: owns one engine and optionally one store; opens, runs and resumes agent sessions.
 
 ::
 
     engine = StatefulEngine()
-    runtime = Runtime(engine)
+    runtime = Runtime(engine, store=Store.from_env(), agents=[agent])
     session = await runtime.open_session(agent)
     result = await runtime.run(session, "hello")
-    await runtime.aclose()
+    ...                                   # next day, another process:
+    session = await runtime.resume(session_id)
 
-Each agent's system prompt + tool schemas is registered with the engine as a shared prefix,
-so sessions of agents that share it start from its cached KV.
+Each agent's system prompt + tool schemas is registered with the engine as a shared prefix.
+With a store, every message is committed as it is recorded, a run holds the session's lease
+(a second process gets ``SessionBusy``), and the KV is snapshotted to a file after each run.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 import uuid
 from collections.abc import AsyncIterator, Sequence
 
+import anyio
+
 from agentkv.agent import Agent
+from agentkv.chat.messages import Message
 from agentkv.chat.render import ChatRenderer
 from agentkv.conversation import AgentSession
 from agentkv.engine.base import Engine
 from agentkv.errors import UserError
-from agentkv.events import RunEvent
+from agentkv.events import RunEvent, RunFinished
+from agentkv.memory import Store
+from agentkv.persistence import ResumeReport, StoreSink, load_window, restore_newest_snapshot, save_snapshot
 from agentkv.result import RunResult
 from agentkv.runner import Runner
 
@@ -30,9 +39,21 @@ from agentkv.runner import Runner
 class Runtime:
     """One engine, many concurrent sessions; one run at a time per session."""
 
-    def __init__(self, engine: Engine, *, agents: Sequence[Agent] = ()) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        store: Store | None = None,
+        *,
+        agents: Sequence[Agent] = (),
+        holder: str | None = None,
+        lease_ttl_s: float = 600.0,
+    ) -> None:
         self.engine = engine
+        self.store = store
         self.renderer = ChatRenderer(engine.tokenizer)
+        self.holder = holder or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self.lease_ttl_s = lease_ttl_s
+        self.last_resume: ResumeReport | None = None
         self._agents: dict[str, Agent] = {}
         self._sessions: dict[str, AgentSession] = {}
         for agent in agents:
@@ -41,40 +62,109 @@ class Runtime:
     def add_agent(self, agent: Agent) -> None:
         """Make ``agent`` known (needed to resume its sessions) and register its shared prefix."""
         known = self._agents.get(agent.name)
-        if known is not None and known is not agent and known != agent:
+        if known is not None and known is not agent:
             raise UserError(f"another agent named {agent.name!r} is already registered; use a unique name")
         self._agents[agent.name] = agent
         tools = agent.tool_schemas if agent.tool_choice != "none" else []
-        from agentkv.chat.messages import Message
-
         prefix = self.renderer.render([Message.system(agent.instructions)], tools=tools, add_generation_prompt=False)
         self.engine.register_prefix(prefix.token_ids[: prefix.prefix_len])
 
     async def open_session(self, agent: Agent, *, session_id: str | None = None) -> AgentSession:
-        """A new conversation for ``agent``."""
+        """A new conversation for ``agent`` (stored, if the runtime has a store)."""
         self.add_agent(agent)
         sid = session_id or uuid.uuid4().hex
         if sid in self._sessions:
             raise UserError(f"session {sid!r} is already open in this runtime")
+        if self.store is not None:
+            await self.store.upsert_agent(
+                agent.name, agent.instructions, [t.name for t in agent.tools], _agent_settings(agent)
+            )
+            await self.store.create_session(agent.name, session_id=sid)
+        return await self._attach(sid, agent, [])
+
+    async def resume(self, session_id: str, agent: Agent | None = None) -> AgentSession:
+        """Reopen a stored session: its window of messages and, from the newest valid snapshot,
+        its KV. Raises ``SessionNotFound`` for an unknown id."""
+        store = self._require_store("resume")
+        if session_id in self._sessions:
+            return self._sessions[session_id]
+        record = await store.get_session(session_id)
+        agent = agent or await self._agent_for(record.agent_name)
+        session = await self._attach(session_id, agent, await load_window(store, session_id))
+        prompt = session.render(agent, add_generation_prompt=False).token_ids
+        restored, skipped = await restore_newest_snapshot(
+            store, session_id, session.kv, prompt, self.engine.fingerprint
+        )
+        self.last_resume = ResumeReport(len(session.window), restored, skipped)
+        return session
+
+    async def _attach(self, sid: str, agent: Agent, window: list) -> AgentSession:  # type: ignore[type-arg]
         kv = await self.engine.open_session()
-        session = AgentSession(sid, agent, self.engine, kv, self.renderer)
+        sink = StoreSink(self.store) if self.store is not None else None
+        session = AgentSession(sid, agent, self.engine, kv, self.renderer, sink=sink, window=window)
         self._sessions[sid] = session
         return session
 
-    async def run(self, session: AgentSession, user_input: str) -> RunResult:
-        """``Runner.run`` with the session's own agent."""
-        return await Runner.run(session.agent, session, user_input)
+    async def _agent_for(self, name: str) -> Agent:
+        if name in self._agents:
+            return self._agents[name]
+        stored = await self._require_store("resume").get_agent(name)
+        if stored.tool_names:
+            raise UserError(
+                f"agent {name!r} uses tools {list(stored.tool_names)}; pass the Agent to "
+                "Runtime(agents=[...]) or resume(session_id, agent) so its tools can run"
+            )
+        agent = Agent(name=name, instructions=stored.instructions)
+        self.add_agent(agent)
+        return agent
 
-    def run_stream(self, session: AgentSession, user_input: str) -> AsyncIterator[RunEvent]:
-        """``Runner.run_stream`` with the session's own agent."""
-        return Runner.run_stream(session.agent, session, user_input)
+    def _require_store(self, action: str) -> Store:
+        if self.store is None:
+            raise UserError(f"{action} needs a store: Runtime(engine, store=Store.from_env())")
+        return self.store
+
+    async def run(self, session: AgentSession, user_input: str) -> RunResult:
+        """Run the session's agent on ``user_input`` to its final answer."""
+        result: RunResult | None = None
+        async for event in self.run_stream(session, user_input):
+            if isinstance(event, RunFinished):
+                result = event.result
+        assert result is not None
+        return result
+
+    async def run_stream(self, session: AgentSession, user_input: str) -> AsyncIterator[RunEvent]:
+        """``Runner.run_stream`` under the session's lease; snapshots the KV when the run ends."""
+        if self.store is None:
+            async for event in Runner.run_stream(session.agent, session, user_input):
+                yield event
+            return
+        await self.store.acquire_lease(session.id, self.holder, self.lease_ttl_s)
+        try:
+            async for event in Runner.run_stream(session.agent, session, user_input):
+                yield event
+        finally:
+            with anyio.CancelScope(shield=True):
+                await save_snapshot(self.store, session)
+                await self.store.release_lease(session.id, self.holder)
 
     async def close_session(self, session: AgentSession) -> None:
-        """Release the session's KV."""
+        """Release the session's KV (its stored history stays)."""
         self._sessions.pop(session.id, None)
         await session.close()
 
     async def aclose(self) -> None:
-        """Close every session (the engine stays usable)."""
+        """Close every session (the engine and the store stay usable)."""
         for session in list(self._sessions.values()):
             await self.close_session(session)
+
+
+def _agent_settings(agent: Agent) -> dict:  # type: ignore[type-arg]
+    return {
+        "generation": agent.generation.model_dump(mode="json"),
+        "tool_choice": agent.tool_choice,
+        "max_turns": agent.max_turns,
+        "max_prompt_len": agent.max_prompt_len,
+        "min_response_len": agent.min_response_len,
+        "policy": type(agent.policy).__name__ if agent.policy is not None else None,
+        **agent.settings,
+    }

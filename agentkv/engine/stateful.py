@@ -18,7 +18,7 @@ import hashlib
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import openvino as ov
@@ -30,7 +30,10 @@ from agentkv.engine.slot import Slot
 from agentkv.engine.slots import SlotPool
 from agentkv.engine.snapshot import KVSnapshot
 from agentkv.engine.tokenizer import OVTokenizer
-from agentkv.errors import UserError
+from agentkv.errors import ConstraintError, UserError
+
+if TYPE_CHECKING:
+    from agentkv.engine.constraints import ConstraintFactory, GrammarConstraint
 
 KVPrecision = Literal["u8", "f16", "f32"]
 _OV_PRECISION = {"u8": "u8", "f16": "f16", "f32": "f32"}
@@ -111,6 +114,8 @@ class StatefulEngine:
         self._fingerprint = _fingerprint(self.files.model_xml, self.kv_cache_precision, device)
         self._eos = frozenset({self._tokenizer.eos_token_id})
         self._sessions: set[StatefulSession] = set()
+        self._constraints: ConstraintFactory | None = None
+        self._vocab_size = int(ov_model.output("logits").get_partial_shape()[2].get_length())
         heads, head_dim = _state_head_shape(slots[0])
         self._kv_token_bytes = 2 * self.num_layers * heads * head_dim * _BYTES[self.kv_cache_precision]
         self.prefix_cache = None  # set by the prefix-cache layer (engine/prefix_cache.py)
@@ -155,6 +160,30 @@ class StatefulEngine:
         """Close every open session."""
         for session in list(self._sessions):
             await session.close()
+
+    def make_constraint(self, grammar: str) -> GrammarConstraint:
+        """A fresh grammar constraint (llguidance Lark grammar) for one generation::
+
+            c = engine.make_constraint(tool_call_grammar(agent.tool_schemas, "required"))
+            await session.generate(ids, cfg, constraint=c)
+        """
+        if self._constraints is None:
+            meta = self.files.gguf_metadata()
+            if "tokenizer.ggml.tokens" not in meta:
+                raise ConstraintError(
+                    "grammar-constrained decoding needs the model's vocabulary, read from its GGUF file; "
+                    "put the .gguf next to the IR or set Agent(constrain_tool_calls=False)"
+                )
+            from agentkv.engine.constraints import ConstraintFactory
+
+            self._constraints = ConstraintFactory(
+                meta["tokenizer.ggml.tokens"],
+                eos_token_id=sorted(self._eos),
+                vocab_size=self._vocab_size,
+                token_types=meta.get("tokenizer.ggml.token_type"),
+                encode=self._tokenizer.encode,
+            )
+        return self._constraints(grammar)
 
     # ---- helpers used by sessions ------------------------------------------------------
     def make_snapshot(

@@ -1,0 +1,259 @@
+"""The ``<tool_call>`` text format for models whose chat template has no tool support.
+
+The model writes zero or more blocks ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``;
+this module formats them, parses them back (bad blocks become error texts for the model, never
+exceptions), and writes the llguidance grammar that forces the model to produce them::
+
+    text = format_tool_calls([ToolCall(name="calculator", arguments={"expression": "2+2"})])
+    parsed = parse_tool_calls(text)        # parsed.tool_calls[0].name == "calculator"
+    grammar = tool_call_grammar([calculator.schema_for_prompt()], "required")
+    constraint = factory(grammar)          # engine/constraints.py: ConstraintFactory
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from agentkv.chat.messages import ToolCall
+
+TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
+
+_GRAMMAR_TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_JSON_WHITESPACE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+"""llguidance JSON options: exactly ``json.dumps``'s default layout, so the model cannot pad."""
+_DECODER = json.JSONDecoder()
+_FIX = (
+    f'write exactly {{"name": "<tool>", "arguments": {{...}}}} between {TOOL_CALL_OPEN} '
+    f"and {TOOL_CALL_CLOSE}"
+)
+_NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
+
+# Schema keywords whose value is one subschema, a {name: subschema} map, or a list of subschemas.
+_ONE_SCHEMA = (
+    "items", "additionalProperties", "additionalItems", "contains", "not", "if", "then", "else",
+    "propertyNames", "unevaluatedItems", "unevaluatedProperties",
+)  # fmt: skip
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf", "items")
+
+
+@dataclass(frozen=True)
+class ParsedOutput:
+    """A model's output split into prose and tool calls."""
+
+    content: str
+    """The text outside the tool-call blocks, stripped."""
+    tool_calls: tuple[ToolCall, ...] = ()
+    """The well-formed calls, in order."""
+    errors: tuple[str, ...] = ()
+    """One text per malformed block, written for the model to read and correct."""
+
+
+def format_tool_call(call: ToolCall) -> str:
+    """One block: ``<tool_call>\\n{"name": "clock", "arguments": {}}\\n</tool_call>``."""
+    body = json.dumps({"name": call.name, "arguments": call.arguments}, ensure_ascii=False)
+    return f"{TOOL_CALL_OPEN}\n{body}\n{TOOL_CALL_CLOSE}"
+
+
+def format_tool_calls(calls: Sequence[ToolCall]) -> str:
+    """The blocks of ``calls`` separated by newlines (the text an assistant turn renders to).
+
+    ``format_tool_calls([ToolCall(name="clock")])``
+    """
+    return "\n".join(format_tool_call(call) for call in calls)
+
+
+def parse_tool_calls(text: str) -> ParsedOutput:
+    """Split ``text`` into content, tool calls and error texts; never raises on model output.
+
+    A block's JSON object decides where the block ends (so a ``</tool_call>`` inside a JSON
+    string does not cut it); a block whose close tag is missing ends at the next
+    ``<tool_call>`` or at the end of text.
+    ``parse_tool_calls('Sure.\\n<tool_call>\\n{"name": "clock", "arguments": {}}\\n</tool_call>')``
+    """
+    pieces: list[str] = []
+    calls: list[ToolCall] = []
+    errors: list[str] = []
+    position = 0
+    while (start := text.find(TOOL_CALL_OPEN, position)) >= 0:
+        pieces.append(text[position:start])
+        parsed, position = _read_block(text, start + len(TOOL_CALL_OPEN), len(calls) + len(errors) + 1)
+        if isinstance(parsed, ToolCall):
+            calls.append(parsed)
+        else:
+            errors.append(parsed)
+    pieces.append(text[position:])
+    content = "\n".join(piece.strip() for piece in pieces if piece.strip())
+    return ParsedOutput(content=content, tool_calls=tuple(calls), errors=tuple(errors))
+
+
+def _read_block(text: str, body_start: int, index: int) -> tuple[ToolCall | str, int]:
+    """The call (or error text) of the block whose body starts at ``body_start``, and where the
+    text after the block starts."""
+    json_start = len(text) - len(text[body_start:].lstrip())
+    try:
+        payload, json_end = _DECODER.raw_decode(text, json_start)
+    except json.JSONDecodeError:
+        payload, json_end = None, json_start
+    after = len(text) - len(text[json_end:].lstrip())
+    if payload is not None and text.startswith(TOOL_CALL_CLOSE, after):
+        return _call_from(payload, index), after + len(TOOL_CALL_CLOSE)
+    if payload is not None and (after == len(text) or text.startswith(TOOL_CALL_OPEN, after)):
+        return _call_from(payload, index), after
+    close = text.find(TOOL_CALL_CLOSE, body_start)
+    reopen = text.find(TOOL_CALL_OPEN, body_start)
+    if close >= 0 and (reopen < 0 or close < reopen):
+        return _parse_body(text[body_start:close], index), close + len(TOOL_CALL_CLOSE)
+    end = reopen if reopen >= 0 else len(text)
+    return _parse_body(text[body_start:end], index), end
+
+
+def _parse_body(body: str, index: int) -> ToolCall | str:
+    """The call in one block's body, or an error text naming the block and the fix."""
+    try:
+        payload = json.loads(body)
+    except json.JSONDecodeError as error:
+        where = f"line {error.lineno} column {error.colno}"
+        return f"tool call {index}: invalid JSON ({error.msg} at {where}); {_FIX}"
+    return _call_from(payload, index)
+
+
+def _call_from(payload: Any, index: int) -> ToolCall | str:
+    """The call a decoded block describes, or an error text naming the block and the fix."""
+    where = f"tool call {index}"
+    if not isinstance(payload, dict):
+        return f"{where}: expected a JSON object, got {type(payload).__name__}; {_FIX}"
+    name = payload.get("name")
+    if not isinstance(name, str) or not name.strip():
+        return f'{where}: "name" is missing or not a non-empty string; {_FIX}'
+    arguments = payload.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError:
+            return f'{where}: "arguments" of {name!r} is a string that is not JSON; {_FIX}'
+    if not isinstance(arguments, dict):
+        return f'{where}: "arguments" of {name!r} must be a JSON object; {_FIX}'
+    return ToolCall(name=name.strip(), arguments=arguments)
+
+
+def bounded_schema(
+    schema: dict[str, Any], *, max_string_length: int = 200, max_items: int = 16
+) -> dict[str, Any]:
+    """A copy of ``schema`` where every string has a ``maxLength`` and every array a ``maxItems``.
+
+    Existing bounds are kept. A small model under a grammar otherwise fills an unbounded string
+    until ``max_new_tokens``.
+    ``bounded_schema({"type": "string"})`` → ``{"type": "string", "maxLength": 200}``
+    """
+    if max_string_length < 1 or max_items < 1:
+        raise ValueError("max_string_length and max_items must be at least 1")
+    bounded = copy.deepcopy(schema)
+    _bound_in_place(bounded, max_string_length, max_items)
+    return bounded
+
+
+def _bound_in_place(schema: Any, max_string_length: int, max_items: int) -> None:
+    """Add the bounds to ``schema`` and each subschema (only schema keywords are walked, never
+    ``const``/``enum``/``default`` values, whose dicts are data)."""
+    if not isinstance(schema, dict):
+        return
+    types = schema.get("type")
+    types = {types} if isinstance(types, str) else set(types) if isinstance(types, list) else set()
+    if "string" in types and not {"maxLength", "enum", "const"} & schema.keys():
+        schema["maxLength"] = max_string_length
+    if "array" in types and "maxItems" not in schema:
+        schema["maxItems"] = max(max_items, schema.get("minItems", 0))
+    for key in _ONE_SCHEMA:
+        _bound_in_place(schema.get(key), max_string_length, max_items)
+    for key in _SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            for subschema in schema[key].values():
+                _bound_in_place(subschema, max_string_length, max_items)
+    for key in _SCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            for subschema in schema[key]:
+                _bound_in_place(subschema, max_string_length, max_items)
+
+
+def tool_call_grammar(
+    tools: Sequence[dict[str, Any]],
+    tool_choice: str,
+    *,
+    max_string_length: int = 200,
+    max_items: int = 16,
+) -> str:
+    """An llguidance Lark grammar for the model's whole answer under ``tool_choice``.
+
+    ``"required"``: exactly one block calling one of ``tools``; a tool's name: one block calling
+    that tool; ``"auto"``: one block, or text that never contains ``<tool_call>``. The arguments
+    follow the tool's (bounded) JSON schema in ``json.dumps`` layout. ``"none"`` needs no grammar
+    (pass no constraint) and raises ``ValueError``, as do unknown names and malformed tools.
+
+    ``factory(tool_call_grammar([calculator.schema_for_prompt()], "required"))``
+    """
+    chosen = _chosen_tools(tools, tool_choice)
+    open_tag, close_tag = _lark_literal(TOOL_CALL_OPEN + "\n"), _lark_literal("\n" + TOOL_CALL_CLOSE)
+    lines = [
+        "start: tool_call | TEXT" if tool_choice == "auto" else "start: tool_call",
+        f"tool_call: {open_tag} call_body {close_tag}",
+        "call_body: " + " | ".join(f"call_{i}" for i in range(len(chosen))),
+    ]
+    for i, (name, parameters) in enumerate(chosen):
+        head = _lark_literal('{"name": ' + json.dumps(name) + ', "arguments": ')
+        schema = bounded_schema(parameters, max_string_length=max_string_length, max_items=max_items)
+        schema["x-guidance"] = {**schema.get("x-guidance", {}), **_JSON_WHITESPACE}
+        lines.append(f'call_{i}: {head} arguments_{i} "}}"')
+        lines.append(f"arguments_{i}: %json {json.dumps(schema, ensure_ascii=False)}")
+    if tool_choice == "auto":
+        # NOTE: plain text may be anything non-empty that never contains the open tag, so an
+        # answer is either prose or exactly one call, never prose with a call in its middle.
+        lines.append(f"TEXT: /(?s:.+)/ & ~/(?s:.*){re.escape(TOOL_CALL_OPEN)}(?s:.*)/")
+    return "\n".join(lines) + "\n"
+
+
+def _chosen_tools(tools: Sequence[dict[str, Any]], tool_choice: str) -> list[tuple[str, dict[str, Any]]]:
+    """``(name, parameters)`` of the tools ``tool_choice`` lets the model call."""
+    specs = [_name_and_parameters(tool) for tool in tools]
+    names = [name for name, _ in specs]
+    if not specs:
+        raise ValueError("tool_call_grammar needs at least one tool; with no tools pass no constraint")
+    if len(set(names)) != len(names):
+        raise ValueError(f"tool names must be unique, got {names}")
+    if tool_choice == "none":
+        raise ValueError('tool_choice="none" needs no grammar: generate without a constraint')
+    if tool_choice in ("required", "auto"):
+        return specs
+    if tool_choice in names:
+        return [spec for spec in specs if spec[0] == tool_choice]
+    raise ValueError(
+        f'tool_choice must be "auto", "required", "none" or one of {names}, got {tool_choice!r}'
+    )
+
+
+def _name_and_parameters(tool: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """``(name, parameters schema)`` of an OpenAI-format tool dict (or a bare function dict)."""
+    function = tool.get("function", tool) if isinstance(tool, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ValueError(
+            'each tool must look like {"type": "function", "function": {"name": ..., "parameters": {...}}}, '
+            f"got {tool!r}"
+        )
+    name = function["name"]
+    if not _GRAMMAR_TOOL_NAME.match(name):
+        raise ValueError(f"tool name {name!r} is not allowed; use 1-64 letters, digits, '_', '-' or '.'")
+    parameters = function.get("parameters") or _NO_ARGUMENTS
+    if not isinstance(parameters, dict):
+        raise ValueError(f"the parameters of tool {name!r} must be a JSON schema object, got {parameters!r}")
+    return name, parameters
+
+
+def _lark_literal(text: str) -> str:
+    """A Lark string literal matching exactly ``text`` (JSON escapes are Lark escapes)."""
+    return json.dumps(text, ensure_ascii=False)

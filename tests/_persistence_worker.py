@@ -1,0 +1,54 @@
+"""Subprocess side of the persistence tests: runs one turn against a store and reports as JSON.
+
+    python tests/_persistence_worker.py slow-turn <db_url> <session_id>     # scripted, slow: to be killed or to hold the lease
+    python tests/_persistence_worker.py resume-turn <db_url> <session_id> <text>   # real model: resume, run, print metrics
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import anyio
+
+from agentkv import Agent, Runtime
+from agentkv.memory import Store
+
+AGENT = Agent(name="persist", instructions="You are a terse assistant.")
+
+
+async def slow_turn(url: str, session_id: str) -> None:
+    from agentkv.testing import ScriptedEngine
+
+    engine = ScriptedEngine(["word " * 400], decode_s_per_token=0.02)
+    store = Store(url)
+    runtime = Runtime(engine, store, agents=[AGENT], lease_ttl_s=1.0)
+    session = await runtime.open_session(AGENT, session_id=session_id)
+    print("started", flush=True)
+    await runtime.run(session, "tell me everything")
+
+
+async def resume_turn(url: str, session_id: str, text: str) -> None:
+    from agentkv.engine.stateful import StatefulEngine
+
+    engine = StatefulEngine(num_slots=1)
+    store = Store(url)
+    runtime = Runtime(engine, store, agents=[AGENT])
+    session = await runtime.resume(session_id)
+    result = await runtime.run(session, text)
+    m = result.step_metrics[0]
+    print(json.dumps({
+        "text": result.final_text,
+        "token_ids": list(session.messages[-1].token_ids or ()),
+        "restored": runtime.last_resume.restored_tokens,
+        "reused": m.reused_tokens,
+        "prefilled": m.prefilled_tokens,
+        "prompt": m.prompt_tokens,
+    }))
+    await runtime.aclose()
+    await store.close()
+
+
+if __name__ == "__main__":
+    mode, *args = sys.argv[1:]
+    anyio.run({"slow-turn": slow_turn, "resume-turn": resume_turn}[mode], *args)

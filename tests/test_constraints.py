@@ -1,0 +1,351 @@
+"""Tests of agentkv.engine.constraints: llguidance masks from the GGUF vocabulary, and
+grammar-constrained tool calls on the real model (marked ``model``)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+
+import llguidance
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agentkv.chat.messages import ToolCall
+from agentkv.chat.toolcalls import TOOL_CALL_OPEN, format_tool_calls, parse_tool_calls, tool_call_grammar
+from agentkv.engine.base import GenerationConfig
+from agentkv.engine.constraints import ConstraintFactory, GrammarConstraint, llg_tokenizer_from_gguf_vocab
+from agentkv.engine.models import resolve_model
+from agentkv.engine.tokenizer import OVTokenizer
+from agentkv.errors import ConstraintError
+from agentkv.tools import calculator, clock
+
+EOS = 2
+VOCAB = 49152
+TOOLS = [calculator.schema_for_prompt(), clock.schema_for_prompt()]
+BY_NAME = {"calculator": calculator, "clock": clock}
+
+
+@pytest.fixture(scope="module")
+def vocab() -> dict:
+    return resolve_model(None).gguf_metadata()
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> OVTokenizer:
+    return OVTokenizer(resolve_model(None).ir_dir)
+
+
+@pytest.fixture(scope="module")
+def factory(vocab, tokenizer) -> ConstraintFactory:
+    return ConstraintFactory(
+        vocab["tokenizer.ggml.tokens"],
+        eos_token_id=EOS,
+        vocab_size=VOCAB,
+        token_types=vocab["tokenizer.ggml.token_type"],
+        encode=tokenizer.encode,
+    )
+
+
+def walk(constraint: GrammarConstraint, ids: Sequence[int]) -> bool:
+    """Feed ``ids`` while the mask allows them; True if all were allowed. Checks at every step
+    that EOS is allowed exactly when the grammar accepts."""
+    for token in ids:
+        mask = constraint.allowed_mask()
+        assert mask[EOS] == constraint.is_accepting()
+        if not mask[token]:
+            return False
+        constraint.advance(token)
+    return True
+
+
+def test_gpt2_byte_tokens_decode_to_their_bytes_and_specials_stay_special(vocab):
+    tokens = vocab["tokenizer.ggml.tokens"]
+    llt = llg_tokenizer_from_gguf_vocab(
+        tokens, eos_token_id=EOS, vocab_size=VOCAB, token_types=vocab["tokenizer.ggml.token_type"]
+    )
+    the = tokens.index("Ġthe")
+    newline = tokens.index("Ċ")
+    assert llt.decode_bytes([the, newline]) == b" the\n"
+    assert llt.vocab_size == VOCAB and llt.eos_token == EOS
+    assert llt.is_special_token(EOS) and llt.is_special_token(tokens.index("<|im_start|>"))
+    assert not llt.is_special_token(the)
+
+
+def test_without_token_types_the_im_tokens_are_still_special(vocab):
+    llt = llg_tokenizer_from_gguf_vocab(vocab["tokenizer.ggml.tokens"], eos_token_id=EOS, vocab_size=VOCAB)
+    assert llt.is_special_token(1) and llt.is_special_token(EOS)
+
+
+def test_vocabulary_wider_than_vocab_size_is_refused(vocab):
+    with pytest.raises(ConstraintError, match="vocab_size"):
+        llg_tokenizer_from_gguf_vocab(vocab["tokenizer.ggml.tokens"], eos_token_id=EOS, vocab_size=100)
+
+
+def test_logits_wider_than_the_vocabulary_never_allow_the_padding_ids(vocab):
+    factory = ConstraintFactory(vocab["tokenizer.ggml.tokens"], eos_token_id=EOS, vocab_size=VOCAB + 64)
+    mask = factory("start: /[a-z ]+/").allowed_mask()
+    assert mask.shape == (VOCAB + 64,) and mask.dtype == np.bool_
+    assert not mask[VOCAB:].any() and mask[:VOCAB].any()
+
+
+def test_formatted_call_walks_through_the_required_grammar_and_then_only_eos_remains(factory, tokenizer):
+    text = format_tool_calls([ToolCall(name="calculator", arguments={"expression": "2 * (3 + 4)"})])
+    constraint = factory(tool_call_grammar(TOOLS, "required"))
+    assert walk(constraint, tokenizer.encode(text))
+    assert constraint.is_finished()
+    mask = constraint.allowed_mask()
+    assert mask[EOS] and mask.sum() == 1
+    constraint.advance(EOS)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '<tool_call>\n{"name": "calculator", "arguments": {"expression":  "1"}}\n</tool_call>',  # padding
+        '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1", "x": 2}}\n</tool_call>',
+        '<tool_call>\n{"name": "weather", "arguments": {}}\n</tool_call>',
+        "Plain text is not a call.",
+    ],
+)
+def test_required_grammar_refuses_padding_extra_arguments_unknown_tools_and_prose(factory, tokenizer, text):
+    assert not walk(factory(tool_call_grammar(TOOLS, "required")), tokenizer.encode(text))
+
+
+def test_auto_grammar_takes_prose_or_one_call_but_not_prose_holding_a_call(factory, tokenizer):
+    grammar = tool_call_grammar(TOOLS, "auto")
+    call = format_tool_calls([ToolCall(name="clock", arguments={"timezone": "Europe/Paris"})])
+    assert walk(factory(grammar), tokenizer.encode("It is sunny.") + [EOS])
+    assert walk(factory(grammar), tokenizer.encode(call) + [EOS])
+    assert not walk(factory(grammar), tokenizer.encode("Let me see. " + call))
+    assert not factory(grammar).allowed_mask()[1]  # <|im_start|> is no text
+
+
+def test_string_arguments_are_bounded_by_max_length(factory, tokenizer):
+    grammar = tool_call_grammar(TOOLS, "calculator", max_string_length=5)
+    ok = format_tool_calls([ToolCall(name="calculator", arguments={"expression": "12345"})])
+    too_long = format_tool_calls([ToolCall(name="calculator", arguments={"expression": "123456"})])
+    assert walk(factory(grammar), tokenizer.encode(ok))
+    assert not walk(factory(grammar), tokenizer.encode(too_long))
+
+
+def test_refs_to_defs_in_a_tool_schema_are_followed(factory, tokenizer):
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "move",
+            "parameters": {
+                "type": "object",
+                "properties": {"to": {"$ref": "#/$defs/Point"}},
+                "required": ["to"],
+                "additionalProperties": False,
+                "$defs": {
+                    "Point": {
+                        "type": "object",
+                        "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+                        "required": ["x", "y"],
+                        "additionalProperties": False,
+                    }
+                },
+            },
+        },
+    }
+    grammar = tool_call_grammar([tool], "required")
+    good = format_tool_calls([ToolCall(name="move", arguments={"to": {"x": 1, "y": -2}})])
+    bad = format_tool_calls([ToolCall(name="move", arguments={"to": {"x": "1", "y": -2}})])
+    assert walk(factory(grammar), tokenizer.encode(good) + [EOS])
+    assert not walk(factory(grammar), tokenizer.encode(bad))
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.text(alphabet="abc ,.!?0123456789\n", min_size=1, max_size=40))
+def test_eos_is_allowed_exactly_when_the_grammar_accepts(factory, tokenizer, text):
+    constraint = factory('start: "A" /[a-c ,.!?0-9\\n]*/ "!"')
+    walk(constraint, tokenizer.encode("A" + text))
+
+
+def test_a_disallowed_token_raises_constraint_error_and_names_the_token(factory, tokenizer):
+    constraint = factory(tool_call_grammar(TOOLS, "required"))
+    with pytest.raises(ConstraintError, match="token 5 is not allowed"):
+        constraint.advance(5)
+    with pytest.raises(ConstraintError):
+        constraint.allowed_mask()  # the matcher stays in its error state
+
+
+def test_a_token_outside_the_vocabulary_raises_constraint_error(factory):
+    with pytest.raises(ConstraintError, match="outside the vocabulary"):
+        factory("start: /[a-z]+/").advance(VOCAB)
+
+
+def test_a_broken_grammar_raises_constraint_error_with_llguidance_message(factory):
+    with pytest.raises(ConstraintError, match="does not compile.*undefined|unknown|foo"):
+        factory("start: foo")
+
+
+def test_constraints_from_one_cached_grammar_are_independent(factory, tokenizer):
+    grammar = tool_call_grammar(TOOLS, "auto")
+    first = factory(grammar)
+    assert walk(first, tokenizer.encode("Hello"))
+    second = factory(grammar)
+    assert not second.is_accepting() and first.is_accepting()
+
+
+def test_json_schema_grammars_from_llguidance_work_too(factory, tokenizer):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    grammar = llguidance.grammar_from("json_schema", json.dumps(schema))
+    assert walk(factory(grammar), tokenizer.encode('{"a": 12}') + [EOS])
+
+
+# ---- the real model -------------------------------------------------------------------------
+
+SYSTEM = (
+    "You are an assistant that answers by calling tools. Available tools:\n"
+    + "\n".join(json.dumps(tool["function"]) for tool in TOOLS)
+    + "\nTo call a tool, write:\n"
+    + format_tool_calls([ToolCall(name="calculator", arguments={"expression": "3 * 7"})])
+)
+CONSTRAINED = GenerationConfig(max_new_tokens=120)
+PROMPTS = [
+    "What is 17 * 23?",
+    "What time is it in Tokyo?",
+    "Compute the square root of 2.",
+    "What's the date today?",
+    "How much is 1234 + 5678?",
+    "Tell me the current time in Paris.",
+    "Divide 100 by 7.",
+    "What is 2 to the power of 10?",
+    "I need the time in New York right now.",
+    "Calculate 15% of 80.",
+    "what's 9 minus 12",
+    "Is it morning in London now?",
+    "Evaluate sin(pi / 4) * sqrt(2).",
+    "How many seconds are in a day?",
+    "Which day of the week is it in UTC?",
+    "Add 0.1 and 0.2.",
+    "What is the cube of 7?",
+    "Give me the current UTC time.",
+    "How much is 3 dozen eggs if one egg costs 0.25?",
+    "Hello! Can you tell me the time in Sydney, Australia?",
+]
+
+
+class TimedConstraint:
+    """Wraps a constraint and adds up the seconds spent in allowed_mask + advance."""
+
+    def __init__(self, inner: GrammarConstraint) -> None:
+        self.inner = inner
+        self.seconds = 0.0
+        self.steps = 0
+
+    def allowed_mask(self) -> np.ndarray:
+        started = time.perf_counter()
+        mask = self.inner.allowed_mask()
+        self.seconds += time.perf_counter() - started
+        self.steps += 1
+        return mask
+
+    def advance(self, token_id: int) -> None:
+        started = time.perf_counter()
+        self.inner.advance(token_id)
+        self.seconds += time.perf_counter() - started
+
+    def is_finished(self) -> bool:
+        return self.inner.is_finished()
+
+
+@pytest.fixture(scope="session")
+def constraint_engine():
+    """The default model with one slot, for the constrained-decoding tests."""
+    from agentkv.engine.stateful import StatefulEngine
+
+    return StatefulEngine(num_slots=1)
+
+
+@pytest.fixture(scope="module")
+def model_factory(constraint_engine) -> ConstraintFactory:
+    meta = constraint_engine.files.gguf_metadata()
+    return ConstraintFactory(
+        meta["tokenizer.ggml.tokens"],
+        eos_token_id=sorted(constraint_engine.eos_token_ids),
+        vocab_size=VOCAB,
+        token_types=meta["tokenizer.ggml.token_type"],
+        encode=constraint_engine.tokenizer.encode,
+    )
+
+
+def prompt_ids(engine, question: str) -> list[int]:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    return engine.tokenizer.encode(engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+
+def assert_one_valid_call(text: str, allowed: set[str]) -> ToolCall:
+    parsed = parse_tool_calls(text)
+    assert parsed.errors == () and len(parsed.tool_calls) == 1 and parsed.content == "", text
+    call = parsed.tool_calls[0]
+    assert call.name in allowed
+    BY_NAME[call.name].validate_arguments(call.arguments)  # pydantic: raises if invalid
+    return call
+
+
+@pytest.mark.model
+async def test_required_tool_choice_always_yields_one_valid_call_and_the_mask_overhead_is_small(
+    constraint_engine, model_factory
+):
+    session = await constraint_engine.open_session()
+    grammar = tool_call_grammar(TOOLS, "required")
+    timed_seconds, timed_steps, decode_seconds = 0.0, 0, 0.0
+    names = []
+    for question in PROMPTS:
+        timed = TimedConstraint(model_factory(grammar))
+        ids = prompt_ids(constraint_engine, question)
+        result = await session.generate(ids, CONSTRAINED, constraint=timed)
+        assert result.finish_reason in ("constraint", "stop"), result.text
+        names.append(assert_one_valid_call(result.text, {"calculator", "clock"}).name)
+        timed_seconds, timed_steps = timed_seconds + timed.seconds, timed_steps + timed.steps
+        decode_seconds += result.metrics.tpot_s * (result.metrics.generated_tokens - 1)
+    plain_config = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+    plain_tpots = [
+        (await session.generate(prompt_ids(constraint_engine, question), plain_config)).metrics.tpot_s
+        for question in PROMPTS[:3]
+    ]
+    await session.close()
+    overhead_ms = 1e3 * timed_seconds / timed_steps
+    step_ms = 1e3 * sorted(plain_tpots)[1]  # median of three unconstrained runs
+    constrained_step_ms = 1e3 * decode_seconds / (timed_steps - len(PROMPTS))
+    print(
+        f"\n[constraints] {len(PROMPTS)}/{len(PROMPTS)} valid calls ({names.count('clock')} clock); "
+        f"mask+advance {overhead_ms:.3f} ms/token over {timed_steps} tokens; plain step {step_ms:.2f} ms; "
+        f"constrained step {constrained_step_ms:.2f} ms ({100 * overhead_ms / step_ms:.1f}% of a plain step)"
+    )
+    assert overhead_ms < step_ms
+
+
+@pytest.mark.model
+async def test_named_tool_choice_calls_that_tool(constraint_engine, model_factory):
+    session = await constraint_engine.open_session()
+    grammar = tool_call_grammar(TOOLS, "clock")
+    for question in PROMPTS[:4]:
+        result = await session.generate(
+            prompt_ids(constraint_engine, question), CONSTRAINED, constraint=model_factory(grammar)
+        )
+        assert_one_valid_call(result.text, {"clock"})
+    await session.close()
+
+
+@pytest.mark.model
+async def test_auto_tool_choice_yields_prose_without_a_call_tag_or_one_valid_call(
+    constraint_engine, model_factory
+):
+    session = await constraint_engine.open_session()
+    grammar = tool_call_grammar(TOOLS, "auto")
+    for question in PROMPTS[:4]:
+        result = await session.generate(
+            prompt_ids(constraint_engine, question), CONSTRAINED, constraint=model_factory(grammar)
+        )
+        if result.text.startswith(TOOL_CALL_OPEN):
+            assert_one_valid_call(result.text, {"calculator", "clock"})
+        else:
+            assert TOOL_CALL_OPEN not in result.text and result.text.strip()
+    await session.close()

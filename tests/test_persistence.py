@@ -1,0 +1,175 @@
+"""Persistence end to end: crash safety, resume from a KV snapshot in a new process, corrupt
+snapshots, cross-process leases, and the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+
+from agentkv import Agent, Runtime
+from agentkv.errors import SessionBusy, SessionNotFound
+from agentkv.memory import Store
+from agentkv.testing import ScriptedEngine
+
+WORKER = str(Path(__file__).with_name("_persistence_worker.py"))
+AGENT = Agent(name="persist", instructions="You are a terse assistant.")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def spawn(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, WORKER, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=ROOT)
+
+
+def wait_for_user_message(url: str, session_id: str, timeout: float = 60.0) -> None:
+    async def poll() -> bool:
+        async with Store(url) as store:
+            try:
+                return bool(await store.messages(session_id))
+            except SessionNotFound:
+                return False
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if anyio.run(poll):
+            return
+        time.sleep(0.1)
+    raise AssertionError("the worker never recorded the user message")
+
+
+async def test_sigkill_mid_generation_keeps_the_user_message_and_the_session_resumes(tmp_path):
+    url = f"sqlite:///{tmp_path / 'agentkv.db'}"
+    worker = spawn("slow-turn", url, "crash")
+    try:
+        await anyio.to_thread.run_sync(wait_for_user_message, url, "crash")
+        await anyio.sleep(0.3)  # mid-generation
+        worker.send_signal(signal.SIGKILL)
+    finally:
+        worker.wait(timeout=30)
+    async with Store(url) as store:
+        stored = await store.messages("crash")
+        assert [(m.seq, m.message.role, m.message.content) for m in stored] == [(1, "user", "tell me everything")]
+        await anyio.sleep(1.1)  # the dead worker's lease expires
+        runtime = Runtime(ScriptedEngine(["back again"]), store, agents=[AGENT])
+        session = await runtime.resume("crash")
+        assert [m.role for m in session.messages] == ["user"]
+        result = await runtime.run(session, "are you there?")
+        assert result.final_text == "back again"
+        assert [m.message.role for m in await store.messages("crash")] == ["user", "user", "assistant"]
+
+
+async def test_a_second_process_on_a_running_session_gets_session_busy(tmp_path):
+    url = f"sqlite:///{tmp_path / 'agentkv.db'}"
+    worker = spawn("slow-turn", url, "busy")
+    try:
+        await anyio.to_thread.run_sync(wait_for_user_message, url, "busy")
+        async with Store(url) as store:
+            runtime = Runtime(ScriptedEngine(["never"]), store, agents=[AGENT])
+            session = await runtime.resume("busy")
+            with pytest.raises(SessionBusy):
+                await runtime.run(session, "me too")
+    finally:
+        worker.kill()
+        worker.wait(timeout=30)
+
+
+async def test_resume_unknown_session_raises_session_not_found(tmp_path):
+    async with Store(f"sqlite:///{tmp_path / 'db.sqlite'}") as store:
+        runtime = Runtime(ScriptedEngine([]), store, agents=[AGENT])
+        with pytest.raises(SessionNotFound):
+            await runtime.resume("nope")
+
+
+@pytest.mark.model
+async def test_resume_in_a_new_process_restores_the_kv_and_answers_as_the_original(engine, tmp_path):
+    original = tmp_path / "a"
+    original.mkdir()
+    url_a = f"sqlite:///{original / 'agentkv.db'}"
+    store = Store(url_a)
+    runtime = Runtime(engine, store, agents=[AGENT])
+    session = await runtime.open_session(AGENT, session_id="resume-me")
+    await runtime.run(session, "Name three colours.")
+    await runtime.aclose()
+    await store.close()
+    copy = tmp_path / "b"
+    shutil.copytree(original, copy)
+    # Continue in this process...
+    store = Store(url_a)
+    runtime = Runtime(engine, store, agents=[AGENT])
+    session = await runtime.resume("resume-me")
+    expected = await runtime.run(session, "Now name three animals.")
+    await runtime.aclose()
+    await store.close()
+    # ...and in a fresh process from the copied database and snapshot files.
+    done = await anyio.run_process(
+        [sys.executable, WORKER, "resume-turn", f"sqlite:///{copy / 'agentkv.db'}", "resume-me",
+         "Now name three animals."], cwd=ROOT, check=True)
+    report = json.loads(done.stdout.decode().strip().splitlines()[-1])
+    assert report["text"] == expected.final_text
+    assert report["restored"] > 0
+    assert report["reused"] >= report["restored"]
+    new_turn = len(engine.tokenizer.encode("Now name three animals.")) + 12
+    assert report["prefilled"] <= new_turn  # only the new user turn, not the history
+
+
+@pytest.mark.model
+async def test_corrupt_snapshot_falls_back_to_reprefill_and_loses_nothing(engine, tmp_path):
+    url = f"sqlite:///{tmp_path / 'agentkv.db'}"
+    async with Store(url) as store:
+        runtime = Runtime(engine, store, agents=[AGENT])
+        session = await runtime.open_session(AGENT, session_id="c")
+        await runtime.run(session, "Say hi.")
+        reference = await session.kv.fork()
+        await runtime.aclose()
+        (record,) = (await store.snapshots("c"))[:1]
+        data = bytearray(record.path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        record.path.write_bytes(bytes(data))
+        runtime = Runtime(engine, store, agents=[AGENT])
+        session = await runtime.resume("c")
+        assert runtime.last_resume.restored_tokens == 0
+        assert runtime.last_resume.skipped_snapshots
+        result = await runtime.run(session, "Say bye.")
+        assert result.step_metrics[0].reused_tokens == 0  # re-prefilled
+        # the same answer the intact KV gives
+        prompt = session.render(AGENT).token_ids
+        assert len([m for m in await store.messages("c")]) == 4
+        expected_prompt = prompt[: result.step_metrics[0].prompt_tokens]
+        check = await reference.generate(expected_prompt, AGENT.generation)
+        assert check.text == result.final_text
+        await reference.close()
+        await runtime.aclose()
+
+
+@pytest.mark.model
+def test_cli_chat_then_sessions_list_then_resume(tmp_path):
+    from typer.testing import CliRunner
+
+    from agentkv.cli import app
+
+    db = f"sqlite:///{tmp_path / 'cli.db'}"
+    runner = CliRunner()
+    first = runner.invoke(app, ["chat", "--db", db, "--metrics"], input="Hello there.\n")
+    assert first.exit_code == 0, first.output
+    session_id = next(line.split()[1] for line in first.output.splitlines() if line.startswith("session "))
+    listing = runner.invoke(app, ["sessions", "list", "--db", db])
+    assert session_id in listing.output
+    again = runner.invoke(app, ["resume", session_id, "--db", db], input="And again.\n")
+    assert again.exit_code == 0, again.output
+    assert "resumed session" in again.output
+    exported = runner.invoke(app, ["sessions", "export", session_id, "--db", db])
+    roles = [json.loads(line)["role"] for line in exported.output.splitlines() if line.strip()]
+    assert roles == ["user", "assistant", "user", "assistant"]
+    gone = runner.invoke(app, ["sessions", "rm", session_id, "--db", db])
+    assert gone.exit_code == 0
+    missing = runner.invoke(app, ["sessions", "show", session_id, "--db", db])
+    assert missing.exit_code == 1 and "no session" in missing.output

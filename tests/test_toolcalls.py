@@ -1,0 +1,217 @@
+"""Tests of agentkv.chat.toolcalls: the <tool_call> text format, its parser, bounded schemas, grammars."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agentkv.chat.messages import ToolCall
+from agentkv.chat.toolcalls import (
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    bounded_schema,
+    format_tool_calls,
+    parse_tool_calls,
+    tool_call_grammar,
+)
+from agentkv.engine.constraints import ConstraintFactory
+from agentkv.engine.models import resolve_model
+from agentkv.tools import calculator, clock
+
+TOOLS = [calculator.schema_for_prompt(), clock.schema_for_prompt()]
+
+
+@pytest.fixture(scope="module")
+def factory() -> ConstraintFactory:
+    meta = resolve_model(None).gguf_metadata()
+    return ConstraintFactory(
+        meta["tokenizer.ggml.tokens"],
+        eos_token_id=2,
+        vocab_size=49152,
+        token_types=meta["tokenizer.ggml.token_type"],
+    )
+
+
+def test_format_writes_one_block_per_call_in_json_dumps_layout():
+    calls = [ToolCall(name="calculator", arguments={"expression": "2+2"}), ToolCall(name="clock")]
+    assert format_tool_calls(calls) == (
+        '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+2"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "clock", "arguments": {}}\n</tool_call>'
+    )
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=10,
+)
+tool_calls = st.builds(
+    ToolCall,
+    name=st.from_regex(r"[A-Za-z0-9_-]{1,20}", fullmatch=True),
+    arguments=st.dictionaries(st.text(max_size=8), json_values, max_size=4),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(tool_calls, max_size=3), st.text(st.characters(blacklist_characters="<"), max_size=30))
+def test_parse_of_formatted_calls_gives_back_their_names_and_arguments(calls, prose):
+    parsed = parse_tool_calls(prose + "\n" + format_tool_calls(calls))
+    assert [(c.name, c.arguments) for c in parsed.tool_calls] == [(c.name, c.arguments) for c in calls]
+    assert parsed.errors == ()
+    assert parsed.content == prose.strip()
+
+
+def test_parse_of_plain_text_has_no_calls_and_keeps_the_text_stripped():
+    assert parse_tool_calls("  The answer is 4.\n") == parse_tool_calls("The answer is 4.")
+    parsed = parse_tool_calls("  The answer is 4.\n")
+    assert (parsed.content, parsed.tool_calls, parsed.errors) == ("The answer is 4.", (), ())
+
+
+def test_parse_of_two_blocks_keeps_the_prose_around_them_as_content():
+    text = (
+        'Let me check.\n<tool_call>\n{"name": "clock", "arguments": {}}\n</tool_call>\nand\n'
+        '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1/3"}}\n</tool_call>\nDone.'
+    )
+    parsed = parse_tool_calls(text)
+    assert [c.name for c in parsed.tool_calls] == ["clock", "calculator"]
+    assert parsed.tool_calls[1].arguments == {"expression": "1/3"}
+    assert parsed.content == "Let me check.\nand\nDone."
+    assert parsed.tool_calls[0].id != parsed.tool_calls[1].id
+
+
+def test_block_with_bad_json_becomes_an_error_text_and_the_good_block_still_parses():
+    text = (
+        '<tool_call>\n{"name": "clock", "arguments": {\n</tool_call>\n'
+        '<tool_call>\n{"name": "clock", "arguments": {}}\n</tool_call>'
+    )
+    parsed = parse_tool_calls(text)
+    assert [c.name for c in parsed.tool_calls] == ["clock"]
+    assert len(parsed.errors) == 1
+    assert parsed.errors[0].startswith("tool call 1: invalid JSON")
+    assert TOOL_CALL_OPEN in parsed.errors[0] and TOOL_CALL_CLOSE in parsed.errors[0]
+
+
+@pytest.mark.parametrize(
+    ("body", "complaint"),
+    [
+        ('{"arguments": {}}', '"name" is missing'),
+        ('{"name": "", "arguments": {}}', '"name" is missing'),
+        ('["clock"]', "expected a JSON object"),
+        ('{"name": "clock", "arguments": [1]}', "must be a JSON object"),
+        ('{"name": "clock", "arguments": "not json"}', "string that is not JSON"),
+    ],
+)
+def test_malformed_block_is_reported_not_raised(body, complaint):
+    parsed = parse_tool_calls(f"{TOOL_CALL_OPEN}\n{body}\n{TOOL_CALL_CLOSE}")
+    assert parsed.tool_calls == ()
+    assert len(parsed.errors) == 1 and complaint in parsed.errors[0]
+
+
+def test_missing_arguments_mean_none_and_string_arguments_are_decoded():
+    parsed = parse_tool_calls(
+        '<tool_call>{"name": "clock"}</tool_call><tool_call>{"name": "calculator", '
+        '"arguments": "{\\"expression\\": \\"1+1\\"}"}</tool_call>'
+    )
+    assert [(c.name, c.arguments) for c in parsed.tool_calls] == [
+        ("clock", {}),
+        ("calculator", {"expression": "1+1"}),
+    ]
+
+
+def test_missing_close_tag_at_the_end_of_text_is_tolerated():
+    parsed = parse_tool_calls('Sure.\n<tool_call>\n{"name": "clock", "arguments": {"timezone": "UTC"}}\n')
+    assert [(c.name, c.arguments) for c in parsed.tool_calls] == [("clock", {"timezone": "UTC"})]
+    assert parsed.content == "Sure."
+    assert parsed.errors == ()
+
+
+def test_missing_close_tag_before_the_next_open_tag_ends_the_block_there():
+    block = '{"name": "clock", "arguments": {}}'
+    parsed = parse_tool_calls(f"<tool_call>{block}\n<tool_call>{block}</tool_call>")
+    assert len(parsed.tool_calls) == 2 and parsed.errors == ()
+
+
+def test_close_tag_inside_a_json_string_does_not_end_the_block():
+    call = ToolCall(name="calculator", arguments={"expression": "1}}</tool_call> <tool_call>"})
+    parsed = parse_tool_calls(format_tool_calls([call]) + "\nafter")
+    assert [(c.name, c.arguments) for c in parsed.tool_calls] == [(call.name, call.arguments)]
+    assert parsed.content == "after" and parsed.errors == ()
+
+
+def test_text_after_the_json_inside_a_block_is_an_error():
+    parsed = parse_tool_calls('<tool_call>{"name": "clock", "arguments": {}} and more</tool_call>')
+    assert parsed.tool_calls == () and "Extra data" in parsed.errors[0]
+
+
+def test_truncated_block_at_the_end_of_text_is_an_error():
+    parsed = parse_tool_calls('<tool_call>\n{"name": "calculator", "arguments": {"expression": "2')
+    assert parsed.tool_calls == () and len(parsed.errors) == 1
+
+
+def test_bounded_schema_bounds_every_string_and_array_and_keeps_existing_bounds():
+    schema = {
+        "type": "object",
+        "properties": {
+            "type": {"type": "string"},
+            "short": {"type": "string", "maxLength": 5},
+            "tags": {"type": "array", "items": {"type": "string"}},
+            "many": {"type": "array", "minItems": 40},
+            "either": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+            "nullable": {"type": ["string", "null"]},
+            "choice": {"type": "string", "enum": ["a", "b"]},
+            "ref": {"$ref": "#/$defs/Inner"},
+        },
+        "$defs": {"Inner": {"type": "object", "properties": {"note": {"type": "string"}}}},
+        "default": {"type": "string"},
+    }
+    original = json.loads(json.dumps(schema))
+    bounded = bounded_schema(schema, max_string_length=50, max_items=8)
+    props = bounded["properties"]
+    assert props["type"]["maxLength"] == 50
+    assert props["short"]["maxLength"] == 5
+    assert props["tags"]["maxItems"] == 8 and props["tags"]["items"]["maxLength"] == 50
+    assert props["many"]["maxItems"] == 40  # never below minItems
+    assert props["either"]["anyOf"][0]["maxLength"] == 50
+    assert props["nullable"]["maxLength"] == 50
+    assert "maxLength" not in props["choice"]
+    assert bounded["$defs"]["Inner"]["properties"]["note"]["maxLength"] == 50
+    assert bounded["default"] == {"type": "string"}  # data, not a schema
+    assert schema == original  # the input is not modified
+
+
+def test_bounded_schema_refuses_zero_bounds():
+    with pytest.raises(ValueError):
+        bounded_schema({"type": "string"}, max_string_length=0)
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "auto", "calculator", "clock"])
+def test_grammar_for_each_tool_choice_builds_through_the_constraint_factory(factory, tool_choice):
+    grammar = tool_call_grammar(TOOLS, tool_choice)
+    constraint = factory(grammar)
+    mask = constraint.allowed_mask()
+    assert mask.shape == (49152,) and mask.any()
+    assert '"x-guidance"' in grammar and '"maxLength": 200' in grammar
+
+
+def test_named_tool_choice_offers_only_that_tool():
+    grammar = tool_call_grammar(TOOLS, "clock")
+    assert '\\"clock\\"' in grammar and '\\"calculator\\"' not in grammar
+
+
+@pytest.mark.parametrize(
+    ("tools", "tool_choice", "message"),
+    [
+        (TOOLS, "none", "needs no grammar"),
+        (TOOLS, "weather", "tool_choice must be"),
+        ([], "required", "at least one tool"),
+        ([TOOLS[0], TOOLS[0]], "required", "unique"),
+        ([{"type": "function", "function": {"name": "bad name"}}], "required", "not allowed"),
+        ([{"type": "function"}], "required", "each tool must look like"),
+    ],
+)
+def test_grammar_refuses_what_it_cannot_express(tools, tool_choice, message):
+    with pytest.raises(ValueError, match=message):
+        tool_call_grammar(tools, tool_choice)
