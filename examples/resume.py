@@ -1,0 +1,45 @@
+"""Run it twice: the second run resumes the first run's session from its KV snapshot.
+
+State lives in ./.agentkv-example/ (a SQLite database and snapshot files).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+
+from agentkv import Agent, GenerationConfig, Runtime, StatefulEngine
+from agentkv.memory import Store
+
+HOME = Path(".agentkv-example")
+SESSION = "resume-example"
+AGENT = Agent(name="resumer", instructions="You are a concise assistant.",
+              generation=GenerationConfig(max_new_tokens=48))
+
+
+async def main() -> None:
+    HOME.mkdir(exist_ok=True)
+    store = Store(f"sqlite:///{HOME / 'agentkv.db'}")
+    runtime = Runtime(StatefulEngine(), store, agents=[AGENT])
+    ids = {s.id for s in await store.list_sessions()}
+    if SESSION in ids:
+        session = await runtime.resume(SESSION)
+        report = runtime.last_resume
+        print(f"resumed {SESSION}: {report.messages} messages; {report.restored_tokens} tokens of KV "
+              "restored from the snapshot instead of re-prefilled")
+        question = "Thanks. Summarise what you told me in one sentence."
+    else:
+        session = await runtime.open_session(AGENT, session_id=SESSION)
+        print(f"new session {SESSION} (run me again to resume it)")
+        question = "Give me two facts about the Moon."
+    result = await runtime.run(session, question)
+    m = result.step_metrics[0]
+    print(f"user> {question}\nassistant> {result.final_text}")
+    print(f"[reused {m.reused_tokens} tokens, prefilled {m.prefilled_tokens}]")
+    await runtime.aclose()
+    await store.close()
+
+
+if __name__ == "__main__":
+    anyio.run(main)
