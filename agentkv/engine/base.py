@@ -24,6 +24,15 @@ if TYPE_CHECKING:
     from agentkv.engine.snapshot import KVSnapshot
 
 
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two id sequences: how much KV a prompt can reuse."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
 class GenerationConfig(BaseModel):
     """How to pick tokens. Invalid values raise ``pydantic.ValidationError``.
 
@@ -246,6 +255,18 @@ class KVSession(Protocol):
     async def restore(self, snapshot: KVSnapshot) -> None:
         """Replace KV and log by the snapshot's. Raises ``SnapshotIncompatible`` for another
         model; on any failure the session is left empty, never with partial KV."""
+
+    @property
+    def supports_drop(self) -> bool:
+        """True when ``drop`` exists for this session (no state change). A session may still
+        raise ``KVShiftUnsupported`` from ``drop`` if the model's RoPE cannot be measured."""
+
+    async def drop(self, start: int, end: int) -> None:
+        """Remove ``tokens[start:end]`` and their KV without re-prefill: later keys are
+        re-rotated by −(end−start) positions so positions stay contiguous. Mutates KV and
+        ``tokens`` and sets ``shifted`` (the kept tokens' K/V were computed while the dropped
+        ones were visible). Raises ``UserError`` for a span outside ``tokens`` and
+        ``KVShiftUnsupported`` (nothing changed) when the shift cannot be done."""
 
     async def close(self) -> None:
         """Release the slot and the KV. Idempotent."""

@@ -1,15 +1,16 @@
-"""The decode loop of one generate call: sample, stream, stop, feed back — and beam search.
+"""The decode loop of one generate call: choose a token, stream its text, stop, feed it back.
 
-Runs after the session has aligned its KV to the prompt (``_last_logits`` holds the logits
-after the prompt's last token). Each sampled token that does not end generation is fed
-through the model and joins the session's log; the token that ends it is not fed (the next
-turn's alignment feeds it if the rendered history contains it).
+``decode_tokens`` is shared by every engine: the stateful engine chooses tokens by sampling
+the model's logits, the scripted engine from its script. Each chosen token that does not
+end generation is fed (and joins the session's log); the token that ends it is not fed —
+the next turn's alignment feeds it if the rendered history contains it. No OpenVINO here.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from agentkv.engine.base import (
@@ -22,14 +23,90 @@ from agentkv.engine.base import (
 )
 from agentkv.engine.detokenize import IncrementalDecoder
 from agentkv.engine.sampling import StopStringMatcher, make_rng, sample_next
-from agentkv.engine.slot import Slot
 
 if TYPE_CHECKING:
     from agentkv.engine.session import StatefulSession
+    from agentkv.engine.slot import Slot
+
+
+@dataclass(frozen=True)
+class DecodeOutcome:
+    """How a decode loop ended."""
+
+    generated: list[int]
+    text: str
+    finish_reason: str
+    first_token_at: float | None
+
+
+def stop_ids_for(config: GenerationConfig, eos_token_ids: frozenset[int]) -> frozenset[int]:
+    """Ids that end generation: the config's stop ids, plus EOS unless ``ignore_eos``."""
+    return frozenset(config.stop_token_ids) | (frozenset() if config.ignore_eos else eos_token_ids)
+
+
+async def decode_tokens(
+    choose: Callable[[list[int]], int],
+    feed: Callable[[int], Awaitable[None]],
+    *,
+    config: GenerationConfig,
+    decode_text: Callable[[list[int]], str],
+    stop_ids: frozenset[int],
+    max_new: int,
+    constraint: TokenConstraint | None,
+) -> AsyncIterator[TokenDelta | DecodeOutcome]:
+    """Yield a ``TokenDelta`` per token (text never splits a UTF-8 character), then the outcome.
+
+    ``choose(generated)`` picks the next id; ``feed(id)`` runs it through the model.
+    """
+    decoder = IncrementalDecoder(decode_text)
+    stopper = StopStringMatcher(list(config.stop_strings))
+    generated: list[int] = []
+    pieces: list[str] = []
+    first_at: float | None = None
+    finish = "length"
+    while len(generated) < max_new:
+        token = choose(generated)
+        if first_at is None:
+            first_at = time.perf_counter()
+        generated.append(token)
+        if constraint is not None:
+            constraint.advance(token)
+        if token in stop_ids:
+            finish = "stop"
+            break
+        text, stopped = stopper.feed(decoder.push(token))
+        pieces.append(text)
+        yield TokenDelta(token, text)
+        if stopped:
+            finish = "stop_string"
+            break
+        if constraint is not None and constraint.is_finished():
+            finish = "constraint"
+            break
+        if len(generated) == max_new:
+            break
+        await feed(token)
+    if finish == "stop_string":
+        finish = "stop"
+    else:
+        tail, _ = stopper.feed(decoder.flush())
+        tail += stopper.flush()
+        if tail:
+            pieces.append(tail)
+            yield TokenDelta(generated[-1] if generated else -1, tail)
+    yield DecodeOutcome(generated, "".join(pieces), finish, first_at)
+
+
+def timing(started: float, first_at: float | None, generated: int) -> tuple[float, float]:
+    """(TTFT, TPOT) in seconds from the call's start and its first token's time."""
+    now = time.perf_counter()
+    first = first_at if first_at is not None else now
+    tpot = (now - first) / (generated - 1) if generated > 1 else 0.0
+    return first - started, tpot
 
 
 class DecodeLoop:
-    """One generation on an aligned session; ``run()`` yields deltas, then the result."""
+    """One generation on an aligned stateful session; ``run()`` yields deltas, then the result."""
 
     def __init__(
         self,
@@ -41,22 +118,13 @@ class DecodeLoop:
         align: dict[str, int],
         started: float,
     ) -> None:
-        self.session = session
-        self.slot = slot
-        self.prompt = prompt
-        self.config = config
-        self.constraint = constraint
-        self.align = align
-        self.started = started
+        self.session, self.slot, self.prompt = session, slot, prompt
+        self.config, self.constraint = config, constraint
+        self.align, self.started = align, started
         self.metrics: GenerationMetrics | None = None
-        engine = session._engine
-        self.engine = engine
-        stops = set(config.stop_token_ids)
-        if not config.ignore_eos:
-            stops |= engine.eos_token_ids
-        self.stop_ids = frozenset(stops)
-        room = engine.max_context_len - len(prompt)
-        self.max_new = max(0, min(config.max_new_tokens, room))
+        self.engine = session._engine
+        self.stop_ids = stop_ids_for(config, self.engine.eos_token_ids)
+        self.max_new = max(0, min(config.max_new_tokens, self.engine.max_context_len - len(prompt)))
 
     async def run(self) -> AsyncIterator[TokenDelta | GenerationResult]:
         """Yield a ``TokenDelta`` per token, then the ``GenerationResult``."""
@@ -67,54 +135,28 @@ class DecodeLoop:
             yield TokenDelta(result.token_ids[-1] if result.token_ids else -1, result.text)
             yield result
             return
-        async for event in self._sample_loop():
-            yield event
-
-    async def _sample_loop(self) -> AsyncIterator[TokenDelta | GenerationResult]:
         session, cfg = self.session, self.config
         rng = make_rng(cfg.seed)
-        decoder = IncrementalDecoder(self.engine.tokenizer.decode)
-        stopper = StopStringMatcher(list(cfg.stop_strings))
-        generated: list[int] = []
-        pieces: list[str] = []
-        first_at: float | None = None
-        finish = "length"
-        logits = session._last_logits
-        while len(generated) < self.max_new:
-            assert logits is not None
+
+        def choose(generated: list[int]) -> int:
+            assert session._last_logits is not None
             allowed = self.constraint.allowed_mask() if self.constraint is not None else None
-            token = sample_next(
-                logits, cfg, rng, context_ids=session._tokens, generated_ids=generated, allowed=allowed
+            return sample_next(
+                session._last_logits, cfg, rng, context_ids=session._tokens, generated_ids=generated, allowed=allowed
             )
-            if first_at is None:
-                first_at = time.perf_counter()
-            generated.append(token)
-            if self.constraint is not None:
-                self.constraint.advance(token)
-            if token in self.stop_ids:
-                finish = "stop"
-                break
-            text, stopped = stopper.feed(decoder.push(token))
-            pieces.append(text)
-            yield TokenDelta(token, text)
-            if stopped:
-                finish = "stop_string"
-                break
-            if self.constraint is not None and self.constraint.is_finished():
-                finish = "constraint"
-                break
-            if len(generated) == self.max_new:
-                break
-            logits = await session._run(session._feed_blocking, self.slot, [token])
-        if finish == "stop_string":
-            finish = "stop"
-        else:
-            tail, _ = stopper.feed(decoder.flush())
-            tail += stopper.flush()
-            if tail:
-                pieces.append(tail)
-                yield TokenDelta(generated[-1] if generated else -1, tail)
-        yield self.finish(generated, "".join(pieces), finish, first_at)
+
+        async def feed(token: int) -> None:
+            await session._run(session._feed_blocking, self.slot, [token])
+
+        events = decode_tokens(
+            choose, feed, config=cfg, decode_text=self.engine.tokenizer.decode,
+            stop_ids=self.stop_ids, max_new=self.max_new, constraint=self.constraint,
+        )
+        async for event in events:
+            if isinstance(event, DecodeOutcome):
+                yield self.finish(event.generated, event.text, event.finish_reason, event.first_token_at)
+            else:
+                yield event
 
     def finish(
         self,
@@ -125,13 +167,8 @@ class DecodeLoop:
         beams: tuple[BeamHypothesis, ...] = (),
     ) -> GenerationResult:
         """Build the result and the metrics."""
-        now = time.perf_counter()
-        first = first_at if first_at is not None else now
-        tpot = (now - first) / (len(generated) - 1) if len(generated) > 1 else 0.0
-        self.metrics = self.engine.metrics_for(
-            self.session, self.align, generated=len(generated), ttft=first - self.started, tpot=tpot
-        )
+        ttft, tpot = timing(self.started, first_at, len(generated))
+        self.metrics = self.engine.metrics_for(self.session, self.align, generated=len(generated), ttft=ttft, tpot=tpot)
         return GenerationResult(
             token_ids=tuple(generated), text=text, finish_reason=finish, metrics=self.metrics, beams=beams
         )
-

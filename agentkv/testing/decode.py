@@ -11,7 +11,6 @@ Yields one ``TokenDelta`` per token (text pieces never split a UTF-8 character),
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -23,8 +22,7 @@ from agentkv.engine.base import (
     TokenConstraint,
     TokenDelta,
 )
-from agentkv.engine.detokenize import IncrementalDecoder
-from agentkv.engine.sampling import StopStringMatcher
+from agentkv.engine.decode import DecodeOutcome, decode_tokens, stop_ids_for, timing
 
 if TYPE_CHECKING:
     from agentkv.testing.session import ScriptedSession
@@ -47,9 +45,7 @@ class ScriptedDecode:
         engine = session.engine
         self.engine = engine
         self.eos = engine.tokenizer.eos_token_id
-        self.stop_ids = frozenset(config.stop_token_ids) | (
-            frozenset() if config.ignore_eos else frozenset({self.eos})
-        )
+        self.stop_ids = stop_ids_for(config, frozenset({self.eos}))
         self.max_new = max(0, min(config.max_new_tokens, engine.max_context_len - len(prompt)))
 
     def _planned(self, reply_ids: list[int]) -> Iterator[int]:
@@ -60,54 +56,29 @@ class ScriptedDecode:
 
     async def run(self, reply_ids: list[int]) -> AsyncIterator[TokenDelta | GenerationResult]:
         """Yield a ``TokenDelta`` per token, then the ``GenerationResult``."""
-        session, cfg = self.session, self.config
         planned = self._planned(reply_ids)
-        decoder = IncrementalDecoder(self.engine.tokenizer.decode)
-        stopper = StopStringMatcher(list(cfg.stop_strings))
-        generated: list[int] = []
-        pieces: list[str] = []
-        first_at: float | None = None
-        finish = "length"
-        while len(generated) < self.max_new:
-            token = next(planned)
-            if first_at is None:
-                first_at = time.perf_counter()
-            generated.append(token)
-            if self.constraint is not None:
-                self.constraint.advance(token)
-            if token in self.stop_ids:
-                finish = "stop"
-                break
-            text, stopped = stopper.feed(decoder.push(token))
-            pieces.append(text)
-            yield TokenDelta(token, text)
-            if stopped:
-                finish = "stop_string"
-                break
-            if self.constraint is not None and self.constraint.is_finished():
-                finish = "constraint"
-                break
-            if len(generated) == self.max_new:
-                break
-            await session.feed([token], self.engine.decode_s_per_token)
-        if finish == "stop_string":
-            finish = "stop"
-        else:
-            tail, _ = stopper.feed(decoder.flush())
-            tail += stopper.flush()
-            if tail:
-                pieces.append(tail)
-                yield TokenDelta(generated[-1] if generated else -1, tail)
-        yield self._finish(generated, "".join(pieces), finish, first_at)
 
-    def _finish(self, generated: list[int], text: str, finish: str, first_at: float | None) -> GenerationResult:
-        now = time.perf_counter()
-        first = first_at if first_at is not None else now
-        tpot = (now - first) / (len(generated) - 1) if len(generated) > 1 else 0.0
-        metrics = self.engine.metrics_for(
-            self.session, self.align, generated=len(generated), ttft=first - self.started, tpot=tpot
+        async def feed(token: int) -> None:
+            await self.session.feed([token], self.engine.decode_s_per_token)
+
+        events = decode_tokens(
+            lambda generated: next(planned), feed, config=self.config,
+            decode_text=self.engine.tokenizer.decode, stop_ids=self.stop_ids,
+            max_new=self.max_new, constraint=self.constraint,
         )
-        return GenerationResult(token_ids=tuple(generated), text=text, finish_reason=finish, metrics=metrics)
+        async for event in events:
+            if isinstance(event, DecodeOutcome):
+                yield self._finish(event)
+            else:
+                yield event
+
+    def _finish(self, outcome: DecodeOutcome) -> GenerationResult:
+        generated = outcome.generated
+        ttft, tpot = timing(self.started, outcome.first_token_at, len(generated))
+        metrics = self.engine.metrics_for(self.session, self.align, generated=len(generated), ttft=ttft, tpot=tpot)
+        return GenerationResult(
+            token_ids=tuple(generated), text=outcome.text, finish_reason=outcome.finish_reason, metrics=metrics
+        )
 
 
 async def as_beam_search(
