@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from agentkv.chat.messages import ToolCall
 from agentkv.tools import calculator, clock, run_tool_calls
 from agentkv.tools.arithmetic import MAX_EXPRESSION_CHARS, evaluate
 
