@@ -52,6 +52,10 @@ class Agent:
     """Prompt budget in tokens (default: the engine's context length)."""
     min_response_len: int = 256
     """Tokens reserved for the answer inside ``max_prompt_len``."""
+    truncate_oversized_messages: bool = False
+    """When one message alone overflows the prompt budget, cut its content (head and tail kept
+    around a visible ``[… N tokens truncated …]`` marker) instead of raising
+    ``ContextOverflowError``. Applies to user and tool messages; the stored original is kept."""
     constrain_tool_calls: bool = True
     """Decode tool calls under a grammar so they always parse (engines that support it)."""
     tool_timeout_s: float = 30.0

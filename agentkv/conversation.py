@@ -12,14 +12,14 @@ rather than queueing behind the first (a queued run would answer a stale history
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from agentkv.chat.messages import Message
 from agentkv.engine.base import Engine, KVSession
-from agentkv.errors import SessionBusy
+from agentkv.errors import SessionBusy, UserError
 
 if TYPE_CHECKING:
     from agentkv.agent import Agent
@@ -33,10 +33,19 @@ class WindowEntry:
     message: Message
     seq: int | None = None
     token_count: int = 0
+    replaces: tuple[WindowEntry, ...] = ()
+    """The entries this one took the place of: a summary's sources, or the original of a
+    message cut to fit the window (empty for an ordinary message)."""
 
 
 MessageSink = Callable[["AgentSession", Message, int, bool], Awaitable[int | None]]
 """``(session, message, token_count, in_window) -> seq``: persists a message (the store's hook)."""
+
+WindowChange = Callable[["AgentSession", list[WindowEntry], "WindowEntry | None"], Awaitable[None]]
+"""``(session, removed, replacement)``: a policy is taking ``removed`` out of the window and,
+if not None, putting ``replacement`` (a summary, or a message cut to fit; ``replacement.replaces``
+lists what it replaces) in their place. Awaited before the window changes; it may set
+``replacement.seq`` once it has stored the new message."""
 
 
 class AgentSession:
@@ -62,6 +71,8 @@ class AgentSession:
         self._sink = sink
         self._running = False
         self.summaries = 0  # summaries this session's policy has inserted (for naming)
+        self.on_window_change: WindowChange | None = None
+        """Called by context policies before messages leave the window (the store marks them)."""
 
     @property
     def context_len(self) -> int:
@@ -78,6 +89,30 @@ class AgentSession:
         seq = await self._sink(self, message, token_count, True) if self._sink else None
         entry = WindowEntry(message, seq, token_count)
         self.window.append(entry)
+        return entry
+
+    async def replace_in_window(
+        self, removed: Sequence[WindowEntry], replacement: Message | None = None, *, token_count: int = 0
+    ) -> WindowEntry | None:
+        """Take ``removed`` out of the window; put ``replacement`` (if any) where the first was.
+
+        ``await session.replace_in_window(session.window[:2], Message.system("Summary of ..."))``.
+        ``on_window_change`` is awaited first: if it raises, the window is unchanged. Returns the
+        replacement's entry. ``UserError`` if an entry is not in the window.
+        """
+        gone = {id(entry) for entry in removed}
+        positions = [i for i, entry in enumerate(self.window) if id(entry) in gone]
+        if len(positions) != len(gone) or len(gone) != len(removed):
+            raise UserError("replace_in_window: every removed entry must be in the window, once")
+        entry = None
+        if replacement is not None:
+            entry = WindowEntry(replacement, None, token_count, replaces=tuple(removed))
+        if self.on_window_change is not None:
+            await self.on_window_change(self, list(removed), entry)
+        kept = [e for e in self.window if id(e) not in gone]
+        if entry is not None:
+            kept.insert(positions[0] if positions else len(kept), entry)
+        self.window[:] = kept
         return entry
 
     def render(self, agent: Agent, *, add_generation_prompt: bool = True) -> RenderedPrompt:

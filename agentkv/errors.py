@@ -99,3 +99,9 @@ class AgentNotFound(AgentKVError):
 
 class StoreLocked(AgentKVError):
     """The database stayed locked by another writer through every bounded retry."""
+
+
+class KVShiftUnsupported(AgentKVError):
+    """A session cannot drop a span from its KV by RoPE shift (no rotation fits the model's keys,
+    or the engine has no KV-level drop); drop the messages and re-prefill instead
+    (``policies.Truncation``)."""

@@ -44,10 +44,42 @@ class StoreSink:
         return stored.seq
 
 
+class StoreWindowHook:
+    """The ``WindowChange`` hook: a replacement (summary, cut message) is appended first, then
+    the messages leaving the window are marked out of it, linked to their replacement."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    async def __call__(self, session: AgentSession, removed: list[WindowEntry], replacement: WindowEntry | None) -> None:
+        replaced_by = None
+        if replacement is not None:
+            stored = await self.store.append_message(
+                session.id, replacement.message, token_count=replacement.token_count, in_window=True
+            )
+            replacement.seq = replaced_by = stored.seq
+        seqs = [entry.seq for entry in removed if entry.seq is not None]
+        if seqs:
+            await self.store.mark_out_of_window(session.id, seqs, replaced_by_seq=replaced_by)
+
+
 async def load_window(store: Store, session_id: str) -> list[WindowEntry]:
-    """The messages still in the window, as stored (summaries included)."""
-    stored = await store.messages(session_id, in_window_only=True)
-    return [WindowEntry(s.message, s.seq, s.token_count) for s in stored]
+    """The messages still in the window, in window order: a summary stands where the first
+    message it replaced stood (it was appended later, so seq order alone would misplace it)."""
+    stored = await store.messages(session_id)
+    replaced: dict[int, list[int]] = {}
+    for item in stored:
+        if item.replaced_by_seq is not None:
+            replaced.setdefault(item.replaced_by_seq, []).append(item.seq)
+    position: dict[int, int] = {}
+
+    def place(seq: int) -> int:
+        if seq not in position:
+            position[seq] = min((place(r) for r in replaced.get(seq, ())), default=seq)
+        return position[seq]
+
+    window = sorted((s for s in stored if s.in_window), key=lambda s: (place(s.seq), s.seq))
+    return [WindowEntry(s.message, s.seq, s.token_count) for s in window]
 
 
 async def save_snapshot(store: Store, session: AgentSession) -> None:

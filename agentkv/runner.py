@@ -21,7 +21,12 @@ from agentkv.chat.messages import Message, ToolCall
 from agentkv.chat.stream_filter import MarkupFilter
 from agentkv.chat.toolcalls import TOOL_CALL_OPEN, parse_tool_calls, tool_call_grammar
 from agentkv.conversation import AgentSession
-from agentkv.engine.base import GenerationConfig, GenerationMetrics, GenerationResult, TokenConstraint
+from agentkv.engine.base import (
+    GenerationConfig,
+    GenerationMetrics,
+    GenerationResult,
+    TokenConstraint,
+)
 from agentkv.errors import ContextOverflowError, MaxTurnsExceeded
 from agentkv.events import (
     RunEvent,
@@ -116,6 +121,14 @@ async def _fit_window(state: _RunState) -> AsyncIterator[RunEvent]:
         )
     async for event in agent.policy.compact(session, agent, limit=limit):
         yield event
+    compacted_len = len(session.render(agent).token_ids)
+    if compacted_len > limit:
+        raise ContextOverflowError(
+            f"the context policy {agent.policy!r} left {compacted_len} tokens, over the budget of "
+            f"{limit}; use one of agentkv.policies or raise max_prompt_len",
+            prompt_tokens=compacted_len,
+            limit=limit,
+        )
 
 
 def _prompt_limit(state: _RunState) -> int:

@@ -31,7 +31,14 @@ from agentkv.engine.base import Engine
 from agentkv.errors import UserError
 from agentkv.events import RunEvent, RunFinished
 from agentkv.memory import Store
-from agentkv.persistence import ResumeReport, StoreSink, load_window, restore_newest_snapshot, save_snapshot
+from agentkv.persistence import (
+    ResumeReport,
+    StoreSink,
+    StoreWindowHook,
+    load_window,
+    restore_newest_snapshot,
+    save_snapshot,
+)
 from agentkv.result import RunResult
 from agentkv.runner import Runner
 
@@ -102,6 +109,8 @@ class Runtime:
         kv = await self.engine.open_session()
         sink = StoreSink(self.store) if self.store is not None else None
         session = AgentSession(sid, agent, self.engine, kv, self.renderer, sink=sink, window=window)
+        if self.store is not None:
+            session.on_window_change = StoreWindowHook(self.store)
         self._sessions[sid] = session
         return session
 

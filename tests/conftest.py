@@ -17,13 +17,23 @@ def engine():
 
 @pytest.fixture(scope="session")
 def engine_f32():
-    """The default model with an f32 KV cache (the strict-invariant configuration)."""
+    """The default model with an f32 KV cache (the strict-invariant configuration). No prefix
+    cache: its f16 snapshots would make a "one-pass prefill" reference not one-pass."""
     from agentkv.engine.stateful import StatefulEngine
 
-    return StatefulEngine(num_slots=3, kv_cache_precision="f32")
+    return StatefulEngine(num_slots=3, kv_cache_precision="f32", prefix_cache_bytes=0)
 
 
 @pytest.fixture(scope="session")
+def engine_plain():
+    """The default model and KV precision with no prefix cache: for references that must be a
+    genuine one-pass prefill and for comparisons with LLMPipeline, which has no prefix cache."""
+    from agentkv.engine.stateful import StatefulEngine
+
+    return StatefulEngine(num_slots=2, prefix_cache_bytes=0)
+
+
+@pytest.fixture
 def chat_ids(engine):
     """Render a one-turn chat prompt to ids: ``chat_ids("hi")``."""
 

@@ -14,9 +14,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentkv.chat.messages import ToolCall
-from agentkv.chat.toolcalls import TOOL_CALL_OPEN, format_tool_calls, parse_tool_calls, tool_call_grammar
+from agentkv.chat.toolcalls import (
+    TOOL_CALL_OPEN,
+    format_tool_calls,
+    parse_tool_calls,
+    tool_call_grammar,
+)
 from agentkv.engine.base import GenerationConfig
-from agentkv.engine.constraints import ConstraintFactory, GrammarConstraint, llg_tokenizer_from_gguf_vocab
+from agentkv.engine.constraints import (
+    ConstraintFactory,
+    GrammarConstraint,
+    llg_tokenizer_from_gguf_vocab,
+)
 from agentkv.engine.models import resolve_model
 from agentkv.engine.tokenizer import OVTokenizer
 from agentkv.errors import ConstraintError

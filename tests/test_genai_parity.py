@@ -21,8 +21,14 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def pipeline(engine):
-    return og.LLMPipeline(str(engine.files.ir_dir), "CPU", ATTENTION_BACKEND="SDPA")
+def engine(engine_plain):
+    """LLMPipeline has no prefix cache: compare against an engine without one."""
+    return engine_plain
+
+
+@pytest.fixture(scope="module")
+def pipeline(engine_plain):
+    return og.LLMPipeline(str(engine_plain.files.ir_dir), "CPU", ATTENTION_BACKEND="SDPA")
 
 
 def genai_generate(pipeline, ids: list[int], **options) -> list[list[int]]:

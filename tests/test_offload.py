@@ -179,7 +179,10 @@ async def test_without_a_spill_dir_over_budget_kv_is_dropped_and_re_prefilled_co
     for n in needles:
         assert (out[n][0], out[n][1]) == solo_runs[n]
         assert out[n][2].restored_tokens == 0  # nothing was restored: honest metrics
+    # A dropped session's re-prefill counts as prefilled, never as reused.
+    recomputed = [n for n in needles if out[n][2].prefilled_tokens == out[n][2].prompt_tokens]
     stats = store.stats()
+    assert len(recomputed) >= 2
     assert stats.drops >= 2 and stats.reprefilled_tokens > 0 and stats.bytes == 0
 
 

@@ -4,7 +4,6 @@ snapshots, cross-process leases, and the CLI."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess

@@ -9,7 +9,13 @@ import pytest
 
 from agentkv import Agent, Runner, Runtime, tool
 from agentkv.errors import MaxTurnsExceeded, SessionBusy
-from agentkv.events import RunFinished, TextDelta, ToolCallEvent, ToolResultEvent, TurnMetricsEvent
+from agentkv.events import (
+    RunFinished,
+    TextDelta,
+    ToolCallEvent,
+    ToolResultEvent,
+    TurnMetricsEvent,
+)
 from agentkv.testing import ScriptedEngine
 from agentkv.tools import calculator
 

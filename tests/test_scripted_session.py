@@ -7,7 +7,12 @@ import pytest
 
 from agentkv.engine.base import GenerationConfig
 from agentkv.engine.snapshot import KVSnapshot
-from agentkv.errors import ContextOverflowError, SessionClosed, SnapshotIncompatible, UserError
+from agentkv.errors import (
+    ContextOverflowError,
+    SessionClosed,
+    SnapshotIncompatible,
+    UserError,
+)
 from agentkv.testing import ScriptedEngine, ScriptedTokenizer
 
 CFG = GenerationConfig(max_new_tokens=64)

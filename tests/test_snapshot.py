@@ -12,7 +12,12 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from agentkv.engine import snapshot as snapshot_module
-from agentkv.engine.snapshot import KVSnapshot, dequantize_u8, quantize_u8, tokens_digest
+from agentkv.engine.snapshot import (
+    KVSnapshot,
+    dequantize_u8,
+    quantize_u8,
+    tokens_digest,
+)
 from agentkv.errors import SnapshotCorrupt, SnapshotIncompatible, UserError
 
 FP = "model-abc|kv:u8|layers:30"

@@ -265,12 +265,17 @@ class StopStringMatcher:
         return "" if self.stopped else held
 
     def _first_match(self, buffer: str) -> tuple[int, str] | None:
-        best: tuple[int, str] | None = None
+        # NOTE: the stop string that *ends* first wins (ties: the one starting first), as it
+        # would in a character-by-character stream: the result never depends on how the
+        # text was split into deltas.
+        best: tuple[int, int, str] | None = None
         for stop in self._stops:
             position = buffer.find(stop)
-            if position >= 0 and (best is None or position < best[0]):
-                best = (position, stop)
-        return best
+            if position >= 0:
+                key = (position + len(stop), position, stop)
+                if best is None or key[:2] < best[:2]:
+                    best = key
+        return None if best is None else (best[1], best[2])
 
     def _longest_partial_tail(self, buffer: str) -> int:
         longest = 0

@@ -27,23 +27,35 @@ from agentkv.engine.base import (
     GenerationStream,
     TokenConstraint,
     TokenDelta,
+    common_prefix_len,
 )
 from agentkv.engine.decode import DecodeLoop
+from agentkv.engine.rope import RopeConvention, drop_span, rope_convention
 from agentkv.engine.slot import Slot
+from agentkv.engine.slots import HostKV
 from agentkv.engine.snapshot import KVSnapshot
-from agentkv.errors import ContextOverflowError, SessionClosed, SnapshotIncompatible, UserError
+from agentkv.errors import (
+    ContextOverflowError,
+    KVShiftUnsupported,
+    SessionClosed,
+    SnapshotIncompatible,
+    UserError,
+)
 
 if TYPE_CHECKING:
     from agentkv.engine.stateful import StatefulEngine
 
 
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two id sequences."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+def _align_counts(reused: int, cached: int, restored: int, prefilled: int, recomputed: int) -> dict[str, int]:
+    """Metric counts of one alignment. Tokens the session re-prefilled when it got its slot back
+    (its offloaded KV had been dropped) count as prefilled, not reused: nothing was reused."""
+    recomputed = min(recomputed, reused)
+    return {
+        "reused": reused - recomputed,
+        "prefix_cache": cached,
+        "restored": min(restored, reused),
+        "prefilled": prefilled + recomputed,
+    }
 
 
 class StatefulSession:
@@ -54,11 +66,12 @@ class StatefulSession:
         self._id = session_id or uuid.uuid4().hex
         self._tokens: list[int] = []
         self._last_logits: np.ndarray | None = None  # logits after tokens[-1], if known
-        self._host: KVSnapshot | None = None  # KV waiting to be put into a slot
+        self._host: HostKV | None = None  # KV waiting to be put into a slot
         self._shifted = False
         self._closed = False
         self._lock = anyio.Lock()
         self.restored_tokens_pending = 0
+        self.recomputed_tokens_pending = 0  # log re-prefilled on adopt (its host KV was dropped)
         self.last_metrics: GenerationMetrics | None = None
 
     # ---- read-only views -------------------------------------------------------------
@@ -81,23 +94,30 @@ class StatefulSession:
     def offload(self, slot: Slot) -> None:
         """Copy this session's KV to host memory before its slot is given away."""
         keys, values = slot.read()
-        self._host = self._engine.make_snapshot(self._tokens, keys, values, self._shifted)
+        self._host = self._engine.pool.host.put(
+            self._engine.make_snapshot(self._tokens, keys, values, self._shifted)
+        )
         slot.reset()
 
     def adopt(self, slot: Slot) -> None:
         """Fill a newly bound slot with this session's KV (empty if it has none on the host)."""
         slot.reset()
         host, self._host = self._host, None
-        if host is None or host.num_tokens == 0:
+        snapshot = None if host is None else host.take()  # None: empty, or dropped by the host budget
+        if snapshot is None or snapshot.num_tokens == 0:
+            if self._tokens:  # NOTE: its KV was dropped: re-prefill the log (exact again, unshifted)
+                tokens, self._tokens, self._last_logits, self._shifted = self._tokens, [], None, False
+                self._feed_blocking(slot, tokens)
+                self.recomputed_tokens_pending += len(tokens)
             return
         try:
-            keys, values = host.to_float()
+            keys, values = snapshot.to_float()
             slot.write(keys, values)
         except BaseException:
             slot.reset()  # never leave partial KV behind
             self._tokens, self._last_logits = [], None
             raise
-        self.restored_tokens_pending += host.num_tokens
+        self.restored_tokens_pending += snapshot.num_tokens
 
     # ---- generation ------------------------------------------------------------------
     def stream(
@@ -166,9 +186,10 @@ class StatefulSession:
         Returns counts for the metrics. Leaves ``_last_logits`` = logits after ``prompt[-1]``.
         """
         restored, self.restored_tokens_pending = self.restored_tokens_pending, 0
+        recomputed, self.recomputed_tokens_pending = self.recomputed_tokens_pending, 0
         reused = common_prefix_len(self._tokens, prompt)
         if reused == len(prompt) and reused == len(self._tokens) and self._last_logits is not None:
-            return {"reused": reused, "prefix_cache": 0, "restored": restored, "prefilled": 0}
+            return _align_counts(reused, 0, restored, 0, recomputed)
         # NOTE: a prompt fully covered by the KV still needs its last token fed to get logits.
         reused = min(reused, len(prompt) - 1)
         cached = 0
@@ -183,12 +204,7 @@ class StatefulSession:
             reused_from_cache = reused
         await self._run(self._feed_blocking, slot, prompt[reused_from_cache:])
         await self._engine.prefix_cache_store(self, slot)
-        return {
-            "reused": reused,
-            "prefix_cache": cached,
-            "restored": min(restored, reused),
-            "prefilled": len(prompt) - reused_from_cache,
-        }
+        return _align_counts(reused, cached, restored, len(prompt) - reused_from_cache, recomputed)
 
     # ---- blocking steps (worker threads; the caller holds lock + lease) --------------
     async def _run(self, fn, *args):  # type: ignore[no-untyped-def]
@@ -235,7 +251,7 @@ class StatefulSession:
             if not self._tokens:
                 raise UserError("the session is empty: prefill or generate before asking for logits")
             async with self._engine.pool.lease(self) as slot:
-                self.restored_tokens_pending = 0
+                self.restored_tokens_pending = self.recomputed_tokens_pending = 0
                 if self._last_logits is None:
                     last = self._tokens[-1]
                     await self._run(self._trim_blocking, slot, len(self._tokens) - 1)
@@ -262,7 +278,9 @@ class StatefulSession:
 
     async def _snapshot_locked(self) -> KVSnapshot:
         if not self._engine.pool.is_bound(self) and self._host is not None:
-            return self._host
+            held = await self._run(self._host.load)
+            if held is not None:
+                return held  # else it was dropped: the lease below re-prefills it
         async with self._engine.pool.lease(self) as slot:
             keys, values = await self._run(slot.read)
             return self._engine.make_snapshot(self._tokens, keys, values, self._shifted)
@@ -287,11 +305,62 @@ class StatefulSession:
         async with self._lock:
             self._ensure_open()
             snap = await self._snapshot_locked()
+        host = await self._run(self._engine.pool.host.put, snap)
         child = self._engine.new_session()
         child._tokens = list(snap.tokens)
-        child._host = snap
+        child._host = host
         child._shifted = snap.shifted
         return child
+
+    # ---- KV-level span drop (sliding window) -----------------------------------------
+    @property
+    def supports_drop(self) -> bool:
+        """True: ``drop`` is available (it raises ``KVShiftUnsupported`` if RoPE cannot be measured)."""
+        return True
+
+    async def drop(self, start: int, end: int) -> None:
+        """Remove ``tokens[start:end]`` and their KV; later keys are re-rotated by −(end−start)
+        so positions stay contiguous (no re-prefill). Marks the session ``shifted``.
+
+        ``await session.drop(32, 432)``. Raises ``KVShiftUnsupported`` (KV untouched) when the
+        model's RoPE convention cannot be measured, ``UserError`` for a span outside ``tokens``.
+        On a failure while writing the KV, the session is left empty, never partial.
+        """
+        self._check_span(start, end)
+        if start == end:
+            return
+        convention = await rope_convention(self._engine)  # NOTE: before our lease: it needs a slot
+        if convention is None:
+            raise KVShiftUnsupported(
+                "the model's keys fit no RoPE rotation, so a span cannot be dropped from the KV; "
+                "use the Truncation policy (drop messages and re-prefill)"
+            )
+        async with self._lock:
+            self._ensure_open()
+            self._check_span(start, end)
+            async with self._engine.pool.lease(self) as slot:
+                await self._run(self._drop_blocking, slot, start, end, convention)
+
+    def _check_span(self, start: int, end: int) -> None:
+        self._ensure_open()
+        if not 0 <= start <= end <= len(self._tokens):
+            raise UserError(
+                f"drop({start}, {end}) is outside the session's {len(self._tokens)} tokens; "
+                "pass 0 <= start <= end <= len(session.tokens)"
+            )
+
+    def _drop_blocking(self, slot: Slot, start: int, end: int, convention: RopeConvention) -> None:
+        keys, values = slot.read()
+        keys, values = drop_span(keys, values, start, end, convention)
+        try:
+            slot.write(keys, values)
+        except BaseException:
+            slot.reset()  # never leave partial KV behind
+            self._tokens, self._last_logits = [], None
+            raise
+        del self._tokens[start:end]
+        self._last_logits = None
+        self._shifted = True
 
     async def close(self) -> None:
         """Release the slot and the KV (idempotent)."""
@@ -299,7 +368,9 @@ class StatefulSession:
             if self._closed:
                 return
             self._closed = True
-            self._host = None
+            if self._host is not None:
+                self._host.release()
+                self._host = None
             await self._engine.pool.release(self)
             self._engine.forget(self)
 

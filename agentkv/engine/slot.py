@@ -17,6 +17,7 @@ import numpy as np
 import openvino as ov
 
 from agentkv.engine.ov_state import KVLayout
+from agentkv.errors import UserError
 
 
 class Slot:
@@ -34,20 +35,27 @@ class Slot:
         input_ids: np.ndarray,
         past_len: int,
         beam_idx: np.ndarray | None = None,
+        position_offset: int = 0,
     ) -> np.ndarray:
         """Run ``input_ids`` ``[batch, T]`` at positions ``past_len..past_len+T-1``.
+
+        ``position_offset`` adds to every position id (the KV still holds ``past_len`` entries):
+        a prefill at offset p is how RoPE conventions are measured (``engine/rope.py``).
 
         ``beam_idx`` ``[batch]`` reorders the cached batch rows before the step (beam search);
         by default each row keeps its own cache. Returns float32 logits ``[batch, vocab]`` of
         the last position. Mutates the KV: it now holds ``past_len + T`` positions per row.
         """
         batch, length = input_ids.shape
+        if position_offset and not self._has_positions:
+            raise UserError("this model has no position_ids input: it cannot prefill at an offset")
         inputs: dict[str, np.ndarray] = {
             "input_ids": np.ascontiguousarray(input_ids, dtype=np.int64),
             "attention_mask": np.ones((batch, past_len + length), dtype=np.int64),
         }
         if self._has_positions:
-            positions = np.arange(past_len, past_len + length, dtype=np.int64)
+            start = past_len + position_offset
+            positions = np.arange(start, start + length, dtype=np.int64)
             inputs["position_ids"] = np.broadcast_to(positions, (batch, length)).copy()
         if self._has_beam_idx:
             if beam_idx is None:

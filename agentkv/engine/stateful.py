@@ -10,6 +10,10 @@
 
 Prefill computes logits for the last position only: a slice is inserted before the LM head
 (``slice_logits=False`` keeps every position, for measuring the gain).
+
+``prefix_cache_bytes`` (0 disables) and ``prefix_cache_precision`` size the shared prefix
+cache (``engine.register_prefix``); ``offload_bytes`` bounds the host memory of offloaded
+idle sessions, beyond which their KV is spilled to ``spill_dir`` files or dropped (re-prefilled).
 """
 
 from __future__ import annotations
@@ -25,9 +29,10 @@ import openvino as ov
 
 from agentkv.engine.base import GenerationMetrics
 from agentkv.engine.models import ModelFiles, compiled_cache_dir, resolve_model
+from agentkv.engine.prefix_cache import PrefixCache
 from agentkv.engine.session import StatefulSession
 from agentkv.engine.slot import Slot
-from agentkv.engine.slots import SlotPool
+from agentkv.engine.slots import HostKVStore, SlotPool
 from agentkv.engine.snapshot import KVSnapshot
 from agentkv.engine.tokenizer import OVTokenizer
 from agentkv.errors import ConstraintError, UserError
@@ -39,6 +44,10 @@ KVPrecision = Literal["u8", "f16", "f32"]
 _OV_PRECISION = {"u8": "u8", "f16": "f16", "f32": "f32"}
 _BYTES = {"u8": 1, "f16": 2, "f32": 4}
 DEFAULT_CONTEXT_LEN = 8192
+DEFAULT_PREFIX_CACHE_BYTES = 256 << 20
+MIN_PREFIX_HIT_TOKENS = 16
+"""A prefix-cache hit is used only when it saves at least this many tokens of prefill."""
+DEFAULT_OFFLOAD_BYTES = 2 << 30
 
 
 def slice_last_position(model: ov.Model) -> bool:
@@ -82,6 +91,10 @@ class StatefulEngine:
         slice_logits: bool = True,
         snapshot_precision: Literal["auto", "f32", "f16", "u8"] = "auto",
         ov_config: dict[str, str] | None = None,
+        prefix_cache_bytes: int | None = DEFAULT_PREFIX_CACHE_BYTES,
+        prefix_cache_precision: Literal["f32", "f16", "u8"] = "f16",
+        offload_bytes: int | None = DEFAULT_OFFLOAD_BYTES,
+        spill_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         if num_slots < 1:
             raise UserError(f"num_slots must be >= 1, got {num_slots}")
@@ -107,7 +120,7 @@ class StatefulEngine:
         )
         inputs = frozenset(name for i in ov_model.inputs for name in i.get_names())
         slots = [Slot(self._compiled.create_infer_request(), i, inputs) for i in range(num_slots)]
-        self.pool = SlotPool(slots)
+        self.pool = SlotPool(slots, host=HostKVStore(offload_bytes, spill_dir))
         first = slots[0].layout
         self.num_layers = first.num_layers
         self._max_context_len = max_context_len or _context_length(self.files) or DEFAULT_CONTEXT_LEN
@@ -118,7 +131,12 @@ class StatefulEngine:
         self._vocab_size = int(ov_model.output("logits").get_partial_shape()[2].get_length())
         heads, head_dim = _state_head_shape(slots[0])
         self._kv_token_bytes = 2 * self.num_layers * heads * head_dim * _BYTES[self.kv_cache_precision]
-        self.prefix_cache = None  # set by the prefix-cache layer (engine/prefix_cache.py)
+        self.prefix_cache: PrefixCache | None = None  # prefix_cache_bytes=0 disables it
+        if prefix_cache_bytes != 0:
+            self.prefix_cache = PrefixCache(
+                fingerprint=self._fingerprint, budget_bytes=prefix_cache_bytes,
+                precision=prefix_cache_precision, limiter=self.pool.limiter,
+            )
 
     # ---- Engine protocol ---------------------------------------------------------------
     @property
@@ -222,10 +240,14 @@ class StatefulEngine:
         )
 
     def prefix_cache_lookup(self, prompt: Sequence[int], reused: int) -> KVSnapshot | None:
-        """The longest cached prefix of ``prompt`` longer than ``reused`` (and < len(prompt))."""
+        """The longest cached prefix of ``prompt`` that adds at least ``MIN_PREFIX_HIT_TOKENS``
+        to the ``reused`` tokens the session already holds (and leaves one token to prefill)."""
         if self.prefix_cache is None:
             return None
-        return self.prefix_cache.lookup(prompt, longer_than=reused)
+        # NOTE: a hit of a few tokens (e.g. a shared "<|im_start|>system\nYou are a") costs a
+        # KV copy bigger than the prefill it saves, and with a quantised cache it perturbs the
+        # logits like a chunk boundary would: not worth taking.
+        return self.prefix_cache.lookup(prompt, longer_than=reused + MIN_PREFIX_HIT_TOKENS - 1)
 
     async def prefix_cache_store(self, session: StatefulSession, slot: Slot) -> None:
         """Give the prefix cache a chance to copy registered prefixes out of ``slot``."""

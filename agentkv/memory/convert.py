@@ -7,7 +7,12 @@ from typing import Any
 
 from agentkv.chat.messages import Message
 from agentkv.errors import UserError
-from agentkv.memory.records import AgentRecord, SessionRecord, SnapshotRecord, StoredMessage
+from agentkv.memory.records import (
+    AgentRecord,
+    SessionRecord,
+    SnapshotRecord,
+    StoredMessage,
+)
 from agentkv.memory.schema import AgentRow, MessageRow, SessionRow, SnapshotRow
 from agentkv.memory.snapshots import SnapshotFiles
 

@@ -28,23 +28,19 @@ from agentkv.engine.base import (
     GenerationStream,
     TokenConstraint,
     TokenDelta,
+    common_prefix_len,
 )
 from agentkv.engine.snapshot import KVSnapshot
-from agentkv.errors import ContextOverflowError, SessionClosed, SnapshotIncompatible, UserError
+from agentkv.errors import (
+    ContextOverflowError,
+    SessionClosed,
+    SnapshotIncompatible,
+    UserError,
+)
 from agentkv.testing.decode import ScriptedDecode, as_beam_search
 
 if TYPE_CHECKING:
     from agentkv.testing.scripted import ScriptedEngine
-
-
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two id sequences (as the stateful session's)."""
-    # NOTE: not imported from engine/session.py, which would import OpenVINO.
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def scripted_logits(tokens: Sequence[int], vocab_size: int) -> np.ndarray:
@@ -67,6 +63,8 @@ class ScriptedSession:
         self._lock = anyio.Lock()
         self.restored_tokens_pending = 0
         self.last_metrics: GenerationMetrics | None = None
+        self.drops: list[tuple[int, int]] = []
+        """Every ``drop(start, end)`` applied, in order (for tests)."""
 
     @property
     def id(self) -> str:
@@ -249,6 +247,28 @@ class ScriptedSession:
         child._shifted = snap.shifted
         child.restored_tokens_pending = snap.num_tokens
         return child
+
+    @property
+    def supports_drop(self) -> bool:
+        """True: the scripted KV can drop a span (its "RoPE" is always known)."""
+        return True
+
+    async def drop(self, start: int, end: int) -> None:
+        """Remove ``tokens[start:end]`` as the stateful session's KV-level drop does (no prefill;
+        marks the session ``shifted``); ``UserError`` for a span outside ``tokens``."""
+        async with self._lock:
+            self._ensure_open()
+            if not 0 <= start <= end <= len(self._tokens):
+                raise UserError(
+                    f"drop({start}, {end}) is outside the session's {len(self._tokens)} tokens; "
+                    "pass 0 <= start <= end <= len(session.tokens)"
+                )
+            if start == end:
+                return
+            del self._tokens[start:end]
+            self._logits_ready = False
+            self._shifted = True
+            self.drops.append((start, end))
 
     async def close(self) -> None:
         """Drop the log (idempotent)."""

@@ -1,0 +1,117 @@
+"""The ContextPolicy protocol, budget helpers, and the compaction outline every policy shares.
+
+The runner calls ``policy.compact(session, agent, limit=limit)`` when the rendered prompt
+exceeds ``limit`` (``max_prompt_len - min_response_len``); the policy brings the prompt down
+to its low-water mark (a fraction of ``limit``, so compaction is rare) and yields one
+``ContextCompacted`` event::
+
+    agent = Agent(name="chat", policy=Truncation(low_water=0.7), max_prompt_len=2048)
+    async for event in agent.policy.compact(session, agent, limit=1792):
+        print(event.policy, event.tokens_before, "→", event.tokens_after)
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from agentkv.errors import ContextOverflowError, UserError
+from agentkv.events import ContextCompacted
+from agentkv.policies.oversize import fit_oversized
+from agentkv.policies.selection import RemovalPlan, plan_removal
+
+if TYPE_CHECKING:
+    from agentkv.agent import Agent
+    from agentkv.conversation import AgentSession
+
+DEFAULT_LOW_WATER = 0.7
+
+
+@runtime_checkable
+class ContextPolicy(Protocol):
+    """Decides which messages leave the window when the prompt outgrows its budget."""
+
+    name: str
+    """Short name reported in ``ContextCompacted.policy``."""
+
+    def compact(self, session: AgentSession, agent: Agent, *, limit: int) -> AsyncIterator[ContextCompacted]:
+        """Bring ``session.render(agent)`` to at most ``limit`` tokens (to the low-water mark if
+        possible); yield one event per compaction. Messages that leave the window are reported
+        through ``session.replace_in_window`` (never deleted from the store). Raises
+        ``ContextOverflowError`` when the protected messages alone exceed ``limit``."""
+
+
+def low_water_tokens(limit: int, ratio: float) -> int:
+    """The prompt size compaction aims for: ``low_water_tokens(1000, 0.7) == 700``."""
+    return max(0, int(limit * ratio))
+
+
+def check_low_water(ratio: float) -> float:
+    """``ratio`` if it is in (0, 1]; ``UserError`` otherwise."""
+    if not 0.0 < ratio <= 1.0:
+        raise UserError(f"low_water must be a fraction of the budget in (0, 1], got {ratio}")
+    return ratio
+
+
+def prompt_tokens(session: AgentSession, agent: Agent) -> int:
+    """Tokens of the prompt the runner would send now (generation prompt included)."""
+    return len(session.render(agent).token_ids)
+
+
+async def realign(session: AgentSession, agent: Agent) -> None:
+    """Bring the KV to the current prompt: trim to the common prefix, prefill the rest, so the
+    next model call prefills nothing (and the compaction's cost includes the re-prefill)."""
+    await session.kv.prefill(session.render(agent).token_ids)
+
+
+async def truncate(session: AgentSession, agent: Agent, plan: RemovalPlan) -> None:
+    """Drop the plan's messages from the window and re-prefill from the divergence."""
+    if plan.entries:
+        await session.replace_in_window(plan.entries)
+    await realign(session, agent)
+
+
+class WindowPolicy(ABC):
+    """The outline shared by the built-in policies: fit oversized messages, remove (subclass),
+    check the budget, report. Subclasses implement ``_remove`` and set ``name``."""
+
+    name = "window"
+
+    def __init__(self, *, low_water: float = DEFAULT_LOW_WATER) -> None:
+        self.low_water = check_low_water(low_water)
+        """Fraction of the budget compaction brings the prompt down to."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(low_water={self.low_water})"
+
+    async def compact(
+        self, session: AgentSession, agent: Agent, *, limit: int
+    ) -> AsyncIterator[ContextCompacted]:
+        """See ``ContextPolicy.compact``."""
+        started = time.perf_counter()
+        before = prompt_tokens(session, agent)
+        target = low_water_tokens(limit, self.low_water)
+        await fit_oversized(session, agent, limit=limit, target=target)
+        removed, applied = await self._remove(session, agent, target=target)
+        after = prompt_tokens(session, agent)
+        if after > limit:  # a template that renders history-dependently can defeat the estimate
+            plan = plan_removal(session.window, session.render(agent), target=limit)
+            await truncate(session, agent, plan)
+            removed += len(plan.entries)
+            after = prompt_tokens(session, agent)
+        if after > limit:
+            raise ContextOverflowError(
+                f"after compaction the prompt still has {after} tokens, over the budget of {limit}; "
+                "shorten the system prompt or raise max_prompt_len",
+                prompt_tokens=after,
+                limit=limit,
+            )
+        cost_ms = (time.perf_counter() - started) * 1000
+        yield ContextCompacted(applied, before, after, removed, cost_ms)
+
+    @abstractmethod
+    async def _remove(self, session: AgentSession, agent: Agent, *, target: int) -> tuple[int, str]:
+        """Remove messages towards ``target`` tokens; return (messages removed, policy that ran:
+        ``self.name``, or ``"truncation"`` when the policy fell back to it)."""

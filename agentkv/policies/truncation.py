@@ -1,0 +1,29 @@
+"""Truncation: drop the oldest whole messages; the KV is trimmed to the common prefix and re-prefilled.
+
+The simplest policy and the fallback of the others. The system prompt stays (its KV is the
+common prefix, so only the kept messages are re-prefilled)::
+
+    agent = Agent(name="chat", policy=Truncation(low_water=0.6), max_prompt_len=1024)
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from agentkv.policies.base import WindowPolicy, truncate
+from agentkv.policies.selection import plan_removal
+
+if TYPE_CHECKING:
+    from agentkv.agent import Agent
+    from agentkv.conversation import AgentSession
+
+
+class Truncation(WindowPolicy):
+    """Drop the oldest messages (tool calls with their results) down to the low-water mark."""
+
+    name = "truncation"
+
+    async def _remove(self, session: AgentSession, agent: Agent, *, target: int) -> tuple[int, str]:
+        plan = plan_removal(session.window, session.render(agent), target=target)
+        await truncate(session, agent, plan)
+        return len(plan.entries), self.name
