@@ -174,6 +174,9 @@ def _agent_settings(agent: Agent) -> dict:  # type: ignore[type-arg]
         "max_turns": agent.max_turns,
         "max_prompt_len": agent.max_prompt_len,
         "min_response_len": agent.min_response_len,
+        "truncate_oversized_messages": agent.truncate_oversized_messages,
+        "constrain_tool_calls": agent.constrain_tool_calls,
+        "tool_timeout_s": agent.tool_timeout_s,
         "policy": type(agent.policy).__name__ if agent.policy is not None else None,
         **agent.settings,
     }

@@ -33,6 +33,27 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
+def validate_prompt(prompt: Sequence[int], config: GenerationConfig, max_context_len: int) -> None:
+    """The checks every ``KVSession.stream`` makes before touching any state.
+
+    Raises ``UserError`` for an empty prompt or stop strings with beams, and
+    ``ContextOverflowError`` when the prompt does not fit the context.
+    """
+    from agentkv.errors import ContextOverflowError, UserError
+
+    if not prompt:
+        raise UserError("prompt_tokens is empty: render at least one token before generating")
+    if config.num_beams > 1 and config.stop_strings:
+        raise UserError("stop_strings are not supported with num_beams>1; use stop_token_ids")
+    if len(prompt) >= max_context_len:
+        raise ContextOverflowError(
+            f"prompt of {len(prompt)} tokens does not fit the model's context of {max_context_len}; "
+            "shorten the history or give the agent a context-window policy",
+            prompt_tokens=len(prompt),
+            limit=max_context_len,
+        )
+
+
 class GenerationConfig(BaseModel):
     """How to pick tokens. Invalid values raise ``pydantic.ValidationError``.
 

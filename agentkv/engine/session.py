@@ -28,6 +28,7 @@ from agentkv.engine.base import (
     TokenConstraint,
     TokenDelta,
     common_prefix_len,
+    validate_prompt,
 )
 from agentkv.engine.decode import DecodeLoop
 from agentkv.engine.rope import RopeConvention, drop_span, rope_convention
@@ -35,7 +36,6 @@ from agentkv.engine.slot import Slot
 from agentkv.engine.slots import HostKV
 from agentkv.engine.snapshot import KVSnapshot
 from agentkv.errors import (
-    ContextOverflowError,
     KVShiftUnsupported,
     SessionClosed,
     SnapshotIncompatible,
@@ -142,18 +142,7 @@ class StatefulSession:
 
     def _check_prompt(self, prompt: list[int], config: GenerationConfig) -> None:
         self._ensure_open()
-        if not prompt:
-            raise UserError("prompt_tokens is empty: render at least one token before generating")
-        if config.num_beams > 1 and config.stop_strings:
-            raise UserError("stop_strings are not supported with num_beams>1; use stop_token_ids")
-        limit = self._engine.max_context_len
-        if len(prompt) >= limit:
-            raise ContextOverflowError(
-                f"prompt of {len(prompt)} tokens does not fit the model's context of {limit}; "
-                "shorten the history or give the agent a context-window policy",
-                prompt_tokens=len(prompt),
-                limit=limit,
-            )
+        validate_prompt(prompt, config, self._engine.max_context_len)
 
     async def _generate_events(
         self, prompt: list[int], config: GenerationConfig, constraint: TokenConstraint | None

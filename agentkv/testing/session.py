@@ -29,10 +29,10 @@ from agentkv.engine.base import (
     TokenConstraint,
     TokenDelta,
     common_prefix_len,
+    validate_prompt,
 )
 from agentkv.engine.snapshot import KVSnapshot
 from agentkv.errors import (
-    ContextOverflowError,
     SessionClosed,
     SnapshotIncompatible,
     UserError,
@@ -95,7 +95,7 @@ class ScriptedSession:
     ) -> GenerationStream:
         """See ``KVSession.stream``; the reply is the engine's next scripted step."""
         prompt = [int(t) for t in prompt_tokens]
-        self._check_prompt(prompt)
+        self._check_prompt(prompt, config)
         return GenerationStream(self._generate_events(prompt, config, constraint))
 
     async def generate(
@@ -110,7 +110,7 @@ class ScriptedSession:
     async def prefill(self, prompt_tokens: Sequence[int]) -> GenerationMetrics:
         """Align to ``prompt_tokens`` without generating (consumes no step)."""
         prompt = [int(t) for t in prompt_tokens]
-        self._check_prompt(prompt)
+        self._check_prompt(prompt, GenerationConfig(max_new_tokens=0))
         async with self._lock:
             self._ensure_open()
             started = time.perf_counter()
@@ -118,18 +118,9 @@ class ScriptedSession:
             elapsed = time.perf_counter() - started
             return self._engine.metrics_for(self, align, generated=0, ttft=elapsed, tpot=0.0)
 
-    def _check_prompt(self, prompt: list[int]) -> None:
+    def _check_prompt(self, prompt: list[int], config: GenerationConfig) -> None:
         self._ensure_open()
-        if not prompt:
-            raise UserError("prompt_tokens is empty: render at least one token before generating")
-        limit = self._engine.max_context_len
-        if len(prompt) >= limit:
-            raise ContextOverflowError(
-                f"prompt of {len(prompt)} tokens does not fit the model's context of {limit}; "
-                "shorten the history or give the agent a context-window policy",
-                prompt_tokens=len(prompt),
-                limit=limit,
-            )
+        validate_prompt(prompt, config, self._engine.max_context_len)
 
     async def _generate_events(
         self, prompt: list[int], config: GenerationConfig, constraint: TokenConstraint | None
