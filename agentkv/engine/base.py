@@ -203,7 +203,7 @@ class GenerationStream:
     async def collect(self) -> GenerationResult:
         """Run to the end and return the result."""
         async for _ in self:
-            pass
+            continue  # drain: the result is set when the events end
         assert self.result is not None
         return self.result
 
