@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from agentkv.chat.messages import Message
 from agentkv.conversation import AgentSession, WindowEntry
-from agentkv.engine.base import KVSession
+from agentkv.engine.base import KVSession, common_prefix_len
 from agentkv.errors import SnapshotCorrupt, SnapshotIncompatible
 from agentkv.memory import Store
 
@@ -83,11 +83,20 @@ async def load_window(store: Store, session_id: str) -> list[WindowEntry]:
 
 
 async def save_snapshot(store: Store, session: AgentSession) -> None:
-    """Snapshot the session's KV to a file and reference it (failures are logged, never raised)."""
+    """Snapshot the session's KV to a file and reference it (failures are logged, never raised).
+
+    Only the part of the KV that the stored history renders to is kept: after a failed or
+    cancelled run the KV also holds a partial answer that no later prompt starts with, and a
+    snapshot of it could never be restored.
+    """
     try:
-        if not session.kv.tokens:
+        history = session.render(session.agent, add_generation_prompt=False).token_ids
+        usable = common_prefix_len(session.kv.tokens, history)
+        if usable == 0:
             return
         snapshot = await session.kv.snapshot()
+        if usable < snapshot.num_tokens:
+            snapshot = snapshot.prefix(usable)
         await store.save_snapshot(session.id, snapshot)
     except Exception:  # a failed snapshot only costs a re-prefill later
         logger.warning("could not snapshot session %s; it will re-prefill on resume", session.id, exc_info=True)

@@ -14,7 +14,10 @@ guarantees it per step) and the recorded messages intact.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
+
+import anyio
 
 from agentkv.agent import Agent
 from agentkv.chat.messages import Message, ToolCall
@@ -38,6 +41,8 @@ from agentkv.events import (
 )
 from agentkv.result import RunResult
 from agentkv.tools import run_tool_calls
+
+CANCELLED_RESULT = "error: the run was cancelled before this tool returned"
 
 
 @dataclass
@@ -75,28 +80,42 @@ class Runner:
 
     @staticmethod
     async def run_stream(agent: Agent, session: AgentSession, user_input: str) -> AsyncIterator[RunEvent]:
-        """Like ``run`` but yields typed events as they happen; the last is ``RunFinished``."""
+        """Like ``run`` but yields typed events as they happen; the last is ``RunFinished``.
+
+        To stop early, close the stream (``async with contextlib.aclosing(...)``): that ends the
+        generation at the current step and releases the session.
+        """
         async with session.run_guard():
-            state = _RunState(agent, session)
-            await _record(state, Message.user(user_input))
-            for step in range(agent.max_turns):
-                async for event in _fit_window(state):
+            async with aclosing(run_turns(agent, session, user_input)) as events:
+                async for event in events:
                     yield event
-                result: GenerationResult | None = None
-                async for item in _generate(state, step):
-                    if isinstance(item, GenerationResult):
-                        result = item
-                    else:
-                        yield item
-                assert result is not None
-                assistant = await _record_assistant(state, result)
-                yield TurnMetricsEvent(step, result.metrics)
-                if not assistant.tool_calls:
-                    yield RunFinished(state.result(assistant.content))
-                    return
-                async for event in _run_tools(state, assistant.tool_calls):
-                    yield event
-            raise MaxTurnsExceeded(agent.max_turns)
+
+
+async def run_turns(agent: Agent, session: AgentSession, user_input: str) -> AsyncIterator[RunEvent]:
+    """The turn loop of one run, without the one-run-per-session guard (the caller holds it)."""
+    state = _RunState(agent, session)
+    await _record(state, Message.user(user_input))
+    for step in range(agent.max_turns):
+        async with aclosing(_fit_window(state)) as compactions:
+            async for event in compactions:
+                yield event
+        result: GenerationResult | None = None
+        async with aclosing(_generate(state, step)) as generation:
+            async for item in generation:
+                if isinstance(item, GenerationResult):
+                    result = item
+                else:
+                    yield item
+        assert result is not None
+        assistant = await _record_assistant(state, result)
+        yield TurnMetricsEvent(step, result.metrics)
+        if not assistant.tool_calls:
+            yield RunFinished(state.result(assistant.content))
+            return
+        async with aclosing(_run_tools(state, assistant.tool_calls)) as tools:
+            async for event in tools:
+                yield event
+    raise MaxTurnsExceeded(agent.max_turns)
 
 
 async def _record(state: _RunState, message: Message) -> None:
@@ -119,8 +138,9 @@ async def _fit_window(state: _RunState) -> AsyncIterator[RunEvent]:
             prompt_tokens=prompt_len,
             limit=limit,
         )
-    async for event in agent.policy.compact(session, agent, limit=limit):
-        yield event
+    async with aclosing(agent.policy.compact(session, agent, limit=limit)) as events:
+        async for event in events:
+            yield event
     compacted_len = len(session.render(agent).token_ids)
     if compacted_len > limit:
         raise ContextOverflowError(
@@ -143,12 +163,12 @@ async def _generate(state: _RunState, step: int) -> AsyncIterator[TextDelta | Ge
     agent, session = state.agent, state.session
     prompt = session.render(agent)
     config = _step_config(state, len(prompt.token_ids))
-    stream = session.kv.stream(prompt.token_ids, config, _constraint(state, step))
     hide = MarkupFilter(TOOL_CALL_OPEN) if agent.tools and agent.tool_choice != "none" else None
-    async for delta in stream:
-        text = hide.feed(delta.text) if hide else delta.text
-        if text:
-            yield TextDelta(text)
+    async with session.kv.stream(prompt.token_ids, config, _constraint(state, step)) as stream:
+        async for delta in stream:
+            text = hide.feed(delta.text) if hide else delta.text
+            if text:
+                yield TextDelta(text)
     if hide is not None and (tail := hide.flush()):
         yield TextDelta(tail)
     assert stream.result is not None
@@ -200,7 +220,15 @@ async def _run_tools(state: _RunState, calls: tuple[ToolCall, ...]) -> AsyncIter
     """Run the calls concurrently; record and announce each result in call order."""
     for call in calls:
         yield ToolCallEvent(call)
-    outcomes = await run_tool_calls(state.agent.tools, calls, default_timeout_s=state.agent.tool_timeout_s)
+    try:
+        outcomes = await run_tool_calls(state.agent.tools, calls, default_timeout_s=state.agent.tool_timeout_s)
+    except anyio.get_cancelled_exc_class():
+        # NOTE: every recorded call gets a result, even on cancel: an orphaned call would be
+        # rendered into every later prompt (orphaned results broke LangChain's trimming, #33245).
+        with anyio.CancelScope(shield=True):
+            for call in calls:
+                await _record(state, Message.tool(CANCELLED_RESULT, tool_call_id=call.id, name=call.name))
+        raise
     for outcome in outcomes:
         await _record(state, outcome.to_message())
         yield ToolResultEvent(outcome.call, outcome.content, outcome.is_error, outcome.duration_s)

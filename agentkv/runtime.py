@@ -20,6 +20,7 @@ import os
 import socket
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
 
 import anyio
 
@@ -40,7 +41,7 @@ from agentkv.persistence import (
     save_snapshot,
 )
 from agentkv.result import RunResult
-from agentkv.runner import Runner
+from agentkv.runner import Runner, run_turns
 
 
 class Runtime:
@@ -142,19 +143,28 @@ class Runtime:
         return result
 
     async def run_stream(self, session: AgentSession, user_input: str) -> AsyncIterator[RunEvent]:
-        """``Runner.run_stream`` under the session's lease; snapshots the KV when the run ends."""
+        """``Runner.run_stream`` under the session's store lease (renewed at every step); the KV
+        is snapshotted when the run ends. Close the stream to stop early (``aclosing``)."""
         if self.store is None:
-            async for event in Runner.run_stream(session.agent, session, user_input):
-                yield event
+            async with aclosing(Runner.run_stream(session.agent, session, user_input)) as events:
+                async for event in events:
+                    yield event
             return
-        await self.store.acquire_lease(session.id, self.holder, self.lease_ttl_s)
-        try:
-            async for event in Runner.run_stream(session.agent, session, user_input):
-                yield event
-        finally:
-            with anyio.CancelScope(shield=True):
-                await save_snapshot(self.store, session)
-                await self.store.release_lease(session.id, self.holder)
+        store = self.store
+        # NOTE: the in-process guard comes first: a second run here must not touch (and then
+        # release) the lease the first run holds.
+        async with session.run_guard():
+            await store.acquire_lease(session.id, self.holder, self.lease_ttl_s)
+            try:
+                async with aclosing(run_turns(session.agent, session, user_input)) as events:
+                    async for event in events:
+                        yield event
+                        if event.type in ("turn_metrics", "tool_result"):
+                            await store.acquire_lease(session.id, self.holder, self.lease_ttl_s)
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await save_snapshot(store, session)
+                    await store.release_lease(session.id, self.holder)
 
     async def close_session(self, session: AgentSession) -> None:
         """Release the session's KV (its stored history stays)."""

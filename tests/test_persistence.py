@@ -172,3 +172,36 @@ def test_cli_chat_then_sessions_list_then_resume(tmp_path):
     assert gone.exit_code == 0
     missing = runner.invoke(app, ["sessions", "show", session_id, "--db", db])
     assert missing.exit_code == 1 and "no session" in missing.output
+
+
+async def test_a_second_run_in_the_same_process_does_not_release_the_first_runs_lease(tmp_path):
+    url = f"sqlite:///{tmp_path / 'agentkv.db'}"
+    async with Store(url) as store:
+        engine = ScriptedEngine(["one " * 30, "two"], decode_s_per_token=0.01)
+        runtime = Runtime(engine, store, agents=[AGENT])
+        session = await runtime.open_session(AGENT, session_id="lease")
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(runtime.run, session, "first")
+            await anyio.sleep(0.05)
+            with pytest.raises(SessionBusy):
+                await runtime.run(session, "second")
+            # the first run still holds the lease: another process is refused
+            with pytest.raises(SessionBusy):
+                await store.acquire_lease("lease", "another-process", 60)
+
+
+async def test_a_cancelled_run_saves_a_snapshot_that_resume_can_use(tmp_path):
+    url = f"sqlite:///{tmp_path / 'agentkv.db'}"
+    async with Store(url) as store:
+        engine = ScriptedEngine(["short answer", "word " * 200], decode_s_per_token=0.01)
+        runtime = Runtime(engine, store, agents=[AGENT])
+        session = await runtime.open_session(AGENT, session_id="cut")
+        await runtime.run(session, "hello")
+        with anyio.move_on_after(0.3):
+            await runtime.run(session, "tell me a lot")
+        newest = (await store.snapshots("cut"))[0]
+        history = session.render(AGENT, add_generation_prompt=False).token_ids
+        assert 0 < newest.num_tokens <= len(history)
+        again = Runtime(ScriptedEngine([]), store, agents=[AGENT])
+        await again.resume("cut")
+        assert again.last_resume.restored_tokens == newest.num_tokens

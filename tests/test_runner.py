@@ -16,6 +16,7 @@ from agentkv.events import (
     ToolResultEvent,
     TurnMetricsEvent,
 )
+from agentkv.runner import CANCELLED_RESULT
 from agentkv.testing import ScriptedEngine
 from agentkv.tools import calculator
 
@@ -165,8 +166,12 @@ async def test_cancellation_mid_tool_keeps_the_call_and_drops_nothing():
     _, session = await open_session(engine, agent)
     with anyio.move_on_after(0.05):
         await Runner.run(agent, session, "go")
-    assert [m.role for m in session.messages] == ["user", "assistant"]
-    assert session.messages[1].tool_calls[0].name == "slow"
+    assert [m.role for m in session.messages] == ["user", "assistant", "tool"]
+    made = session.messages[1].tool_calls[0]
+    assert made.name == "slow"
+    # the call is never left without a result (an orphaned call would poison every later prompt)
+    assert session.messages[2].tool_call_id == made.id
+    assert session.messages[2].content == CANCELLED_RESULT
 
 
 async def test_a_second_concurrent_run_on_one_session_raises_session_busy():
@@ -210,3 +215,17 @@ def test_agent_rejects_misuse_with_user_errors():
         Agent(name="a", tool_choice="required")
     with pytest.raises(UserError):
         Agent(name="", tools=[add])
+
+
+async def test_closing_a_stream_early_releases_the_session_for_the_next_run():
+    from contextlib import aclosing
+
+    engine = ScriptedEngine(["a long answer " * 20, "next"], decode_s_per_token=0.001)
+    agent = Agent(name="a")
+    runtime, session = await open_session(engine, agent)
+    async with aclosing(runtime.run_stream(session, "talk")) as events:
+        async for event in events:
+            if event.type == "text_delta":
+                break
+    result = await runtime.run(session, "again")
+    assert result.final_text == "next"

@@ -69,7 +69,9 @@ class StatefulSession:
         self._host: HostKV | None = None  # KV waiting to be put into a slot
         self._shifted = False
         self._closed = False
-        self._lock = anyio.Lock()
+        # NOTE: a semaphore, not a Lock: a stream abandoned mid-way is closed by the async-generator
+        # finalizer in another task, and a Lock refuses release from a task that did not take it.
+        self._lock = anyio.Semaphore(1)
         self.restored_tokens_pending = 0
         self.recomputed_tokens_pending = 0  # log re-prefilled on adopt (its host KV was dropped)
         self.last_metrics: GenerationMetrics | None = None
@@ -100,7 +102,16 @@ class StatefulSession:
         slot.reset()
 
     def adopt(self, slot: Slot) -> None:
-        """Fill a newly bound slot with this session's KV (empty if it has none on the host)."""
+        """Fill a newly bound slot with this session's KV (empty if it has none on the host).
+        On any failure the slot is emptied and so is the log: never partial KV."""
+        try:
+            self._adopt(slot)
+        except BaseException:
+            slot.reset()
+            self._tokens, self._last_logits = [], None
+            raise
+
+    def _adopt(self, slot: Slot) -> None:
         slot.reset()
         host, self._host = self._host, None
         snapshot = None if host is None else host.take()  # None: empty, or dropped by the host budget
@@ -110,13 +121,8 @@ class StatefulSession:
                 self._feed_blocking(slot, tokens)
                 self.recomputed_tokens_pending += len(tokens)
             return
-        try:
-            keys, values = snapshot.to_float()
-            slot.write(keys, values)
-        except BaseException:
-            slot.reset()  # never leave partial KV behind
-            self._tokens, self._last_logits = [], None
-            raise
+        keys, values = snapshot.to_float()
+        slot.write(keys, values)
         self.restored_tokens_pending += snapshot.num_tokens
 
     # ---- generation ------------------------------------------------------------------
@@ -283,8 +289,12 @@ class StatefulSession:
             )
         async with self._lock:
             self._ensure_open()
+            if self._host is not None:  # the old KV is being replaced: don't bring it back first
+                self._host.release()
+                self._host = None
+            self._tokens, self._last_logits = [], None
+            self.restored_tokens_pending = self.recomputed_tokens_pending = 0
             async with self._engine.pool.lease(self) as slot:
-                self._tokens, self._last_logits = [], None
                 await self._run(self._load_prefix_blocking, slot, snapshot)
                 self._shifted = snapshot.shifted
                 self.restored_tokens_pending = snapshot.num_tokens
@@ -357,10 +367,12 @@ class StatefulSession:
             if self._closed:
                 return
             self._closed = True
+            await self._engine.pool.release(self)
+            # NOTE: after release: an offload of this session that was under way when close()
+            # began has finished by now (the pool serialises them) and may have set _host.
             if self._host is not None:
                 self._host.release()
                 self._host = None
-            await self._engine.pool.release(self)
             self._engine.forget(self)
 
     def _ensure_open(self) -> None:

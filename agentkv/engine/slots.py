@@ -63,7 +63,12 @@ class SlotPool:
         slot, fresh = await self._acquire(owner)
         try:
             if fresh:
-                await anyio.to_thread.run_sync(owner.adopt, slot, limiter=self.limiter)
+                try:
+                    await anyio.to_thread.run_sync(owner.adopt, slot, limiter=self.limiter)
+                except BaseException:
+                    with anyio.CancelScope(shield=True):
+                        await self.release(owner)  # unbind: the next lease starts from a fresh slot
+                    raise
             yield slot
         finally:
             with anyio.CancelScope(shield=True):

@@ -60,7 +60,7 @@ class ScriptedSession:
         self._logits_ready = False  # the "model" has fed tokens[-1] (the real _last_logits)
         self._shifted = False
         self._closed = False
-        self._lock = anyio.Lock()
+        self._lock = anyio.Semaphore(1)  # as the real session: releasable by a finalizer task
         self.restored_tokens_pending = 0
         self.last_metrics: GenerationMetrics | None = None
         self.drops: list[tuple[int, int]] = []
