@@ -156,6 +156,7 @@ class Runtime:
         async with session.run_guard():
             await store.acquire_lease(session.id, self.holder, self.lease_ttl_s)
             try:
+                await self._refresh_window(session)
                 async with aclosing(run_turns(session.agent, session, user_input)) as events:
                     async for event in events:
                         yield event
@@ -165,6 +166,14 @@ class Runtime:
                 with anyio.CancelScope(shield=True):
                     await save_snapshot(store, session)
                     await store.release_lease(session.id, self.holder)
+
+    async def _refresh_window(self, session: AgentSession) -> None:
+        """Reload the window if another process ran this session since we last did (the KV
+        then realigns to the new history by itself on the next model call)."""
+        assert self.store is not None
+        stored = await load_window(self.store, session.id)
+        if [e.seq for e in stored] != [e.seq for e in session.window]:
+            session.window[:] = stored
 
     async def close_session(self, session: AgentSession) -> None:
         """Release the session's KV (its stored history stays)."""

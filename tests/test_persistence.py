@@ -205,3 +205,18 @@ async def test_a_cancelled_run_saves_a_snapshot_that_resume_can_use(tmp_path):
         again = Runtime(ScriptedEngine([]), store, agents=[AGENT])
         await again.resume("cut")
         assert again.last_resume.restored_tokens == newest.num_tokens
+
+
+async def test_a_session_open_in_two_runtimes_sees_the_turns_the_other_ran(tmp_path):
+    url = f"sqlite:///{tmp_path / 'agentkv.db'}"
+    async with Store(url) as store:
+        first = Runtime(ScriptedEngine(["from one", "one again"]), store, agents=[AGENT])
+        second = Runtime(ScriptedEngine(["from two"]), store, agents=[AGENT])
+        a = await first.open_session(AGENT, session_id="shared")
+        await first.run(a, "hello one")
+        b = await second.resume("shared")
+        await second.run(b, "hello two")
+        await first.run(a, "back to one")
+        contents = [m.content for m in a.messages]
+        assert contents == ["hello one", "from one", "hello two", "from two", "back to one", "one again"]
+        assert [m.message.content for m in await store.messages("shared")] == contents

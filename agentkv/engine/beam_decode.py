@@ -29,6 +29,7 @@ async def run_beam_search(loop: DecodeLoop) -> GenerationResult:
     config = loop.config.model_copy(update={"max_new_tokens": loop.max_new})
     search = BeamSearch(config, loop.engine.eos_token_ids, prompt_len=len(prompt))
     assert session._last_logits is not None
+    prompt_logits = session._last_logits
     kv_len = len(prompt)
     first_at: float | None = None
     collapsed = False
@@ -48,6 +49,7 @@ async def run_beam_search(loop: DecodeLoop) -> GenerationResult:
         if not collapsed:
             with anyio.CancelScope(shield=True):
                 await session._run(_collapse_to_prompt, session, slot, prompt)
+                session._last_logits = prompt_logits
     beams = tuple(BeamHypothesis(h.token_ids, float(h.score)) for h in search.finalize())
     text_ids = [t for t in winner.token_ids if t not in loop.stop_ids]
     text = loop.engine.tokenizer.decode(text_ids) if text_ids else ""
