@@ -24,20 +24,18 @@ from agentkv.engine.base import (
     GenerationConfig,
     GenerationMetrics,
     GenerationResult,
-    GenerationStream,
     TokenConstraint,
     TokenDelta,
     common_prefix_len,
-    validate_prompt,
 )
 from agentkv.engine.decode import DecodeLoop
 from agentkv.engine.rope import RopeConvention, drop_span, rope_convention
+from agentkv.engine.session_common import SessionCommon
 from agentkv.engine.slot import Slot
 from agentkv.engine.slots import HostKV
 from agentkv.engine.snapshot import KVSnapshot
 from agentkv.errors import (
     KVShiftUnsupported,
-    SessionClosed,
     SnapshotIncompatible,
     UserError,
 )
@@ -58,7 +56,7 @@ def _align_counts(reused: int, cached: int, restored: int, prefilled: int, recom
     }
 
 
-class StatefulSession:
+class StatefulSession(SessionCommon):
     """A KV session bound (lazily) to a slot of a ``StatefulEngine``."""
 
     def __init__(self, engine: StatefulEngine, session_id: str | None = None) -> None:
@@ -75,22 +73,6 @@ class StatefulSession:
         self.restored_tokens_pending = 0
         self.recomputed_tokens_pending = 0  # log re-prefilled on adopt (its host KV was dropped)
         self.last_metrics: GenerationMetrics | None = None
-
-    # ---- read-only views -------------------------------------------------------------
-    @property
-    def id(self) -> str:
-        return self._id
-
-    @property
-    def tokens(self) -> tuple[int, ...]:
-        return tuple(self._tokens)
-
-    @property
-    def shifted(self) -> bool:
-        return self._shifted
-
-    def __repr__(self) -> str:
-        return f"StatefulSession(id={self._id[:8]}, tokens={len(self._tokens)})"
 
     # ---- slot pool callbacks (run in worker threads, under the pool's lease) ---------
     def offload(self, slot: Slot) -> None:
@@ -126,30 +108,6 @@ class StatefulSession:
         self.restored_tokens_pending += snapshot.num_tokens
 
     # ---- generation ------------------------------------------------------------------
-    def stream(
-        self,
-        prompt_tokens: Sequence[int],
-        config: GenerationConfig,
-        constraint: TokenConstraint | None = None,
-    ) -> GenerationStream:
-        """See ``KVSession.stream``."""
-        prompt = [int(t) for t in prompt_tokens]
-        self._check_prompt(prompt, config)
-        return GenerationStream(self._generate_events(prompt, config, constraint))
-
-    async def generate(
-        self,
-        prompt_tokens: Sequence[int],
-        config: GenerationConfig,
-        constraint: TokenConstraint | None = None,
-    ) -> GenerationResult:
-        """``stream(...)`` run to the end."""
-        return await self.stream(prompt_tokens, config, constraint).collect()
-
-    def _check_prompt(self, prompt: list[int], config: GenerationConfig) -> None:
-        self._ensure_open()
-        validate_prompt(prompt, config, self._engine.max_context_len)
-
     async def _generate_events(
         self, prompt: list[int], config: GenerationConfig, constraint: TokenConstraint | None
     ) -> AsyncIterator[TokenDelta | GenerationResult]:
@@ -374,7 +332,3 @@ class StatefulSession:
                 self._host.release()
                 self._host = None
             self._engine.forget(self)
-
-    def _ensure_open(self) -> None:
-        if self._closed:
-            raise SessionClosed(f"session {self._id} is closed; open a new one with engine.open_session()")

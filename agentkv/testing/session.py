@@ -25,15 +25,13 @@ from agentkv.engine.base import (
     GenerationConfig,
     GenerationMetrics,
     GenerationResult,
-    GenerationStream,
     TokenConstraint,
     TokenDelta,
     common_prefix_len,
-    validate_prompt,
 )
+from agentkv.engine.session_common import SessionCommon
 from agentkv.engine.snapshot import KVSnapshot
 from agentkv.errors import (
-    SessionClosed,
     SnapshotIncompatible,
     UserError,
 )
@@ -50,7 +48,7 @@ def scripted_logits(tokens: Sequence[int], vocab_size: int) -> np.ndarray:
     return rng.standard_normal(vocab_size, dtype=np.float32)
 
 
-class ScriptedSession:
+class ScriptedSession(SessionCommon):
     """A ``KVSession`` over a fictional KV: the token log is the whole state."""
 
     def __init__(self, engine: ScriptedEngine) -> None:
@@ -67,46 +65,11 @@ class ScriptedSession:
         """Every ``drop(start, end)`` applied, in order (for tests)."""
 
     @property
-    def id(self) -> str:
-        return self._id
-
-    @property
-    def tokens(self) -> tuple[int, ...]:
-        return tuple(self._tokens)
-
-    @property
-    def shifted(self) -> bool:
-        return self._shifted
-
-    @property
     def engine(self) -> ScriptedEngine:
         """The engine that opened this session."""
         return self._engine
 
-    def __repr__(self) -> str:
-        return f"ScriptedSession(id={self._id[:8]}, tokens={len(self._tokens)})"
-
     # ---- generation ------------------------------------------------------------------
-    def stream(
-        self,
-        prompt_tokens: Sequence[int],
-        config: GenerationConfig,
-        constraint: TokenConstraint | None = None,
-    ) -> GenerationStream:
-        """See ``KVSession.stream``; the reply is the engine's next scripted step."""
-        prompt = [int(t) for t in prompt_tokens]
-        self._check_prompt(prompt, config)
-        return GenerationStream(self._generate_events(prompt, config, constraint))
-
-    async def generate(
-        self,
-        prompt_tokens: Sequence[int],
-        config: GenerationConfig,
-        constraint: TokenConstraint | None = None,
-    ) -> GenerationResult:
-        """``stream(...)`` run to the end."""
-        return await self.stream(prompt_tokens, config, constraint).collect()
-
     async def prefill(self, prompt_tokens: Sequence[int]) -> GenerationMetrics:
         """Align to ``prompt_tokens`` without generating (consumes no step)."""
         prompt = [int(t) for t in prompt_tokens]
@@ -117,10 +80,6 @@ class ScriptedSession:
             align = await self._align(prompt)
             elapsed = time.perf_counter() - started
             return self._engine.metrics_for(self, align, generated=0, ttft=elapsed, tpot=0.0)
-
-    def _check_prompt(self, prompt: list[int], config: GenerationConfig) -> None:
-        self._ensure_open()
-        validate_prompt(prompt, config, self._engine.max_context_len)
 
     async def _generate_events(
         self, prompt: list[int], config: GenerationConfig, constraint: TokenConstraint | None
@@ -269,9 +228,3 @@ class ScriptedSession:
             self._closed = True
             self._tokens, self._logits_ready = [], False
             self._engine.forget(self)
-
-    def _ensure_open(self) -> None:
-        if self._closed:
-            raise SessionClosed(f"session {self._id} is closed; open a new one with engine.open_session()")
-
-

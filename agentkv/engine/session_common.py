@@ -1,0 +1,82 @@
+"""Plumbing every KVSession implementation shares: identity, read-only views of the token log,
+the stream/generate entry points, and the checks made before any state changes.
+
+Subclasses (``StatefulSession``, the scripted ``ScriptedSession``) set ``_id``, ``_tokens``,
+``_shifted``, ``_closed`` and ``_engine`` and implement ``_generate_events``::
+
+    class MySession(SessionCommon):
+        async def _generate_events(self, prompt, config, constraint): ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from agentkv.engine.base import (
+    GenerationConfig,
+    GenerationResult,
+    GenerationStream,
+    TokenConstraint,
+    TokenDelta,
+    validate_prompt,
+)
+from agentkv.errors import SessionClosed
+
+
+class SessionCommon:
+    """Shared by the KV session implementations (no OpenVINO here)."""
+
+    _id: str
+    _tokens: list[int]
+    _shifted: bool
+    _closed: bool
+    _engine: Any
+
+    @property
+    def id(self) -> str:
+        return self._id
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return tuple(self._tokens)
+
+    @property
+    def shifted(self) -> bool:
+        return self._shifted
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(id={self._id[:8]}, tokens={len(self._tokens)})"
+
+    def stream(
+        self,
+        prompt_tokens: Sequence[int],
+        config: GenerationConfig,
+        constraint: TokenConstraint | None = None,
+    ) -> GenerationStream:
+        """See ``KVSession.stream``: checks happen now, the work when the stream is iterated."""
+        prompt = [int(t) for t in prompt_tokens]
+        self._check_prompt(prompt, config)
+        return GenerationStream(self._generate_events(prompt, config, constraint))
+
+    async def generate(
+        self,
+        prompt_tokens: Sequence[int],
+        config: GenerationConfig,
+        constraint: TokenConstraint | None = None,
+    ) -> GenerationResult:
+        """``stream(...)`` run to the end."""
+        return await self.stream(prompt_tokens, config, constraint).collect()
+
+    def _generate_events(
+        self, prompt: list[int], config: GenerationConfig, constraint: TokenConstraint | None
+    ) -> AsyncIterator[TokenDelta | GenerationResult]:
+        raise TypeError(f"{type(self).__name__} must define _generate_events")
+
+    def _check_prompt(self, prompt: list[int], config: GenerationConfig) -> None:
+        self._ensure_open()
+        validate_prompt(prompt, config, self._engine.max_context_len)
+
+    def _ensure_open(self) -> None:
+        if self._closed:
+            raise SessionClosed(f"session {self._id} is closed; open a new one with engine.open_session()")
