@@ -14,30 +14,17 @@ import statistics
 
 import anyio
 import openvino_genai as og
+from _turns import SENTENCES, padded_turn
 
 from agentkv.chat.messages import Message
 from agentkv.chat.render import ChatRenderer
 from agentkv.engine.base import GenerationConfig
 from agentkv.engine.stateful import StatefulEngine
 
-SENTENCES = [
-    "The committee reviewed the quarterly figures and asked for a clearer breakdown of costs.",
-    "Rivers carve valleys slowly, moving sediment from the mountains down to the sea.",
-    "A good recipe lists its ingredients in the order they are used.",
-    "The library extended its opening hours during the examination period.",
-    "Engineers measured the bridge's vibration under different wind speeds.",
-    "Migratory birds navigate using the sun, the stars and the earth's magnetic field.",
-    "The museum's new wing houses a collection of early printed maps.",
-]
-
 
 def user_turn(engine: StatefulEngine, turn: int, target: int = 100) -> str:
-    words = [f"Turn {turn}."]
-    i = turn
-    while len(engine.tokenizer.encode(" ".join(words))) < target:
-        words.append(SENTENCES[i % len(SENTENCES)])
-        i += 1
-    return " ".join(words) + " Summarise this."
+    return padded_turn(engine.tokenizer.encode, f"Turn {turn}.", " Summarise this.",
+                       start=turn, sentences=SENTENCES[:7], target=target)
 
 
 async def measure(turns: int, answer_tokens: int) -> dict:

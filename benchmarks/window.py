@@ -16,6 +16,7 @@ import statistics
 import time
 
 import anyio
+from _turns import padded_turn
 
 from agentkv import Agent, GenerationConfig, Runner, Runtime
 from agentkv.engine.rope import rope_convention
@@ -23,26 +24,12 @@ from agentkv.engine.stateful import StatefulEngine
 from agentkv.events import ContextCompacted, TurnMetricsEvent
 from agentkv.policies import SlidingWindow, SummarizeAndReprefill, Truncation
 
-SENTENCES = [
-    "The committee reviewed the quarterly figures and asked for a clearer breakdown of costs.",
-    "Rivers carve valleys slowly, moving sediment from the mountains down to the sea.",
-    "A good recipe lists its ingredients in the order they are used.",
-    "The library extended its opening hours during the examination period.",
-    "Engineers measured the bridge's vibration under different wind speeds.",
-    "Migratory birds navigate using the sun, the stars and the earth's magnetic field.",
-    "The museum's new wing houses a collection of early printed maps.",
-    "Our team moved the weekly meeting to Thursday so everyone could attend.",
-]
 POLICIES = {"truncation": Truncation, "sliding_window": SlidingWindow, "summarize_and_reprefill": SummarizeAndReprefill}
 
 
 def user_turn(engine: StatefulEngine, turn: int, target: int = 100) -> str:
-    words = [f"Note {turn}."]
-    i = turn
-    while len(engine.tokenizer.encode(" ".join(words))) < target:
-        words.append(SENTENCES[i % len(SENTENCES)])
-        i += 3
-    return " ".join(words) + " What should I remember from this?"
+    return padded_turn(engine.tokenizer.encode, f"Note {turn}.", " What should I remember from this?",
+                       start=turn, step=3, target=target)
 
 
 async def run_policy(engine: StatefulEngine, name: str, turns: int, max_prompt_len: int) -> dict:

@@ -298,14 +298,6 @@ class StatefulSession(SessionCommon):
             async with self._engine.pool.lease(self) as slot:
                 await self._run(self._drop_blocking, slot, start, end, convention)
 
-    def _check_span(self, start: int, end: int) -> None:
-        self._ensure_open()
-        if not 0 <= start <= end <= len(self._tokens):
-            raise UserError(
-                f"drop({start}, {end}) is outside the session's {len(self._tokens)} tokens; "
-                "pass 0 <= start <= end <= len(session.tokens)"
-            )
-
     def _drop_blocking(self, slot: Slot, start: int, end: int, convention: RopeConvention) -> None:
         keys, values = slot.read()
         keys, values = drop_span(keys, values, start, end, convention)

@@ -1,5 +1,6 @@
-"""Plumbing every KVSession implementation shares: identity, read-only views of the token log,
-the stream/generate entry points, and the checks made before any state changes.
+"""Plumbing every KVSession / Engine implementation shares: identity, read-only views of the
+token log, the stream/generate entry points, the checks made before any state changes, and
+the engine's bookkeeping of its open sessions.
 
 Subclasses (``StatefulSession``, the scripted ``ScriptedSession``) set ``_id``, ``_tokens``,
 ``_shifted``, ``_closed`` and ``_engine`` and implement ``_generate_events``::
@@ -21,7 +22,7 @@ from agentkv.engine.base import (
     TokenDelta,
     validate_prompt,
 )
-from agentkv.errors import SessionClosed
+from agentkv.errors import SessionClosed, UserError
 
 
 class SessionCommon:
@@ -77,6 +78,47 @@ class SessionCommon:
         self._ensure_open()
         validate_prompt(prompt, config, self._engine.max_context_len)
 
+    def _check_span(self, start: int, end: int) -> None:
+        """``drop(start, end)``'s argument check (no state change)."""
+        self._ensure_open()
+        if not 0 <= start <= end <= len(self._tokens):
+            raise UserError(
+                f"drop({start}, {end}) is outside the session's {len(self._tokens)} tokens; "
+                "pass 0 <= start <= end <= len(session.tokens)"
+            )
+
     def _ensure_open(self) -> None:
         if self._closed:
             raise SessionClosed(f"session {self._id} is closed; open a new one with engine.open_session()")
+
+
+class EngineCommon:
+    """The open-session bookkeeping of an engine: ``session_class(engine)`` makes a session,
+    ``close()`` on it calls ``forget``; ``aclose`` closes whatever is still open."""
+
+    session_class: type[Any]
+    _sessions: set[Any]
+    _max_context_len: int
+
+    @property
+    def max_context_len(self) -> int:
+        return self._max_context_len
+
+    async def open_session(self) -> Any:
+        """A new empty session."""
+        return self.new_session()
+
+    def new_session(self) -> Any:
+        """Synchronous constructor used by ``open_session`` and ``fork``."""
+        session = self.session_class(self)
+        self._sessions.add(session)
+        return session
+
+    def forget(self, session: Any) -> None:
+        """Called by ``session.close()``."""
+        self._sessions.discard(session)
+
+    async def aclose(self) -> None:
+        """Close every open session."""
+        for session in list(self._sessions):
+            await session.close()

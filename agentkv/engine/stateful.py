@@ -31,6 +31,7 @@ from agentkv.engine.base import GenerationMetrics
 from agentkv.engine.models import ModelFiles, compiled_cache_dir, resolve_model
 from agentkv.engine.prefix_cache import PrefixCache
 from agentkv.engine.session import StatefulSession
+from agentkv.engine.session_common import EngineCommon
 from agentkv.engine.slot import Slot
 from agentkv.engine.slots import HostKVStore, SlotPool
 from agentkv.engine.snapshot import KVSnapshot
@@ -76,8 +77,10 @@ def slice_last_position(model: ov.Model) -> bool:
     return True
 
 
-class StatefulEngine:
+class StatefulEngine(EngineCommon):
     """The local OpenVINO engine. See the module docstring for a call."""
+
+    session_class = StatefulSession
 
     def __init__(
         self,
@@ -148,36 +151,13 @@ class StatefulEngine:
         return self._eos
 
     @property
-    def max_context_len(self) -> int:
-        return self._max_context_len
-
-    @property
     def fingerprint(self) -> str:
         return self._fingerprint
-
-    async def open_session(self) -> StatefulSession:
-        """A new empty session (its slot is bound when it first runs)."""
-        return self.new_session()
-
-    def new_session(self) -> StatefulSession:
-        """Synchronous constructor used by ``open_session`` and ``fork``."""
-        session = StatefulSession(self)
-        self._sessions.add(session)
-        return session
-
-    def forget(self, session: StatefulSession) -> None:
-        """Called by ``session.close()``."""
-        self._sessions.discard(session)
 
     def register_prefix(self, tokens: Sequence[int]) -> None:
         """Mark ``tokens`` as a shared prefix (cached once the prefix cache is enabled)."""
         if self.prefix_cache is not None:
             self.prefix_cache.register(tokens)
-
-    async def aclose(self) -> None:
-        """Close every open session."""
-        for session in list(self._sessions):
-            await session.close()
 
     def make_constraint(self, grammar: str) -> GrammarConstraint:
         """A fresh grammar constraint (llguidance Lark grammar) for one generation::

@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from agentkv.engine.base import GenerationConfig, GenerationMetrics, GenerationResult
+from agentkv.engine.session_common import EngineCommon
 from agentkv.errors import UserError
 from agentkv.testing.session import ScriptedSession
 from agentkv.testing.tokenizer import ScriptedTokenizer
@@ -73,8 +74,10 @@ def _check_step(step: object) -> None:
         )
 
 
-class ScriptedEngine:
+class ScriptedEngine(EngineCommon):
     """An ``Engine`` whose "model" replays scripted replies; see the module docstring."""
+
+    session_class = ScriptedSession
 
     def __init__(
         self,
@@ -115,26 +118,8 @@ class ScriptedEngine:
         return frozenset({self._tokenizer.eos_token_id})
 
     @property
-    def max_context_len(self) -> int:
-        return self._max_context_len
-
-    @property
     def fingerprint(self) -> str:
         return FINGERPRINT
-
-    async def open_session(self) -> ScriptedSession:
-        """A new empty session."""
-        return self.new_session()
-
-    def new_session(self) -> ScriptedSession:
-        """Synchronous constructor used by ``open_session`` and ``fork``."""
-        session = ScriptedSession(self)
-        self._sessions.add(session)
-        return session
-
-    def forget(self, session: ScriptedSession) -> None:
-        """Called by ``session.close()``."""
-        self._sessions.discard(session)
 
     def register_prefix(self, tokens: Sequence[int]) -> None:
         """Record ``tokens`` in ``registered_prefixes`` (the scripted engine has no prefix cache)."""
@@ -144,11 +129,6 @@ class ScriptedEngine:
         """Record the grammar (the next call's ``ScriptedCall.grammar``); replies are fixed text."""
         self.requested_grammars.append(grammar)
         self._pending_grammar = grammar
-
-    async def aclose(self) -> None:
-        """Close every open session."""
-        for session in list(self._sessions):
-            await session.close()
 
     # ---- the script --------------------------------------------------------------------
     def add_steps(self, *steps: Step) -> None:
@@ -224,5 +204,3 @@ class ScriptedEngine:
             kv_tokens=kv_tokens,
             kv_bytes=kv_tokens * KV_BYTES_PER_TOKEN,
         )
-
-

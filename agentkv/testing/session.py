@@ -207,12 +207,7 @@ class ScriptedSession(SessionCommon):
         """Remove ``tokens[start:end]`` as the stateful session's KV-level drop does (no prefill;
         marks the session ``shifted``); ``UserError`` for a span outside ``tokens``."""
         async with self._lock:
-            self._ensure_open()
-            if not 0 <= start <= end <= len(self._tokens):
-                raise UserError(
-                    f"drop({start}, {end}) is outside the session's {len(self._tokens)} tokens; "
-                    "pass 0 <= start <= end <= len(session.tokens)"
-                )
+            self._check_span(start, end)
             if start == end:
                 return
             del self._tokens[start:end]
