@@ -61,10 +61,15 @@ class ContextCompacted:
     """A context-window policy removed messages from the window."""
 
     policy: str
+    """The agent's policy (``"sliding_window"``…), also when it fell back."""
     tokens_before: int
     tokens_after: int
     messages_removed: int
     cost_ms: float
+    fallback: str | None = None
+    """``"truncation"`` when the policy could not do its own kind of compaction and truncated."""
+    fallback_reason: str | None = None
+    """Why it fell back (e.g. the model's keys fit no RoPE rotation), for logs and users."""
     type: Literal["context_compacted"] = "context_compacted"
 
 

@@ -19,7 +19,6 @@ import anyio
 from _turns import padded_turn
 
 from agentkv import Agent, GenerationConfig, Runner, Runtime
-from agentkv.engine.rope import rope_convention
 from agentkv.engine.stateful import StatefulEngine
 from agentkv.events import ContextCompacted, TurnMetricsEvent
 from agentkv.policies import SlidingWindow, SummarizeAndReprefill, Truncation
@@ -78,9 +77,9 @@ def report(name: str, data: dict) -> None:
 async def measure(turns: int, max_prompt_len: int) -> dict[str, dict]:
     engine = StatefulEngine(num_slots=2)
     started = time.perf_counter()
-    convention = await rope_convention(engine)  # one-time per engine; not a compaction cost
+    convention = await engine.rope_convention()  # one-time per engine; not a compaction cost
     print(f"RoPE measured in {(time.perf_counter() - started) * 1000:.0f} ms: {convention}")
-    print(f"KV cache precision: {engine.kv_cache_precision}")
+    print(f"plugin numerics: {engine.numerics}")
     results = {}
     for name in POLICIES:
         print(f"{name}:", flush=True)

@@ -9,7 +9,7 @@ from agentkv.engine.base import GenerationConfig
 
 @pytest.fixture(scope="session")
 def engine():
-    """The default model with the plugin's default (u8) KV cache, 4 slots."""
+    """The default model and engine settings (f16 KV cache, this CPU's numerics), 4 slots."""
     from agentkv.engine.stateful import StatefulEngine
 
     return StatefulEngine(num_slots=4)
@@ -17,16 +17,17 @@ def engine():
 
 @pytest.fixture(scope="session")
 def engine_f32():
-    """The default model with an f32 KV cache (the strict-invariant configuration). No prefix
-    cache: its f16 snapshots would make a "one-pass prefill" reference not one-pass."""
+    """The strict-invariant configuration: ``exact=True`` (f32 KV, f32 compute, no dynamic
+    quantisation), so chunking moves logits by ~5e-5 on any CPU. No prefix cache: a hit would
+    make a "one-pass prefill" reference not one-pass."""
     from agentkv.engine.stateful import StatefulEngine
 
-    return StatefulEngine(num_slots=3, kv_cache_precision="f32", prefix_cache_bytes=0)
+    return StatefulEngine(num_slots=3, exact=True, prefix_cache_bytes=0)
 
 
 @pytest.fixture(scope="session")
 def engine_plain():
-    """The default model and KV precision with no prefix cache: for references that must be a
+    """The default engine settings with no prefix cache: for references that must be a
     genuine one-pass prefill and for comparisons with LLMPipeline, which has no prefix cache."""
     from agentkv.engine.stateful import StatefulEngine
 

@@ -1,8 +1,10 @@
 """The KV invariant on the real model: after any sequence of operations, the session's
 next-token logits equal a one-pass prefill of ``session.tokens``.
 
-f32 KV: within 1e-3. u8 KV (the plugin's default): within the difference chunked prefill
-alone causes, measured here, and argmax agrees on a high fraction of cases.
+Exact numerics (``exact=True``: f32 KV, f32 compute, no dynamic quantisation): within 1e-3, on
+any CPU. The default settings (f16 KV, this CPU's numerics — bf16 compute and dynamic
+quantisation on some CPUs): within the difference chunked prefill alone causes, measured in
+the same case, and argmax agrees on a high fraction of cases.
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ async def run_case(engine, ops) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]
 
 @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(ops=operations)
-def test_invariant_holds_with_f32_kv_after_any_operations(engine_f32, ops):
+def test_invariant_holds_with_exact_numerics_after_any_operations(engine_f32, ops):
     logits, reference, tokens = anyio.run(run_case, engine_f32, ops)
     assert np.abs(logits - reference).max() <= 1e-3, (ops, len(tokens))
 
@@ -102,22 +104,22 @@ async def chunking_difference(engine, tokens: tuple[int, ...]) -> float:
     return float(np.abs(a - b).max())
 
 
-U8_RESULTS: list[tuple[float, bool]] = []
+DEFAULT_RESULTS: list[tuple[float, bool]] = []
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(ops=operations)
-def test_invariant_holds_with_u8_kv_within_the_chunking_difference(engine_plain, ops):
+def test_invariant_holds_with_default_settings_within_the_chunking_difference(engine_plain, ops):
     logits, reference, tokens = anyio.run(run_case, engine_plain, ops)
     chunking = anyio.run(chunking_difference, engine_plain, tokens)
     diff = float(np.abs(logits - reference).max())
-    U8_RESULTS.append((diff, int(logits.argmax()) == int(reference.argmax())))
-    # Requantising a restored snapshot adds a little on top of chunking: allow 2× + a floor.
+    DEFAULT_RESULTS.append((diff, int(logits.argmax()) == int(reference.argmax())))
+    # Chunking noise measured on this very log; 2× + a floor for the operations' own cuts.
     assert diff <= max(2 * chunking, 0.25), (ops, diff, chunking)
 
 
-def test_u8_argmax_agrees_on_most_invariant_cases():
-    if not U8_RESULTS:
-        pytest.skip("runs after the u8 invariant test")
-    agree = sum(ok for _, ok in U8_RESULTS) / len(U8_RESULTS)
-    assert agree >= 0.8, U8_RESULTS
+def test_default_settings_argmax_agrees_on_most_invariant_cases():
+    if not DEFAULT_RESULTS:
+        pytest.skip("runs after the default-settings invariant test")
+    agree = sum(ok for _, ok in DEFAULT_RESULTS) / len(DEFAULT_RESULTS)
+    assert agree >= 0.8, DEFAULT_RESULTS

@@ -29,10 +29,11 @@ TURN_2 = "\nQ: And once more, what is the secret word?\nA: The secret word is"
 
 @pytest.fixture(scope="session")
 def offload_engine():
-    """f32 KV on 2 slots (offload/restore is then exact); no prefix cache, to isolate offload."""
+    """Exact numerics on 2 slots (the invariant gaps below are then ~1e-5 on any CPU); no prefix
+    cache, to isolate offload. Default numerics are covered by tests/test_restore_equivalence.py."""
     from agentkv.engine.stateful import StatefulEngine
 
-    return StatefulEngine(num_slots=2, kv_cache_precision="f32", prefix_cache_bytes=0)
+    return StatefulEngine(num_slots=2, exact=True, prefix_cache_bytes=0)
 
 
 def first_prompt(engine, needle: str) -> list[int]:

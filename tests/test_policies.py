@@ -242,7 +242,8 @@ async def test_sliding_window_falls_back_to_truncation_when_the_session_cannot_d
     session = await harness.open()
     with caplog.at_level(logging.WARNING, logger="agentkv.policies.sliding_window"):
         await run_turns(harness, 6)
-    assert harness.events and all(e.policy == "truncation" for e in harness.events)
+    assert harness.events and all(e.policy == "sliding_window" for e in harness.events)
+    assert all(e.fallback == "truncation" and "cannot drop KV spans" in e.fallback_reason for e in harness.events)
     assert "falling back to truncation" in caplog.text
     assert not session.kv.shifted
     harness.check_nothing_lost()
@@ -258,7 +259,8 @@ async def test_sliding_window_falls_back_when_the_rope_convention_is_unknown(mon
     await harness.open()
     with caplog.at_level(logging.WARNING, logger="agentkv.policies.sliding_window"):
         await run_turns(harness, 6)
-    assert harness.events and all(e.policy == "truncation" for e in harness.events)
+    assert harness.events and all(e.fallback == "truncation" for e in harness.events)
+    assert all(e.fallback_reason == "no RoPE fits" for e in harness.events)
     assert "no RoPE fits" in caplog.text
     harness.check_nothing_lost()
 
@@ -298,7 +300,8 @@ async def test_failed_summaries_retry_a_bounded_number_of_times_then_truncate(fa
     with caplog.at_level(logging.WARNING, logger="agentkv.policies.summarize"):
         await run_turns(harness, 6)
     summariser_calls = [c for c in harness.engine.calls if c.session_id != session.kv.id]
-    assert harness.events and all(e.policy == "truncation" for e in harness.events)
+    assert harness.events and all(e.policy == "summarize_and_reprefill" for e in harness.events)
+    assert all(e.fallback == "truncation" and "no usable summary" in e.fallback_reason for e in harness.events)
     assert len(summariser_calls) == 2 * len(harness.events)
     assert "falling back to truncation" in caplog.text
     assert not any(m.content.startswith(SUMMARY_PREFIX) for m in session.messages)
@@ -404,10 +407,11 @@ QUESTIONS = [
 
 @pytest.fixture(scope="session")
 def policy_engine():
-    """The default model, f32 KV, two slots (the conversation and the summariser)."""
+    """The default engine settings (this CPU's numerics), two slots (the conversation and the
+    summariser)."""
     from agentkv.engine.stateful import StatefulEngine
 
-    return StatefulEngine(num_slots=2, kv_cache_precision="f32")
+    return StatefulEngine(num_slots=2)
 
 
 @pytest.mark.model
@@ -432,23 +436,33 @@ async def test_each_policy_carries_a_real_conversation_across_the_limit_several_
         removed.extend(gone)
 
     session.on_window_change = hook
-    events, prompts = [], []
+    events, prompts, after_compaction = [], [], []
     try:
         for question in QUESTIONS:
+            compacted = False
             async for event in Runner.run_stream(agent, session, question):
                 if isinstance(event, ContextCompacted):
                     events.append(event)
+                    compacted = True
                     if event.policy == "sliding_window":
                         kv_tokens = session.kv.tokens
                         rendered = session.render(agent).token_ids
                         assert common_prefix_len(kv_tokens, rendered) == len(kv_tokens)
                 elif isinstance(event, TurnMetricsEvent):
                     prompts.append(event.metrics.prompt_tokens)
+                    if compacted:
+                        new_turn = len(policy_engine.tokenizer.encode(question))
+                        after_compaction.append((event.metrics.prefilled_tokens, new_turn))
+                        compacted = False
     finally:
         await runtime.aclose()
     assert len(events) >= 2
     assert max(prompts) <= 320 - 32
     assert all(e.policy == POLICIES[policy_name].name for e in events)
+    if policy_name != "summarize":  # a summary of a weak model may come back empty: its fallback is tested above
+        assert all(e.fallback is None for e in events), [e.fallback_reason for e in events]
+    if policy_name == "sliding_window":  # real shifts: the next call prefills the new turn only
+        assert all(prefilled <= new_turn + 12 for prefilled, new_turn in after_compaction), after_compaction
     assert len(removed) >= 4
     if policy_name == "sliding_window":
         assert session.kv.shifted

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentkv.engine.base import GenerationConfig
+from agentkv.engine.chunking import PrefixBoundaries
 from agentkv.engine.prefix_cache import PrefixCache
 from agentkv.errors import UserError
 
@@ -146,7 +147,7 @@ def test_misuse_raises_user_errors():
     with pytest.raises(UserError):
         cache(budget=-1)
     with pytest.raises(UserError):
-        PrefixCache(fingerprint=FP, precision="bf16")  # type: ignore[arg-type]
+        PrefixCache(fingerprint=FP, precision="f8")  # type: ignore[arg-type]
     with pytest.raises(UserError):
         cache().register([])
     with pytest.raises(UserError):
@@ -269,10 +270,10 @@ SYSTEM = (
 
 @pytest.fixture(scope="session")
 def pc_engine():
-    """f32 KV and an f32 prefix cache: a cache hit must equal a cold prefill within 1e-3."""
+    """The default engine settings: this CPU's numerics, f16 KV, lossless ("auto") prefix cache."""
     from agentkv.engine.stateful import StatefulEngine
 
-    return StatefulEngine(num_slots=2, kv_cache_precision="f32", prefix_cache_precision="f32")
+    return StatefulEngine(num_slots=2)
 
 
 def chat(engine, question: str) -> list[int]:
@@ -296,7 +297,8 @@ async def cold_logits(engine, monkeypatch, prompt) -> np.ndarray:
 
 async def hit_logits(engine, monkeypatch, precision, first, second):
     """Register the shared prefix, read it with ``first``, then prefill ``second`` from the cache."""
-    c = PrefixCache(fingerprint=engine.fingerprint, precision=precision, limiter=engine.pool.limiter)
+    c = PrefixCache(fingerprint=engine.fingerprint, precision=precision, limiter=engine.pool.limiter,
+                    boundaries=engine.boundaries)
     monkeypatch.setattr(engine, "prefix_cache", c)
     engine.register_prefix(first[: shared_len(first, second)])
     a = await engine.open_session()
@@ -310,46 +312,61 @@ async def hit_logits(engine, monkeypatch, precision, first, second):
 
 
 @pytest.mark.model
-async def test_logits_after_a_prefix_cache_hit_equal_a_cold_prefill_f32(pc_engine, monkeypatch):
+async def test_a_prefix_cache_hit_is_bit_identical_to_a_cold_prefill_on_default_numerics(pc_engine, monkeypatch):
+    # Canonical chunking: the cold prefill is cut at the registered boundary too, and the cache
+    # stores the KV losslessly, so both paths compute the same thing, whatever this CPU does.
     first, second = chat(pc_engine, "Where is my parcel?"), chat(pc_engine, "How much is express delivery?")
     n = shared_len(first, second)
+    logits, metrics, c = await hit_logits(pc_engine, monkeypatch, "auto", first, second)
     cold = await cold_logits(pc_engine, monkeypatch, second)
-    logits, metrics, c = await hit_logits(pc_engine, monkeypatch, "f32", first, second)
-    assert np.abs(logits - cold).max() <= 1e-3
+    assert np.array_equal(logits, cold)
+    assert metrics.kv_exact
     assert metrics.prefix_cache_tokens == n and metrics.prefilled_tokens == len(second) - n
     assert metrics.prompt_tokens == len(second) and metrics.reused_tokens == 0
     assert c.stats().hits == 1 and c.stats().bytes == n * pc_engine.kv_bytes_per_token()
 
 
+async def one_pass_logits(engine, monkeypatch, prompt) -> np.ndarray:
+    """Logits of ``prompt`` prefilled in one chunk (no registered boundary cuts it)."""
+    with monkeypatch.context() as m:
+        m.setattr(engine, "boundaries", PrefixBoundaries())
+        return await cold_logits(engine, monkeypatch, prompt)
+
+
 @pytest.mark.model
-async def test_f16_and_u8_prefix_caches_stay_close_to_a_cold_prefill(pc_engine, monkeypatch):
+async def test_lossy_prefix_caches_stay_within_this_machines_chunking_noise_and_say_so(pc_engine, monkeypatch):
     first, second = chat(pc_engine, "Can I change the address?"), chat(pc_engine, "Do you ship abroad?")
     cold = await cold_logits(pc_engine, monkeypatch, second)
+    # the noise of this machine's numerics: the same prompt cut differently (none vs at the prefix)
+    noise = float(np.abs(await one_pass_logits(pc_engine, monkeypatch, second) - cold).max())
     measured = {}
     for precision in ("f16", "u8"):
         logits, metrics, c = await hit_logits(pc_engine, monkeypatch, precision, first, second)
         assert metrics.prefix_cache_tokens > 0
-        measured[precision] = (float(np.abs(logits - cold).max()), c.stats().bytes / metrics.prefix_cache_tokens)
-        assert int(logits.argmax()) == int(cold.argmax())
-    print(f"\nprefix-cache max |Δlogit| and bytes/token: {measured}")
-    # Measured ~5e-3 (f16) and ~0.08 (u8); bounds leave ~5× margin.
-    assert measured["f16"][0] <= 0.03 and measured["u8"][0] <= 0.4
-    assert measured["u8"][1] < measured["f16"][1] < pc_engine.kv_bytes_per_token()
+        measured[precision] = (float(np.abs(logits - cold).max()), c.stats().bytes / metrics.prefix_cache_tokens,
+                               metrics.kv_exact)
+    print(f"\nchunking noise {noise:.3g}; prefix-cache max |Δlogit|, bytes/token, exact: {measured}")
+    # f16 of bf16/f16 values may happen to be lossless; u8 never is, and the metrics say so
+    assert measured["u8"][2] is False
+    # with exact numerics f16/u8 hits were measured at ~5e-3/~0.08: floors with ~5× margin
+    assert measured["f16"][0] <= max(2 * noise, 0.03) and measured["u8"][0] <= max(2 * noise, 0.4)
+    assert measured["u8"][1] < measured["f16"][1] <= pc_engine.kv_bytes_per_token()
 
 
 @pytest.mark.model
 async def test_a_second_agent_with_the_same_system_prompt_skips_its_prefill(pc_engine, monkeypatch):
-    c = PrefixCache(fingerprint=pc_engine.fingerprint, precision="f32", limiter=pc_engine.pool.limiter)
+    c = PrefixCache(fingerprint=pc_engine.fingerprint, limiter=pc_engine.pool.limiter,
+                    boundaries=pc_engine.boundaries)
     monkeypatch.setattr(pc_engine, "prefix_cache", c)
     system_ids = chat(pc_engine, "x")[: shared_len(chat(pc_engine, "x"), chat(pc_engine, "y"))]
     cfg = GenerationConfig(max_new_tokens=8)
     second_prompt = chat(pc_engine, "Is my parcel insured?")
+    pc_engine.register_prefix(system_ids)  # a boundary of the cold reference's prefill too
     with monkeypatch.context() as m:
         m.setattr(pc_engine, "prefix_cache", None)
         solo = await pc_engine.open_session()
         expected = (await solo.generate(second_prompt, cfg)).token_ids
         await solo.close()
-    pc_engine.register_prefix(system_ids)
     agents = [await pc_engine.open_session() for _ in range(2)]
     first = await agents[0].generate(chat(pc_engine, "Hello!"), cfg)
     second = await agents[1].generate(second_prompt, cfg)
@@ -364,8 +381,8 @@ async def test_a_second_agent_with_the_same_system_prompt_skips_its_prefill(pc_e
 @pytest.mark.model
 async def test_the_engine_cache_keeps_the_most_recent_system_prompt_within_its_budget(pc_engine, monkeypatch):
     budget = 100 * pc_engine.kv_bytes_per_token()
-    c = PrefixCache(fingerprint=pc_engine.fingerprint, budget_bytes=budget, precision="f32",
-                    limiter=pc_engine.pool.limiter)
+    c = PrefixCache(fingerprint=pc_engine.fingerprint, budget_bytes=budget, limiter=pc_engine.pool.limiter,
+                    boundaries=pc_engine.boundaries)
     monkeypatch.setattr(pc_engine, "prefix_cache", c)
     prefixes = [pc_engine.tokenizer.encode(f"{name}: " + "be brief and exact. " * 12)
                 for name in ("Alice", "Bob", "Carol")]

@@ -221,3 +221,43 @@ def test_tokens_digest_depends_on_order_and_values() -> None:
     assert tokens_digest([1, 2, 3]) == tokens_digest((1, 2, 3))
     assert tokens_digest([1, 2, 3]) != tokens_digest([3, 2, 1])
     assert len(tokens_digest([])) == 32
+
+
+# ---- lossless storage ("auto") -------------------------------------------------------------
+def as_bf16(x: np.ndarray) -> np.ndarray:
+    return (x.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+
+
+@pytest.mark.parametrize(
+    ("cast", "stored"),
+    [(as_bf16, "bf16"), (lambda x: x.astype(np.float16).astype(np.float32), "f16"), (lambda x: x, "f32")],
+)
+def test_auto_stores_the_smallest_form_that_gives_back_every_value_bit_for_bit(tmp_path: Path, cast, stored) -> None:
+    keys, values = (cast(a) for a in random_kv(7))
+    snap = KVSnapshot.from_float(range(7), keys, values, fingerprint=FP)
+    assert (snap.precision, snap.lossless) == (stored, True)
+    snap.to_file(tmp_path / "s")
+    loaded = KVSnapshot.from_file(tmp_path / "s")
+    assert loaded.lossless and loaded.precision == stored
+    assert np.array_equal(loaded.to_float()[0], keys) and np.array_equal(loaded.to_float()[1], values)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "f16", "u8"])
+def test_an_explicit_lossy_precision_says_it_rounded(precision: str) -> None:
+    snap = make(precision)
+    assert snap.precision == precision and not snap.lossless
+
+
+def test_kv_that_was_already_inexact_stays_marked_through_files_and_prefixes(tmp_path: Path) -> None:
+    keys, values = random_kv(5)
+    snap = KVSnapshot.from_float(range(5), keys, values, fingerprint=FP, lossless=False)
+    assert snap.precision == "f32" and not snap.lossless and not snap.prefix(3).lossless
+    snap.to_file(tmp_path / "s")
+    assert not KVSnapshot.from_file(tmp_path / "s").lossless
+
+
+def test_files_written_before_the_lossless_flag_still_verify_and_read_as_inexact(tmp_path: Path) -> None:
+    snap = make("f16")  # lossy: its header carries no "lossless" key, as files written before it did
+    snap.to_file(tmp_path / "old")
+    loaded = KVSnapshot.from_file(tmp_path / "old", expected_fingerprint=FP)
+    assert loaded.checksum() == snap.checksum() and loaded.lossless is False

@@ -134,6 +134,10 @@ class GenerationMetrics:
     """Tokens in the session's KV when the call returned."""
     kv_bytes: int
     """Bytes the session's KV occupies in the model's cache precision."""
+    kv_exact: bool = True
+    """False when part of the session's KV came back from a lossy restore (a u8 cache through
+    the state API, or a snapshot stored in a rounding precision the user chose): close to, not
+    bit-identical with, what the model computed on that path."""
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ A long system prompt + tool schemas is prefilled once; every later session that 
 it copies its KV instead of recomputing it. Shared prefixes are stored once (a node holds the
 KV of its edge's tokens only)::
 
-    cache = PrefixCache(fingerprint=engine.fingerprint, budget_bytes=256 << 20, precision="f16")
+    cache = PrefixCache(fingerprint=engine.fingerprint, budget_bytes=256 << 20)   # lossless "auto"
     cache.register(system_ids)                     # a boundary worth caching
     cache.insert(system_ids, keys, values)         # float32 [layers, batch, heads, T, head_dim]
     hit = cache.lookup(system_ids + question_ids, longer_than=0)   # KVSnapshot of system_ids
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -29,7 +28,8 @@ from typing import Protocol
 import anyio
 import numpy as np
 
-from agentkv.engine.snapshot import KVSnapshot, Precision
+from agentkv.engine.chunking import PrefixBoundaries
+from agentkv.engine.snapshot import KVSnapshot, PrecisionChoice
 from agentkv.errors import UserError
 
 _QUANT_PARAMS = ("key_scale", "key_zero", "value_scale", "value_zero")
@@ -154,24 +154,25 @@ class PrefixCache:
         *,
         fingerprint: str,
         budget_bytes: int | None = 256 << 20,
-        precision: Precision = "f16",
+        precision: PrecisionChoice = "auto",
         policy: EvictionPolicy | None = None,
         limiter: anyio.CapacityLimiter | None = None,
-        max_registered: int = 256,
+        boundaries: PrefixBoundaries | None = None,
     ) -> None:
         if budget_bytes is not None and budget_bytes < 0:
             raise UserError(f"budget_bytes must be >= 0 or None (unbounded), got {budget_bytes}")
-        if precision not in ("f32", "f16", "u8"):
-            raise UserError(f"precision must be one of f32, f16, u8, not {precision!r}")
+        if precision not in ("auto", "f32", "bf16", "f16", "u8"):
+            raise UserError(f"precision must be one of auto, f32, bf16, f16, u8, not {precision!r}")
         self.fingerprint = fingerprint
         self.budget_bytes = budget_bytes
-        self.precision: Precision = precision
+        self.precision: PrecisionChoice = precision
+        """Storage of cached KV: "auto" keeps it bit-exact at the smallest size."""
+        self.boundaries = boundaries or PrefixBoundaries()
+        """The registered prefixes (shared with the engine's canonical chunking)."""
         self._policy = policy or LRUPolicy()
         self._limiter = limiter
-        self._max_registered = max_registered
         self._lock = threading.Lock()
         self._roots: dict[Namespace, PrefixNode] = {}
-        self._registered: dict[Namespace, OrderedDict[tuple[int, ...], None]] = {}
         self._clock = itertools.count(1)
         self._bytes = 0
         self._counts = dict.fromkeys(("hits", "misses", "hit_tokens", "inserted_tokens", "evictions",
@@ -180,15 +181,7 @@ class PrefixCache:
     # ---- registration and capture ----------------------------------------------------
     def register(self, tokens: Sequence[int], *, salt: str = "") -> None:
         """Mark ``tokens`` as a prefix worth caching; ``capture`` stores it once a session has read it."""
-        key = tuple(int(t) for t in tokens)
-        if len(key) < 1:
-            raise UserError("register() needs at least one token: pass the prefix's ids")
-        with self._lock:
-            marks = self._registered.setdefault((self.fingerprint, salt), OrderedDict())
-            marks[key] = None
-            marks.move_to_end(key)
-            while len(marks) > self._max_registered:
-                marks.popitem(last=False)
+        self.boundaries.register(tokens, salt=salt)
 
     async def capture(self, session: CapturableSession, slot: ReadableSlot, *, salt: str = "") -> int:
         """Store the registered prefixes that ``session``'s KV now covers and the cache lacks.
@@ -206,12 +199,9 @@ class PrefixCache:
     def _uncached_marks(self, tokens: tuple[int, ...], salt: str) -> list[tuple[int, ...]]:
         """Registered prefixes of ``tokens`` not fully cached, shortest first."""
         ns = (self.fingerprint, salt)
+        marks = self.boundaries.prefixes_of(tokens, salt=salt)
         with self._lock:
-            marks = [
-                m for m in self._registered.get(ns, ())
-                if len(m) <= len(tokens) and m[-1] == tokens[len(m) - 1] and m == tokens[: len(m)]
-            ]
-            return sorted((m for m in marks if self._walk(ns, m)[1] < len(m)), key=len)
+            return [m for m in marks if self._walk(ns, m)[1] < len(m)]
 
     def _capture_blocking(self, slot: ReadableSlot, wanted: list[tuple[int, ...]], salt: str) -> int:
         keys, values = slot.read()  # float32 [layers, batch, heads, T, head_dim]

@@ -1,13 +1,17 @@
-"""RoPE measured from the model itself, and the re-rotation of cached keys by −Δ positions.
+"""RoPE from the model's metadata, verified on its own keys, and the re-rotation of cached keys by −Δ.
 
 A stateful model stores its keys *after* the rotary embedding, so removing a span of tokens
 from the KV (``KVSession.drop``) must rotate every later key back by the span's length to keep
-positions contiguous. Which rotation the model uses is measured, not looked up: the same tokens
-are prefilled at position offsets 0 and p, and the rotation mapping one key state onto the
-other is fitted — pairing of dimensions (rotate-half or interleaved), the angular frequency of
-every pair, and from those θ and a linear position scale::
+positions contiguous. θ and linear scaling come from the model's metadata (GGUF
+``*.rope.freq_base`` / ``*.rope.scaling.*``, config.json ``rope_theta`` / ``rope_scaling``) and
+are verified: the same tokens are prefilled at position offsets 0 and p and the rotation must
+map one key state onto the other. Without metadata (or when it fails) the rotation is fitted —
+pairing of dimensions (rotate-half or interleaved) and every pair's frequency — from layer 0,
+whose keys do not pass through attention. Either way the check runs on every layer, against a
+tolerance derived from noise measured on the running machine (the probe prefilled again in two
+chunks: dynamic quantisation and bf16 compute make deeper keys depend on chunking)::
 
-    convention = await rope_convention(engine)     # None when no rotation explains the keys
+    convention = await engine.rope_convention()     # None when no rotation explains the keys
     keys = convention.rotate(keys, -40)            # [..., T, head_dim], every token by −40
     keys, values = drop_span(keys, values, 10, 50, convention)
 """
@@ -16,19 +20,14 @@ from __future__ import annotations
 
 import logging
 import math
-import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import anyio
 import numpy as np
-
-from agentkv.errors import AgentKVError
 
 if TYPE_CHECKING:
     from agentkv.engine.slot import Slot
-    from agentkv.engine.stateful import StatefulEngine
 
 logger = logging.getLogger(__name__)
 
@@ -36,10 +35,14 @@ RopeStyle = Literal["rotate_half", "interleaved", "none"]
 PROBE_TEXT = "The quick brown fox jumps over the lazy dog while the river keeps flowing to the sea."
 PROBE_OFFSETS = (1, 16, 256, 2048)
 """Offsets measured: 1 gives every frequency without wrap-around, larger ones refine it."""
-FIT_TOLERANCE = {"f32": 1e-3, "f16": 1e-2, "u8": 3e-2}
-"""Largest error of the fitted rotation, relative to the largest key, accepted per KV cache
-precision: keys are read back through the cache, so its rounding is the noise floor (measured
-fit errors on the default model: 1.3e-5 f32, 6.2e-3 u8; a wrong pairing gives ~1)."""
+FIT_TOLERANCE = {"f32": 1e-3, "f16": 1e-2, "bf16": 1e-2, "u8": 3e-2}
+"""Floor of the accepted error of a rotation, relative to the largest key, per KV cache
+precision: keys are read back through the cache, so its rounding is the least noise there is
+(measured on the default model, exact numerics: 2e-5 f32; layer 0 with bf16 compute: 2.5e-3
+f16, 6e-3 u8; a wrong pairing gives ~1)."""
+NOISE_FACTOR = 3.0
+"""The tolerance is at least this many times the chunking noise measured on the probe
+(measured: fit error / noise 1.0–1.6 with dynamic quantisation and bf16 compute on)."""
 _PARAMETRIC_TOLERANCE = 1e-2
 """Largest relative gap between measured frequencies and ``scale⁻¹·θ^(−2i/d)`` to report θ."""
 
@@ -58,6 +61,10 @@ class RopeConvention:
     """The linear position-scaling factor of that fit (1.0 = unscaled)."""
     fit_error: float
     """Largest error of the fitted rotation on the probe, relative to the largest key."""
+    source: Literal["metadata", "fitted", "given"] = "given"
+    """Where θ came from: the model's metadata (verified), a fit on its keys, or a caller."""
+    tolerance: float = 0.0
+    """The tolerance ``fit_error`` was checked against (0 when not measured)."""
 
     def rotate(self, keys: np.ndarray, delta: int) -> np.ndarray:
         """``keys`` ``[..., T, head_dim]`` as if every token sat ``delta`` positions later."""
@@ -152,30 +159,86 @@ def _parametric(omega: np.ndarray, head_dim: int) -> tuple[float, float] | None:
 
 
 def fit_convention(
-    base: np.ndarray, moved: Mapping[int, np.ndarray], *, tolerance: float = FIT_TOLERANCE["f32"]
+    base: np.ndarray,
+    moved: Mapping[int, np.ndarray],
+    *,
+    tolerance: float = FIT_TOLERANCE["f32"],
+    fit_layers: slice = slice(None),
 ) -> RopeConvention | None:
     """Fit the rotation mapping keys prefilled at offset 0 (``base``, ``[..., T, dim]``) onto the
     same tokens' keys at each offset p (``moved[p]``); None when no rotation explains them
-    within ``tolerance`` (relative to the largest key)."""
+    within ``tolerance`` (relative to the largest key). Frequencies are fitted on
+    ``base[fit_layers]`` (the first axis), the error is checked on everything."""
     if not moved or min(moved) < 1:
         raise ValueError("fit_convention needs keys at positive offsets, the smallest ideally 1")
     if max(_relative_error(base, k) for k in moved.values()) <= tolerance:
-        return RopeConvention("none", (), None, None, 0.0)  # keys do not depend on position
-    fits = {style: _fit_style(base, moved, style) for style in ("rotate_half", "interleaved")}
-    style: RopeStyle = min(fits, key=lambda s: fits[s][1])  # type: ignore[assignment]
-    omega, error = fits[style]
+        return RopeConvention("none", (), None, None, 0.0, "fitted", tolerance)  # keys ignore position
+    fit_base = base[fit_layers]
+    fit_moved = {p: k[fit_layers] for p, k in moved.items()}
+    fits = {style: _fit_style(fit_base, fit_moved, style)[0] for style in ("rotate_half", "interleaved")}
+    errors = {style: rotation_error(base, moved, style, omega) for style, omega in fits.items()}
+    style: RopeStyle = min(errors, key=lambda s: errors[s])  # type: ignore[assignment]
+    omega, error = fits[style], errors[style]
     if error > tolerance:
-        logger.warning("no RoPE rotation explains the model's keys (best fit error %.2e)", error)
+        logger.warning("no RoPE rotation explains the model's keys (best fit error %.2e, tolerance %.2e)",
+                       error, tolerance)
         return None
     params = _parametric(omega, base.shape[-1])
     if params is not None:
         # NOTE: the closed form is exact where the measurement is noisy (low frequencies, u8 KV).
         theta, scale = params
-        exact = np.exp(-np.log(scale) - np.log(theta) * 2 * np.arange(len(omega)) / base.shape[-1])
-        exact_error = max(_relative_error(rotate_pairs(base, style, exact, p), k) for p, k in moved.items())
+        exact = theta_frequencies(theta, scale, base.shape[-1])
+        exact_error = rotation_error(base, moved, style, exact)
         if exact_error <= tolerance:
-            return RopeConvention(style, tuple(float(w) for w in exact), theta, scale, exact_error)
-    return RopeConvention(style, tuple(float(w) for w in omega), None, None, error)
+            return RopeConvention(style, tuple(float(w) for w in exact), theta, scale, exact_error,
+                                  "fitted", tolerance)
+    return RopeConvention(style, tuple(float(w) for w in omega), None, None, error, "fitted", tolerance)
+
+
+def theta_frequencies(theta: float, scale: float, head_dim: int) -> np.ndarray:
+    """Radians per position of each pair: ``θ^(−2i/d) / scale``."""
+    return np.exp(-np.log(scale) - np.log(theta) * 2 * np.arange(head_dim // 2) / head_dim)
+
+
+def rotation_error(base: np.ndarray, moved: Mapping[int, np.ndarray], style: RopeStyle, inv_freq: np.ndarray) -> float:
+    """Worst relative error of rotating ``base`` onto ``moved[p]`` by p positions, over every p."""
+    return max(_relative_error(rotate_pairs(base, style, inv_freq, p), k) for p, k in moved.items())
+
+
+def convention_from_metadata(
+    theta: float, scale: float, base: np.ndarray, moved: Mapping[int, np.ndarray], *, tolerance: float
+) -> RopeConvention | None:
+    """The metadata's θ and linear scale in whichever pairing explains the keys, or None when
+    neither does within ``tolerance``."""
+    inv_freq = theta_frequencies(theta, scale, base.shape[-1])
+    errors = {style: rotation_error(base, moved, style, inv_freq) for style in ("rotate_half", "interleaved")}
+    style: RopeStyle = min(errors, key=lambda s: errors[s])  # type: ignore[assignment]
+    if errors[style] > tolerance:
+        logger.warning("the model's metadata RoPE (θ=%s, scale=%s) does not explain its keys "
+                       "(error %.2e, tolerance %.2e); fitting instead", theta, scale, errors[style], tolerance)
+        return None
+    return RopeConvention(style, tuple(float(w) for w in inv_freq), theta, scale, errors[style],
+                          "metadata", tolerance)
+
+
+def rope_metadata(config: Mapping[str, Any], gguf: Mapping[str, Any]) -> tuple[float, float] | None:
+    """(θ, linear scale) from config.json or GGUF metadata; None when neither states θ or the
+    scaling is not linear (``rope_metadata({"rope_theta": 1e4}, {}) == (1e4, 1.0)``)."""
+    theta = config.get("rope_theta")
+    scaling: Any = config.get("rope_scaling")
+    if theta is None:
+        theta = next((v for k, v in gguf.items() if k.endswith(".rope.freq_base")), None)
+        kind = next((v for k, v in gguf.items() if k.endswith(".rope.scaling.type")), None)
+        factor = next((v for k, v in gguf.items() if k.endswith(".rope.scaling.factor")), None)
+        scaling = None if kind in (None, "none") else {"type": kind, "factor": factor}
+    if theta is None:
+        return None
+    if not scaling:
+        return float(theta), 1.0
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind != "linear" or not scaling.get("factor"):
+        return None  # yarn, llama3, dynamic…: the fit finds the frequencies
+    return float(theta), float(scaling["factor"])
 
 
 def prefill_at_offset(slot: Slot, ids: Sequence[int], offset: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -199,34 +262,38 @@ def measure_keys(slot: Slot, ids: Sequence[int], offsets: Sequence[int]) -> dict
         slot.reset()
 
 
-_MEASURED: weakref.WeakKeyDictionary[object, RopeConvention | None] = weakref.WeakKeyDictionary()
-"""One measurement per engine (weak: it goes with the engine)."""
-
-
-async def rope_convention(engine: StatefulEngine) -> RopeConvention | None:
-    """The engine's RoPE convention, measured once on a temporary session's slot; None if the
-    keys fit no rotation (then KV-level span drops are unavailable).
-
-    Must not be called while holding a slot lease (it needs a slot of its own)."""
-    if engine in _MEASURED:
-        return _MEASURED[engine]
-    ids = engine.tokenizer.encode(PROBE_TEXT)
-    probe = engine.new_session()
+def chunking_noise(slot: Slot, ids: Sequence[int], offsets: Sequence[int], keys: Mapping[int, np.ndarray]) -> float:
+    """Relative difference between ``keys[p]`` (one-pass prefills) and the same prefill cut in
+    two chunks, worst over ``offsets``: how far two computations of the same keys drift apart
+    on this machine's numerics. Blocking; empties the slot afterwards."""
+    half = max(1, len(ids) // 2)
+    worst = 0.0
     try:
-        async with engine.pool.lease(probe) as slot:
-            keys = await anyio.to_thread.run_sync(
-                measure_keys, slot, ids, PROBE_OFFSETS, limiter=engine.pool.limiter
-            )
-    except AgentKVError as error:
-        logger.warning("cannot measure the model's RoPE convention: %s", error)
-        keys = {}
+        for offset in offsets:
+            slot.reset()
+            slot.feed(np.array([list(ids[:half])], dtype=np.int64), past_len=0, position_offset=offset)
+            slot.feed(np.array([list(ids[half:])], dtype=np.int64), past_len=half, position_offset=offset)
+            worst = max(worst, _relative_error(slot.read()[0], keys[offset]))
     finally:
-        await probe.close()
-    base = keys.pop(0, None)
-    tolerance = FIT_TOLERANCE.get(engine.kv_cache_precision, max(FIT_TOLERANCE.values()))
-    convention = fit_convention(base, keys, tolerance=tolerance) if base is not None else None
-    _MEASURED[engine] = convention
+        slot.reset()
+    return worst
+
+
+def measure_convention(
+    slot: Slot, ids: Sequence[int], *, floor: float, metadata: tuple[float, float] | None
+) -> RopeConvention | None:
+    """Measure the slot's RoPE: keys at ``PROBE_OFFSETS``, the machine's noise, then the
+    metadata's θ verified (or a fit) against ``max(floor, NOISE_FACTOR × noise)``. Blocking."""
+    keys = measure_keys(slot, ids, PROBE_OFFSETS)
+    noise = chunking_noise(slot, ids, (0, max(PROBE_OFFSETS)), keys)
+    tolerance = max(floor, NOISE_FACTOR * noise)
+    base = keys.pop(0)
+    convention = None
+    if metadata is not None:
+        convention = convention_from_metadata(*metadata, base, keys, tolerance=tolerance)
+    if convention is None:
+        convention = fit_convention(base, keys, tolerance=tolerance, fit_layers=slice(0, 1))
     if convention is not None:
-        logger.info("RoPE measured: %s, θ=%s, scale=%s, fit error %.1e", convention.style,
-                    convention.theta, convention.scale, convention.fit_error)
+        logger.info("RoPE (%s): %s, θ=%s, scale=%s, error %.1e within %.1e (noise %.1e)", convention.source,
+                    convention.style, convention.theta, convention.scale, convention.fit_error, tolerance, noise)
     return convention

@@ -28,8 +28,9 @@ from agentkv.engine.base import (
     TokenDelta,
     common_prefix_len,
 )
+from agentkv.engine.chunking import chunk_spans
 from agentkv.engine.decode import DecodeLoop
-from agentkv.engine.rope import RopeConvention, drop_span, rope_convention
+from agentkv.engine.rope import RopeConvention, drop_span
 from agentkv.engine.session_common import SessionCommon
 from agentkv.engine.slot import Slot
 from agentkv.engine.slots import HostKV
@@ -66,6 +67,7 @@ class StatefulSession(SessionCommon):
         self._last_logits: np.ndarray | None = None  # logits after tokens[-1], if known
         self._host: HostKV | None = None  # KV waiting to be put into a slot
         self._shifted = False
+        self._kv_exact = True  # False once KV came back from a lossy restore
         self._closed = False
         # NOTE: a semaphore, not a Lock: a stream abandoned mid-way is closed by the async-generator
         # finalizer in another task, and a Lock refuses release from a task that did not take it.
@@ -79,7 +81,7 @@ class StatefulSession(SessionCommon):
         """Copy this session's KV to host memory before its slot is given away."""
         keys, values = slot.read()
         self._host = self._engine.pool.host.put(
-            self._engine.make_snapshot(self._tokens, keys, values, self._shifted)
+            self._engine.make_snapshot(self._tokens, keys, values, self._shifted, self._kv_exact)
         )
         slot.reset()
 
@@ -99,12 +101,14 @@ class StatefulSession(SessionCommon):
         snapshot = None if host is None else host.take()  # None: empty, or dropped by the host budget
         if snapshot is None or snapshot.num_tokens == 0:
             if self._tokens:  # NOTE: its KV was dropped: re-prefill the log (exact again, unshifted)
-                tokens, self._tokens, self._last_logits, self._shifted = self._tokens, [], None, False
+                tokens, self._tokens, self._last_logits = self._tokens, [], None
+                self._shifted, self._kv_exact = False, True
                 self._feed_blocking(slot, tokens)
                 self.recomputed_tokens_pending += len(tokens)
             return
         keys, values = snapshot.to_float()
         slot.write(keys, values)
+        self._kv_exact = self._engine.restores_exactly(snapshot)
         self.restored_tokens_pending += snapshot.num_tokens
 
     # ---- generation ------------------------------------------------------------------
@@ -166,12 +170,19 @@ class StatefulSession(SessionCommon):
         return await anyio.to_thread.run_sync(fn, *args, limiter=self._engine.pool.limiter)
 
     def _feed_blocking(self, slot: Slot, ids: Sequence[int]) -> np.ndarray:
-        """Run ``ids`` through the model after the current tokens; they join the log."""
-        chunk = self._engine.prefill_chunk_size or len(ids)
+        """Run ``ids`` through the model after the current tokens; they join the log. Cut at
+        the canonical chunk boundaries (``engine/chunking.py``) so the same log is always
+        computed the same way, whichever path reached it."""
+        start = len(self._tokens)
+        spans = [(start, start + len(ids))]
+        if len(ids) > 1:
+            engine = self._engine
+            cuts = engine.boundaries.cuts_within([*self._tokens, *ids], start=start, stop=start + len(ids))
+            spans = chunk_spans(start, start + len(ids), cuts=cuts, chunk_size=engine.prefill_chunk_size)
         logits = self._last_logits
-        for start in range(0, len(ids), chunk):
-            piece = list(ids[start : start + chunk])
-            logits = slot.feed(np.array([piece], dtype=np.int64), past_len=len(self._tokens))[0]
+        for begin, end in spans:
+            piece = list(ids[begin - start : end - start])
+            logits = slot.feed(np.array([piece], dtype=np.int64), past_len=begin)[0]
             self._tokens.extend(piece)
             self._last_logits = logits
         assert logits is not None
@@ -183,7 +194,7 @@ class StatefulSession(SessionCommon):
             del self._tokens[n:]
             self._last_logits = None
             if n == 0:
-                self._shifted = False
+                self._shifted, self._kv_exact = False, True
 
     def _load_prefix_blocking(self, slot: Slot, snapshot: KVSnapshot) -> None:
         keys, values = snapshot.to_float()
@@ -195,6 +206,7 @@ class StatefulSession(SessionCommon):
             raise
         self._tokens = list(snapshot.tokens)
         self._last_logits = None
+        self._kv_exact = self._engine.restores_exactly(snapshot)
 
     # ---- other operations ------------------------------------------------------------
     async def next_token_logits(self) -> np.ndarray:
@@ -236,7 +248,7 @@ class StatefulSession(SessionCommon):
                 return held  # else it was dropped: the lease below re-prefills it
         async with self._engine.pool.lease(self) as slot:
             keys, values = await self._run(slot.read)
-            return self._engine.make_snapshot(self._tokens, keys, values, self._shifted)
+            return self._engine.make_snapshot(self._tokens, keys, values, self._shifted, self._kv_exact)
 
     async def restore(self, snapshot: KVSnapshot) -> None:
         """Replace KV and tokens by ``snapshot``'s (fresh state or nothing)."""
@@ -267,6 +279,7 @@ class StatefulSession(SessionCommon):
         child._tokens = list(snap.tokens)
         child._host = host
         child._shifted = snap.shifted
+        child._kv_exact = self._kv_exact
         return child
 
     # ---- KV-level span drop (sliding window) -----------------------------------------
@@ -286,7 +299,7 @@ class StatefulSession(SessionCommon):
         self._check_span(start, end)
         if start == end:
             return
-        convention = await rope_convention(self._engine)  # NOTE: before our lease: it needs a slot
+        convention = await self._engine.rope_convention()  # NOTE: before our lease: it needs a slot
         if convention is None:
             raise KVShiftUnsupported(
                 "the model's keys fit no RoPE rotation, so a span cannot be dropped from the KV; "

@@ -31,6 +31,7 @@ class SessionCommon:
     _id: str
     _tokens: list[int]
     _shifted: bool
+    _kv_exact: bool = True
     _closed: bool
     _engine: Any
 
@@ -45,6 +46,13 @@ class SessionCommon:
     @property
     def shifted(self) -> bool:
         return self._shifted
+
+    @property
+    def kv_exact(self) -> bool:
+        """False once part of the KV came back from a lossy restore (a u8 cache through the
+        state API, or a snapshot stored in a rounding precision): close to, not equal to, what
+        the model computed. A trim to 0 makes it exact again."""
+        return self._kv_exact
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(id={self._id[:8]}, tokens={len(self._tokens)})"

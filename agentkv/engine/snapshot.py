@@ -13,6 +13,12 @@ File layout (little-endian, no pickle)::
 
 The header lists every array's name, dtype and shape in payload order plus the
 snapshot's ``checksum()``, which covers the metadata and every array byte.
+
+Exactness: ``precision="auto"`` stores the smallest form that gives back the very float32
+values it was made from — bf16 (the upper half of each float32) when every value is a
+bfloat16, else f16 when every value is a float16, else f32 — so ``to_float()`` returns the
+input bit for bit (``snap.lossless`` is True). An explicit ``"f16"`` or ``"u8"`` may round;
+``lossless`` then says whether it did.
 """
 
 from __future__ import annotations
@@ -33,7 +39,11 @@ import numpy as np
 
 from agentkv.errors import SnapshotCorrupt, SnapshotIncompatible, UserError
 
-Precision = Literal["f32", "f16", "u8"]
+Precision = Literal["f32", "bf16", "f16", "u8"]
+"""How a snapshot stores K/V: float32, bfloat16 (as the upper 16 bits of float32), float16, or
+u8 with per-vector scale and zero."""
+PrecisionChoice = Literal["auto", "f32", "bf16", "f16", "u8"]
+"""What a caller may ask for: a storage precision, or "auto" (smallest lossless form)."""
 
 MAGIC = b"AGKVSNAP"
 FORMAT_VERSION = 1
@@ -41,6 +51,7 @@ _PREAMBLE = struct.Struct("<8sII")  # magic, format version, header length
 _MAX_HEADER_BYTES = 1 << 20
 _STORAGE_DTYPE: dict[str, np.dtype[Any]] = {
     "f32": np.dtype("<f4"),
+    "bf16": np.dtype("<u2"),
     "f16": np.dtype("<f2"),
     "u8": np.dtype("u1"),
 }
@@ -79,6 +90,35 @@ def dequantize_u8(q: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> np.ndar
     return q.astype(np.float32) * scale32 + zero32
 
 
+def to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """bfloat16 storage of float32 ``x``: its upper 16 bits (truncation; exact for bf16 values)."""
+    return (np.ascontiguousarray(x, dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def from_bf16_bits(bits: np.ndarray) -> np.ndarray:
+    """float32 values of bfloat16 storage made by ``to_bf16_bits``."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def holds_exactly(precision: Precision, *arrays: np.ndarray) -> bool:
+    """True when storing float32 ``arrays`` in ``precision`` gives back every value bit for bit."""
+    as_f32 = [np.ascontiguousarray(a, dtype=np.float32) for a in arrays]
+    if precision == "f32":
+        return True
+    if precision == "bf16":
+        return all(not np.any(a.view(np.uint32) & np.uint32(0xFFFF)) for a in as_f32)
+    if precision == "f16":
+        with np.errstate(over="ignore"):
+            return all(np.array_equal(a.astype(np.float16).astype(np.float32), a) for a in as_f32)
+    return False
+
+
+def lossless_precision(*arrays: np.ndarray) -> Precision:
+    """The smallest storage that holds every float32 value of ``arrays`` exactly:
+    ``lossless_precision(np.float32([0.5, 2.0])) == "bf16"``."""
+    return next(p for p in ("bf16", "f16", "f32") if holds_exactly(p, *arrays))  # type: ignore[return-value]
+
+
 def _read_only(a: np.ndarray) -> np.ndarray:
     """A read-only view of ``a`` (the caller's array keeps its own flags)."""
     view = a.view()
@@ -100,11 +140,14 @@ class KVSnapshot:
     values: np.ndarray
     """Same shape and dtype as ``keys``."""
     precision: Precision
-    """Storage precision: "f32", "f16" or "u8" (u8 carries per-token affine params)."""
+    """Storage precision: "f32", "bf16", "f16" or "u8" (u8 carries per-token affine params)."""
     fingerprint: str
     """Model + KV layout identity; a snapshot is only restored where the fingerprint matches."""
     shifted: bool = False
     """The KV had a span dropped by a RoPE shift: close to, not equal to, a fresh prefill."""
+    lossless: bool = True
+    """``to_float()`` gives back exactly the float32 values the snapshot was made from (False
+    when a lossy precision rounded them, or the KV was already inexact when captured)."""
     key_scale: np.ndarray | None = None
     """u8 only: ``[layers, batch, heads, T]`` scale of the keys (float32 or float16)."""
     key_zero: np.ndarray | None = None
@@ -124,7 +167,7 @@ class KVSnapshot:
 
     def _check_layout(self) -> None:
         if self.precision not in _STORAGE_DTYPE:
-            raise UserError(f"precision must be one of f32, f16, u8, not {self.precision!r}")
+            raise UserError(f"precision must be one of f32, bf16, f16, u8, not {self.precision!r}")
         dtype = _STORAGE_DTYPE[self.precision]
         if self.keys.ndim != 5 or self.keys.shape != self.values.shape:
             raise UserError(
@@ -158,28 +201,36 @@ class KVSnapshot:
         keys_f32: np.ndarray,
         values_f32: np.ndarray,
         *,
-        precision: Precision,
+        precision: PrecisionChoice = "auto",
         fingerprint: str,
         shifted: bool = False,
+        lossless: bool = True,
     ) -> KVSnapshot:
-        """Cast (f32, f16) or quantise (u8) float K/V ``[layers, batch, heads, T, head_dim]``.
+        """Store float K/V ``[layers, batch, heads, T, head_dim]`` in ``precision`` ("auto": the
+        smallest lossless form). ``lossless=False`` marks KV that was inexact before capture.
 
         The result owns copies: later writes to ``keys_f32`` do not change the snapshot.
         """
         keys = np.asarray(keys_f32, dtype=np.float32)
         values = np.asarray(values_f32, dtype=np.float32)
+        if precision == "auto":
+            precision = lossless_precision(keys, values)
         common = {"tokens": tuple(tokens), "precision": precision, "fingerprint": fingerprint,
                   "shifted": shifted}
         if precision == "u8":
             kq, ks, kz = quantize_u8(keys)
             vq, vs, vz = quantize_u8(values)
             return cls(keys=kq, values=vq, key_scale=ks, key_zero=kz, value_scale=vs,
-                       value_zero=vz, **common)
+                       value_zero=vz, lossless=False, **common)
         if precision not in _STORAGE_DTYPE:
-            raise UserError(f"precision must be one of f32, f16, u8, not {precision!r}")
-        dtype = _STORAGE_DTYPE[precision]
-        return cls(keys=keys.astype(dtype, copy=True), values=values.astype(dtype, copy=True),
-                   **common)
+            raise UserError(f"precision must be one of auto, f32, bf16, f16, u8, not {precision!r}")
+        if precision == "bf16":
+            stored_k, stored_v = to_bf16_bits(keys), to_bf16_bits(values)
+        else:
+            dtype = _STORAGE_DTYPE[precision]
+            stored_k, stored_v = keys.astype(dtype, copy=True), values.astype(dtype, copy=True)
+        exact = lossless and holds_exactly(precision, keys, values)
+        return cls(keys=stored_k, values=stored_v, lossless=exact, **common)
 
     def to_float(self) -> tuple[np.ndarray, np.ndarray]:
         """Float32 ``(keys, values)``, fresh writable arrays ready to set into a model."""
@@ -188,6 +239,8 @@ class KVSnapshot:
             assert self.value_scale is not None and self.value_zero is not None
             return (dequantize_u8(self.keys, self.key_scale, self.key_zero),
                     dequantize_u8(self.values, self.value_scale, self.value_zero))
+        if self.precision == "bf16":
+            return from_bf16_bits(self.keys), from_bf16_bits(self.values)
         return self.keys.astype(np.float32, copy=True), self.values.astype(np.float32, copy=True)
 
     def prefix(self, n: int) -> KVSnapshot:
@@ -200,7 +253,8 @@ class KVSnapshot:
         }
         return KVSnapshot(
             tokens=self.tokens[:n], keys=self.keys[:, :, :, :n], values=self.values[:, :, :, :n],
-            precision=self.precision, fingerprint=self.fingerprint, shifted=self.shifted, **cut,
+            precision=self.precision, fingerprint=self.fingerprint, shifted=self.shifted,
+            lossless=self.lossless, **cut,
         )
 
     @property
@@ -236,10 +290,14 @@ class KVSnapshot:
 
     def _metadata(self) -> dict[str, Any]:
         """What identifies the snapshot apart from its bytes (covered by the checksum)."""
+        # NOTE: "lossless" is written only when True: files made before the flag existed lack it,
+        # read back as lossless=False, and their checksums still verify.
+        flag = {"lossless": True} if self.lossless else {}
         return {
             "precision": self.precision,
             "fingerprint": self.fingerprint,
             "shifted": self.shifted,
+            **flag,
             "num_tokens": self.num_tokens,
             "arrays": [
                 {"name": name, "dtype": array.dtype.newbyteorder("<").str, "shape": list(array.shape)}
@@ -392,6 +450,7 @@ def _build(header: dict[str, Any], arrays: dict[str, np.ndarray], path: Path) ->
             precision=header["precision"],
             fingerprint=str(header["fingerprint"]),
             shifted=bool(header["shifted"]),
+            lossless=header.get("lossless") is True,
             **{name: arrays.get(name) for name in _QUANT_PARAMS},
         )
     except (KeyError, UserError) as e:

@@ -2,7 +2,8 @@
 
 ::
 
-    engine = StatefulEngine()                       # the default model, CPU, plugin's KV precision
+    engine = StatefulEngine()                       # the default model, CPU, f16 KV cache
+    exact = StatefulEngine(exact=True)              # f32 KV, f32 compute, no dynamic quantisation
     session = await engine.open_session()
     ids = engine.tokenizer.encode("Hello")
     result = await session.generate(ids, GenerationConfig(max_new_tokens=16))
@@ -14,11 +15,18 @@ Prefill computes logits for the last position only: a slice is inserted before t
 ``prefix_cache_bytes`` (0 disables) and ``prefix_cache_precision`` size the shared prefix
 cache (``engine.register_prefix``); ``offload_bytes`` bounds the host memory of offloaded
 idle sessions, beyond which their KV is spilled to ``spill_dir`` files or dropped (re-prefilled).
+
+The KV cache is f16 by default, not the plugin's u8: the state API cannot give a u8 cache back
+its own values (it quantises the dequantised values again), so host offload, snapshots and
+prefix-cache hits would not be bit-exact. ``kv_cache_precision="u8"`` is allowed; such restores
+are then reported with ``GenerationMetrics.kv_exact == False``. What is bit-exact and what is
+only close is listed in ``engine/numerics.py``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,23 +35,31 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 import openvino as ov
 
+import anyio
+
 from agentkv.engine.base import GenerationMetrics
+from agentkv.engine.chunking import PrefixBoundaries
 from agentkv.engine.models import ModelFiles, compiled_cache_dir, resolve_model
+from agentkv.engine.numerics import EXACT_CONFIG, PluginNumerics
 from agentkv.engine.prefix_cache import PrefixCache
+from agentkv.engine.rope import FIT_TOLERANCE, PROBE_TEXT, RopeConvention, measure_convention, rope_metadata
 from agentkv.engine.session import StatefulSession
 from agentkv.engine.session_common import EngineCommon
 from agentkv.engine.slot import Slot
 from agentkv.engine.slots import HostKVStore, SlotPool
-from agentkv.engine.snapshot import KVSnapshot
+from agentkv.engine.snapshot import KVSnapshot, PrecisionChoice
 from agentkv.engine.tokenizer import OVTokenizer
-from agentkv.errors import ConstraintError, UserError
+from agentkv.errors import AgentKVError, ConstraintError, UserError
 
 if TYPE_CHECKING:
     from agentkv.engine.constraints import ConstraintFactory, GrammarConstraint
 
-KVPrecision = Literal["u8", "f16", "f32"]
-_OV_PRECISION = {"u8": "u8", "f16": "f16", "f32": "f32"}
-_BYTES = {"u8": 1, "f16": 2, "f32": 4}
+logger = logging.getLogger(__name__)
+
+KVPrecision = Literal["u8", "f16", "bf16", "f32"]
+_BYTES = {"u8": 1, "f16": 2, "bf16": 2, "f32": 4}
+DEFAULT_KV_PRECISION: KVPrecision = "f16"
+"""The smallest KV cache whose restores are bit-exact (see the module docstring)."""
 DEFAULT_CONTEXT_LEN = 8192
 DEFAULT_PREFIX_CACHE_BYTES = 256 << 20
 MIN_PREFIX_HIT_TOKENS = 16
@@ -88,21 +104,29 @@ class StatefulEngine(EngineCommon):
         *,
         device: str = "CPU",
         kv_cache_precision: KVPrecision | None = None,
+        exact: bool = False,
         num_slots: int = 4,
         max_context_len: int | None = None,
         prefill_chunk_size: int | None = None,
         slice_logits: bool = True,
-        snapshot_precision: Literal["auto", "f32", "f16", "u8"] = "auto",
+        snapshot_precision: PrecisionChoice = "auto",
         ov_config: dict[str, str] | None = None,
         prefix_cache_bytes: int | None = DEFAULT_PREFIX_CACHE_BYTES,
-        prefix_cache_precision: Literal["f32", "f16", "u8"] = "f16",
+        prefix_cache_precision: PrecisionChoice = "auto",
         offload_bytes: int | None = DEFAULT_OFFLOAD_BYTES,
         spill_dir: str | os.PathLike[str] | None = None,
     ) -> None:
+        """``exact=True`` compiles with ``numerics.EXACT_CONFIG`` (f32 KV, f32 compute, dynamic
+        quantisation off): a prefill's logits then do not depend on its chunking, on any CPU.
+        ``ov_config`` entries are applied last (e.g. ``{"DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}``).
+        ``snapshot_precision`` / ``prefix_cache_precision`` "auto" store KV losslessly."""
         if num_slots < 1:
             raise UserError(f"num_slots must be >= 1, got {num_slots}")
-        if kv_cache_precision is not None and kv_cache_precision not in _OV_PRECISION:
-            raise UserError(f"kv_cache_precision must be one of u8, f16, f32, got {kv_cache_precision!r}")
+        if kv_cache_precision is not None and kv_cache_precision not in _BYTES:
+            raise UserError(f"kv_cache_precision must be one of u8, f16, bf16, f32, got {kv_cache_precision!r}")
+        if exact and kv_cache_precision not in (None, "f32"):
+            raise UserError(f"exact=True needs an f32 KV cache, got kv_cache_precision={kv_cache_precision!r}; "
+                            "drop one of the two")
         self.files: ModelFiles = resolve_model(model)
         self.device = device
         self.prefill_chunk_size = prefill_chunk_size
@@ -110,17 +134,16 @@ class StatefulEngine(EngineCommon):
         core = ov.Core()
         ov_model = core.read_model(str(self.files.model_xml))
         self.logits_sliced = slice_logits and slice_last_position(ov_model)
+        requested_kv = kv_cache_precision or ("f32" if exact else DEFAULT_KV_PRECISION)
         config: dict[str, str] = {"CACHE_DIR": str(compiled_cache_dir())}
-        if kv_cache_precision is not None:
-            config["KV_CACHE_PRECISION"] = _OV_PRECISION[kv_cache_precision]
+        config.update(EXACT_CONFIG if exact else {})
+        config["KV_CACHE_PRECISION"] = requested_kv
         config.update(ov_config or {})
         self._compiled = core.compile_model(ov_model, device, config)
-        self.kv_cache_precision: str = _read_kv_precision(self._compiled, kv_cache_precision)
-        self.snapshot_precision = (
-            ("f32" if self.kv_cache_precision == "f32" else "f16")
-            if snapshot_precision == "auto"
-            else snapshot_precision
-        )
+        self.numerics = PluginNumerics.of(self._compiled, requested_kv)
+        """What the plugin computes in on this machine (read back, not what was asked)."""
+        self.kv_cache_precision: str = self.numerics.kv_cache
+        self.snapshot_precision: PrecisionChoice = snapshot_precision
         inputs = frozenset(name for i in ov_model.inputs for name in i.get_names())
         slots = [Slot(self._compiled.create_infer_request(), i, inputs) for i in range(num_slots)]
         self.pool = SlotPool(slots, host=HostKVStore(offload_bytes, spill_dir))
@@ -133,13 +156,18 @@ class StatefulEngine(EngineCommon):
         self._constraints: ConstraintFactory | None = None
         self._vocab_size = int(ov_model.output("logits").get_partial_shape()[2].get_length())
         heads, head_dim = _state_head_shape(slots[0])
-        self._kv_token_bytes = 2 * self.num_layers * heads * head_dim * _BYTES[self.kv_cache_precision]
+        self._kv_token_bytes = 2 * self.num_layers * heads * head_dim * _BYTES.get(self.kv_cache_precision, 4)
+        self.boundaries = PrefixBoundaries()
+        """Registered prefixes: chunk boundaries of every prefill, cached or not (canonical chunking)."""
         self.prefix_cache: PrefixCache | None = None  # prefix_cache_bytes=0 disables it
         if prefix_cache_bytes != 0:
             self.prefix_cache = PrefixCache(
                 fingerprint=self._fingerprint, budget_bytes=prefix_cache_bytes,
-                precision=prefix_cache_precision, limiter=self.pool.limiter,
+                precision=prefix_cache_precision, limiter=self.pool.limiter, boundaries=self.boundaries,
             )
+        self._rope: RopeConvention | None = None
+        self._rope_measured = False
+        self._rope_lock = anyio.Lock()
 
     # ---- Engine protocol ---------------------------------------------------------------
     @property
@@ -155,9 +183,40 @@ class StatefulEngine(EngineCommon):
         return self._fingerprint
 
     def register_prefix(self, tokens: Sequence[int]) -> None:
-        """Mark ``tokens`` as a shared prefix (cached once the prefix cache is enabled)."""
-        if self.prefix_cache is not None:
-            self.prefix_cache.register(tokens)
+        """Mark ``tokens`` as a shared prefix: a chunk boundary of every prefill that covers it,
+        and cached once a session has read it (when the prefix cache is enabled)."""
+        self.boundaries.register(tokens)
+
+    async def rope_convention(self) -> RopeConvention | None:
+        """The model's RoPE (θ from its metadata, verified on its keys), measured once on a
+        temporary session's slot; None if no rotation explains the keys (then span drops are
+        unavailable). Must not be called while holding a slot lease (it needs a slot)."""
+        async with self._rope_lock:
+            if not self._rope_measured:
+                self._rope = await self._measure_rope()
+                self._rope_measured = True
+        return self._rope
+
+    async def _measure_rope(self) -> RopeConvention | None:
+        import json
+
+        config_path = self.files.ir_dir / "config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        metadata = rope_metadata(config, self.files.gguf_metadata())
+        floor = FIT_TOLERANCE.get(self.kv_cache_precision, max(FIT_TOLERANCE.values()))
+        ids = self._tokenizer.encode(PROBE_TEXT)
+        probe = self.new_session()
+        try:
+            async with self.pool.lease(probe) as slot:
+                return await anyio.to_thread.run_sync(
+                    lambda: measure_convention(slot, ids, floor=floor, metadata=metadata),
+                    limiter=self.pool.limiter,
+                )
+        except AgentKVError as error:
+            logger.warning("cannot measure the model's RoPE convention: %s", error)
+            return None
+        finally:
+            await probe.close()
 
     def make_constraint(self, grammar: str) -> GrammarConstraint:
         """A fresh grammar constraint (llguidance Lark grammar) for one generation::
@@ -185,17 +244,23 @@ class StatefulEngine(EngineCommon):
 
     # ---- helpers used by sessions ------------------------------------------------------
     def make_snapshot(
-        self, tokens: Sequence[int], keys: np.ndarray, values: np.ndarray, shifted: bool
+        self, tokens: Sequence[int], keys: np.ndarray, values: np.ndarray, shifted: bool, kv_exact: bool = True
     ) -> KVSnapshot:
-        """Host snapshot of float32 KV arrays in this engine's snapshot precision."""
+        """Host snapshot of float32 KV arrays in this engine's snapshot precision ("auto":
+        lossless); ``kv_exact=False`` carries a session's earlier inexact restore along."""
         return KVSnapshot.from_float(
             tuple(tokens),
             keys,
             values,
-            precision=self.snapshot_precision,  # type: ignore[arg-type]
+            precision=self.snapshot_precision,
             fingerprint=self._fingerprint,
             shifted=shifted,
+            lossless=kv_exact,
         )
+
+    def restores_exactly(self, snapshot: KVSnapshot) -> bool:
+        """True when writing ``snapshot`` into a slot gives the KV it was read from, bit for bit."""
+        return snapshot.lossless and self.numerics.restores_exact
 
     def kv_bytes_per_token(self) -> int:
         """Bytes one token's K and V take in the model's cache precision (all layers)."""
@@ -217,17 +282,24 @@ class StatefulEngine(EngineCommon):
             tpot_s=tpot,
             kv_tokens=kv_tokens,
             kv_bytes=kv_tokens * self.kv_bytes_per_token(),
+            kv_exact=session.kv_exact,
         )
 
     def prefix_cache_lookup(self, prompt: Sequence[int], reused: int) -> KVSnapshot | None:
-        """The longest cached prefix of ``prompt`` that adds at least ``MIN_PREFIX_HIT_TOKENS``
-        to the ``reused`` tokens the session already holds (and leaves one token to prefill)."""
+        """The longest cached *registered* prefix of ``prompt`` that adds at least
+        ``MIN_PREFIX_HIT_TOKENS`` to the ``reused`` tokens the session holds and leaves one
+        token to prefill.
+
+        NOTE: whole registered prefixes only: they are chunk boundaries of a cold prefill too,
+        so a hit computes exactly what a cold start would. A hit of a few tokens (a shared
+        "<|im_start|>system\nYou are a") would cost a KV copy bigger than the prefill it saves."""
         if self.prefix_cache is None:
             return None
-        # NOTE: a hit of a few tokens (e.g. a shared "<|im_start|>system\nYou are a") costs a
-        # KV copy bigger than the prefill it saves, and with a quantised cache it perturbs the
-        # logits like a chunk boundary would: not worth taking.
-        return self.prefix_cache.lookup(prompt, longer_than=reused + MIN_PREFIX_HIT_TOKENS - 1)
+        for mark in reversed(self.boundaries.prefixes_of(prompt)):
+            if len(mark) < len(prompt) and len(mark) >= reused + MIN_PREFIX_HIT_TOKENS:
+                if self.prefix_cache.match_len(mark) == len(mark):
+                    return self.prefix_cache.lookup(prompt[: len(mark) + 1], longer_than=len(mark) - 1)
+        return None
 
     async def prefix_cache_store(self, session: StatefulSession, slot: Slot) -> None:
         """Give the prefix cache a chance to copy registered prefixes out of ``slot``."""
@@ -239,17 +311,6 @@ def _state_head_shape(slot: Slot) -> tuple[int, int]:
     """(heads, head_dim) of the KV states, read from a fresh request's ``[0, H, 0, D]`` state."""
     shape = slot.request.query_state()[0].state.shape
     return int(shape[1]), int(shape[3])
-
-
-def _read_kv_precision(compiled: ov.CompiledModel, requested: str | None) -> str:
-    try:
-        value = str(compiled.get_property("KV_CACHE_PRECISION")).lower()
-    except RuntimeError:
-        return requested or "f32"
-    for name in ("u8", "f16", "f32", "bf16"):
-        if name in value or {"u8": "uint8", "f16": "f16", "f32": "f32", "bf16": "bf16"}[name] in value:
-            return "f16" if name == "bf16" else name
-    return requested or "f32"
 
 
 def _context_length(files: ModelFiles) -> int | None:

@@ -94,7 +94,7 @@ class WindowPolicy(ABC):
         before = prompt_tokens(session, agent)
         target = low_water_tokens(limit, self.low_water)
         await fit_oversized(session, agent, limit=limit, target=target)
-        removed, applied = await self._remove(session, agent, target=target)
+        removed, fallback_reason = await self._remove(session, agent, target=target)
         after = prompt_tokens(session, agent)
         if after > limit:  # a template that renders history-dependently can defeat the estimate
             plan = plan_removal(session.window, session.render(agent), target=limit)
@@ -109,9 +109,10 @@ class WindowPolicy(ABC):
                 limit=limit,
             )
         cost_ms = (time.perf_counter() - started) * 1000
-        yield ContextCompacted(applied, before, after, removed, cost_ms)
+        fallback = None if fallback_reason is None else "truncation"
+        yield ContextCompacted(self.name, before, after, removed, cost_ms, fallback, fallback_reason)
 
     @abstractmethod
-    async def _remove(self, session: AgentSession, agent: Agent, *, target: int) -> tuple[int, str]:
-        """Remove messages towards ``target`` tokens; return (messages removed, policy that ran:
-        ``self.name``, or ``"truncation"`` when the policy fell back to it)."""
+    async def _remove(self, session: AgentSession, agent: Agent, *, target: int) -> tuple[int, str | None]:
+        """Remove messages towards ``target`` tokens; return (messages removed, None — or the
+        reason the policy fell back to truncation, which the event reports)."""

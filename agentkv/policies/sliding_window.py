@@ -5,7 +5,8 @@ them, the session removes their spans from every layer's K and V and re-rotates 
 (``KVSession.drop``): the compaction costs a state read/write, not a prefill. The system
 prompt stays in front as the attention sink. The kept tokens' K/V were computed while the
 dropped ones were visible, so the session is marked ``shifted`` (close to, not equal to, a fresh
-prefill). Falls back to ``Truncation`` (with a warning) when the session cannot drop spans::
+prefill). Falls back to ``Truncation`` when the session cannot drop spans: a warning is logged
+and the ``ContextCompacted`` event says ``fallback="truncation"`` with the reason::
 
     agent = Agent(name="chat", policy=SlidingWindow(), max_prompt_len=1024)
 """
@@ -32,16 +33,17 @@ class SlidingWindow(WindowPolicy):
 
     name = "sliding_window"
 
-    async def _remove(self, session: AgentSession, agent: Agent, *, target: int) -> tuple[int, str]:
+    async def _remove(self, session: AgentSession, agent: Agent, *, target: int) -> tuple[int, str | None]:
         rendered = session.render(agent)
         plan = plan_removal(session.window, rendered, target=target)
         if not plan.entries:
-            return 0, self.name
+            return 0, None
         kv = session.kv
         if not getattr(kv, "supports_drop", False):
-            logger.warning("session %s cannot drop KV spans; falling back to truncation", session.id)
+            reason = f"the engine's {type(kv).__name__} cannot drop KV spans"
+            logger.warning("session %s: %s; falling back to truncation", session.id, reason)
             await truncate(session, agent, plan)
-            return len(plan.entries), "truncation"
+            return len(plan.entries), reason
         # Only what the KV holds can be dropped from it (a span may be held in part: the last
         # answer's final token is never fed); anything later is prefilled anyway.
         covered = common_prefix_len(kv.tokens, rendered.token_ids)
@@ -53,10 +55,10 @@ class SlidingWindow(WindowPolicy):
         except KVShiftUnsupported as error:
             logger.warning("sliding window unavailable (%s); falling back to truncation", error)
             await realign(session, agent)
-            return len(plan.entries), "truncation"
+            return len(plan.entries), str(error)
         kept = covered - sum(end - start for start, end in ranges)
         _warn_if_misaligned(session, agent, kept)
-        return len(plan.entries), self.name
+        return len(plan.entries), None
 
 
 def _warn_if_misaligned(session: AgentSession, agent: Agent, kept: int) -> None:

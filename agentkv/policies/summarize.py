@@ -71,22 +71,23 @@ class SummarizeAndReprefill(WindowPolicy):
         self.role = role
         """Role of the summary message."""
 
-    async def _remove(self, session: AgentSession, agent: Agent, *, target: int) -> tuple[int, str]:
+    async def _remove(self, session: AgentSession, agent: Agent, *, target: int) -> tuple[int, str | None]:
         reserve = self.max_summary_tokens + _SUMMARY_MESSAGE_OVERHEAD
         plan = plan_removal(session.window, session.render(agent), target=target, reserve=reserve)
         if not plan.entries:
-            return 0, self.name
+            return 0, None
         summary = await self.summarize(session, [entry.message for entry in plan.entries])
         if summary is None:
-            logger.warning("no usable summary of %d messages; falling back to truncation", len(plan.entries))
+            reason = f"no usable summary of {len(plan.entries)} messages after {self.max_attempts} attempts"
+            logger.warning("%s; falling back to truncation", reason)
             await truncate(session, agent, plan)
-            return len(plan.entries), "truncation"
+            return len(plan.entries), reason
         message = Message(role=self.role, content=f"{SUMMARY_PREFIX} {summary}")
         tokens = session.renderer.message_tokens(message, position=1)
         await session.replace_in_window(plan.entries, message, token_count=tokens)
         session.summaries += 1
         await realign(session, agent)
-        return len(plan.entries), self.name
+        return len(plan.entries), None
 
     async def summarize(self, session: AgentSession, messages: Sequence[Message]) -> str | None:
         """A summary of ``messages`` written in a temporary session, or None if every attempt

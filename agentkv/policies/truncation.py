@@ -23,7 +23,7 @@ class Truncation(WindowPolicy):
 
     name = "truncation"
 
-    async def _remove(self, session: AgentSession, agent: Agent, *, target: int) -> tuple[int, str]:
+    async def _remove(self, session: AgentSession, agent: Agent, *, target: int) -> tuple[int, str | None]:
         plan = plan_removal(session.window, session.render(agent), target=target)
         await truncate(session, agent, plan)
-        return len(plan.entries), self.name
+        return len(plan.entries), None
