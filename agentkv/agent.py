@@ -18,9 +18,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pydantic import ValidationError
+
 from agentkv.engine.base import GenerationConfig
 from agentkv.errors import UserError
-from agentkv.tools import Tool
+from agentkv.tools import Tool, tool
 
 if TYPE_CHECKING:
     from agentkv.policies.base import ContextPolicy
@@ -37,9 +39,11 @@ class Agent:
     instructions: str = "You are a helpful assistant."
     """The system prompt."""
     tools: Sequence[Tool] = ()
-    """Tools the model may call; an agent only ever runs its own tools."""
+    """Tools the model may call; an agent only ever runs its own tools. A plain function is
+    wrapped with ``@tool`` (its signature and docstring make the schema)."""
     generation: GenerationConfig = field(default_factory=lambda: GenerationConfig(max_new_tokens=256))
-    """How the model picks tokens on every call of a run."""
+    """How the model picks tokens on every call of a run (a dict is turned into a
+    ``GenerationConfig``: ``Agent(name="a", generation={"max_new_tokens": 64})``)."""
     tool_choice: str = "auto"
     """"auto" (text or a call), "required" (the first step must call a tool), "none" (no calls),
     or a tool's name (the first step must call that tool)."""
@@ -64,8 +68,12 @@ class Agent:
     """Free-form settings stored with the agent."""
 
     def __post_init__(self) -> None:
-        if not self.name or not self.name.strip():
+        if not isinstance(self.name, str) or not self.name.strip():
             raise UserError("Agent(name=...) must be a non-empty string")
+        # NOTE: frozen dataclass: coerced values are set through object.__setattr__
+        object.__setattr__(self, "generation", _generation_config(self.name, self.generation))
+        object.__setattr__(self, "tools", tuple(_as_tool(self.name, t) for t in self.tools))
+        _check_numbers(self)
         names = [t.name for t in self.tools]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
@@ -77,12 +85,49 @@ class Agent:
             )
         if self.tool_choice != "auto" and self.tool_choice != "none" and not self.tools:
             raise UserError(f"tool_choice={self.tool_choice!r} needs at least one tool")
-        if self.max_turns < 1:
-            raise UserError(f"max_turns must be >= 1, got {self.max_turns}")
-        if self.min_response_len < 0:
-            raise UserError(f"min_response_len must be >= 0, got {self.min_response_len}")
 
     @property
     def tool_schemas(self) -> list[dict[str, Any]]:
         """The tools in OpenAI function format, for rendering and grammars."""
         return [t.schema_for_prompt() for t in self.tools]
+
+
+def _generation_config(agent: str, value: Any) -> GenerationConfig:
+    """``value`` as a GenerationConfig (a dict is validated into one)."""
+    if isinstance(value, GenerationConfig):
+        return value
+    if isinstance(value, dict):
+        try:
+            return GenerationConfig(**value)
+        except ValidationError as error:
+            raise UserError(f"agent {agent!r}: invalid generation settings: {error}") from error
+    raise UserError(f"agent {agent!r}: generation must be a GenerationConfig or a dict, got {type(value).__name__}")
+
+
+def _as_tool(agent: str, value: Any) -> Tool:
+    """A ``Tool``; a plain function is wrapped with ``@tool``; anything else is refused."""
+    if isinstance(value, Tool):
+        return value
+    if callable(value):
+        return tool(value)
+    raise UserError(
+        f"agent {agent!r}: tools must be functions or @tool-decorated functions, got {value!r} "
+        f"({type(value).__name__})"
+    )
+
+
+def _check_numbers(agent: Agent) -> None:
+    """Budgets and limits that would only fail later, at run time."""
+    if agent.max_turns < 1:
+        raise UserError(f"max_turns must be >= 1, got {agent.max_turns}")
+    if agent.min_response_len < 0:
+        raise UserError(f"min_response_len must be >= 0, got {agent.min_response_len}")
+    if agent.tool_timeout_s <= 0:
+        raise UserError(f"tool_timeout_s must be > 0 seconds, got {agent.tool_timeout_s}")
+    if agent.max_prompt_len is not None and agent.max_prompt_len <= agent.min_response_len:
+        raise UserError(
+            f"max_prompt_len={agent.max_prompt_len} leaves no room for the prompt once "
+            f"min_response_len={agent.min_response_len} tokens are reserved for the answer; raise "
+            f"max_prompt_len or lower min_response_len (e.g. Agent(..., min_response_len="
+            f"{max(1, agent.max_prompt_len // 4)}))"
+        )

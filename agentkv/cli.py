@@ -1,139 +1,100 @@
-"""The ``agentkv`` command: chat with a local model, list/show/export/remove stored sessions, resume.
+"""The ``agentkv`` command: chat with a local model, list/show/export/remove/unlock stored sessions, resume.
 
 ::
 
     agentkv chat                      # new session on the default model, history in SQLite
+    agentkv chat --system "Be terse." --policy sliding --max-prompt-len 2048
     agentkv chat --session ID         # continue a stored session (same as `agentkv resume ID`)
     agentkv sessions list
     agentkv sessions export ID > chat.jsonl
+    agentkv sessions unlock ID        # release the lease a crashed process left behind
 
-Configuration is read here, at the edge: ``--db`` or ``$AGENTKV_DB_URL`` for the store,
-``--model`` or ``$AGENTKV_MODEL`` for the model.
+Configuration is read here, at the edge (``cli_config``): ``--db``, ``$AGENTKV_DB_URL`` or
+``$AGENTKV_HOME`` for the store, ``--model`` or ``$AGENTKV_MODEL`` for the model. The chat
+loop is in ``cli_chat``, the agent options in ``cli_agent``, printing in ``cli_display``.
 """
 
 from __future__ import annotations
 
-import os
+import inspect
 import sys
+from collections.abc import Callable
 from typing import Optional
 
 import anyio
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from agentkv.agent import Agent
-from agentkv.errors import AgentKVError
-from agentkv.memory import Store
+from agentkv.cli_agent import AgentOptions, PolicyName
+from agentkv.cli_chat import EXIT_INTERRUPTED, ChatRequest, run_chat
+from agentkv.cli_config import ENVIRONMENT_HELP, open_store
+from agentkv.cli_display import show_message
+from agentkv.errors import AgentKVError, UserError
 
-app = typer.Typer(help="agentkv: agents whose conversations keep their KV cache alive.", no_args_is_help=True)
+app = typer.Typer(help="agentkv: agents whose conversations keep their KV cache alive.",
+                  epilog=ENVIRONMENT_HELP, no_args_is_help=True)
 sessions_app = typer.Typer(help="Stored sessions.", no_args_is_help=True)
 app.add_typer(sessions_app, name="sessions")
 out = Console()
 err = Console(stderr=True)
 
-
-def _store(db: str | None) -> Store:
-    return Store(db) if db else Store.from_env()
-
-
-def _agent(name: str, tools: bool) -> Agent:
-    from agentkv.tools import calculator, clock
-
-    return Agent(
-        name=name,
-        instructions="You are a helpful assistant. Answer briefly.",
-        tools=[calculator, clock] if tools else (),
-    )
+DB_HELP = "SQLAlchemy URL of the store (default: $AGENTKV_DB_URL, else $AGENTKV_HOME/agentkv.db)."
+MODEL_HELP = "GGUF file or OpenVINO IR directory (default: $AGENTKV_MODEL, else SmolLM2-135M)."
 
 
-async def _chat(session_id: str | None, agent_name: str, model: str | None, db: str | None,
-                metrics: bool, tools: bool) -> None:
-    from agentkv.engine.stateful import StatefulEngine
-    from agentkv.runtime import Runtime
-
-    store = _store(db)
-    engine = StatefulEngine(model or os.environ.get("AGENTKV_MODEL") or None, num_slots=1)
-    agent = _agent(agent_name, tools)
-    runtime = Runtime(engine, store, agents=[agent])
-    try:
-        if session_id:
-            record = await store.get_session(session_id)
-            session = await runtime.resume(session_id, agent if record.agent_name == agent.name else None)
-            report = runtime.last_resume
-            err.print(f"resumed session {session_id}: {report.messages} messages, "
-                      f"{report.restored_tokens} tokens of KV restored from a snapshot")
-        else:
-            session = await runtime.open_session(agent)
-            err.print(f"session {session.id}")
-        interactive = sys.stdin.isatty()
-        while True:
-            if interactive:
-                out.print("[bold]you>[/bold] ", end="")
-            line = await anyio.to_thread.run_sync(sys.stdin.readline)
-            if not line:
-                break
-            text = line.strip()
-            if not text:
-                continue
-            await _turn(runtime, session, text, metrics)
-    finally:
-        await runtime.aclose()
-        await store.close()
-
-
-async def _turn(runtime, session, text: str, metrics: bool) -> None:  # type: ignore[no-untyped-def]
-    async for event in runtime.run_stream(session, text):
-        if event.type == "text_delta":
-            out.print(event.text, end="", markup=False, highlight=False)
-        elif event.type == "tool_call":
-            out.print(f"\n[dim]→ {event.call.name}({event.call.arguments})[/dim]")
-        elif event.type == "tool_result":
-            out.print(f"[dim]← {event.content}[/dim]")
-        elif event.type == "turn_metrics" and metrics:
-            m = event.metrics
-            err.print(f"[dim]prompt {m.prompt_tokens} tok, reused {m.reused_tokens}, prefilled "
-                      f"{m.prefilled_tokens}, generated {m.generated_tokens}, TTFT {m.ttft_s * 1000:.0f} ms[/dim]")
-    out.print()
-
-
-@app.command()
+@app.command(epilog=ENVIRONMENT_HELP)
 def chat(
     session: Optional[str] = typer.Option(None, "--session", "-s", help="Continue this stored session."),
-    agent: str = typer.Option("assistant", "--agent", "-a", help="Agent name."),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="GGUF file or OpenVINO IR directory."),
-    db: Optional[str] = typer.Option(None, "--db", help="SQLAlchemy URL of the store."),
+    agent: Optional[str] = typer.Option(
+        None, "--agent", "-a", help="Agent name (default: the session's agent, else 'assistant'). "
+        "A stored agent is used as stored; options may not give it other instructions or tools."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
+    db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
     metrics: bool = typer.Option(False, "--metrics", help="Print per-turn token and timing metrics."),
-    tools: bool = typer.Option(False, "--tools", help="Give the agent the calculator and clock tools."),
+    tools: Optional[bool] = typer.Option(
+        None, "--tools/--no-tools", help="Give the agent the calculator and clock tools (or none)."),
+    system: Optional[str] = typer.Option(None, "--system", help="The agent's instructions (system prompt)."),
+    policy: Optional[PolicyName] = typer.Option(
+        None, "--policy", case_sensitive=False,
+        help="What leaves the window when the prompt outgrows --max-prompt-len."),
+    max_prompt_len: Optional[int] = typer.Option(
+        None, "--max-prompt-len", min=1, help="Window in tokens: prompt plus answer (default: the model's context)."),
+    max_new_tokens: Optional[int] = typer.Option(
+        None, "--max-new-tokens", min=1, help="Longest answer per model call; also the room kept for it (default 256)."),
+    temperature: Optional[float] = typer.Option(
+        None, "--temperature", min=0.0, help="0 is greedy (the default); higher samples more freely."),
 ) -> None:
-    """Chat on stdin; answers stream to stdout."""
-    _guard(lambda: anyio.run(_chat, session, agent, model, db, metrics, tools))
+    """Chat on stdin; answers stream to stdout. Ctrl-C stops an answer; a second Ctrl-C exits."""
+    options = AgentOptions(system=system, tools=tools, policy=policy, max_prompt_len=max_prompt_len,
+                           max_new_tokens=max_new_tokens, temperature=temperature)
+    _run_chat(ChatRequest(session, agent, options, model, db, metrics))
 
 
 @app.command()
 def resume(
     session_id: str = typer.Argument(..., help="The stored session's id."),
-    model: Optional[str] = typer.Option(None, "--model", "-m"),
-    db: Optional[str] = typer.Option(None, "--db"),
-    metrics: bool = typer.Option(False, "--metrics"),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
+    db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
+    metrics: bool = typer.Option(False, "--metrics", help="Print per-turn token and timing metrics."),
 ) -> None:
-    """Continue a stored session from its KV snapshot."""
+    """Continue a stored session with its stored agent, from its KV snapshot."""
+    _run_chat(ChatRequest(session_id, None, AgentOptions(), model, db, metrics))
 
-    async def run() -> None:
-        store = _store(db)
-        record = await store.get_session(session_id)
-        await store.close()
-        await _chat(session_id, record.agent_name, model, db, metrics, False)
 
-    _guard(lambda: anyio.run(run))
+def _run_chat(request: ChatRequest) -> None:
+    code = _guard(lambda: anyio.run(run_chat, request, out, err))
+    if code:
+        raise typer.Exit(code)
 
 
 @sessions_app.command("list")
-def sessions_list(db: Optional[str] = typer.Option(None, "--db")) -> None:
+def sessions_list(db: Optional[str] = typer.Option(None, "--db", help=DB_HELP)) -> None:
     """Every stored session, newest first."""
 
     async def run() -> None:
-        async with _store(db) as store:
+        async with open_store(db) as store:
             table = Table("agent", "updated", "messages", "tokens")
             table.add_column("id", no_wrap=True, min_width=32)
             for s in await store.list_sessions():
@@ -145,37 +106,35 @@ def sessions_list(db: Optional[str] = typer.Option(None, "--db")) -> None:
 
 
 @sessions_app.command("show")
-def sessions_show(session_id: str, db: Optional[str] = typer.Option(None, "--db")) -> None:
-    """A session's history (messages out of the window are marked)."""
+def sessions_show(session_id: str, db: Optional[str] = typer.Option(None, "--db", help=DB_HELP)) -> None:
+    """A session's history: tool calls as name(arguments), messages out of the window marked."""
 
     async def run() -> None:
-        async with _store(db) as store:
+        async with open_store(db) as store:
             await store.get_session(session_id)
             for m in await store.messages(session_id):
-                flag = "" if m.in_window else " [dim](out of window)[/dim]"
-                out.print(f"[bold]{m.message.role}[/bold]{flag}: ", end="")
-                out.print(m.message.content, markup=False, highlight=False)
+                show_message(out, m.message, in_window=m.in_window)
 
     _guard(lambda: anyio.run(run))
 
 
 @sessions_app.command("export")
-def sessions_export(session_id: str, db: Optional[str] = typer.Option(None, "--db")) -> None:
+def sessions_export(session_id: str, db: Optional[str] = typer.Option(None, "--db", help=DB_HELP)) -> None:
     """The history as JSONL in OpenAI chat-message format."""
 
     async def run() -> None:
-        async with _store(db) as store:
+        async with open_store(db) as store:
             sys.stdout.write(await store.export_jsonl(session_id))
 
     _guard(lambda: anyio.run(run))
 
 
 @sessions_app.command("rm")
-def sessions_rm(session_id: str, db: Optional[str] = typer.Option(None, "--db")) -> None:
+def sessions_rm(session_id: str, db: Optional[str] = typer.Option(None, "--db", help=DB_HELP)) -> None:
     """Delete a session: its rows and its snapshot files."""
 
     async def run() -> None:
-        async with _store(db) as store:
+        async with open_store(db) as store:
             await store.get_session(session_id)
             await store.delete_session(session_id)
             err.print(f"deleted {session_id}")
@@ -183,12 +142,49 @@ def sessions_rm(session_id: str, db: Optional[str] = typer.Option(None, "--db"))
     _guard(lambda: anyio.run(run))
 
 
-def _guard(action) -> None:  # type: ignore[no-untyped-def]
+@sessions_app.command("unlock")
+def sessions_unlock(session_id: str, db: Optional[str] = typer.Option(None, "--db", help=DB_HELP)) -> None:
+    """Release a session's lease left by a crashed or stuck process, so it can run again now.
+
+    Only for a holder that is gone: a process still running the session keeps writing to it.
+    """
+
+    async def run() -> None:
+        async with open_store(db) as store:
+            if "force" not in inspect.signature(store.release_lease).parameters:
+                raise UserError("this agentkv cannot force-release a lease (Store.release_lease has "
+                                "no force=); wait for the lease to expire, then run the session")
+            holder = await store.release_lease(session_id, force=True)
+            if holder is None:
+                err.print(f"session {session_id} was not leased; nothing to release")
+            else:
+                err.print(f"released the lease of session {session_id}, held by {escape(str(holder))}")
+
+    _guard(lambda: anyio.run(run))
+
+
+def _guard(action: Callable[[], int | None]) -> int | None:
+    """Run ``action``; an agentkv error prints ``error: …`` and exits 1 (2 for a bad command
+    line), a Ctrl-C exits 130 without a traceback."""
     try:
-        action()
-    except AgentKVError as error:
-        err.print(f"[red]error:[/red] {error}")
-        raise typer.Exit(1) from None
+        return action()
+    except BaseException as raised:
+        error = _unwrap(raised)
+        if isinstance(error, KeyboardInterrupt):
+            raise typer.Exit(EXIT_INTERRUPTED) from None
+        if not isinstance(error, AgentKVError):
+            raise
+        err.print(f"[red]error:[/red] {escape(str(error))}", highlight=False)
+        raise typer.Exit(getattr(error, "exit_code", 1)) from None
+
+
+def _unwrap(error: BaseException) -> BaseException:
+    """The single exception inside (nested) exception groups of one, else ``error``."""
+    inner = getattr(error, "exceptions", None)
+    while isinstance(inner, tuple) and len(inner) == 1:
+        error = inner[0]
+        inner = getattr(error, "exceptions", None)
+    return error
 
 
 def main() -> None:

@@ -84,8 +84,11 @@ class AgentSession:
         """The messages in the window, oldest first (the system prompt is not among them)."""
         return [entry.message for entry in self.window]
 
-    async def record(self, message: Message, *, token_count: int = 0) -> WindowEntry:
-        """Append ``message`` to the window and persist it (committed when this returns)."""
+    async def record(self, message: Message, *, token_count: int | None = None) -> WindowEntry:
+        """Append ``message`` to the window and persist it (committed when this returns).
+        ``token_count`` defaults to the tokens of the message's rendered span."""
+        if token_count is None:
+            token_count = self.renderer.message_tokens(message, position=len(self.window) + 1)
         seq = await self._sink(self, message, token_count, True) if self._sink else None
         entry = WindowEntry(message, seq, token_count)
         self.window.append(entry)
@@ -117,11 +120,16 @@ class AgentSession:
 
     def render(self, agent: Agent, *, add_generation_prompt: bool = True) -> RenderedPrompt:
         """The prompt for ``agent`` over the current window (system prompt + tools first)."""
+        return self.render_with(agent, self.messages, add_generation_prompt=add_generation_prompt)
+
+    def render_with(
+        self, agent: Agent, messages: Sequence[Message], *, add_generation_prompt: bool = True
+    ) -> RenderedPrompt:
+        """The prompt for ``agent`` over ``messages`` instead of the window (e.g. to size a
+        message before recording it): ``session.render_with(agent, [Message.user("hi")])``."""
         system = Message.system(agent.instructions)
         tools = agent.tool_schemas if agent.tool_choice != "none" else []
-        return self.renderer.render(
-            [system, *self.messages], tools=tools, add_generation_prompt=add_generation_prompt
-        )
+        return self.renderer.render([system, *messages], tools=tools, add_generation_prompt=add_generation_prompt)
 
     @asynccontextmanager
     async def run_guard(self) -> AsyncIterator[None]:

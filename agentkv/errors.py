@@ -10,6 +10,8 @@ Every message says what to do next. Catch ``AgentKVError`` for all of them::
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class AgentKVError(Exception):
     """Root of every error agentkv raises on purpose."""
@@ -70,12 +72,14 @@ class SnapshotIncompatible(AgentKVError):
 class MaxTurnsExceeded(AgentKVError):
     """An agent run used more model turns than ``Agent.max_turns`` allows."""
 
-    def __init__(self, max_turns: int) -> None:
+    def __init__(self, max_turns: int, result: Any = None) -> None:
         super().__init__(
             f"the run exceeded max_turns={max_turns}; raise Agent.max_turns or make the "
             "tools return what the model needs sooner"
         )
         self.max_turns = max_turns
+        self.result = result
+        """The run so far (a ``RunResult`` with ``finish_reason="max_turns"``), when known."""
 
 
 class ConstraintError(AgentKVError):

@@ -31,6 +31,8 @@ class ResumeReport:
     """Tokens whose KV came from a snapshot (0: the next call re-prefills)."""
     skipped_snapshots: tuple[str, ...] = ()
     """Why snapshots were passed over (corrupt, another model, stale)."""
+    interrupted_calls: int = 0
+    """Tool calls a crash left without a result, now given an "interrupted" one."""
 
 
 class StoreSink:
@@ -45,22 +47,22 @@ class StoreSink:
 
 
 class StoreWindowHook:
-    """The ``WindowChange`` hook: a replacement (summary, cut message) is appended first, then
-    the messages leaving the window are marked out of it, linked to their replacement."""
+    """The ``WindowChange`` hook: a replacement (summary, cut message) is appended and the
+    messages leaving the window are marked out of it, linked to their replacement — in one
+    transaction, so a crash in between cannot leave both in the window."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
 
     async def __call__(self, session: AgentSession, removed: list[WindowEntry], replacement: WindowEntry | None) -> None:
-        replaced_by = None
-        if replacement is not None:
-            stored = await self.store.append_message(
-                session.id, replacement.message, token_count=replacement.token_count, in_window=True
-            )
-            replacement.seq = replaced_by = stored.seq
         seqs = [entry.seq for entry in removed if entry.seq is not None]
-        if seqs:
-            await self.store.mark_out_of_window(session.id, seqs, replaced_by_seq=replaced_by)
+        if replacement is not None:
+            stored = await self.store.replace_in_window(
+                session.id, seqs, replacement.message, token_count=replacement.token_count
+            )
+            replacement.seq = stored.seq
+        elif seqs:
+            await self.store.mark_out_of_window(session.id, seqs)
 
 
 async def load_window(store: Store, session_id: str) -> list[WindowEntry]:
@@ -80,6 +82,28 @@ async def load_window(store: Store, session_id: str) -> list[WindowEntry]:
 
     window = sorted((s for s in stored if s.in_window), key=lambda s: (place(s.seq), s.seq))
     return [WindowEntry(s.message, s.seq, s.token_count) for s in window]
+
+
+INTERRUPTED_RESULT = "error: interrupted (the process stopped before the tool returned)"
+
+
+async def record_interrupted_calls(session: AgentSession) -> int:
+    """Record an ``INTERRUPTED_RESULT`` for every tool call in the window that has no result
+    (a process died mid-tool), so the history is a valid message sequence again; returns how
+    many. Idempotent: a call that has a result is left alone.
+
+    NOTE: results are appended at the end, which is where a crash leaves its orphans (the
+    last assistant turn); the caller holds the session's lease.
+    """
+    answered = {m.tool_call_id for m in session.messages if m.role == "tool"}
+    orphans = [call for m in session.messages if m.role == "assistant" for call in m.tool_calls
+               if call.id not in answered]
+    for call in orphans:
+        await session.record(Message.tool(INTERRUPTED_RESULT, tool_call_id=call.id, name=call.name))
+    if orphans:
+        logger.warning("session %s: %d tool call(s) had no result (interrupted); recorded one each",
+                       session.id, len(orphans))
+    return len(orphans)
 
 
 async def save_snapshot(store: Store, session: AgentSession) -> None:

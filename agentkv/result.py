@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from agentkv.chat.messages import Message, ToolCall
 from agentkv.engine.base import GenerationMetrics
+
+FinishReason = Literal["stop", "length", "tool_call_cut", "tool_call_invalid", "max_turns"]
+"""Why a run ended: "stop" (the model finished its answer), "length" (the answer was cut by
+``max_new_tokens``), "tool_call_cut" (a tool call was still cut by the token limit after one
+retry with room for it), "tool_call_invalid" (the model wrote tool-call markup that does not
+parse), "max_turns" (``MaxTurnsExceeded.result``)."""
 
 
 @dataclass(frozen=True)
@@ -21,6 +28,8 @@ class RunResult:
     """Every tool call made, in order."""
     step_metrics: tuple[GenerationMetrics, ...]
     """One entry per model call."""
+    finish_reason: FinishReason = "stop"
+    """Why the run ended; ``final_text`` never holds tool-call markup, whatever the reason."""
 
     @property
     def prefilled_tokens(self) -> int:

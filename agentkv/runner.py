@@ -8,7 +8,10 @@
 
 The user message is recorded (committed) before the first model call; each assistant message
 and tool result as it happens. Cancellation leaves the KV session consistent (the engine
-guarantees it per step) and the recorded messages intact.
+guarantees it per step) and the recorded messages intact. A user message that cannot fit the
+window is refused before it is recorded, or (when only the policy could tell) taken out of the
+window again, so it never blocks later turns. A tool call cut by the token limit is retried once
+with room for it; tool-call markup never reaches ``RunResult.final_text``.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from typing import Literal
 
 import anyio
 
@@ -23,7 +27,7 @@ from agentkv.agent import Agent
 from agentkv.chat.messages import Message, ToolCall
 from agentkv.chat.stream_filter import MarkupFilter
 from agentkv.chat.toolcalls import TOOL_CALL_OPEN, parse_tool_calls, tool_call_grammar
-from agentkv.conversation import AgentSession
+from agentkv.conversation import AgentSession, WindowEntry
 from agentkv.engine.base import (
     GenerationConfig,
     GenerationMetrics,
@@ -39,10 +43,13 @@ from agentkv.events import (
     ToolResultEvent,
     TurnMetricsEvent,
 )
-from agentkv.result import RunResult
+from agentkv.result import FinishReason, RunResult
 from agentkv.tools import run_tool_calls
 
 CANCELLED_RESULT = "error: the run was cancelled before this tool returned"
+CALL_RETRY_MIN_TOKENS = 256
+"""A tool call cut by ``max_new_tokens`` is generated again with at least this many tokens
+(the grammar bounds every string, so a call fits; never more than the window leaves)."""
 
 
 @dataclass
@@ -54,15 +61,28 @@ class _RunState:
     new_messages: list[Message] = field(default_factory=list)
     tool_calls: list[ToolCall] = field(default_factory=list)
     metrics: list[GenerationMetrics] = field(default_factory=list)
+    last_result: GenerationResult | None = None
+    """The newest model call's result (set when its stream ends)."""
 
-    def result(self, final_text: str) -> RunResult:
+    def result(self, final_text: str, finish_reason: FinishReason = "stop") -> RunResult:
         return RunResult(
             session_id=self.session.id,
             final_text=final_text,
             new_messages=tuple(self.new_messages),
             tool_calls=tuple(self.tool_calls),
             step_metrics=tuple(self.metrics),
+            finish_reason=finish_reason,
         )
+
+
+@dataclass(frozen=True)
+class _Reply:
+    """What one model call amounts to: an answer, tool calls, or a broken call."""
+
+    finish: FinishReason | Literal["tool_calls"]
+    content: str
+    """The text outside any tool-call markup."""
+    calls: tuple[ToolCall, ...] = ()
 
 
 class Runner:
@@ -94,33 +114,57 @@ class Runner:
 async def run_turns(agent: Agent, session: AgentSession, user_input: str) -> AsyncIterator[RunEvent]:
     """The turn loop of one run, without the one-run-per-session guard (the caller holds it)."""
     state = _RunState(agent, session)
-    await _record(state, Message.user(user_input))
+    user = await _record_user(state, user_input)
     for step in range(agent.max_turns):
         async with aclosing(_fit_window(state)) as compactions:
-            async for event in compactions:
-                yield event
-        result: GenerationResult | None = None
-        async with aclosing(_generate(state, step)) as generation:
-            async for item in generation:
-                if isinstance(item, GenerationResult):
-                    result = item
-                else:
-                    yield item
+            try:
+                async for event in compactions:
+                    yield event
+            except ContextOverflowError:
+                if step == 0:  # NOTE: out of the window (still stored): it must not block later turns
+                    with anyio.CancelScope(shield=True):
+                        await session.replace_in_window([user])
+                raise
+        async with aclosing(_generate_with_retry(state, step)) as generation:
+            async for delta in generation:
+                yield delta
+        result = state.last_result
         assert result is not None
-        assistant = await _record_assistant(state, result)
+        reply = _read_reply(agent, result)
+        await _record_assistant(state, result, reply)
         yield TurnMetricsEvent(step, result.metrics)
-        if not assistant.tool_calls:
-            yield RunFinished(state.result(assistant.content))
+        if reply.finish != "tool_calls":
+            yield RunFinished(state.result(reply.content, reply.finish))
             return
-        async with aclosing(_run_tools(state, assistant.tool_calls)) as tools:
+        async with aclosing(_run_tools(state, reply.calls)) as tools:
             async for event in tools:
                 yield event
-    raise MaxTurnsExceeded(agent.max_turns)
+    raise MaxTurnsExceeded(agent.max_turns, state.result("", "max_turns"))
 
 
-async def _record(state: _RunState, message: Message) -> None:
-    await state.session.record(message)
+async def _record(state: _RunState, message: Message) -> WindowEntry:
+    entry = await state.session.record(message)
     state.new_messages.append(message)
+    return entry
+
+
+async def _record_user(state: _RunState, text: str) -> WindowEntry:
+    """Record the user's message unless it cannot fit the window whatever the policy does."""
+    agent, session = state.agent, state.session
+    message = Message.user(text)
+    limit = _prompt_limit(state)
+    history = session.messages if agent.policy is None else []  # a policy can free the history
+    needed = len(session.render_with(agent, [*history, message]).token_ids)
+    if needed > limit and not (agent.truncate_oversized_messages and agent.policy is not None):
+        where = "with the system prompt" if agent.policy is not None else "with the history (the agent has no policy)"
+        raise ContextOverflowError(
+            f"this message needs a prompt of {needed} tokens {where}, over the budget of {limit} "
+            f"(max_prompt_len - min_response_len); nothing was recorded: send a shorter message, raise "
+            f"max_prompt_len, or give the agent a policy and truncate_oversized_messages=True",
+            prompt_tokens=needed,
+            limit=limit,
+        )
+    return await _record(state, message)
 
 
 async def _fit_window(state: _RunState) -> AsyncIterator[RunEvent]:
@@ -158,11 +202,29 @@ def _prompt_limit(state: _RunState) -> int:
     return max_prompt - agent.min_response_len
 
 
-async def _generate(state: _RunState, step: int) -> AsyncIterator[TextDelta | GenerationResult]:
-    """One model call on the session's KV; streams visible text, then yields the result."""
+async def _generate_with_retry(state: _RunState, step: int) -> AsyncIterator[TextDelta]:
+    """One model call; a tool call cut by the token limit is generated once more with room for
+    it (its text was streamed already, so the retry streams nothing). Sets ``state.last_result``."""
+    async with aclosing(_generate(state, step)) as generation:
+        async for delta in generation:
+            yield delta
+    result = state.last_result
+    assert result is not None
+    room = _room(state, len(state.session.render(state.agent).token_ids))
+    budget = min(room, max(2 * result.metrics.generated_tokens, CALL_RETRY_MIN_TOKENS))
+    if _read_reply(state.agent, result).finish == "tool_call_cut" and budget > result.metrics.generated_tokens:
+        async with aclosing(_generate(state, step, max_new_tokens=budget)) as generation:
+            async for _ in generation:
+                pass
+
+
+async def _generate(state: _RunState, step: int, *, max_new_tokens: int | None = None) -> AsyncIterator[TextDelta]:
+    """One model call on the session's KV; streams visible text, then sets ``state.last_result``."""
     agent, session = state.agent, state.session
     prompt = session.render(agent)
     config = _step_config(state, len(prompt.token_ids))
+    if max_new_tokens is not None:
+        config = config.model_copy(update={"max_new_tokens": max_new_tokens})
     hide = MarkupFilter(TOOL_CALL_OPEN) if agent.tools and agent.tool_choice != "none" else None
     async with session.kv.stream(prompt.token_ids, config, _constraint(state, step)) as stream:
         async for delta in stream:
@@ -173,14 +235,20 @@ async def _generate(state: _RunState, step: int) -> AsyncIterator[TextDelta | Ge
         yield TextDelta(tail)
     assert stream.result is not None
     state.metrics.append(stream.result.metrics)
-    yield stream.result
+    state.last_result = stream.result
+
+
+def _room(state: _RunState, prompt_len: int) -> int:
+    """Tokens the window leaves for an answer after a prompt of ``prompt_len``."""
+    agent = state.agent
+    max_prompt = min(agent.max_prompt_len or state.session.context_len, state.session.context_len)
+    return max(1, max_prompt - prompt_len)
 
 
 def _step_config(state: _RunState, prompt_len: int) -> GenerationConfig:
     """The agent's config, with max_new_tokens capped to what the window leaves."""
     agent = state.agent
-    max_prompt = min(agent.max_prompt_len or state.session.context_len, state.session.context_len)
-    room = max(1, max_prompt - prompt_len)
+    room = _room(state, prompt_len)
     if agent.generation.max_new_tokens <= room:
         return agent.generation
     return agent.generation.model_copy(update={"max_new_tokens": room})
@@ -200,19 +268,27 @@ def _constraint(state: _RunState, step: int) -> TokenConstraint | None:
     return make(tool_call_grammar(agent.tool_schemas, choice))
 
 
-async def _record_assistant(state: _RunState, result: GenerationResult) -> Message:
-    """Turn the generated ids into the assistant message (ids kept verbatim) and record it."""
-    agent = state.agent
-    if agent.tools and agent.tool_choice != "none":
-        parsed = parse_tool_calls(result.text)
-        content, calls = parsed.content, parsed.tool_calls
-        if parsed.errors and not calls:
-            content = result.text
-    else:
-        content, calls = result.text, ()
-    message = Message.assistant(content, tool_calls=calls, token_ids=result.token_ids)
+def _read_reply(agent: Agent, result: GenerationResult) -> _Reply:
+    """Sort one generation into an answer, tool calls, or a cut / invalid call."""
+    cut = result.finish_reason == "length"
+    if not agent.tools or agent.tool_choice == "none":
+        return _Reply("length" if cut else "stop", result.text)
+    parsed = parse_tool_calls(result.text)
+    if parsed.tool_calls:
+        return _Reply("tool_calls", parsed.content, parsed.tool_calls)
+    if parsed.errors:
+        return _Reply("tool_call_cut" if cut else "tool_call_invalid", parsed.content)
+    return _Reply("length" if cut else "stop", parsed.content)
+
+
+async def _record_assistant(state: _RunState, result: GenerationResult, reply: _Reply) -> Message:
+    """Record the assistant message: generated ids kept verbatim, except for a broken call,
+    whose markup is dropped (only the text around it stays in the history)."""
+    broken = reply.finish in ("tool_call_cut", "tool_call_invalid")
+    token_ids = None if broken else result.token_ids
+    message = Message.assistant(reply.content, tool_calls=reply.calls, token_ids=token_ids)
     await _record(state, message)
-    state.tool_calls.extend(calls)
+    state.tool_calls.extend(reply.calls)
     return message
 
 

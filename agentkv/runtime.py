@@ -11,13 +11,13 @@
 
 Each agent's system prompt + tool schemas is registered with the engine as a shared prefix.
 With a store, every message is committed as it is recorded, a run holds the session's lease
-(a second process gets ``SessionBusy``), and the KV is snapshotted to a file after each run.
+(a second process gets ``SessionBusy``; a heartbeat renews it, and a holder whose process died
+on this host is taken over at once), and the KV is snapshotted to a file after each run. A tool
+call left without a result by a crash gets an "interrupted" result when the session is resumed.
 """
 
 from __future__ import annotations
 
-import os
-import socket
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
@@ -29,14 +29,16 @@ from agentkv.chat.messages import Message
 from agentkv.chat.render import ChatRenderer
 from agentkv.conversation import AgentSession
 from agentkv.engine.base import Engine
-from agentkv.errors import UserError
+from agentkv.errors import SessionBusy, UserError
 from agentkv.events import RunEvent, RunFinished
+from agentkv.leases import DEFAULT_LEASE_TTL_S, LeaseKeeper, holder_id
 from agentkv.memory import Store
 from agentkv.persistence import (
     ResumeReport,
     StoreSink,
     StoreWindowHook,
     load_window,
+    record_interrupted_calls,
     restore_newest_snapshot,
     save_snapshot,
 )
@@ -54,13 +56,16 @@ class Runtime:
         *,
         agents: Sequence[Agent] = (),
         holder: str | None = None,
-        lease_ttl_s: float = 600.0,
+        lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
     ) -> None:
+        if lease_ttl_s <= 0:
+            raise UserError(f"lease_ttl_s must be > 0 seconds, got {lease_ttl_s}")
         self.engine = engine
         self.store = store
         self.renderer = ChatRenderer(engine.tokenizer)
-        self.holder = holder or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self.holder = holder or holder_id()
         self.lease_ttl_s = lease_ttl_s
+        """How long a run's lease lasts without renewal (renewed every third of it while it runs)."""
         self.last_resume: ResumeReport | None = None
         self._agents: dict[str, Agent] = {}
         self._sessions: dict[str, AgentSession] = {}
@@ -97,14 +102,37 @@ class Runtime:
         if session_id in self._sessions:
             return self._sessions[session_id]
         record = await store.get_session(session_id)
+        if agent is not None:
+            self.add_agent(agent)  # its shared prefix is registered like any other agent's
         agent = agent or await self._agent_for(record.agent_name)
         session = await self._attach(session_id, agent, await load_window(store, session_id))
+        repaired = await self._repair_if_free(session)
         prompt = session.render(agent, add_generation_prompt=False).token_ids
         restored, skipped = await restore_newest_snapshot(
             store, session_id, session.kv, prompt, self.engine.fingerprint
         )
-        self.last_resume = ResumeReport(len(session.window), restored, skipped)
+        self.last_resume = ResumeReport(len(session.window), restored, skipped, repaired)
         return session
+
+    async def _repair_if_free(self, session: AgentSession) -> int:
+        """Give orphaned tool calls their "interrupted" result, unless a live run holds the
+        session (its calls are not orphans: that run will record their results)."""
+        try:
+            async with LeaseKeeper(self._require_store("resume"), session.id, self.holder, ttl_s=self.lease_ttl_s):
+                return await record_interrupted_calls(session)
+        except SessionBusy:
+            return 0
+
+    async def release_lease(self, session_id: str, *, force: bool = False) -> str | None:
+        """Release a session's run lease. Without ``force`` only this runtime's own; with
+        ``force=True`` whoever holds it (an operator's unlock, e.g. after a crash on another
+        host): ``await runtime.release_lease("abc", force=True)``. Returns the previous holder
+        when forced. Never use force while that holder may still be running."""
+        store = self._require_store("release_lease")
+        if force:
+            return await store.release_lease(session_id, force=True)
+        await store.release_lease(session_id, self.holder)
+        return None
 
     async def _attach(self, sid: str, agent: Agent, window: list) -> AgentSession:  # type: ignore[type-arg]
         kv = await self.engine.open_session()
@@ -116,15 +144,13 @@ class Runtime:
         return session
 
     async def _agent_for(self, name: str) -> Agent:
+        """The registered agent, else the stored one rebuilt (built-in tools and policies only;
+        ``UserError`` says to pass the Agent itself otherwise)."""
         if name in self._agents:
             return self._agents[name]
-        stored = await self._require_store("resume").get_agent(name)
-        if stored.tool_names:
-            raise UserError(
-                f"agent {name!r} uses tools {list(stored.tool_names)}; pass the Agent to "
-                "Runtime(agents=[...]) or resume(session_id, agent) so its tools can run"
-            )
-        agent = Agent(name=name, instructions=stored.instructions)
+        from agentkv.stored_agent import agent_from_record
+
+        agent = agent_from_record(await self._require_store("resume").get_agent(name))
         self.add_agent(agent)
         return agent
 
@@ -154,18 +180,16 @@ class Runtime:
         # NOTE: the in-process guard comes first: a second run here must not touch (and then
         # release) the lease the first run holds.
         async with session.run_guard():
-            await store.acquire_lease(session.id, self.holder, self.lease_ttl_s)
-            try:
-                await self._refresh_window(session)
-                async with aclosing(run_turns(session.agent, session, user_input)) as events:
-                    async for event in events:
-                        yield event
-                        if event.type in ("turn_metrics", "tool_result"):
-                            await store.acquire_lease(session.id, self.holder, self.lease_ttl_s)
-            finally:
-                with anyio.CancelScope(shield=True):
-                    await save_snapshot(store, session)
-                    await store.release_lease(session.id, self.holder)
+            async with LeaseKeeper(store, session.id, self.holder, ttl_s=self.lease_ttl_s):
+                try:
+                    await self._refresh_window(session)
+                    await record_interrupted_calls(session)
+                    async with aclosing(run_turns(session.agent, session, user_input)) as events:
+                        async for event in events:
+                            yield event
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        await save_snapshot(store, session)
 
     async def _refresh_window(self, session: AgentSession) -> None:
         """Reload the window if another process ran this session since we last did (the KV

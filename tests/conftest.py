@@ -1,8 +1,20 @@
-"""Shared fixtures: real engines on the default model (compiled once per test session)."""
+"""Shared fixtures: real engines on the default model (compiled once per test session), and
+stores on SQLite and (with ``AGENTKV_TEST_POSTGRES_URL``) PostgreSQL."""
 
 from __future__ import annotations
 
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
 import pytest
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
+
+from agentkv.memory import Store
+
+PG_ENV = "AGENTKV_TEST_POSTGRES_URL"
 
 from agentkv.engine.base import GenerationConfig
 
@@ -48,3 +60,35 @@ def chat_ids(engine):
 
 
 GREEDY = GenerationConfig(max_new_tokens=24)
+
+
+def fresh_postgres_database(base_url: str) -> Iterator[str]:
+    """Create an empty database for one test on the server of ``base_url``; drop it afterwards."""
+    admin = create_engine(base_url, isolation_level="AUTOCOMMIT")
+    name = f"agentkv_test_{uuid.uuid4().hex[:12]}"
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield make_url(base_url).set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'agentkv.db'}"
+        return
+    base = os.environ.get(PG_ENV)
+    if not base:
+        pytest.skip(f"set {PG_ENV} (bash scripts/start_postgres.sh prints one) to test PostgreSQL")
+    yield from fresh_postgres_database(base)
+
+
+@pytest.fixture
+async def store(store_url: str, tmp_path: Path) -> AsyncIterator[Store]:
+    opened = Store(store_url, snapshot_dir=tmp_path / "snapshots")
+    yield opened
+    await opened.close()

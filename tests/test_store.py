@@ -9,15 +9,12 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
-from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import anyio
 import numpy as np
 import pytest
 from sqlalchemy import create_engine, insert, inspect, text
-from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 
 from agentkv.chat.messages import Message, ToolCall
@@ -37,41 +34,8 @@ from agentkv.memory.database import retry_locked
 from agentkv.memory.migrations import LATEST_VERSION, MIGRATIONS, schema_version
 from agentkv.memory.schema import Base, utcnow
 
-PG_ENV = "AGENTKV_TEST_POSTGRES_URL"
 REPO = Path(__file__).resolve().parents[1]
 FP = "test-model|kv:u8"
-
-
-def fresh_postgres_database(base_url: str) -> Iterator[str]:
-    """Create an empty database for one test on the server of ``base_url``; drop it afterwards."""
-    admin = create_engine(base_url, isolation_level="AUTOCOMMIT")
-    name = f"agentkv_test_{uuid.uuid4().hex[:12]}"
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield make_url(base_url).set(database=name).render_as_string(hide_password=False)
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
-def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'agentkv.db'}"
-        return
-    base = os.environ.get(PG_ENV)
-    if not base:
-        pytest.skip(f"set {PG_ENV} (bash scripts/start_postgres.sh prints one) to test PostgreSQL")
-    yield from fresh_postgres_database(base)
-
-
-@pytest.fixture
-async def store(store_url: str, tmp_path: Path) -> AsyncIterator[Store]:
-    opened = Store(store_url, snapshot_dir=tmp_path / "snapshots")
-    yield opened
-    await opened.close()
 
 
 async def new_session(store: Store, session_id: str | None = None) -> str:
@@ -283,28 +247,31 @@ anyio.run(main)
 """
 
 
-async def test_processes_racing_for_one_lease_exactly_one_wins(store: Store, store_url: str,
-                                                                tmp_path: Path) -> None:
-    sid = await new_session(store)
+async def race_for_lease(store_url: str, tmp_path: Path, sid: str, holders: list[str]) -> list[tuple[str, str]]:
+    """Start one process per holder, release them together, return each (stdout, stderr)."""
     go_file = tmp_path / "go"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     workers = [
-        subprocess.Popen([sys.executable, "-c", RACE_WORKER, store_url, str(tmp_path / "s"),
-                          sid, f"proc-{i}", str(go_file)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        for i in range(3)
+        subprocess.Popen([sys.executable, "-c", RACE_WORKER, store_url, str(tmp_path / "s"), sid, holder,
+                          str(go_file)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for holder in holders
     ]
     try:
         for worker in workers:
             assert worker.stdout is not None
             assert await anyio.to_thread.run_sync(worker.stdout.readline) == "ready\n"
         go_file.touch()
-        outputs = [await anyio.to_thread.run_sync(lambda w=w: w.communicate(timeout=60))
-                   for w in workers]
+        return [await anyio.to_thread.run_sync(lambda w=w: w.communicate(timeout=60)) for w in workers]
     finally:
         for worker in workers:
             if worker.poll() is None:
                 worker.kill()
+
+
+async def test_processes_racing_for_one_lease_exactly_one_wins(store: Store, store_url: str,
+                                                                tmp_path: Path) -> None:
+    sid = await new_session(store)
+    outputs = await race_for_lease(store_url, tmp_path, sid, [f"proc-{i}" for i in range(3)])
     results = sorted(out.strip() for out, _ in outputs)
     assert results == ["busy", "busy", "won"], [err for _, err in outputs]
     holder = (await store.get_session(sid)).lease_holder

@@ -158,7 +158,7 @@ def _ensure_ir_for_gguf(gguf: Path) -> ModelFiles:
             os.link(gguf, local)
         except OSError:
             shutil.copy2(gguf, local)
-        _convert_gguf(local)
+        _convert_gguf(local, destination=target)
         ModelFiles(ir_dir=work, gguf_path=local).gguf_metadata()
         try:
             os.rename(work, target)
@@ -170,7 +170,8 @@ def _ensure_ir_for_gguf(gguf: Path) -> ModelFiles:
     return ModelFiles(ir_dir=target, gguf_path=target / gguf.name)
 
 
-def _convert_gguf(gguf: Path) -> None:
+def _convert_gguf(gguf: Path, *, destination: Path) -> None:
+    """Write the IR next to ``gguf`` (a private work dir that becomes ``destination``)."""
     import openvino_genai
     from rich.console import Console
 
@@ -179,7 +180,7 @@ def _convert_gguf(gguf: Path) -> None:
     with console.status(f"Converting {gguf.name} to OpenVINO IR (once, ~5 s)…"):
         pipe = openvino_genai.LLMPipeline(str(gguf), "CPU", enable_save_ov_model=True)
         del pipe
-    console.print(f"Converted {gguf.name} in {time.perf_counter() - started:.1f} s → {gguf.parent}")
+    console.print(f"Converted {gguf.name} in {time.perf_counter() - started:.1f} s → {destination}")
 
 
 def main() -> None:

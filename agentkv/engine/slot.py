@@ -7,11 +7,18 @@ hidden states to the last token before the LM head)::
     logits = slot.feed(np.array([[5, 6, 7]]), past_len=0)   # prefill: logits [1, vocab]
     logits = slot.feed(np.array([[8]]), past_len=3)          # one decode step
 
-Every method blocks (call it from a worker thread) and must be called by one thread at a
-time: the slot pool's lease guarantees that.
+Every method blocks (call it from a worker thread); the slot pool's lease gives one caller at
+a time. A slot also holds a lock around every use of its request, so a clean-up that runs while
+an interrupted step is still inside ``infer`` (Ctrl-C tears the event loop down, not the worker
+thread) waits for that step instead of resetting a busy request.
 """
 
 from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from functools import wraps
+from typing import Any, TypeVar
 
 import numpy as np
 import openvino as ov
@@ -20,16 +27,32 @@ from agentkv.engine.ov_state import KVLayout
 from agentkv.errors import UserError
 
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _exclusive(method: F) -> F:
+    """Run ``method`` holding the slot's request lock (one use of the request at a time)."""
+
+    @wraps(method)
+    def locked(self: Slot, *args: Any, **kwargs: Any) -> Any:
+        with self._busy:
+            return method(self, *args, **kwargs)
+
+    return locked  # type: ignore[return-value]
+
+
 class Slot:
     """An InferRequest plus its KV layout."""
 
     def __init__(self, request: ov.InferRequest, index: int, input_names: frozenset[str]) -> None:
+        self._busy = threading.RLock()
         self.request = request
         self.index = index
         self.layout = KVLayout.of(request)
         self._has_positions = "position_ids" in input_names
         self._has_beam_idx = "beam_idx" in input_names
 
+    @_exclusive
     def feed(
         self,
         input_ids: np.ndarray,
@@ -67,6 +90,7 @@ class Slot:
         logits = self.request.get_tensor("logits").data  # [batch, 1 or T, vocab]
         return np.array(logits[:, -1, :], dtype=np.float32)
 
+    @_exclusive
     def length(self) -> int:
         """Positions currently held per row."""
         try:
@@ -74,22 +98,27 @@ class Slot:
         except RuntimeError:
             return 0
 
+    @_exclusive
     def reset(self) -> None:
         """Empty the KV."""
         self.request.reset_state()
 
+    @_exclusive
     def trim(self, n: int) -> None:
         """Keep the first ``n`` positions."""
         self.layout.trim(self.request, n)
 
+    @_exclusive
     def read(self) -> tuple[np.ndarray, np.ndarray]:
         """float32 K and V ``[layers, batch, heads, T, dim]`` (copies)."""
         return self.layout.read(self.request)
 
+    @_exclusive
     def write(self, keys: np.ndarray, values: np.ndarray) -> None:
         """Replace the KV by ``keys`` / ``values`` ``[layers, batch, heads, T, dim]``."""
         self.layout.write(self.request, keys, values)
 
+    @_exclusive
     def select_row(self, row: int, n: int) -> None:
         """Keep only batch row ``row`` and its first ``n`` positions."""
         self.layout.select_row(self.request, row, n)

@@ -139,7 +139,7 @@ class StatefulEngine(EngineCommon):
         config.update(EXACT_CONFIG if exact else {})
         config["KV_CACHE_PRECISION"] = requested_kv
         config.update(ov_config or {})
-        self._compiled = core.compile_model(ov_model, device, config)
+        self._compiled = _compile(core, ov_model, device, config)
         self.numerics = PluginNumerics.of(self._compiled, requested_kv)
         """What the plugin computes in on this machine (read back, not what was asked)."""
         self.kv_cache_precision: str = self.numerics.kv_cache
@@ -311,6 +311,20 @@ def _state_head_shape(slot: Slot) -> tuple[int, int]:
     """(heads, head_dim) of the KV states, read from a fresh request's ``[0, H, 0, D]`` state."""
     shape = slot.request.query_state()[0].state.shape
     return int(shape[1]), int(shape[3])
+
+
+def _compile(core: ov.Core, model: ov.Model, device: str, config: dict[str, str]) -> ov.CompiledModel:
+    """``core.compile_model``; a failure (e.g. a device this machine lacks) is a ``UserError``
+    naming the devices it has."""
+    try:
+        return core.compile_model(model, device, config)
+    except RuntimeError as error:
+        available = list(core.available_devices)
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        cause = next((line for line in lines if not line.startswith("Exception from")), type(error).__name__)
+        raise UserError(f"OpenVINO could not compile the model for device {device!r} ({cause}); this "
+                        f"machine has {available}: pass one of those, e.g. StatefulEngine(device={available[0]!r})"
+                        ) from error
 
 
 def _context_length(files: ModelFiles) -> int | None:

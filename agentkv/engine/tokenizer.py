@@ -6,11 +6,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import openvino_genai
+
+PIECE_CHARS = 4096
+"""Texts longer than this are encoded in pieces: the tokenizer IR silently stops at 8,192 tokens."""
+_SAFE_CUT = re.compile(r"(?<=\S) (?=\S)")
+"""A single space between two non-spaces: every byte-level pre-tokenizer starts a token there,
+so encoding the pieces on either side gives the same ids as encoding the whole."""
 
 
 class OVTokenizer:
@@ -27,7 +34,11 @@ class OVTokenizer:
         return str(self._tok.chat_template)
 
     def encode(self, text: str) -> list[int]:
-        """Ids for ``text``; no BOS/EOS added (chat templates add their own markers)."""
+        """Ids for ``text``; no BOS/EOS added (chat templates add their own markers). Any length:
+        long texts are encoded piece by piece, cut where a token starts anyway."""
+        return [i for piece in _pieces(text, PIECE_CHARS) for i in self._encode_piece(piece)]
+
+    def _encode_piece(self, text: str) -> list[int]:
         if not text:
             return []
         return [int(t) for t in self._tok.encode(text, add_special_tokens=False).input_ids.data[0]]
@@ -49,3 +60,21 @@ class OVTokenizer:
                 list(messages), add_generation_prompt=add_generation_prompt, tools=tools
             )
         )
+
+
+def _pieces(text: str, size: int) -> Iterator[str]:
+    """``text`` cut into pieces of at most ~``size`` characters at safe cuts (a piece with no
+    safe cut in reach is left whole)."""
+    start = 0
+    while len(text) - start > size:
+        cut = None
+        for match in _SAFE_CUT.finditer(text, start + 1, start + size):
+            cut = match.start()
+        if cut is None:
+            match = _SAFE_CUT.search(text, start + size)
+            if match is None:
+                break
+            cut = match.start()
+        yield text[start:cut]
+        start = cut
+    yield text[start:]

@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import os
+
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -34,9 +36,19 @@ _SQLITE_LOCK_MESSAGES = ("database is locked", "database table is locked", "data
 _PG_RETRYABLE_CODES = {"40001", "40P01"}  # serialization failure, deadlock detected
 
 
+ENV_HOME = "AGENTKV_HOME"
+"""Root of the default database (``<home>/agentkv.db``) and of KV snapshots (``<home>/snapshots``)."""
+
+
+def data_root() -> Path:
+    """``$AGENTKV_HOME`` if set, else the user data directory (``~/.local/share/agentkv`` on Linux)."""
+    home = os.environ.get(ENV_HOME)
+    return Path(home).expanduser().absolute() if home else Path(platformdirs.user_data_dir(APP_NAME))
+
+
 def default_url() -> str:
-    """``sqlite:///<user data dir>/agentkv/agentkv.db`` (the directory is created on use)."""
-    return f"sqlite:///{Path(platformdirs.user_data_dir(APP_NAME)) / 'agentkv.db'}"
+    """``sqlite:///<data root>/agentkv.db`` (the directory is created on use; see ``data_root``)."""
+    return f"sqlite:///{data_root() / 'agentkv.db'}"
 
 
 def sqlite_file(url: URL) -> Path | None:
@@ -50,9 +62,9 @@ def sqlite_file(url: URL) -> Path | None:
 
 
 def default_snapshot_dir(url: URL) -> Path:
-    """``<db dir>/snapshots`` for a SQLite file, otherwise ``<user data dir>/agentkv/snapshots``."""
+    """``<db dir>/snapshots`` for a SQLite file, otherwise ``<data root>/snapshots``."""
     db_file = sqlite_file(url)
-    base = db_file.parent if db_file is not None else Path(platformdirs.user_data_dir(APP_NAME))
+    base = db_file.parent if db_file is not None else data_root()
     return base / "snapshots"
 
 

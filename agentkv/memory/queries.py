@@ -7,16 +7,17 @@ raising rolls the whole operation back. Rows are turned into records before retu
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import case, delete, func, or_, select, update
+from sqlalchemy import ColumnElement, case, delete, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from agentkv.chat.messages import Message
 from agentkv.engine.snapshot import KVSnapshot, tokens_digest
 from agentkv.errors import AgentNotFound, SessionBusy, SessionNotFound, UserError
 from agentkv.memory import convert
+from agentkv.memory.holders import holder_is_dead_here
 from agentkv.memory.records import (
     AgentRecord,
     SessionRecord,
@@ -144,30 +145,77 @@ def delete_session(s: Session, session_id: str) -> list[str]:
     return names
 
 
-def acquire_lease(s: Session, session_id: str, holder: str, ttl_s: float) -> None:
-    now = utcnow()
-    # One conditional UPDATE: atomic on SQLite and PostgreSQL alike, whoever races us.
+def acquire_lease(s: Session, session_id: str, holder: str, ttl_s: float) -> str | None:
+    """Take or renew the lease; ``SessionBusy`` while another live holder has it.
+
+    Returns the holder id of a dead process on this host whose lease was taken over, else None.
+    """
+    expires = utcnow() + timedelta(seconds=ttl_s)
+    for _ in range(3):  # a holder may release between our UPDATE and our read: try again
+        if _claim_lease(s, session_id, holder, expires, _free_or_ours(holder)):
+            return None
+        current = lease_holder(s, session_id, live_only=False)
+        if current is None:
+            continue
+        if not holder_is_dead_here(current):
+            raise SessionBusy(session_id, current)
+        # NOTE: the takeover names the exact dead holder we read, so of two processes racing
+        # to take it over only one UPDATE matches; the other sees the winner and is busy.
+        if _claim_lease(s, session_id, holder, expires, SessionRow.lease_holder == current):
+            return current
+    raise SessionBusy(session_id, lease_holder(s, session_id, live_only=False))
+
+
+def _free_or_ours(holder: str) -> ColumnElement[bool]:
+    return or_(SessionRow.lease_holder.is_(None), SessionRow.lease_expires_at < utcnow(),
+               SessionRow.lease_holder == holder)
+
+
+def _claim_lease(s: Session, session_id: str, holder: str, expires: datetime,
+                 condition: ColumnElement[bool]) -> bool:
+    """One conditional UPDATE: atomic on SQLite and PostgreSQL alike, whoever races us."""
     result = s.execute(
         update(SessionRow)
-        .where(SessionRow.id == session_id,
-               or_(SessionRow.lease_holder.is_(None), SessionRow.lease_expires_at < now,
-                   SessionRow.lease_holder == holder))
-        .values(lease_holder=holder, lease_expires_at=now + timedelta(seconds=ttl_s))
+        .where(SessionRow.id == session_id, condition)
+        .values(lease_holder=holder, lease_expires_at=expires)
         .execution_options(synchronize_session=False)
     )
-    if result.rowcount == 1:  # type: ignore[attr-defined]
-        return
-    current = session_row(s, session_id)
-    raise SessionBusy(session_id, current.lease_holder)
+    return result.rowcount == 1  # type: ignore[attr-defined, no-any-return]
+
+
+def lease_holder(s: Session, session_id: str, *, live_only: bool = True) -> str | None:
+    """The session's lease holder (None if free, or expired with ``live_only``).
+
+    Reads the columns, not the ORM row: a row cached earlier in this transaction would not
+    show our own UPDATEs. ``SessionNotFound`` if the session is absent.
+    """
+    found = s.execute(select(SessionRow.lease_holder, SessionRow.lease_expires_at)
+                      .where(SessionRow.id == session_id)).one_or_none()
+    if found is None:
+        raise SessionNotFound(session_id)
+    holder, expires_at = found
+    if live_only and (expires_at is None or expires_at < utcnow()):
+        return None
+    return holder  # type: ignore[no-any-return]
 
 
 def release_lease(s: Session, session_id: str, holder: str) -> None:
+    """Free the lease if ``holder`` has it; otherwise (or for an unknown session) do nothing."""
     s.execute(
         update(SessionRow)
         .where(SessionRow.id == session_id, SessionRow.lease_holder == holder)
         .values(lease_holder=None, lease_expires_at=None)
         .execution_options(synchronize_session=False)
     )
+
+
+def force_release_lease(s: Session, session_id: str) -> str | None:
+    """Free the lease whoever holds it; return the holder recorded before (maybe expired)."""
+    row = session_row(s, session_id, for_update=True)
+    previous = row.lease_holder
+    row.lease_holder = None
+    row.lease_expires_at = None
+    return previous
 
 
 def add_snapshot(s: Session, files: SnapshotFiles, session_id: str, snapshot: KVSnapshot,

@@ -16,6 +16,7 @@ abort a transaction already running: the thread finishes it, then the cancellati
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import uuid
@@ -53,6 +54,7 @@ from agentkv.memory.records import (
 from agentkv.memory.snapshots import SnapshotFiles, refuse_other_fingerprint
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 ENV_DB_URL = "AGENTKV_DB_URL"
 """Environment variable read by ``Store.from_env`` (only there)."""
@@ -209,6 +211,22 @@ class Store:
         await self._call(self._write, lambda s: queries.mark_out_of_window(
             s, session_id, chosen, replaced_by_seq))
 
+    async def replace_in_window(self, session_id: str, seqs: Sequence[int], replacement: Message,
+                                *, token_count: int) -> StoredMessage:
+        """Append ``replacement`` (a summary, a message cut to fit) and mark ``seqs`` out of the
+        window, replaced by it — one transaction: a crash leaves both or neither."""
+        chosen = [int(seq) for seq in seqs]
+        if token_count < 0:
+            raise UserError(f"token_count must be >= 0, got {token_count}")
+
+        def replace(s: Any) -> StoredMessage:
+            stored = queries.append_message(s, session_id, replacement, token_count, True)
+            if chosen:
+                queries.mark_out_of_window(s, session_id, chosen, stored.seq)
+            return stored
+
+        return await self._call(self._write, replace)
+
     async def export_jsonl(self, session_id: str, *, in_window_only: bool = False) -> str:
         """The session as OpenAI chat messages, one JSON object per line (every message by default)."""
         stored = await self.messages(session_id, in_window_only=in_window_only)
@@ -221,15 +239,41 @@ class Store:
         """Take (or renew) the session's lease for ``ttl_s`` seconds.
 
         Raises ``SessionBusy`` while another holder's lease is live; an expired lease is
-        taken over. Atomic across processes (one conditional UPDATE).
+        taken over, and so at once is one held by a dead process on this host (a
+        ``host:pid:tag`` holder, see ``agentkv.leases``). Atomic across processes (conditional
+        UPDATEs). ``await store.acquire_lease(sid, holder_id(), ttl_s=30)``
         """
         if ttl_s <= 0:
             raise UserError(f"ttl_s must be > 0, got {ttl_s}")
-        await self._call(self._write, lambda s: queries.acquire_lease(s, session_id, holder, ttl_s))
+        dead = await self._call(
+            self._write, lambda s: queries.acquire_lease(s, session_id, holder, ttl_s))
+        if dead is not None:
+            logger.warning("took over the lease of session %r from %s, whose process is gone",
+                           session_id, dead)
 
-    async def release_lease(self, session_id: str, holder: str) -> None:
-        """Give the lease back if ``holder`` has it; otherwise nothing happens."""
-        await self._call(self._write, lambda s: queries.release_lease(s, session_id, holder))
+    async def release_lease(self, session_id: str, holder: str | None = None, *,
+                            force: bool = False) -> str | None:
+        """Give the lease back: ``holder``'s only, or whoever's with ``force=True``.
+
+        ``await store.release_lease(sid, holder)`` does nothing unless ``holder`` has the lease
+        and returns None. ``await store.release_lease(sid, force=True)`` (an operator's unlock)
+        returns the holder recorded before, possibly expired, or None; ``SessionNotFound`` for
+        an unknown session.
+        """
+        if force == (holder is not None):
+            raise UserError("pass either the holder whose lease to release or force=True, "
+                            "not both and not neither")
+        if holder is not None:
+            await self._call(self._write, lambda s: queries.release_lease(s, session_id, holder))
+            return None
+        return await self._call(self._write, lambda s: queries.force_release_lease(s, session_id))
+
+    async def lease_holder(self, session_id: str) -> str | None:
+        """Who holds the session's lease now: None if free or expired (read-only).
+
+        ``SessionNotFound`` for an unknown session; ``get_session`` shows the raw columns.
+        """
+        return await self._call(self._read, lambda s: queries.lease_holder(s, session_id))
 
     # -- KV snapshots -----------------------------------------------------------------------
 

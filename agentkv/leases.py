@@ -1,0 +1,142 @@
+"""Session leases kept alive by a heartbeat, and the holder ids that let a dead process's lease go.
+
+::
+
+    async with LeaseKeeper(store, session_id, holder_id(), ttl_s=30.0) as lease:
+        ...                        # renewed every ttl_s / 3 while this block runs
+        if lease.lost:
+            ...                    # another holder took it over (we stalled past the ttl)
+
+A holder id is ``host:pid:tag``. ``Store.acquire_lease`` takes over at once a lease whose
+holder ran on this host in a process that no longer exists (``holder_is_dead_here``); a holder
+on another host, or one whose id does not parse, keeps its lease until it expires.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+import anyio
+from anyio.abc import TaskGroup
+
+from agentkv.errors import SessionBusy, SessionNotFound, UserError
+from agentkv.memory.holders import holder_id, holder_is_dead_here, parse_holder, pid_is_alive
+
+if TYPE_CHECKING:
+    from agentkv.memory.store import Store
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DEFAULT_LEASE_TTL_S", "LeaseKeeper", "holder_id", "holder_is_dead_here", "parse_holder", "pid_is_alive"]
+
+DEFAULT_LEASE_TTL_S = 30.0
+"""Lease length used by ``LeaseKeeper``: a crashed holder on another host blocks this long."""
+
+
+class LeaseKeeper:
+    """Holds a session's lease for the length of an ``async with`` block, renewing it.
+
+    Entering acquires the lease (``SessionBusy`` if another live holder has it); a background
+    task renews it every ``ttl_s / 3``; leaving stops the renewals and releases it, even when
+    the block is cancelled or raises. Single use.
+    """
+
+    def __init__(self, store: Store, session_id: str, holder: str, *,
+                 ttl_s: float = DEFAULT_LEASE_TTL_S) -> None:
+        if ttl_s <= 0:
+            raise UserError(f"ttl_s must be > 0, got {ttl_s}")
+        self.store = store
+        self.session_id = session_id
+        self.holder = holder
+        self.ttl_s = ttl_s
+        self.lost = False
+        """True once a renewal found the lease taken by another holder (or the session gone)."""
+        self.released = False
+        """True once ``release`` ran (on leaving the block at the latest)."""
+        self._entered = False
+        # Made on entering: anyio primitives need a running event loop.
+        self._renewals: anyio.CancelScope | None = None
+        self._lock: anyio.Lock | None = None
+        self._tasks: TaskGroup | None = None
+
+    @property
+    def held(self) -> bool:
+        """Whether this keeper still believes it holds the lease."""
+        return self._entered and not (self.lost or self.released)
+
+    async def __aenter__(self) -> LeaseKeeper:
+        if self._entered or self.released:
+            raise UserError("a LeaseKeeper is single use; create a new one for each block")
+        self._entered = True
+        self._renewals = anyio.CancelScope()
+        self._lock = anyio.Lock()
+        try:
+            await self.store.acquire_lease(self.session_id, self.holder, self.ttl_s)
+            self._tasks = anyio.create_task_group()
+            await self._tasks.__aenter__()
+        except SessionBusy:
+            raise
+        except BaseException:  # e.g. cancelled after the acquiring transaction committed
+            with anyio.CancelScope(shield=True):
+                await self.release()
+            raise
+        self._tasks.start_soon(self._renew_forever)
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        # NOTE: the block's own exception is deliberately not passed to the task group: anyio
+        # would wrap it in an ExceptionGroup. Only the renewal task is cancelled, never the block.
+        assert self._renewals is not None
+        self._renewals.cancel()
+        try:
+            if self._tasks is not None:
+                await self._tasks.__aexit__(None, None, None)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.release()
+
+    async def release(self) -> None:
+        """Stop renewing and give the lease back (a no-op if another holder has it). Idempotent."""
+        if self._renewals is None or self._lock is None:  # never entered: nothing is held
+            self.released = True
+            return
+        self._renewals.cancel()
+        async with self._lock:  # a renewal in flight finishes first, so none follows this
+            if self.released:
+                return
+            self.released = True
+            await self.store.release_lease(self.session_id, self.holder)
+
+    async def _renew_forever(self) -> None:
+        assert self._renewals is not None
+        with self._renewals:
+            while await self._renew_after(self.ttl_s / 3):
+                pass
+
+    async def _renew_after(self, delay_s: float) -> bool:
+        """Sleep, then renew once; False when renewing must stop (released or lost)."""
+        await anyio.sleep(delay_s)
+        assert self._lock is not None
+        async with self._lock:
+            if self.released:
+                return False
+            try:
+                await self.store.acquire_lease(self.session_id, self.holder, self.ttl_s)
+            except SessionBusy as e:
+                return self._lose(f"{e.holder or 'another holder'} took it over")
+            except SessionNotFound:
+                return self._lose("the session was deleted")
+            except Exception:  # a database hiccup: the lease is still ours until it expires
+                logger.warning("could not renew the lease of session %r; retrying in %.1f s",
+                               self.session_id, delay_s, exc_info=True)
+        return True
+
+    def _lose(self, why: str) -> bool:
+        self.lost = True
+        logger.warning("lost the lease of session %r: %s (was this process stalled for over "
+                       "%.1f s?); this run no longer holds the session alone",
+                       self.session_id, why, self.ttl_s)
+        return False

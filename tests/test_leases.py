@@ -1,0 +1,246 @@
+"""Tests for session leases: dead-holder takeover, LeaseKeeper heartbeats, operator release.
+
+Real SQLite files (and PostgreSQL when AGENTKV_TEST_POSTGRES_URL is set), real child processes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+from test_store import REPO, new_session, race_for_lease
+
+from agentkv.errors import SessionBusy, SessionNotFound, UserError
+from agentkv.leases import (
+    DEFAULT_LEASE_TTL_S,
+    LeaseKeeper,
+    holder_id,
+    holder_is_dead_here,
+    parse_holder,
+)
+from agentkv.memory import Store
+
+HOST = socket.gethostname()
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited and been reaped."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def sleeping_child() -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+
+# -- holder ids ------------------------------------------------------------------------------
+
+def test_holder_ids_parse_back_to_this_host_and_pid() -> None:
+    assert parse_holder(holder_id()) == (HOST, os.getpid())
+    assert holder_id() != holder_id()
+    assert parse_holder("box1:4242:9f3a1c") == ("box1", 4242)
+    for odd in ["worker-a", "box1:4242", "box1:x42:tag", "box1:0:tag", ":42:tag", "box1:42:",
+                "box1:-3:tag", "box1:٤٢:tag"]:
+        assert parse_holder(odd) is None, odd
+    assert not holder_is_dead_here(holder_id())
+    assert holder_is_dead_here(f"{HOST}:{dead_pid()}:abc123")
+    assert not holder_is_dead_here(f"elsewhere.invalid:{dead_pid()}:abc123")
+    assert not holder_is_dead_here("worker-a")
+
+
+# -- takeover --------------------------------------------------------------------------------
+
+async def test_a_dead_local_holder_is_taken_over_at_once(store: Store) -> None:
+    sid = await new_session(store)
+    dead = f"{HOST}:{dead_pid()}:dead01"
+    await store.acquire_lease(sid, dead, ttl_s=600)
+    await store.acquire_lease(sid, "worker-b", ttl_s=60)
+    assert await store.lease_holder(sid) == "worker-b"
+
+
+async def test_a_live_local_holder_keeps_its_lease_until_it_dies(store: Store) -> None:
+    sid = await new_session(store)
+    await store.acquire_lease(sid, f"{HOST}:{os.getpid()}:other1", ttl_s=600)
+    with pytest.raises(SessionBusy, match="other1"):
+        await store.acquire_lease(sid, f"{HOST}:{os.getpid()}:mine01")
+
+    child = sleeping_child()
+    try:
+        await store.release_lease(sid, force=True)
+        await store.acquire_lease(sid, f"{HOST}:{child.pid}:child1", ttl_s=600)
+        with pytest.raises(SessionBusy, match="child1"):
+            await store.acquire_lease(sid, "worker-b")
+    finally:
+        child.kill()
+        child.wait()
+    await store.acquire_lease(sid, "worker-b")
+    assert await store.lease_holder(sid) == "worker-b"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="zombies are read from /proc")
+async def test_a_killed_but_unreaped_local_holder_counts_as_dead(store: Store) -> None:
+    sid = await new_session(store)
+    child = sleeping_child()
+    try:
+        await store.acquire_lease(sid, f"{HOST}:{child.pid}:zombie", ttl_s=600)
+        os.kill(child.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while "Z" not in Path(f"/proc/{child.pid}/stat").read_text().rpartition(")")[2][:3]:
+            assert time.monotonic() < deadline, "the child did not become a zombie"
+            await anyio.sleep(0.01)
+        await store.acquire_lease(sid, "worker-b")
+    finally:
+        child.kill()
+        child.wait()
+
+
+async def test_a_holder_on_another_host_is_taken_over_only_after_expiry(store: Store) -> None:
+    sid = await new_session(store)
+    await store.acquire_lease(sid, f"elsewhere.invalid:{dead_pid()}:far001", ttl_s=0.3)
+    with pytest.raises(SessionBusy, match="elsewhere.invalid"):
+        await store.acquire_lease(sid, "worker-b")
+    await anyio.sleep(0.4)
+    assert await store.lease_holder(sid) is None  # expired: nobody holds it now
+    await store.acquire_lease(sid, "worker-b")
+    assert await store.lease_holder(sid) == "worker-b"
+
+
+async def test_processes_racing_to_take_over_a_dead_holder_exactly_one_wins(
+        store: Store, store_url: str, tmp_path: Path) -> None:
+    sid = await new_session(store)
+    await store.acquire_lease(sid, f"{HOST}:{dead_pid()}:dead01", ttl_s=600)
+    outputs = await race_for_lease(store_url, tmp_path, sid, [f"{HOST}:{os.getpid()}:proc{i}" for i in range(3)])
+    assert sorted(out.strip() for out, _ in outputs) == ["busy", "busy", "won"], outputs
+    assert ":proc" in (await store.lease_holder(sid) or "")
+
+
+# -- operator release ------------------------------------------------------------------------
+
+async def test_force_release_frees_the_lease_and_names_the_previous_holder(store: Store) -> None:
+    sid = await new_session(store)
+    await store.acquire_lease(sid, "worker-a", ttl_s=600)
+    assert await store.lease_holder(sid) == "worker-a"
+    assert await store.release_lease(sid, force=True) == "worker-a"
+    assert await store.lease_holder(sid) is None
+    assert await store.release_lease(sid, force=True) is None
+    await store.acquire_lease(sid, "worker-b")
+    assert await store.release_lease(sid, "worker-b") is None  # positional holder still works
+    assert await store.lease_holder(sid) is None
+
+
+async def test_force_release_of_an_unknown_session_is_not_found(store: Store) -> None:
+    with pytest.raises(SessionNotFound):
+        await store.release_lease("absent", force=True)
+    with pytest.raises(SessionNotFound):
+        await store.lease_holder("absent")
+    with pytest.raises(UserError, match="force=True"):
+        await store.release_lease("absent")
+    with pytest.raises(UserError, match="force=True"):
+        await store.release_lease("absent", "worker-a", force=True)
+
+
+# -- LeaseKeeper -----------------------------------------------------------------------------
+
+async def test_lease_keeper_renews_while_the_block_runs(store: Store) -> None:
+    sid = await new_session(store)
+    assert DEFAULT_LEASE_TTL_S == 30.0
+    async with LeaseKeeper(store, sid, "keeper", ttl_s=0.6) as lease:
+        for _ in range(3):
+            await anyio.sleep(0.5)
+            with pytest.raises(SessionBusy, match="keeper"):
+                await store.acquire_lease(sid, "intruder")
+        assert lease.held and not lease.lost
+        assert await store.lease_holder(sid) == "keeper"
+    assert not lease.held
+    assert await store.lease_holder(sid) is None
+
+
+async def test_lease_keeper_releases_on_cancellation_and_on_errors(store: Store) -> None:
+    sid = await new_session(store)
+    with anyio.move_on_after(0.2) as scope:
+        async with LeaseKeeper(store, sid, "keeper", ttl_s=0.3):
+            await anyio.sleep(10)
+    assert scope.cancelled_caught
+    assert await store.lease_holder(sid) is None
+
+    with pytest.raises(ValueError, match="boom"):  # the block's own exception, not a group
+        async with LeaseKeeper(store, sid, "keeper", ttl_s=0.3) as lease:
+            raise ValueError("boom")
+    assert await store.lease_holder(sid) is None
+
+    async with LeaseKeeper(store, sid, "keeper", ttl_s=0.3) as lease:
+        await lease.release()
+        await lease.release()  # releasing twice is harmless
+        await anyio.sleep(0.2)  # and no renewal takes it back
+        assert await store.lease_holder(sid) is None
+    with pytest.raises(UserError, match="single use"):
+        async with lease:
+            pass
+
+
+async def test_lease_keeper_that_loses_its_lease_says_so_without_crashing(
+        store: Store, caplog: pytest.LogCaptureFixture) -> None:
+    sid = await new_session(store)
+    await store.acquire_lease(sid, "other", ttl_s=600)
+    with pytest.raises(SessionBusy, match="other"):
+        async with LeaseKeeper(store, sid, "keeper", ttl_s=0.3):
+            pytest.fail("entered the block without the lease")
+
+    await store.release_lease(sid, force=True)
+    with caplog.at_level(logging.WARNING, logger="agentkv.leases"):
+        async with LeaseKeeper(store, sid, "keeper", ttl_s=0.3) as lease:
+            await store.release_lease(sid, force=True)
+            await store.acquire_lease(sid, "other", ttl_s=600)
+            await anyio.sleep(0.3)
+            assert lease.lost and not lease.held
+    assert "lost the lease" in caplog.text
+    assert await store.lease_holder(sid) == "other"  # leaving did not release someone else's
+
+
+HOLDING_WORKER = """
+import sys, anyio
+from agentkv.leases import LeaseKeeper, holder_id
+from agentkv.memory import Store
+
+url, snapshot_dir, session_id = sys.argv[1:4]
+
+async def main():
+    store = Store(url, snapshot_dir=snapshot_dir)
+    async with LeaseKeeper(store, session_id, holder_id(), ttl_s=600):
+        print("held", flush=True)
+        await anyio.sleep(600)
+
+anyio.run(main)
+"""
+
+
+async def test_a_sigkilled_keeper_does_not_block_the_next_process(store: Store, store_url: str,
+                                                                  tmp_path: Path) -> None:
+    sid = await new_session(store)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    worker = subprocess.Popen([sys.executable, "-c", HOLDING_WORKER, store_url,
+                               str(tmp_path / "snapshots"), sid],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert worker.stdout is not None
+        line = await anyio.to_thread.run_sync(worker.stdout.readline)
+        assert line == "held\n", worker.stderr.read() if worker.stderr else ""
+        with pytest.raises(SessionBusy, match=f":{worker.pid}:"):
+            await store.acquire_lease(sid, holder_id())
+    finally:
+        worker.send_signal(signal.SIGKILL)
+        worker.communicate()
+    mine = holder_id()
+    started = time.monotonic()
+    async with LeaseKeeper(store, sid, mine, ttl_s=600):
+        assert await store.lease_holder(sid) == mine
+    assert time.monotonic() - started < 2

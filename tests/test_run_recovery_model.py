@@ -1,0 +1,52 @@
+"""On the real model: a tool call cut by a small token limit is retried with room and runs; its
+markup never becomes the answer (issue: 7 of 8 runs answered with a raw ``<tool_call>`` before)."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentkv import Agent, GenerationConfig, Runtime, tool
+
+pytestmark = pytest.mark.model
+
+QUESTIONS = [
+    "Remember that my favourite colour is teal.",
+    "Please remember my sister's name: Marguerite.",
+    "Store the fact that the meeting moved to Thursday afternoon.",
+    "Remember my locker code, which is 4471.",
+    "Note that the dentist appointment is on the twelfth.",
+]
+
+
+@tool
+def remember(key: str, value: str) -> str:
+    """Store a value under a key.
+
+    Args:
+        key: A short name for the fact.
+        value: The fact to remember.
+    """
+    return f"stored {key}"
+
+
+async def test_a_cut_tool_call_is_retried_with_room_and_never_becomes_the_answer(engine):
+    agent = Agent(name="memo", instructions="You remember facts for the user with the remember tool.",
+                  tools=[remember], tool_choice="required", generation=GenerationConfig(max_new_tokens=32),
+                  max_turns=3)
+    runtime = Runtime(engine)
+    ran, reasons = 0, []
+    try:
+        for question in QUESTIONS:
+            session = await runtime.open_session(agent)
+            try:
+                result = await runtime.run(session, question)
+            except Exception as error:  # noqa: BLE001 - MaxTurnsExceeded carries the run so far
+                result = getattr(error, "result", None)
+                assert result is not None, error
+            reasons.append(result.finish_reason)
+            assert "<tool_call>" not in result.final_text and "</tool_call>" not in result.final_text
+            ran += any(m.role == "tool" and m.content.startswith("stored") for m in result.new_messages)
+            await runtime.close_session(session)
+    finally:
+        await runtime.aclose()
+    assert ran == len(QUESTIONS), reasons  # the bounded grammar always fits the retry's room
