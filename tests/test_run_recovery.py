@@ -130,3 +130,20 @@ async def test_max_turns_carries_the_run_so_far():
         await Runner.run(agent, session, "loop")
     assert caught.value.result.finish_reason == "max_turns"
     assert len(caught.value.result.tool_calls) == 2
+
+
+async def test_after_a_refused_input_a_new_process_resumes_and_answers(tmp_path):
+    from agentkv.memory import Store
+
+    url = f"sqlite:///{tmp_path / 'agentkv.db'}"
+    agent = Agent(name="a", max_prompt_len=300, min_response_len=32)
+    first = Runtime(ScriptedEngine(["fine"]), Store(url), agents=[agent])
+    session = await first.open_session(agent, session_id="big")
+    await first.run(session, "hello")
+    with pytest.raises(ContextOverflowError):
+        await first.run(session, "word " * 400)
+    await first.aclose()
+    later = Runtime(ScriptedEngine(["welcome back"]), Store(url), agents=[agent])
+    resumed = await later.resume("big")
+    assert [m.content for m in resumed.messages] == ["hello", "fine"]
+    assert (await later.run(resumed, "still there?")).final_text == "welcome back"

@@ -34,3 +34,4 @@ async def test_a_reset_during_a_running_step_waits_for_it_instead_of_failing(eng
             assert not errors and slot.length() == 0
     finally:
         await holder.close()
+
