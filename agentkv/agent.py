@@ -25,7 +25,7 @@ from agentkv.errors import UserError
 from agentkv.tools import Tool, tool
 
 if TYPE_CHECKING:
-    from agentkv.policies.base import ContextPolicy
+    from agentkv.policies.protocol import ContextPolicy
 
 TOOL_CHOICES = ("auto", "required", "none")
 

@@ -146,7 +146,7 @@ async def _chat(request: ChatRequest, interrupts: Interrupts, out: Console, err:
         session = None
         if record is not None:
             session = await runtime.resume(record.id, agent)
-            report = runtime.last_resume
+            report = session.resume_report
             assert report is not None
             err.print(f"resumed session {record.id}: {report.messages} messages, "
                       f"{report.restored_tokens} tokens of KV restored from a snapshot")

@@ -8,6 +8,10 @@ Opened by ``Runtime.open_session(agent)`` (or ``Runtime.resume(id)``) and passed
 
 Only one run may use a session at a time: a second concurrent run raises ``SessionBusy``
 rather than queueing behind the first (a queued run would answer a stale history).
+
+``AgentSession`` is the ``ConversationView`` that context policies work on
+(``agentkv.policies.protocol``): the methods under "For context policies" are that protocol's
+thin delegations to the KV session, the engine and the renderer.
 """
 
 from __future__ import annotations
@@ -20,10 +24,12 @@ from typing import TYPE_CHECKING
 from agentkv.chat.messages import Message
 from agentkv.engine.base import Engine, KVSession
 from agentkv.errors import SessionBusy, UserError
+from agentkv.result import ResumeReport
 
 if TYPE_CHECKING:
     from agentkv.agent import Agent
-    from agentkv.chat.render import ChatRenderer, RenderedPrompt
+    from agentkv.chat.render import ChatRenderer, ChatTokenizer, RenderedPrompt
+    from agentkv.policies.protocol import WindowItem
 
 
 @dataclass
@@ -60,8 +66,11 @@ class AgentSession:
         renderer: ChatRenderer,
         *,
         sink: MessageSink | None = None,
+        on_window_change: WindowChange | None = None,
         window: list[WindowEntry] | None = None,
     ) -> None:
+        """``sink`` persists each recorded message and ``on_window_change`` each compaction (the
+        runtime passes the store's; both None keeps the conversation in memory only)."""
         self.id = session_id
         self.agent = agent
         self.engine = engine
@@ -70,8 +79,9 @@ class AgentSession:
         self.window: list[WindowEntry] = window or []
         self._sink = sink
         self._running = False
-        self.summaries = 0  # summaries this session's policy has inserted (for naming)
-        self.on_window_change: WindowChange | None = None
+        self.resume_report: ResumeReport | None = None
+        """What ``Runtime.resume`` found for this conversation (None if it was opened, not resumed)."""
+        self.on_window_change: WindowChange | None = on_window_change
         """Called by context policies before messages leave the window (the store marks them)."""
 
     @property
@@ -95,7 +105,7 @@ class AgentSession:
         return entry
 
     async def replace_in_window(
-        self, removed: Sequence[WindowEntry], replacement: Message | None = None, *, token_count: int = 0
+        self, removed: Sequence[WindowItem], replacement: Message | None = None, *, token_count: int = 0
     ) -> WindowEntry | None:
         """Take ``removed`` out of the window; put ``replacement`` (if any) where the first was.
 
@@ -107,16 +117,25 @@ class AgentSession:
         positions = [i for i, entry in enumerate(self.window) if id(entry) in gone]
         if len(positions) != len(gone) or len(gone) != len(removed):
             raise UserError("replace_in_window: every removed entry must be in the window, once")
+        leaving = [self.window[i] for i in positions]  # the entries themselves, in window order
         entry = None
         if replacement is not None:
-            entry = WindowEntry(replacement, None, token_count, replaces=tuple(removed))
+            entry = WindowEntry(replacement, None, token_count, replaces=tuple(leaving))
         if self.on_window_change is not None:
-            await self.on_window_change(self, list(removed), entry)
+            await self.on_window_change(self, leaving, entry)
         kept = [e for e in self.window if id(e) not in gone]
         if entry is not None:
             kept.insert(positions[0] if positions else len(kept), entry)
         self.window[:] = kept
         return entry
+
+    def reload_window(self, entries: list[WindowEntry]) -> bool:
+        """Take the stored window when it differs from ours (another process ran this session);
+        the KV realigns by itself on the next model call. Returns whether anything changed."""
+        if [e.seq for e in entries] == [e.seq for e in self.window]:
+            return False
+        self.window[:] = entries
+        return True
 
     def render(self, agent: Agent, *, add_generation_prompt: bool = True) -> RenderedPrompt:
         """The prompt for ``agent`` over the current window (system prompt + tools first)."""
@@ -130,6 +149,61 @@ class AgentSession:
         system = Message.system(agent.instructions)
         tools = agent.tool_schemas if agent.tool_choice != "none" else []
         return self.renderer.render([system, *messages], tools=tools, add_generation_prompt=add_generation_prompt)
+
+    # ---- For context policies (``agentkv.policies.protocol.ConversationView``) ---------------------
+
+    def render_messages(self, messages: Sequence[Message]) -> RenderedPrompt:
+        """``messages`` alone through the chat template, no system prompt or tools added (a
+        summariser's prompt): ``session.render_messages([Message.user("Summarise: ...")])``."""
+        return self.renderer.render(messages)
+
+    def message_tokens(self, message: Message, *, position: int) -> int:
+        """Tokens of ``message``'s span rendered at ``position`` (1 = first after the system
+        prompt); see ``ChatRenderer.message_tokens``."""
+        return self.renderer.message_tokens(message, position=position)
+
+    @property
+    def tokenizer(self) -> ChatTokenizer:
+        """The renderer's tokenizer (plain text ↔ ids)."""
+        return self.renderer.tokenizer
+
+    @property
+    def kv_tokens(self) -> tuple[int, ...]:
+        """``kv.tokens``: the tokens whose KV this session holds."""
+        return self.kv.tokens
+
+    @property
+    def supports_drop(self) -> bool:
+        """Whether the KV session can drop spans (``KVSession.supports_drop``)."""
+        return bool(getattr(self.kv, "supports_drop", False))
+
+    async def drop_spans(self, ranges: Sequence[tuple[int, int]]) -> None:
+        """Drop each ``(start, end)`` range of ``kv_tokens`` from the KV by span drop + RoPE shift
+        (``KVSession.drop``; no re-prefill). Raises ``UserError`` for overlapping ranges (before
+        any drop) and whatever ``KVSession.drop`` raises (ranges dropped before stay dropped)."""
+        ordered = sorted(ranges)
+        for (_, end), (start, _) in zip(ordered, ordered[1:]):
+            if start < end:
+                raise UserError(f"drop_spans: ranges overlap: {ordered}")
+        for start, end in reversed(ordered):  # NOTE: last first, so earlier offsets stay valid
+            await self.kv.drop(start, end)
+
+    async def realign(self, agent: Agent) -> None:
+        """Bring the KV to ``render(agent)``: trim to the common prefix, prefill the rest, so the
+        next model call prefills nothing."""
+        await self.kv.prefill(self.render(agent).token_ids)
+
+    @asynccontextmanager
+    async def scratch(self) -> AsyncIterator[KVSession]:
+        """A temporary KV session on the same engine, closed when the block ends (this
+        session's KV is untouched): ``async with session.scratch() as s: await s.generate(...)``."""
+        scratch = await self.engine.open_session()
+        try:
+            yield scratch
+        finally:
+            await scratch.close()
+
+    # ---- Runs ---------------------------------------------------------------------------------
 
     @asynccontextmanager
     async def run_guard(self) -> AsyncIterator[None]:

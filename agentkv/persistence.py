@@ -10,29 +10,18 @@ engine nor the runner). Used by ``Runtime`` when it is given a store::
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 from agentkv.chat.messages import Message
 from agentkv.conversation import AgentSession, WindowEntry
 from agentkv.engine.base import KVSession, common_prefix_len
 from agentkv.errors import SnapshotCorrupt, SnapshotIncompatible
 from agentkv.memory import Store
+from agentkv.result import ResumeReport
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class ResumeReport:
-    """What a resume found: the messages loaded and how the KV came back."""
-
-    messages: int
-    """Messages put back into the window."""
-    restored_tokens: int
-    """Tokens whose KV came from a snapshot (0: the next call re-prefills)."""
-    skipped_snapshots: tuple[str, ...] = ()
-    """Why snapshots were passed over (corrupt, another model, stale)."""
-    interrupted_calls: int = 0
-    """Tool calls a crash left without a result, now given an "interrupted" one."""
+__all__ = ["ResumeReport", "StoreSink", "StoreWindowHook", "load_window", "record_interrupted_calls",
+           "restore_newest_snapshot", "save_snapshot"]
 
 
 class StoreSink:

@@ -1,4 +1,5 @@
-"""RunResult: what ``Runner.run`` returns — the final text, the calls made, the cost of each step."""
+"""RunResult: what a run returns — the final text, the calls made, the cost of each step — and ResumeReport,
+what a resume found."""
 
 from __future__ import annotations
 
@@ -35,3 +36,17 @@ class RunResult:
     def prefilled_tokens(self) -> int:
         """Tokens run through the model across all steps (excluding decoding)."""
         return sum(m.prefilled_tokens for m in self.step_metrics)
+
+
+@dataclass(frozen=True)
+class ResumeReport:
+    """What a resume found: the messages loaded and how the KV came back."""
+
+    messages: int
+    """Messages put back into the window."""
+    restored_tokens: int
+    """Tokens whose KV came from a snapshot (0: the next call re-prefills)."""
+    skipped_snapshots: tuple[str, ...] = ()
+    """Why snapshots were passed over (corrupt, another model, stale)."""
+    interrupted_calls: int = 0
+    """Tool calls a crash left without a result, now given an "interrupted" one."""

@@ -1,9 +1,10 @@
 """The agent loop: render → fit the window → generate → parse tool calls → run tools → repeat.
 
-``Runner.run`` reads as the turn's outline; each step is a small function over ``_RunState``::
+``run_turns`` reads as the turn's outline; each step is a small function over ``_RunState``.
+Runs go through the runtime, which adds the session's lease, window refresh and snapshot::
 
-    result = await Runner.run(agent, session, "What is 17 * 23?")
-    async for event in Runner.run_stream(agent, session, "And now divide by 7"):
+    result = await runtime.run(session, "What is 17 * 23?")
+    async for event in runtime.run_stream(session, "And now divide by 7"):
         ...
 
 The user message is recorded (committed) before the first model call; each assistant message
@@ -16,6 +17,7 @@ with room for it; tool-call markup never reaches ``RunResult.final_text``.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -47,6 +49,7 @@ from agentkv.result import FinishReason, RunResult
 from agentkv.tools import run_tool_calls
 
 CANCELLED_RESULT = "error: the run was cancelled before this tool returned"
+_DEPRECATED = "Runner.run/run_stream are deprecated: use Runtime.run(session, text) / Runtime.run_stream"
 CALL_RETRY_MIN_TOKENS = 256
 """A tool call cut by ``max_new_tokens`` is generated again with at least this many tokens
 (the grammar bounds every string, so a call fits; never more than the window leaves)."""
@@ -86,29 +89,35 @@ class _Reply:
 
 
 class Runner:
-    """Runs agents. Stateless: all state lives in the session and the run's ``_RunState``."""
+    """Deprecated: use ``Runtime.run`` / ``Runtime.run_stream``, the one run path (kept for one
+    release; it runs the same turn loop without the store's lease, refresh and snapshot)."""
 
     @staticmethod
     async def run(agent: Agent, session: AgentSession, user_input: str) -> RunResult:
-        """Run until the model answers without calling a tool; return the result."""
+        """Deprecated: ``await runtime.run(session, user_input)``."""
+        warnings.warn(_DEPRECATED, DeprecationWarning, stacklevel=2)
         result: RunResult | None = None
-        async for event in Runner.run_stream(agent, session, user_input):
-            if isinstance(event, RunFinished):
-                result = event.result
+        async with aclosing(_guarded_turns(agent, session, user_input)) as events:
+            async for event in events:
+                if isinstance(event, RunFinished):
+                    result = event.result
         assert result is not None
         return result
 
     @staticmethod
     async def run_stream(agent: Agent, session: AgentSession, user_input: str) -> AsyncIterator[RunEvent]:
-        """Like ``run`` but yields typed events as they happen; the last is ``RunFinished``.
+        """Deprecated: ``runtime.run_stream(session, user_input)``."""
+        warnings.warn(_DEPRECATED, DeprecationWarning, stacklevel=2)
+        async with aclosing(_guarded_turns(agent, session, user_input)) as events:
+            async for event in events:
+                yield event
 
-        To stop early, close the stream (``async with contextlib.aclosing(...)``): that ends the
-        generation at the current step and releases the session.
-        """
-        async with session.run_guard():
-            async with aclosing(run_turns(agent, session, user_input)) as events:
-                async for event in events:
-                    yield event
+
+async def _guarded_turns(agent: Agent, session: AgentSession, user_input: str) -> AsyncIterator[RunEvent]:
+    async with session.run_guard():
+        async with aclosing(run_turns(agent, session, user_input)) as events:
+            async for event in events:
+                yield event
 
 
 async def run_turns(agent: Agent, session: AgentSession, user_input: str) -> AsyncIterator[RunEvent]:

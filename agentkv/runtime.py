@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from contextlib import aclosing
+from contextlib import aclosing, asynccontextmanager
 
 import anyio
 
@@ -43,7 +43,7 @@ from agentkv.persistence import (
     save_snapshot,
 )
 from agentkv.result import RunResult
-from agentkv.runner import Runner, run_turns
+from agentkv.runner import run_turns
 
 
 class Runtime:
@@ -67,6 +67,7 @@ class Runtime:
         self.lease_ttl_s = lease_ttl_s
         """How long a run's lease lasts without renewal (renewed every third of it while it runs)."""
         self.last_resume: ResumeReport | None = None
+        """Deprecated: the newest resume's report; read ``session.resume_report`` instead."""
         self._agents: dict[str, Agent] = {}
         self._sessions: dict[str, AgentSession] = {}
         for agent in agents:
@@ -97,7 +98,8 @@ class Runtime:
 
     async def resume(self, session_id: str, agent: Agent | None = None) -> AgentSession:
         """Reopen a stored session: its window of messages and, from the newest valid snapshot,
-        its KV. Raises ``SessionNotFound`` for an unknown id."""
+        its KV; ``session.resume_report`` says what came back. Raises ``SessionNotFound`` for an
+        unknown id."""
         store = self._require_store("resume")
         if session_id in self._sessions:
             return self._sessions[session_id]
@@ -111,7 +113,8 @@ class Runtime:
         restored, skipped = await restore_newest_snapshot(
             store, session_id, session.kv, prompt, self.engine.fingerprint
         )
-        self.last_resume = ResumeReport(len(session.window), restored, skipped, repaired)
+        session.resume_report = ResumeReport(len(session.window), restored, skipped, repaired)
+        self.last_resume = session.resume_report
         return session
 
     async def _repair_if_free(self, session: AgentSession) -> int:
@@ -136,10 +139,11 @@ class Runtime:
 
     async def _attach(self, sid: str, agent: Agent, window: list) -> AgentSession:  # type: ignore[type-arg]
         kv = await self.engine.open_session()
-        sink = StoreSink(self.store) if self.store is not None else None
-        session = AgentSession(sid, agent, self.engine, kv, self.renderer, sink=sink, window=window)
-        if self.store is not None:
-            session.on_window_change = StoreWindowHook(self.store)
+        session = AgentSession(
+            sid, agent, self.engine, kv, self.renderer, window=window,
+            sink=StoreSink(self.store) if self.store is not None else None,
+            on_window_change=StoreWindowHook(self.store) if self.store is not None else None,
+        )
         self._sessions[sid] = session
         return session
 
@@ -169,35 +173,32 @@ class Runtime:
         return result
 
     async def run_stream(self, session: AgentSession, user_input: str) -> AsyncIterator[RunEvent]:
-        """``Runner.run_stream`` under the session's store lease (renewed at every step); the KV
-        is snapshotted when the run ends. Close the stream to stop early (``aclosing``)."""
-        if self.store is None:
-            async with aclosing(Runner.run_stream(session.agent, session, user_input)) as events:
-                async for event in events:
-                    yield event
-            return
-        store = self.store
+        """The one way to run a conversation: yields typed events, the last ``RunFinished``.
+
+        With a store the run holds the session's lease (a heartbeat renews it), first reloads a
+        window another process changed and gives interrupted tool calls their result, and
+        snapshots the KV when it ends. Close the stream to stop early (``aclosing``)."""
         # NOTE: the in-process guard comes first: a second run here must not touch (and then
         # release) the lease the first run holds.
-        async with session.run_guard():
-            async with LeaseKeeper(store, session.id, self.holder, ttl_s=self.lease_ttl_s):
-                try:
-                    await self._refresh_window(session)
-                    await record_interrupted_calls(session)
-                    async with aclosing(run_turns(session.agent, session, user_input)) as events:
-                        async for event in events:
-                            yield event
-                finally:
-                    with anyio.CancelScope(shield=True):
-                        await save_snapshot(store, session)
+        async with session.run_guard(), self._stored_run(session):
+            async with aclosing(run_turns(session.agent, session, user_input)) as events:
+                async for event in events:
+                    yield event
 
-    async def _refresh_window(self, session: AgentSession) -> None:
-        """Reload the window if another process ran this session since we last did (the KV
-        then realigns to the new history by itself on the next model call)."""
-        assert self.store is not None
-        stored = await load_window(self.store, session.id)
-        if [e.seq for e in stored] != [e.seq for e in session.window]:
-            session.window[:] = stored
+    @asynccontextmanager
+    async def _stored_run(self, session: AgentSession) -> AsyncIterator[None]:
+        """What a run does around its turns when there is a store (nothing without one)."""
+        if self.store is None:
+            yield
+            return
+        async with LeaseKeeper(self.store, session.id, self.holder, ttl_s=self.lease_ttl_s):
+            try:
+                session.reload_window(await load_window(self.store, session.id))
+                await record_interrupted_calls(session)
+                yield
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await save_snapshot(self.store, session)
 
     async def close_session(self, session: AgentSession) -> None:
         """Release the session's KV (its stored history stays)."""

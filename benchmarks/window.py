@@ -18,7 +18,7 @@ import time
 import anyio
 from _turns import padded_turn
 
-from agentkv import Agent, GenerationConfig, Runner, Runtime
+from agentkv import Agent, GenerationConfig, Runtime
 from agentkv.engine.stateful import StatefulEngine
 from agentkv.events import ContextCompacted, TurnMetricsEvent
 from agentkv.policies import SlidingWindow, SummarizeAndReprefill, Truncation
@@ -46,7 +46,7 @@ async def run_policy(engine: StatefulEngine, name: str, turns: int, max_prompt_l
     started = time.perf_counter()
     for turn in range(1, turns + 1):
         pending_cost = 0.0
-        async for event in Runner.run_stream(agent, session, user_turn(engine, turn)):
+        async for event in runtime.run_stream(session, user_turn(engine, turn)):
             if isinstance(event, ContextCompacted):
                 costs.append(event.cost_ms)
                 pending_cost += event.cost_ms / 1000

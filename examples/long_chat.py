@@ -16,7 +16,7 @@ import json
 
 import anyio
 
-from agentkv import Agent, Runner, Runtime, tool
+from agentkv import Agent, Runtime, tool
 from agentkv.conversation import AgentSession, WindowEntry
 from agentkv.events import ContextCompacted
 from agentkv.policies import SlidingWindow, SummarizeAndReprefill, Truncation
@@ -72,7 +72,7 @@ async def run(policy_name: str, turns: int) -> None:
     session.on_window_change = on_window_change
     print(f"== {policy_name} ==")
     for turn in range(1, turns + 1):
-        async for event in Runner.run_stream(agent, session, user_message(turn)):
+        async for event in runtime.run_stream(session, user_message(turn)):
             if isinstance(event, ContextCompacted):
                 print(
                     f"turn {turn:2d}: {event.policy}: {event.tokens_before} → {event.tokens_after} tokens, "

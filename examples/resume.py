@@ -25,7 +25,7 @@ async def main() -> None:
     ids = {s.id for s in await store.list_sessions()}
     if SESSION in ids:
         session = await runtime.resume(SESSION)
-        report = runtime.last_resume
+        report = session.resume_report
         print(f"resumed {SESSION}: {report.messages} messages; {report.restored_tokens} tokens of KV "
               "restored from the snapshot instead of re-prefilled")
         question = "Thanks. Summarise what you told me in one sentence."

@@ -71,6 +71,7 @@ async def run_case(engine, ops) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]
     await session.prefill(SEED)
     for op in ops:
         session = await apply(engine, session, op)
+        await session.check_integrity()
     logits = await session.next_token_logits()
     tokens = session.tokens
     await session.close()

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agentkv import Agent, GenerationConfig, Message, Runner, Runtime, ToolCall, tool
+from agentkv import Agent, GenerationConfig, Message, Runtime, ToolCall, tool
 from agentkv.conversation import AgentSession, WindowEntry
 from agentkv.engine.base import common_prefix_len
 from agentkv.errors import ContextOverflowError, KVShiftUnsupported
@@ -62,12 +62,14 @@ class Harness:
     summary_failure: str | Exception | None = None
     """What the summariser gets instead of ``summary_text``: an empty reply or an error."""
     session: AgentSession | None = None
+    runtime: Runtime | None = None
     cuts: int = 0
     """Messages cut to fit (their new content differs from what the KV may hold)."""
 
     async def open(self) -> AgentSession:
         self.engine.add_steps(*([self.step] * 400))
-        self.session = await Runtime(self.engine).open_session(self.agent)
+        self.runtime = Runtime(self.engine)
+        self.session = await self.runtime.open_session(self.agent)
         self.session.on_window_change = self.on_window_change
         return self.session
 
@@ -97,7 +99,7 @@ class Harness:
             self.replies.append("\n".join(call_markup("lookup", size=s) for s in sizes))
         self.replies.append(answer)
         cuts = self.cuts
-        async for event in Runner.run_stream(self.agent, self.session, user_text):
+        async for event in self.runtime.run_stream(self.session, user_text):
             if isinstance(event, ContextCompacted):
                 self.events.append(event)
                 self.check_after_compaction(event, cut=self.cuts > cuts)
@@ -204,7 +206,7 @@ async def test_truncation_reprefills_inside_the_compaction_so_the_model_call_pre
     await run_turns(harness, 4)
     metrics = []
     harness.replies.append("ok")
-    async for event in Runner.run_stream(agent, session, words(200)):
+    async for event in harness.runtime.run_stream(session, words(200)):
         if isinstance(event, TurnMetricsEvent):
             metrics.append(event.metrics)
         elif isinstance(event, ContextCompacted):
@@ -220,7 +222,7 @@ async def test_sliding_window_drops_spans_from_the_kv_without_reprefill():
     kv_before = session.kv.tokens
     metrics = []
     harness.replies.append("ok")
-    async for event in Runner.run_stream(agent, session, words(150)):
+    async for event in harness.runtime.run_stream(session, words(150)):
         if isinstance(event, TurnMetricsEvent):
             metrics.append(event.metrics)
         elif isinstance(event, ContextCompacted):
@@ -440,7 +442,7 @@ async def test_each_policy_carries_a_real_conversation_across_the_limit_several_
     try:
         for question in QUESTIONS:
             compacted = False
-            async for event in Runner.run_stream(agent, session, question):
+            async for event in runtime.run_stream(session, question):
                 if isinstance(event, ContextCompacted):
                     events.append(event)
                     compacted = True

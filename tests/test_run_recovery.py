@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from agentkv import Agent, GenerationConfig, Runner, Runtime, tool
+from agentkv import Agent, GenerationConfig, Runtime, tool
 from agentkv.errors import ContextOverflowError, MaxTurnsExceeded
 from agentkv.events import RunFinished
 from agentkv.policies import Truncation
@@ -25,7 +25,7 @@ def call(name: str, **arguments) -> str:
 
 async def open_session(engine, agent):
     runtime = Runtime(engine)
-    return await runtime.open_session(agent)
+    return runtime, await runtime.open_session(agent)
 
 
 # ---- oversized input ------------------------------------------------------------------------
@@ -33,14 +33,14 @@ async def open_session(engine, agent):
 async def test_an_input_that_cannot_fit_is_refused_before_it_is_recorded_and_the_next_one_works(policy):
     engine = ScriptedEngine(["fine", "still fine"])
     agent = Agent(name="a", policy=policy, max_prompt_len=300, min_response_len=32)
-    session = await open_session(engine, agent)
-    await Runner.run(agent, session, "hello")
+    runtime, session = await open_session(engine, agent)
+    await runtime.run(session, "hello")
     before = list(session.messages)
     with pytest.raises(ContextOverflowError, match="nothing was recorded") as caught:
-        await Runner.run(agent, session, "word " * 400)
+        await runtime.run(session, "word " * 400)
     assert caught.value.prompt_tokens > caught.value.limit == 300 - 32
     assert session.messages == before  # nothing recorded, nothing left in the window
-    result = await Runner.run(agent, session, "a normal question")
+    result = await runtime.run(session, "a normal question")
     assert result.final_text == "still fine"
     engine.assert_complete()
 
@@ -58,20 +58,20 @@ class KeepEverything:
 async def test_an_input_the_policy_cannot_make_room_for_leaves_the_window_but_stays_stored():
     engine = ScriptedEngine(["first answer", "ok"])
     agent = Agent(name="a", policy=KeepEverything(), max_prompt_len=300, min_response_len=32)
-    session = await open_session(engine, agent)
+    runtime, session = await open_session(engine, agent)
     removed = []
 
     async def hook(session, gone, replacement):
         removed.extend(entry.message for entry in gone)
 
     session.on_window_change = hook
-    await Runner.run(agent, session, "hello " * 150)
+    await runtime.run(session, "hello " * 150)
     text = "again " * 150  # fits alone, not beside the first exchange, and the policy frees nothing
     with pytest.raises(ContextOverflowError, match="left"):
-        await Runner.run(agent, session, text)
+        await runtime.run(session, text)
     assert all(m.content != text for m in session.messages)  # out of the window...
     assert [m.content for m in removed] == [text]  # ...and marked so in the store (the hook)
-    result = await Runner.run(agent, session, "short")  # the next normal message works
+    result = await runtime.run(session, "short")  # the next normal message works
     assert result.final_text == "ok"
     assert [m.role for m in session.messages] == ["user", "assistant", "user", "assistant"]
     engine.assert_complete()
@@ -83,8 +83,8 @@ async def test_a_tool_call_cut_by_the_token_limit_is_retried_with_room_and_runs(
     engine = ScriptedEngine([long_call, long_call, "Saved."])
     agent = Agent(name="a", tools=[remember], tool_choice="required",
                   generation=GenerationConfig(max_new_tokens=32))
-    session = await open_session(engine, agent)
-    result = await Runner.run(agent, session, "remember my name")
+    runtime, session = await open_session(engine, agent)
+    result = await runtime.run(session, "remember my name")
     assert [c.name for c in result.tool_calls] == ["remember"]
     assert engine.calls[1].config.max_new_tokens >= 256  # the retry had room for the call
     assert result.final_text == "Saved." and result.finish_reason == "stop"
@@ -95,8 +95,8 @@ async def test_a_call_still_cut_after_the_retry_ends_the_run_without_markup_in_t
     engine = ScriptedEngine([long_call, long_call])
     agent = Agent(name="a", tools=[remember], generation=GenerationConfig(max_new_tokens=32),
                   max_prompt_len=600, min_response_len=32)
-    session = await open_session(engine, agent)
-    events = [e async for e in Runner.run_stream(agent, session, "remember my name")]
+    runtime, session = await open_session(engine, agent)
+    events = [e async for e in runtime.run_stream(session, "remember my name")]
     final = events[-1]
     assert isinstance(final, RunFinished) and final.result.finish_reason == "tool_call_cut"
     assert final.result.final_text == "Let me save that." and "<tool_call>" not in final.result.final_text
@@ -108,8 +108,8 @@ async def test_a_call_still_cut_after_the_retry_ends_the_run_without_markup_in_t
 async def test_malformed_call_markup_is_never_presented_as_the_answer():
     engine = ScriptedEngine(['Sure. <tool_call>{"name": remember}</tool_call>'])
     agent = Agent(name="a", tools=[remember], constrain_tool_calls=False)
-    session = await open_session(engine, agent)
-    result = await Runner.run(agent, session, "hi")
+    runtime, session = await open_session(engine, agent)
+    result = await runtime.run(session, "hi")
     assert result.finish_reason == "tool_call_invalid"
     assert result.final_text == "Sure."
 
@@ -117,17 +117,17 @@ async def test_malformed_call_markup_is_never_presented_as_the_answer():
 async def test_finish_reason_says_when_a_plain_answer_was_cut():
     engine = ScriptedEngine(["one two three four five six seven eight nine ten eleven twelve"])
     agent = Agent(name="a", generation=GenerationConfig(max_new_tokens=4))
-    session = await open_session(engine, agent)
-    result = await Runner.run(agent, session, "count")
+    runtime, session = await open_session(engine, agent)
+    result = await runtime.run(session, "count")
     assert result.finish_reason == "length"
 
 
 async def test_max_turns_carries_the_run_so_far():
     engine = ScriptedEngine([call("remember", key="a", value="b")] * 2)
     agent = Agent(name="a", tools=[remember], max_turns=2)
-    session = await open_session(engine, agent)
+    runtime, session = await open_session(engine, agent)
     with pytest.raises(MaxTurnsExceeded) as caught:
-        await Runner.run(agent, session, "loop")
+        await runtime.run(session, "loop")
     assert caught.value.result.finish_reason == "max_turns"
     assert len(caught.value.result.tool_calls) == 2
 

@@ -52,8 +52,8 @@ async def open_session(engine, agent):
 async def test_multi_step_tool_use_feeds_results_back_and_finishes():
     engine = ScriptedEngine([call("add", a=2, b=3), "The sum is 5."])
     agent = Agent(name="math", tools=[add])
-    _, session = await open_session(engine, agent)
-    result = await Runner.run(agent, session, "What is 2+3?")
+    runtime, session = await open_session(engine, agent)
+    result = await runtime.run(session, "What is 2+3?")
     assert result.final_text == "The sum is 5."
     assert [c.name for c in result.tool_calls] == ["add"]
     assert [m.role for m in session.messages] == ["user", "assistant", "tool", "assistant"]
@@ -65,8 +65,8 @@ async def test_multi_step_tool_use_feeds_results_back_and_finishes():
 async def test_second_step_prefills_only_the_tool_result_delta():
     engine = ScriptedEngine([call("add", a=1, b=1), "2"])
     agent = Agent(name="math", tools=[add])
-    _, session = await open_session(engine, agent)
-    result = await Runner.run(agent, session, "1+1?")
+    runtime, session = await open_session(engine, agent)
+    result = await runtime.run(session, "1+1?")
     first, second = result.step_metrics
     assert second.reused_tokens >= first.prompt_tokens
     assert second.prefilled_tokens < 40
@@ -75,8 +75,8 @@ async def test_second_step_prefills_only_the_tool_result_delta():
 async def test_parallel_calls_run_and_results_keep_call_order():
     engine = ScriptedEngine([call("add", a=1, b=2) + "\n" + call("add", a=10, b=20), "3 and 30"])
     agent = Agent(name="math", tools=[add])
-    _, session = await open_session(engine, agent)
-    await Runner.run(agent, session, "two sums")
+    runtime, session = await open_session(engine, agent)
+    await runtime.run(session, "two sums")
     tool_messages = [m for m in session.messages if m.role == "tool"]
     assert [m.content for m in tool_messages] == ["3", "30"]
     calls = session.messages[1].tool_calls
@@ -86,8 +86,8 @@ async def test_parallel_calls_run_and_results_keep_call_order():
 async def test_tool_exception_becomes_an_error_result_and_the_loop_continues():
     engine = ScriptedEngine([call("explode", reason="x"), "It failed."])
     agent = Agent(name="a", tools=[explode])
-    _, session = await open_session(engine, agent)
-    result = await Runner.run(agent, session, "go")
+    runtime, session = await open_session(engine, agent)
+    result = await runtime.run(session, "go")
     assert result.final_text == "It failed."
     assert "boom: x" in session.messages[2].content
 
@@ -95,16 +95,16 @@ async def test_tool_exception_becomes_an_error_result_and_the_loop_continues():
 async def test_tool_timeout_is_reported_to_the_model():
     engine = ScriptedEngine([call("slow", seconds=5), "too slow"])
     agent = Agent(name="a", tools=[slow])
-    _, session = await open_session(engine, agent)
-    await Runner.run(agent, session, "go")
+    runtime, session = await open_session(engine, agent)
+    await runtime.run(session, "go")
     assert "timed out" in session.messages[2].content
 
 
 async def test_invalid_arguments_and_unknown_tools_come_back_as_errors():
     engine = ScriptedEngine([call("add", a="x", b=1) + "\n" + call("nope"), "ok"])
     agent = Agent(name="a", tools=[add])
-    _, session = await open_session(engine, agent)
-    await Runner.run(agent, session, "go")
+    runtime, session = await open_session(engine, agent)
+    await runtime.run(session, "go")
     results = [m.content for m in session.messages if m.role == "tool"]
     assert "invalid arguments" in results[0]
     assert "unknown tool" in results[1]
@@ -113,21 +113,21 @@ async def test_invalid_arguments_and_unknown_tools_come_back_as_errors():
 async def test_max_turns_exceeded_raises_and_keeps_the_history():
     engine = ScriptedEngine([call("add", a=1, b=1)] * 3)
     agent = Agent(name="a", tools=[add], max_turns=3)
-    _, session = await open_session(engine, agent)
+    runtime, session = await open_session(engine, agent)
     with pytest.raises(MaxTurnsExceeded):
-        await Runner.run(agent, session, "loop")
+        await runtime.run(session, "loop")
     assert [m.role for m in session.messages].count("tool") == 3
     # the session stays usable
     engine.add_steps("fine")
-    result = await Runner.run(agent, session, "stop now")
+    result = await runtime.run(session, "stop now")
     assert result.final_text == "fine"
 
 
 async def test_stream_events_arrive_in_order():
     engine = ScriptedEngine([call("add", a=2, b=2), "four"])
     agent = Agent(name="a", tools=[add])
-    _, session = await open_session(engine, agent)
-    kinds = [event.type async for event in Runner.run_stream(agent, session, "2+2")]
+    runtime, session = await open_session(engine, agent)
+    kinds = [event.type async for event in runtime.run_stream(session, "2+2")]
     assert kinds[0] == "turn_metrics"  # the tool-call markup is not streamed as text
     assert kinds[1:4] == ["tool_call", "tool_result", "text_delta"]
     assert kinds[-2:] == ["turn_metrics", "run_finished"]
@@ -136,8 +136,8 @@ async def test_stream_events_arrive_in_order():
 async def test_text_before_a_tool_call_is_streamed_and_markup_hidden():
     engine = ScriptedEngine(["Let me add. " + call("add", a=1, b=2), "3"])
     agent = Agent(name="a", tools=[add])
-    _, session = await open_session(engine, agent)
-    events = [e async for e in Runner.run_stream(agent, session, "1+2")]
+    runtime, session = await open_session(engine, agent)
+    events = [e async for e in runtime.run_stream(session, "1+2")]
     text = "".join(e.text for e in events if isinstance(e, TextDelta))
     assert text == "Let me add. 3"
     assert any(isinstance(e, ToolCallEvent) for e in events)
@@ -148,24 +148,24 @@ async def test_text_before_a_tool_call_is_streamed_and_markup_hidden():
 async def test_cancellation_mid_decode_leaves_session_consistent():
     engine = ScriptedEngine(["a long answer " * 20, "short"], decode_s_per_token=0.01)
     agent = Agent(name="a")
-    _, session = await open_session(engine, agent)
+    runtime, session = await open_session(engine, agent)
     with anyio.move_on_after(0.2):
-        await Runner.run(agent, session, "talk")
+        await runtime.run(session, "talk")
     assert [m.role for m in session.messages] == ["user"]
     prompt = tuple(engine.calls[0].prompt_ids)
     kv_tokens = session.kv.tokens
     assert kv_tokens[: len(prompt)] == prompt  # the log is the prompt plus the tokens fed so far
     assert len(kv_tokens) < len(prompt) + len(engine.tokenizer.encode("a long answer " * 20))
-    result = await Runner.run(agent, session, "again")
+    result = await runtime.run(session, "again")
     assert result.final_text == "short"
 
 
 async def test_cancellation_mid_tool_keeps_the_call_and_drops_nothing():
     engine = ScriptedEngine([call("slow", seconds=0.15)], decode_s_per_token=0.0)
     agent = Agent(name="a", tools=[slow])
-    _, session = await open_session(engine, agent)
+    runtime, session = await open_session(engine, agent)
     with anyio.move_on_after(0.05):
-        await Runner.run(agent, session, "go")
+        await runtime.run(session, "go")
     assert [m.role for m in session.messages] == ["user", "assistant", "tool"]
     made = session.messages[1].tool_calls[0]
     assert made.name == "slow"
@@ -177,19 +177,19 @@ async def test_cancellation_mid_tool_keeps_the_call_and_drops_nothing():
 async def test_a_second_concurrent_run_on_one_session_raises_session_busy():
     engine = ScriptedEngine(["one " * 10, "two"], decode_s_per_token=0.01)
     agent = Agent(name="a")
-    _, session = await open_session(engine, agent)
+    runtime, session = await open_session(engine, agent)
     async with anyio.create_task_group() as tg:
-        tg.start_soon(Runner.run, agent, session, "first")
+        tg.start_soon(runtime.run, session, "first")
         await anyio.sleep(0.02)
         with pytest.raises(SessionBusy):
-            await Runner.run(agent, session, "second")
+            await runtime.run(session, "second")
 
 
 async def test_turn_metrics_are_reported_per_model_call():
     engine = ScriptedEngine([call("calculator", expression="6*7"), "42"])
     agent = Agent(name="a", tools=[calculator])
-    _, session = await open_session(engine, agent)
-    events = [e async for e in Runner.run_stream(agent, session, "6*7?")]
+    runtime, session = await open_session(engine, agent)
+    events = [e async for e in runtime.run_stream(session, "6*7?")]
     metrics = [e for e in events if isinstance(e, TurnMetricsEvent)]
     assert [m.step for m in metrics] == [0, 1]
     assert session.messages[2].content == "42"
@@ -229,3 +229,13 @@ async def test_closing_a_stream_early_releases_the_session_for_the_next_run():
                 break
     result = await runtime.run(session, "again")
     assert result.final_text == "next"
+
+
+async def test_the_deprecated_runner_still_runs_but_says_to_use_the_runtime():
+    engine = ScriptedEngine(["hi", "hello"])
+    agent = Agent(name="legacy")
+    _, session = await open_session(engine, agent)
+    with pytest.warns(DeprecationWarning, match="Runtime.run"):
+        assert (await Runner.run(agent, session, "hello")).final_text == "hi"
+    with pytest.warns(DeprecationWarning, match="Runtime.run"):
+        assert [e.type async for e in Runner.run_stream(agent, session, "again")][-1] == "run_finished"

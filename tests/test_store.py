@@ -422,6 +422,27 @@ def test_retry_locked_retries_a_bounded_number_of_times() -> None:
         retry_locked(always_locked, attempts=3, first_delay_s=0.001)
 
 
+def test_retry_locked_chains_the_lock_error_and_passes_other_errors_at_once() -> None:
+    lock_error = OperationalError("INSERT", {}, sqlite3.OperationalError("database is locked"))
+
+    def always_locked() -> None:
+        raise lock_error
+
+    with pytest.raises(StoreLocked, match="through 2 attempts") as raised:
+        retry_locked(always_locked, attempts=2, first_delay_s=0.001)
+    assert raised.value.__cause__ is lock_error
+
+    calls: list[int] = []
+
+    def missing_table() -> None:
+        calls.append(1)
+        raise OperationalError("INSERT", {}, sqlite3.OperationalError("no such table: rows"))
+
+    with pytest.raises(OperationalError, match="no such table"):
+        retry_locked(missing_table, first_delay_s=0.001)
+    assert len(calls) == 1
+
+
 async def test_from_env_reads_the_url_and_keeps_snapshots_beside_the_db(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AGENTKV_DB_URL", f"sqlite:///{tmp_path / 'env.db'}")

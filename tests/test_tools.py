@@ -170,6 +170,68 @@ def test_docstring_parser_handles_missing_docstring_and_leading_section():
     assert parsed.arguments == {"x": "the x."}
 
 
+def test_docstring_parser_reads_numpy_and_sphinx_styles():
+    numpy_style = parse_docstring(
+        """Add.
+
+        Parameters
+        ----------
+        a : int
+            The first.
+        b
+            The second,
+            which may be negative.
+        """
+    )
+    assert numpy_style.summary == "Add."
+    assert numpy_style.arguments == {"a": "The first.", "b": "The second, which may be negative."}
+    sphinx_style = parse_docstring("Add.\n\n:param a: The first.\n:param int b: The second.\n:type a: int\n")
+    assert sphinx_style.summary == "Add."
+    assert sphinx_style.arguments == {"a": "The first.", "b": "The second."}
+
+
+def test_docstring_parser_keeps_arguments_with_nested_types_and_keyword_sections():
+    parsed = parse_docstring(
+        """Store.
+
+        Args:
+            x (dict[str, (int)]): A mapping.
+            y (int): Plain.
+
+        Keyword Args:
+            z: Keyword only.
+        """
+    )
+    assert parsed.arguments == {"x": "A mapping.", "y": "Plain.", "z": "Keyword only."}
+
+
+def test_docstring_parser_accepts_sections_without_a_blank_line_and_logs_nothing(caplog):
+    with caplog.at_level("DEBUG"):
+        parsed = parse_docstring("Add.\nArgs:\n    x: the x.\nReturns:\n    the sum.\n")
+        parse_docstring(":param a: no matching parameter, no type.\n")
+    assert (parsed.summary, parsed.arguments) == ("Add.", {"x": "the x."})
+    assert caplog.records == []
+
+
+def test_numpy_docstring_describes_the_tool_schema():
+    @tool
+    def scale(value: float, factor: float = 2.0) -> float:
+        """Scale a value.
+
+        Parameters
+        ----------
+        value
+            What to scale.
+        factor
+            By how much.
+        """
+        return value * factor
+
+    properties = scale.parameters["properties"]
+    assert properties["value"]["description"] == "What to scale."
+    assert properties["factor"]["description"] == "By how much."
+
+
 def test_description_option_overrides_the_docstring():
     @tool(description="Custom text.")
     def f(x: int) -> int:

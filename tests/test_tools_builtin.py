@@ -72,6 +72,31 @@ def test_calculator_refuses_everything_but_arithmetic(expression, message):
         evaluate(expression)
 
 
+@pytest.mark.parametrize(
+    ("expression", "message"),
+    [
+        ("(1).real", "attribute access"),
+        ("1j", "only numbers are allowed"),
+        ("1 < 2", "is not allowed in a calculation"),
+        ("1 if 1 else 2", "is not allowed in a calculation"),
+        ("1 and 2", "is not allowed in a calculation"),
+        ("f'{1}'", "is not allowed in a calculation"),
+        ("(1, 2)[0]", "is not allowed in a calculation"),
+        ("sqrt", "unknown name 'sqrt'"),
+        ("x = 5", "cannot parse"),
+        ("1; 2", "cannot parse"),
+        ("1e308 * 10", "not a finite number"),
+        ("2 ** 4000000", "too large"),
+        ("min(*[1, 2])", "positional arguments only"),
+    ],
+)
+def test_calculator_refuses_what_a_general_expression_evaluator_allows(expression, message):
+    # NOTE: simpleeval 1.0, given only our names, functions and operators, returns a value for
+    # these, computes 2 ** 4000000, or raises an error that is not a ValueError: keep them refused.
+    with pytest.raises(ValueError, match=message):
+        evaluate(expression)
+
+
 _leaf = st.integers(min_value=-50, max_value=50).map(lambda n: (f"({n})", n))
 
 

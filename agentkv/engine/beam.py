@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from agentkv.engine.base import BeamHypothesis, GenerationConfig
+from agentkv.engine.base import BeamHypothesis, GenerationConfig, common_prefix_len
 from agentkv.engine.sampling import log_softmax
 from agentkv.errors import UserError
 
@@ -186,7 +186,7 @@ class BeamSearch:
         if not self._done:
             raise UserError("the beam search is still running; call finalize() first")
         best = (self._ranked() or [_Finished((), 0.0, False)])[0]
-        commons = [_common_prefix(best.tokens, row) for row in self._kv_rows]
+        commons = [common_prefix_len(best.tokens, row) for row in self._kv_rows]
         row = int(np.argmax(commons))
         return BeamWinner(
             token_ids=best.tokens,
@@ -258,11 +258,3 @@ class BeamSearch:
     def _ranked(self) -> list[_Finished]:
         return sorted(self._finished, key=lambda f: -f.score)
 
-
-def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    length = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        length += 1
-    return length

@@ -11,71 +11,85 @@ the slot is collapsed back to the prompt.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 import anyio
-import numpy as np
 
-from agentkv.engine.base import BeamHypothesis, GenerationResult
+from agentkv.engine.base import BeamHypothesis, GenerationConfig, GenerationResult, Tokenizer
 from agentkv.engine.beam import BeamSearch, BeamWinner
-
-if TYPE_CHECKING:
-    from agentkv.engine.decode import DecodeLoop
+from agentkv.engine.kv_log import KVLog, KVSlot
 
 
-async def run_beam_search(loop: DecodeLoop) -> GenerationResult:
+class BeamEngine(Protocol):
+    """What beam search reads of the engine."""
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]: ...
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+
+class BeamRun(Protocol):
+    """The generation a beam search runs inside (``engine/decode.py``'s ``DecodeLoop``)."""
+
+    engine: BeamEngine
+    log: KVLog
+    slot: KVSlot
+    run_blocking: Callable[..., Awaitable[Any]]
+    prompt: list[int]
+    config: GenerationConfig
+    max_new: int
+    stop_ids: frozenset[int]
+
+    def finish(self, generated: list[int], text: str, finish: str, first_at: float | None,
+               beams: tuple[BeamHypothesis, ...] = ()) -> GenerationResult: ...
+
+
+async def run_beam_search(loop: BeamRun) -> GenerationResult:
     """Run the search to its end and return the winner (with ``beams`` ranked)."""
-    session, slot, prompt = loop.session, loop.slot, loop.prompt
+    log, slot, prompt, run = loop.log, loop.slot, loop.prompt, loop.run_blocking
     config = loop.config.model_copy(update={"max_new_tokens": loop.max_new})
     search = BeamSearch(config, loop.engine.eos_token_ids, prompt_len=len(prompt))
-    assert session._last_logits is not None
-    prompt_logits = session._last_logits
+    assert log.last_logits is not None
+    prompt_logits = log.last_logits
     kv_len = len(prompt)
     first_at: float | None = None
     collapsed = False
     try:
-        step = search.step(session._last_logits[None, :])
+        step = search.step(prompt_logits[None, :])
         while step is not None:
             ids = step.next_tokens[:, None]
-            logits = await session._run(slot.feed, ids, kv_len, step.beam_idx)
+            logits = await run(slot.feed, ids, kv_len, step.beam_idx)  # rows diverge: the log waits
             kv_len += 1
             if first_at is None:
                 first_at = time.perf_counter()
             step = search.step(logits)
         winner = search.winner
-        await session._run(_collapse_to_winner, session, slot, prompt, winner, kv_len)
+        await run(_collapse_to_winner, log, slot, prompt, winner, kv_len, loop.engine.eos_token_ids)
         collapsed = True
     finally:
         if not collapsed:
             with anyio.CancelScope(shield=True):
-                await session._run(_collapse_to_prompt, session, slot, prompt)
-                session._last_logits = prompt_logits
+                await run(log.collapse, slot, 0, prompt, prompt_logits)  # one row: the prompt
     beams = tuple(BeamHypothesis(h.token_ids, float(h.score)) for h in search.finalize())
     text_ids = [t for t in winner.token_ids if t not in loop.stop_ids]
     text = loop.engine.tokenizer.decode(text_ids) if text_ids else ""
     return loop.finish(list(winner.token_ids), text, winner.finish_reason, first_at, beams)
 
 
-def _collapse_to_winner(session, slot, prompt: list[int], winner: BeamWinner, kv_len: int) -> None:  # type: ignore[no-untyped-def]
+def _collapse_to_winner(
+    log: KVLog, slot: KVSlot, prompt: list[int], winner: BeamWinner, kv_len: int, eos_ids: frozenset[int]
+) -> None:
     """Leave one row holding prompt + the winner's tokens (all but a final stop token)."""
     tokens = list(winner.token_ids)
-    keep = tokens[:-1] if tokens and tokens[-1] in session._engine.eos_token_ids else tokens
+    keep = tokens[:-1] if tokens and tokens[-1] in eos_ids else tokens
     rest = keep[winner.common_tokens :]
     if winner.kv_len == kv_len and rest:
         # The winner's row is live: the cache reorder beam_idx=[row] collapses the batch on
         # the same infer that feeds its remaining tokens.
-        logits = slot.feed(np.array([rest], dtype=np.int64), kv_len, np.array([winner.row], dtype=np.int32))
-        session._tokens = prompt + keep
-        session._last_logits = logits[0]
+        log.collapse_feeding(slot, winner.row, keep[: winner.common_tokens], rest)
         return
-    slot.select_row(winner.row, winner.kv_len)
-    session._tokens = prompt + tokens[: winner.common_tokens]
-    session._last_logits = None
+    log.collapse(slot, winner.row, prompt + tokens[: winner.common_tokens])
     if rest:
-        session._feed_blocking(slot, rest)
-
-
-def _collapse_to_prompt(session, slot, prompt: list[int]) -> None:  # type: ignore[no-untyped-def]
-    """Drop every beam: one row holding the prompt (whose logits stay valid)."""
-    slot.select_row(0, len(prompt))
-    session._tokens = list(prompt)
+        log.feed(slot, rest)

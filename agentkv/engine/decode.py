@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from agentkv.engine.base import (
     BeamHypothesis,
@@ -20,13 +20,30 @@ from agentkv.engine.base import (
     GenerationResult,
     TokenConstraint,
     TokenDelta,
+    Tokenizer,
 )
+from agentkv.engine.beam_decode import run_beam_search
 from agentkv.engine.detokenize import IncrementalDecoder
 from agentkv.engine.sampling import StopStringMatcher, make_rng, sample_next
 
 if TYPE_CHECKING:
-    from agentkv.engine.session import StatefulSession
-    from agentkv.engine.slot import Slot
+    from agentkv.engine.kv_log import KVLog, KVSlot
+
+
+class DecodeEngine(Protocol):
+    """What a decode loop reads of its engine (``StatefulEngine`` is one)."""
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]: ...
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+    @property
+    def max_context_len(self) -> int: ...
+    def metrics_for(self, log: KVLog, align: dict[str, int], *, generated: int, ttft: float,
+                    tpot: float) -> GenerationMetrics: ...
+
+RunBlocking = Callable[..., Awaitable[Any]]
+"""``await run(fn, *args)``: a session's way to run a blocking step in a worker thread."""
 
 
 @dataclass(frozen=True)
@@ -106,47 +123,48 @@ def timing(started: float, first_at: float | None, generated: int) -> tuple[floa
 
 
 class DecodeLoop:
-    """One generation on an aligned stateful session; ``run()`` yields deltas, then the result."""
+    """One generation on an aligned KV log (its last logits follow the prompt); ``run()``
+    yields deltas, then the result. ``run_blocking`` runs each model step in a worker thread."""
 
     def __init__(
         self,
-        session: StatefulSession,
-        slot: Slot,
+        engine: DecodeEngine,
+        log: KVLog,
+        slot: KVSlot,
+        run_blocking: RunBlocking,
         prompt: list[int],
         config: GenerationConfig,
         constraint: TokenConstraint | None,
         align: dict[str, int],
         started: float,
     ) -> None:
-        self.session, self.slot, self.prompt = session, slot, prompt
+        self.engine, self.log, self.slot, self.run_blocking = engine, log, slot, run_blocking
+        self.prompt = prompt
         self.config, self.constraint = config, constraint
         self.align, self.started = align, started
         self.metrics: GenerationMetrics | None = None
-        self.engine = session._engine
         self.stop_ids = stop_ids_for(config, self.engine.eos_token_ids)
         self.max_new = max(0, min(config.max_new_tokens, self.engine.max_context_len - len(prompt)))
 
     async def run(self) -> AsyncIterator[TokenDelta | GenerationResult]:
         """Yield a ``TokenDelta`` per token, then the ``GenerationResult``."""
         if self.config.num_beams > 1:
-            from agentkv.engine.beam_decode import run_beam_search
-
             result = await run_beam_search(self)
             yield TokenDelta(result.token_ids[-1] if result.token_ids else -1, result.text)
             yield result
             return
-        session, cfg = self.session, self.config
+        log, cfg = self.log, self.config
         rng = make_rng(cfg.seed)
 
         def choose(generated: list[int]) -> int:
-            assert session._last_logits is not None
+            assert log.last_logits is not None
             allowed = self.constraint.allowed_mask() if self.constraint is not None else None
             return sample_next(
-                session._last_logits, cfg, rng, context_ids=session._tokens, generated_ids=generated, allowed=allowed
+                log.last_logits, cfg, rng, context_ids=log.tokens, generated_ids=generated, allowed=allowed
             )
 
         async def feed(token: int) -> None:
-            await session._run(session._feed_blocking, self.slot, [token])
+            await self.run_blocking(log.feed, self.slot, [token])
 
         events = decode_tokens(
             choose, feed, config=cfg, decode_text=self.engine.tokenizer.decode,
@@ -168,7 +186,7 @@ class DecodeLoop:
     ) -> GenerationResult:
         """Build the result and the metrics."""
         ttft, tpot = timing(self.started, first_at, len(generated))
-        self.metrics = self.engine.metrics_for(self.session, self.align, generated=len(generated), ttft=ttft, tpot=tpot)
+        self.metrics = self.engine.metrics_for(self.log, self.align, generated=len(generated), ttft=ttft, tpot=tpot)
         return GenerationResult(
             token_ids=tuple(generated), text=text, finish_reason=finish, metrics=self.metrics, beams=beams
         )

@@ -28,6 +28,7 @@ from typing import Protocol
 import anyio
 import numpy as np
 
+from agentkv.engine.base import common_prefix_len
 from agentkv.engine.chunking import PrefixBoundaries
 from agentkv.engine.snapshot import KVSnapshot, PrecisionChoice
 from agentkv.errors import UserError
@@ -322,7 +323,7 @@ class PrefixCache:
             child = node.children.get(key[i])
             if child is None:
                 break
-            taken = _shared_len(child.edge, key, i)
+            taken = common_prefix_len(child.edge, key[i : i + len(child.edge)])
             path.append((child, taken))
             i += taken
             node = child if taken == len(child.edge) else None
@@ -368,12 +369,6 @@ class PrefixCache:
         with self._lock:
             return PrefixCacheStats(bytes=self._bytes, budget_bytes=self.budget_bytes,
                                     nodes=len(self._nodes()), **self._counts)
-
-
-def _shared_len(edge: tuple[int, ...], key: tuple[int, ...], start: int) -> int:
-    """Length of the common prefix of ``edge`` and ``key[start:]``."""
-    n = min(len(edge), len(key) - start)
-    return next((i for i in range(n) if edge[i] != key[start + i]), n)
 
 
 def _slice(chunk: KVSnapshot, start: int, stop: int) -> KVSnapshot:

@@ -2,8 +2,9 @@
 
 Keeps the invariant of DESIGN.md — the slot's KV is exactly the KV of ``tokens`` — through
 generate (align to the longest common prefix, prefill the rest, decode), trim, fork,
-snapshot/restore and slot offload. Every public method takes the session's lock, then a
-slot lease, then runs blocking model work in a worker thread::
+snapshot/restore and slot offload; the token log and every KV change live in its ``KVLog``
+(``engine/kv_log.py``). Every public method takes the session's lock, then a slot lease, then
+runs blocking model work in a worker thread::
 
     session = await engine.open_session()
     async for delta in session.stream(ids, GenerationConfig(max_new_tokens=32)):
@@ -15,7 +16,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import anyio
 import numpy as np
@@ -28,12 +29,12 @@ from agentkv.engine.base import (
     TokenDelta,
     common_prefix_len,
 )
-from agentkv.engine.chunking import chunk_spans
-from agentkv.engine.decode import DecodeLoop
-from agentkv.engine.rope import RopeConvention, drop_span
+from agentkv.engine.decode import DecodeEngine, DecodeLoop
+from agentkv.engine.kv_log import KVLog, KVLogCorrupt
+from agentkv.engine.rope import RopeConvention
 from agentkv.engine.session_common import SessionCommon
 from agentkv.engine.slot import Slot
-from agentkv.engine.slots import HostKV
+from agentkv.engine.slots import HostKV, SlotPool
 from agentkv.engine.snapshot import KVSnapshot
 from agentkv.errors import (
     KVShiftUnsupported,
@@ -41,8 +42,22 @@ from agentkv.errors import (
     UserError,
 )
 
-if TYPE_CHECKING:
-    from agentkv.engine.stateful import StatefulEngine
+
+
+class SessionEngine(DecodeEngine, Protocol):
+    """What a ``StatefulSession`` asks of its engine (``StatefulEngine`` is the one)."""
+
+    pool: SlotPool
+    fingerprint: str
+
+    def new_log(self) -> KVLog: ...
+    def new_session(self, **state: Any) -> StatefulSession: ...
+    def forget(self, session: StatefulSession) -> None: ...
+    def restores_exactly(self, snapshot: KVSnapshot) -> bool: ...
+    def make_snapshot(self, log: KVLog, keys: np.ndarray, values: np.ndarray) -> KVSnapshot: ...
+    def prefix_cache_lookup(self, prompt: Sequence[int], reused: int) -> KVSnapshot | None: ...
+    async def prefix_cache_store(self, session: StatefulSession, slot: Slot) -> None: ...
+    async def rope_convention(self) -> RopeConvention | None: ...
 
 
 def _align_counts(reused: int, cached: int, restored: int, prefilled: int, recomputed: int) -> dict[str, int]:
@@ -60,29 +75,44 @@ def _align_counts(reused: int, cached: int, restored: int, prefilled: int, recom
 class StatefulSession(SessionCommon):
     """A KV session bound (lazily) to a slot of a ``StatefulEngine``."""
 
-    def __init__(self, engine: StatefulEngine, session_id: str | None = None) -> None:
+    def __init__(
+        self,
+        engine: SessionEngine,
+        session_id: str | None = None,
+        *,
+        log: KVLog | None = None,
+        held: HostKV | None = None,
+    ) -> None:
+        """``log`` and ``held`` (its KV waiting on the host) start a session from a fork."""
         self._engine = engine
         self._id = session_id or uuid.uuid4().hex
-        self._tokens: list[int] = []
-        self._last_logits: np.ndarray | None = None  # logits after tokens[-1], if known
-        self._host: HostKV | None = None  # KV waiting to be put into a slot
-        self._shifted = False
-        self._kv_exact = True  # False once KV came back from a lossy restore
+        self._log = log or engine.new_log()
+        self._host: HostKV | None = held  # KV waiting to be put into a slot
         self._closed = False
         # NOTE: a semaphore, not a Lock: a stream abandoned mid-way is closed by the async-generator
         # finalizer in another task, and a Lock refuses release from a task that did not take it.
         self._lock = anyio.Semaphore(1)
         self.restored_tokens_pending = 0
         self.recomputed_tokens_pending = 0  # log re-prefilled on adopt (its host KV was dropped)
-        self.last_metrics: GenerationMetrics | None = None
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return tuple(self._log.tokens)
+
+    @property
+    def shifted(self) -> bool:
+        return self._log.shifted
+
+    @property
+    def kv_exact(self) -> bool:
+        """False once part of the KV came back from a lossy restore (see ``KVLog.exact``)."""
+        return self._log.exact
 
     # ---- slot pool callbacks (run in worker threads, under the pool's lease) ---------
     def offload(self, slot: Slot) -> None:
         """Copy this session's KV to host memory before its slot is given away."""
-        keys, values = slot.read()
-        self._host = self._engine.pool.host.put(
-            self._engine.make_snapshot(self._tokens, keys, values, self._shifted, self._kv_exact)
-        )
+        keys, values = self._log.read(slot)
+        self._host = self._engine.pool.host.put(self._engine.make_snapshot(self._log, keys, values))
         slot.reset()
 
     def adopt(self, slot: Slot) -> None:
@@ -91,8 +121,7 @@ class StatefulSession(SessionCommon):
         try:
             self._adopt(slot)
         except BaseException:
-            slot.reset()
-            self._tokens, self._last_logits = [], None
+            self._log.clear(slot)
             raise
 
     def _adopt(self, slot: Slot) -> None:
@@ -100,15 +129,13 @@ class StatefulSession(SessionCommon):
         host, self._host = self._host, None
         snapshot = None if host is None else host.take()  # None: empty, or dropped by the host budget
         if snapshot is None or snapshot.num_tokens == 0:
-            if self._tokens:  # NOTE: its KV was dropped: re-prefill the log (exact again, unshifted)
-                tokens, self._tokens, self._last_logits = self._tokens, [], None
-                self._shifted, self._kv_exact = False, True
-                self._feed_blocking(slot, tokens)
+            if self._log.tokens:  # NOTE: its KV was dropped: re-prefill the log (exact again, unshifted)
+                tokens = list(self._log.tokens)
+                self._log.forget()
+                self._log.feed(slot, tokens)
                 self.recomputed_tokens_pending += len(tokens)
             return
-        keys, values = snapshot.to_float()
-        slot.write(keys, values)
-        self._kv_exact = self._engine.restores_exactly(snapshot)
+        self._log.load(slot, snapshot, exact=self._engine.restores_exactly(snapshot))
         self.restored_tokens_pending += snapshot.num_tokens
 
     # ---- generation ------------------------------------------------------------------
@@ -120,10 +147,9 @@ class StatefulSession(SessionCommon):
             async with self._engine.pool.lease(self) as slot:
                 started = time.perf_counter()
                 align = await self._align(slot, prompt)
-                loop = DecodeLoop(self, slot, prompt, config, constraint, align, started)
+                loop = DecodeLoop(self._engine, self._log, slot, self._run, prompt, config, constraint, align, started)
                 async for event in loop.run():
                     yield event
-                self.last_metrics = loop.metrics
 
     async def prefill(self, prompt_tokens: Sequence[int]) -> GenerationMetrics:
         """Align to ``prompt_tokens`` without generating."""
@@ -135,31 +161,32 @@ class StatefulSession(SessionCommon):
                 started = time.perf_counter()
                 align = await self._align(slot, prompt)
                 elapsed = time.perf_counter() - started
-                return self._engine.metrics_for(self, align, generated=0, ttft=elapsed, tpot=0.0)
+                return self._engine.metrics_for(self._log, align, generated=0, ttft=elapsed, tpot=0.0)
 
     async def _align(self, slot: Slot, prompt: list[int]) -> dict[str, int]:
         """Trim the KV to the longest common prefix with ``prompt``, prefill the rest.
 
-        Returns counts for the metrics. Leaves ``_last_logits`` = logits after ``prompt[-1]``.
+        Returns counts for the metrics. Leaves the log's last logits = logits after ``prompt[-1]``.
         """
+        log = self._log
         restored, self.restored_tokens_pending = self.restored_tokens_pending, 0
         recomputed, self.recomputed_tokens_pending = self.recomputed_tokens_pending, 0
-        reused = common_prefix_len(self._tokens, prompt)
-        if reused == len(prompt) and reused == len(self._tokens) and self._last_logits is not None:
+        reused = common_prefix_len(log.tokens, prompt)
+        if reused == len(prompt) and reused == len(log) and log.last_logits is not None:
             return _align_counts(reused, 0, restored, 0, recomputed)
         # NOTE: a prompt fully covered by the KV still needs its last token fed to get logits.
         reused = min(reused, len(prompt) - 1)
         cached = 0
-        if reused < len(self._tokens):
-            await self._run(self._trim_blocking, slot, reused)
+        if reused < len(log):
+            await self._run(log.trim, slot, reused)
         hit = self._engine.prefix_cache_lookup(prompt, reused)
         if hit is not None:
-            await self._run(self._load_prefix_blocking, slot, hit)
+            await self._run(self._load_blocking, slot, hit)
             cached = hit.num_tokens - reused
             reused_from_cache = hit.num_tokens
         else:
             reused_from_cache = reused
-        await self._run(self._feed_blocking, slot, prompt[reused_from_cache:])
+        await self._run(log.feed, slot, prompt[reused_from_cache:])
         await self._engine.prefix_cache_store(self, slot)
         return _align_counts(reused, cached, restored, len(prompt) - reused_from_cache, recomputed)
 
@@ -169,60 +196,25 @@ class StatefulSession(SessionCommon):
         # KV, then the cancellation is delivered. That keeps the invariant under cancel.
         return await anyio.to_thread.run_sync(fn, *args, limiter=self._engine.pool.limiter)
 
-    def _feed_blocking(self, slot: Slot, ids: Sequence[int]) -> np.ndarray:
-        """Run ``ids`` through the model after the current tokens; they join the log. Cut at
-        the canonical chunk boundaries (``engine/chunking.py``) so the same log is always
-        computed the same way, whichever path reached it."""
-        start = len(self._tokens)
-        spans = [(start, start + len(ids))]
-        if len(ids) > 1:
-            engine = self._engine
-            cuts = engine.boundaries.cuts_within([*self._tokens, *ids], start=start, stop=start + len(ids))
-            spans = chunk_spans(start, start + len(ids), cuts=cuts, chunk_size=engine.prefill_chunk_size)
-        logits = self._last_logits
-        for begin, end in spans:
-            piece = list(ids[begin - start : end - start])
-            logits = slot.feed(np.array([piece], dtype=np.int64), past_len=begin)[0]
-            self._tokens.extend(piece)
-            self._last_logits = logits
-        assert logits is not None
-        return logits
-
-    def _trim_blocking(self, slot: Slot, n: int) -> None:
-        if n < len(self._tokens):
-            slot.trim(n)
-            del self._tokens[n:]
-            self._last_logits = None
-            if n == 0:
-                self._shifted, self._kv_exact = False, True
-
-    def _load_prefix_blocking(self, slot: Slot, snapshot: KVSnapshot) -> None:
-        keys, values = snapshot.to_float()
-        try:
-            slot.write(keys, values)
-        except BaseException:
-            slot.reset()
-            self._tokens, self._last_logits = [], None
-            raise
-        self._tokens = list(snapshot.tokens)
-        self._last_logits = None
-        self._kv_exact = self._engine.restores_exactly(snapshot)
+    def _load_blocking(self, slot: Slot, snapshot: KVSnapshot) -> None:
+        self._log.load(slot, snapshot, exact=self._engine.restores_exactly(snapshot))
 
     # ---- other operations ------------------------------------------------------------
     async def next_token_logits(self) -> np.ndarray:
         """float32 logits ``[vocab]`` for the token after ``tokens``."""
         async with self._lock:
             self._ensure_open()
-            if not self._tokens:
+            log = self._log
+            if not log.tokens:
                 raise UserError("the session is empty: prefill or generate before asking for logits")
             async with self._engine.pool.lease(self) as slot:
                 self.restored_tokens_pending = self.recomputed_tokens_pending = 0
-                if self._last_logits is None:
-                    last = self._tokens[-1]
-                    await self._run(self._trim_blocking, slot, len(self._tokens) - 1)
-                    await self._run(self._feed_blocking, slot, [last])
-                assert self._last_logits is not None
-                return self._last_logits.copy()
+                if log.last_logits is None:
+                    last = log.tokens[-1]
+                    await self._run(log.trim, slot, len(log) - 1)
+                    await self._run(log.feed, slot, [last])
+                assert log.last_logits is not None
+                return log.last_logits.copy()
 
     async def trim(self, n: int) -> None:
         """Keep the first ``n`` tokens and their KV."""
@@ -230,10 +222,10 @@ class StatefulSession(SessionCommon):
             raise UserError(f"trim(n) needs n >= 0, got {n}")
         async with self._lock:
             self._ensure_open()
-            if n >= len(self._tokens):
+            if n >= len(self._log):
                 return
             async with self._engine.pool.lease(self) as slot:
-                await self._run(self._trim_blocking, slot, n)
+                await self._run(self._log.trim, slot, n)
 
     async def snapshot(self) -> KVSnapshot:
         """A host copy of KV and tokens."""
@@ -247,8 +239,8 @@ class StatefulSession(SessionCommon):
             if held is not None:
                 return held  # else it was dropped: the lease below re-prefills it
         async with self._engine.pool.lease(self) as slot:
-            keys, values = await self._run(slot.read)
-            return self._engine.make_snapshot(self._tokens, keys, values, self._shifted, self._kv_exact)
+            keys, values = await self._run(self._log.read, slot)
+            return self._engine.make_snapshot(self._log, keys, values)
 
     async def restore(self, snapshot: KVSnapshot) -> None:
         """Replace KV and tokens by ``snapshot``'s (fresh state or nothing)."""
@@ -262,11 +254,10 @@ class StatefulSession(SessionCommon):
             if self._host is not None:  # the old KV is being replaced: don't bring it back first
                 self._host.release()
                 self._host = None
-            self._tokens, self._last_logits = [], None
+            self._log.forget()
             self.restored_tokens_pending = self.recomputed_tokens_pending = 0
             async with self._engine.pool.lease(self) as slot:
-                await self._run(self._load_prefix_blocking, slot, snapshot)
-                self._shifted = snapshot.shifted
+                await self._run(self._load_blocking, slot, snapshot)
                 self.restored_tokens_pending = snapshot.num_tokens
 
     async def fork(self) -> StatefulSession:
@@ -275,12 +266,20 @@ class StatefulSession(SessionCommon):
             self._ensure_open()
             snap = await self._snapshot_locked()
         host = await self._run(self._engine.pool.host.put, snap)
-        child = self._engine.new_session()
-        child._tokens = list(snap.tokens)
-        child._host = host
-        child._shifted = snap.shifted
-        child._kv_exact = self._kv_exact
-        return child
+        log = self._engine.new_log()
+        log.tokens, log.shifted, log.exact = list(snap.tokens), snap.shifted, self._log.exact
+        return self._engine.new_session(log=log, held=host)
+
+    async def check_integrity(self) -> None:
+        """Raise ``KVLogCorrupt`` unless the KV (in a slot, or offloaded) holds exactly
+        ``len(tokens)`` positions. Read-only; for tests and debugging."""
+        async with self._lock:
+            self._ensure_open()
+            if self._engine.pool.is_bound(self):
+                async with self._engine.pool.lease(self) as slot:
+                    await self._run(self._log.check_integrity, slot)
+            elif self._host is not None and self._host.num_tokens not in (0, len(self._log)):
+                raise KVLogCorrupt(f"offloaded KV holds {self._host.num_tokens} positions, the log {len(self._log)}")
 
     # ---- KV-level span drop (sliding window) -----------------------------------------
     @property
@@ -309,20 +308,7 @@ class StatefulSession(SessionCommon):
             self._ensure_open()
             self._check_span(start, end)
             async with self._engine.pool.lease(self) as slot:
-                await self._run(self._drop_blocking, slot, start, end, convention)
-
-    def _drop_blocking(self, slot: Slot, start: int, end: int, convention: RopeConvention) -> None:
-        keys, values = slot.read()
-        keys, values = drop_span(keys, values, start, end, convention)
-        try:
-            slot.write(keys, values)
-        except BaseException:
-            slot.reset()  # never leave partial KV behind
-            self._tokens, self._last_logits = [], None
-            raise
-        del self._tokens[start:end]
-        self._last_logits = None
-        self._shifted = True
+                await self._run(self._log.drop, slot, start, end, convention)
 
     async def close(self) -> None:
         """Release the slot and the KV (idempotent)."""

@@ -55,7 +55,7 @@ class SessionCommon:
         return self._kv_exact
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(id={self._id[:8]}, tokens={len(self._tokens)})"
+        return f"{type(self).__name__}(id={self._id[:8]}, tokens={len(self.tokens)})"
 
     def stream(
         self,
@@ -89,9 +89,9 @@ class SessionCommon:
     def _check_span(self, start: int, end: int) -> None:
         """``drop(start, end)``'s argument check (no state change)."""
         self._ensure_open()
-        if not 0 <= start <= end <= len(self._tokens):
+        if not 0 <= start <= end <= len(self.tokens):
             raise UserError(
-                f"drop({start}, {end}) is outside the session's {len(self._tokens)} tokens; "
+                f"drop({start}, {end}) is outside the session's {len(self.tokens)} tokens; "
                 "pass 0 <= start <= end <= len(session.tokens)"
             )
 
@@ -116,9 +116,10 @@ class EngineCommon:
         """A new empty session."""
         return self.new_session()
 
-    def new_session(self) -> Any:
-        """Synchronous constructor used by ``open_session`` and ``fork``."""
-        session = self.session_class(self)
+    def new_session(self, **state: Any) -> Any:
+        """Synchronous constructor used by ``open_session`` and ``fork`` (``state``: what a
+        forked session starts with, passed to ``session_class``)."""
+        session = self.session_class(self, **state)
         self._sessions.add(session)
         return session
 

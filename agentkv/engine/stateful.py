@@ -39,6 +39,7 @@ import anyio
 
 from agentkv.engine.base import GenerationMetrics
 from agentkv.engine.chunking import PrefixBoundaries
+from agentkv.engine.kv_log import KVLog
 from agentkv.engine.models import ModelFiles, compiled_cache_dir, resolve_model
 from agentkv.engine.numerics import EXACT_CONFIG, PluginNumerics
 from agentkv.engine.prefix_cache import PrefixCache
@@ -128,12 +129,12 @@ class StatefulEngine(EngineCommon):
             raise UserError(f"exact=True needs an f32 KV cache, got kv_cache_precision={kv_cache_precision!r}; "
                             "drop one of the two")
         self.files: ModelFiles = resolve_model(model)
-        self.device = device
         self.prefill_chunk_size = prefill_chunk_size
         self._tokenizer = OVTokenizer(self.files.ir_dir)
         core = ov.Core()
         ov_model = core.read_model(str(self.files.model_xml))
-        self.logits_sliced = slice_logits and slice_last_position(ov_model)
+        if slice_logits:
+            slice_last_position(ov_model)
         requested_kv = kv_cache_precision or ("f32" if exact else DEFAULT_KV_PRECISION)
         config: dict[str, str] = {"CACHE_DIR": str(compiled_cache_dir())}
         config.update(EXACT_CONFIG if exact else {})
@@ -243,19 +244,21 @@ class StatefulEngine(EngineCommon):
         return self._constraints(grammar)
 
     # ---- helpers used by sessions ------------------------------------------------------
-    def make_snapshot(
-        self, tokens: Sequence[int], keys: np.ndarray, values: np.ndarray, shifted: bool, kv_exact: bool = True
-    ) -> KVSnapshot:
-        """Host snapshot of float32 KV arrays in this engine's snapshot precision ("auto":
-        lossless); ``kv_exact=False`` carries a session's earlier inexact restore along."""
+    def new_log(self) -> KVLog:
+        """An empty token log that cuts its prefills canonically for this engine."""
+        return KVLog(boundaries=self.boundaries, chunk_size=self.prefill_chunk_size)
+
+    def make_snapshot(self, log: KVLog, keys: np.ndarray, values: np.ndarray) -> KVSnapshot:
+        """Host snapshot of ``log``'s float32 KV arrays in this engine's snapshot precision
+        ("auto": lossless); an inexact log's snapshot says so."""
         return KVSnapshot.from_float(
-            tuple(tokens),
+            tuple(log.tokens),
             keys,
             values,
             precision=self.snapshot_precision,
             fingerprint=self._fingerprint,
-            shifted=shifted,
-            lossless=kv_exact,
+            shifted=log.shifted,
+            lossless=log.exact,
         )
 
     def restores_exactly(self, snapshot: KVSnapshot) -> bool:
@@ -267,10 +270,10 @@ class StatefulEngine(EngineCommon):
         return self._kv_token_bytes
 
     def metrics_for(
-        self, session: StatefulSession, align: dict[str, int], *, generated: int, ttft: float, tpot: float
+        self, log: KVLog, align: dict[str, int], *, generated: int, ttft: float, tpot: float
     ) -> GenerationMetrics:
         """Metrics of one call from the alignment counts."""
-        kv_tokens = len(session.tokens)
+        kv_tokens = len(log)
         return GenerationMetrics(
             prompt_tokens=align["reused"] + align["prefix_cache"] + align["prefilled"],
             reused_tokens=align["reused"],
@@ -282,7 +285,7 @@ class StatefulEngine(EngineCommon):
             tpot_s=tpot,
             kv_tokens=kv_tokens,
             kv_bytes=kv_tokens * self.kv_bytes_per_token(),
-            kv_exact=session.kv_exact,
+            kv_exact=log.exact,
         )
 
     def prefix_cache_lookup(self, prompt: Sequence[int], reused: int) -> KVSnapshot | None:

@@ -8,17 +8,17 @@
 from __future__ import annotations
 
 import os
-
-import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import platformdirs
 from sqlalchemy import create_engine, event
 from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.pool import StaticPool
+from tenacity import (RetryCallState, Retrying, retry_if_exception, stop_after_attempt,
+                      wait_exponential)
 
 from agentkv.errors import StoreLocked
 
@@ -122,19 +122,22 @@ def retry_locked(work: Callable[[], T], *, attempts: int = RETRY_ATTEMPTS,
                  first_delay_s: float = 0.05) -> T:
     """Run ``work`` (one whole transaction) again on a lock error, with backoff, a bounded number of times.
 
-    ``retry_locked(lambda: write_row(...))``; raises ``StoreLocked`` after the last attempt.
+    ``retry_locked(lambda: write_row(...))``; waits ``first_delay_s``, doubled after each attempt;
+    raises ``StoreLocked`` after the last attempt, and any other error at once.
     """
-    for attempt in range(attempts):
-        try:
-            return work()
-        except DBAPIError as e:
-            if not is_retryable(e):
-                raise
-            if attempt == attempts - 1:
-                raise StoreLocked(
-                    f"the database stayed locked through {attempts} attempts ({e.orig}); another "
-                    "process holds a long transaction: retry later, or use PostgreSQL for many "
-                    "writers (AGENTKV_DB_URL)"
-                ) from e
-            time.sleep(first_delay_s * 2**attempt)
-    raise AssertionError("unreachable: the loop returns or raises")
+    return Retrying(
+        retry=retry_if_exception(is_retryable),
+        stop=stop_after_attempt(attempts),
+        wait=wait_exponential(multiplier=first_delay_s),
+        retry_error_callback=_still_locked,
+    )(work)
+
+
+def _still_locked(state: RetryCallState) -> NoReturn:
+    """tenacity calls this after the last attempt: ``StoreLocked``, chained from the lock error."""
+    error = state.outcome.exception() if state.outcome is not None else None
+    raise StoreLocked(
+        f"the database stayed locked through {state.attempt_number} attempts "
+        f"({getattr(error, 'orig', error)}); another process holds a long transaction: retry "
+        "later, or use PostgreSQL for many writers (AGENTKV_DB_URL)"
+    ) from error

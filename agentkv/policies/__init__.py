@@ -5,9 +5,13 @@
     from agentkv.policies import SlidingWindow, SummarizeAndReprefill, Truncation
 
     agent = Agent(name="chat", policy=SlidingWindow(low_water=0.7), max_prompt_len=1024)
+
+A policy sees its session only through ``ConversationView`` (``agentkv.policies.protocol``): write
+your own by implementing ``ContextPolicy.compact`` against it.
 """
 
-from agentkv.policies.base import ContextPolicy, WindowPolicy, low_water_tokens
+from agentkv.policies.base import WindowPolicy, low_water_tokens
+from agentkv.policies.protocol import ContextPolicy, ConversationView, PolicyAgent, WindowItem
 from agentkv.policies.selection import RemovalPlan, Unit, group_units, plan_removal
 from agentkv.policies.sliding_window import SlidingWindow
 from agentkv.policies.summarize import SummarizeAndReprefill
@@ -17,11 +21,14 @@ from agentkv.policies.truncation import Truncation
 __all__ = [
     "SUMMARY_PREFIX",
     "ContextPolicy",
+    "ConversationView",
+    "PolicyAgent",
     "RemovalPlan",
     "SlidingWindow",
     "SummarizeAndReprefill",
     "Truncation",
     "Unit",
+    "WindowItem",
     "WindowPolicy",
     "group_units",
     "low_water_tokens",

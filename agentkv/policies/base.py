@@ -1,13 +1,15 @@
-"""The ContextPolicy protocol, budget helpers, and the compaction outline every policy shares.
+"""Budget helpers and the compaction outline every built-in policy shares.
 
-The runner calls ``policy.compact(session, agent, limit=limit)`` when the rendered prompt
-exceeds ``limit`` (``max_prompt_len - min_response_len``); the policy brings the prompt down
-to its low-water mark (a fraction of ``limit``, so compaction is rare) and yields one
-``ContextCompacted`` event::
+The runner calls ``policy.compact(session, agent, limit=limit)`` (``ContextPolicy``, in
+``agentkv.policies.protocol``) when the rendered prompt exceeds ``limit``
+(``max_prompt_len - min_response_len``); the policy brings the prompt down to its low-water mark
+(a fraction of ``limit``, so compaction is rare) and yields one ``ContextCompacted`` event::
 
     agent = Agent(name="chat", policy=Truncation(low_water=0.7), max_prompt_len=2048)
     async for event in agent.policy.compact(session, agent, limit=1792):
         print(event.policy, event.tokens_before, "→", event.tokens_after)
+
+Policies see the session only as a ``ConversationView`` (see ``agentkv.policies.protocol``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING
 
 from agentkv.errors import ContextOverflowError, UserError
 from agentkv.events import ContextCompacted
@@ -23,24 +25,9 @@ from agentkv.policies.oversize import fit_oversized
 from agentkv.policies.selection import RemovalPlan, plan_removal
 
 if TYPE_CHECKING:
-    from agentkv.agent import Agent
-    from agentkv.conversation import AgentSession
+    from agentkv.policies.protocol import AgentT, ConversationView
 
 DEFAULT_LOW_WATER = 0.7
-
-
-@runtime_checkable
-class ContextPolicy(Protocol):
-    """Decides which messages leave the window when the prompt outgrows its budget."""
-
-    name: str
-    """Short name reported in ``ContextCompacted.policy``."""
-
-    def compact(self, session: AgentSession, agent: Agent, *, limit: int) -> AsyncIterator[ContextCompacted]:
-        """Bring ``session.render(agent)`` to at most ``limit`` tokens (to the low-water mark if
-        possible); yield one event per compaction. Messages that leave the window are reported
-        through ``session.replace_in_window`` (never deleted from the store). Raises
-        ``ContextOverflowError`` when the protected messages alone exceed ``limit``."""
 
 
 def low_water_tokens(limit: int, ratio: float) -> int:
@@ -55,22 +42,17 @@ def check_low_water(ratio: float) -> float:
     return ratio
 
 
-def prompt_tokens(session: AgentSession, agent: Agent) -> int:
+def prompt_tokens(session: ConversationView[AgentT], agent: AgentT) -> int:
     """Tokens of the prompt the runner would send now (generation prompt included)."""
     return len(session.render(agent).token_ids)
 
 
-async def realign(session: AgentSession, agent: Agent) -> None:
-    """Bring the KV to the current prompt: trim to the common prefix, prefill the rest, so the
-    next model call prefills nothing (and the compaction's cost includes the re-prefill)."""
-    await session.kv.prefill(session.render(agent).token_ids)
-
-
-async def truncate(session: AgentSession, agent: Agent, plan: RemovalPlan) -> None:
-    """Drop the plan's messages from the window and re-prefill from the divergence."""
+async def truncate(session: ConversationView[AgentT], agent: AgentT, plan: RemovalPlan) -> None:
+    """Drop the plan's messages from the window and re-prefill from the divergence (inside the
+    compaction, so the next model call prefills nothing and the event's cost includes it)."""
     if plan.entries:
         await session.replace_in_window(plan.entries)
-    await realign(session, agent)
+    await session.realign(agent)
 
 
 class WindowPolicy(ABC):
@@ -87,7 +69,7 @@ class WindowPolicy(ABC):
         return f"{type(self).__name__}(low_water={self.low_water})"
 
     async def compact(
-        self, session: AgentSession, agent: Agent, *, limit: int
+        self, session: ConversationView[AgentT], agent: AgentT, *, limit: int
     ) -> AsyncIterator[ContextCompacted]:
         """See ``ContextPolicy.compact``."""
         started = time.perf_counter()
@@ -113,6 +95,8 @@ class WindowPolicy(ABC):
         yield ContextCompacted(self.name, before, after, removed, cost_ms, fallback, fallback_reason)
 
     @abstractmethod
-    async def _remove(self, session: AgentSession, agent: Agent, *, target: int) -> tuple[int, str | None]:
+    async def _remove(
+        self, session: ConversationView[AgentT], agent: AgentT, *, target: int
+    ) -> tuple[int, str | None]:
         """Remove messages towards ``target`` tokens; return (messages removed, None — or the
         reason the policy fell back to truncation, which the event reports)."""

@@ -17,9 +17,10 @@ from agentkv.errors import ContextOverflowError
 from agentkv.policies.selection import plan_removal, removable_units
 
 if TYPE_CHECKING:
-    from agentkv.agent import Agent
-    from agentkv.chat.render import ChatTokenizer, MessageSpan
-    from agentkv.conversation import AgentSession
+    from collections.abc import Sequence
+
+    from agentkv.chat.messages import Message
+    from agentkv.policies.protocol import AgentT, ConversationView, TextTokenizer, TokenSpan
 
 CUTTABLE_ROLES = ("user", "tool")
 _MAX_CUTS = 8
@@ -31,7 +32,7 @@ def truncation_marker(removed_tokens: int) -> str:
     return f"\n[… {removed_tokens} tokens truncated …]\n"
 
 
-def cut_content(tokenizer: ChatTokenizer, content: str, remove: int) -> str:
+def cut_content(tokenizer: TextTokenizer, content: str, remove: int) -> str:
     """``content`` with at least ``remove`` tokens (plus the marker's own) taken out of its
     middle; the head and tail are kept."""
     ids = tokenizer.encode(content)
@@ -43,7 +44,7 @@ def cut_content(tokenizer: ChatTokenizer, content: str, remove: int) -> str:
     return tokenizer.decode(ids[:head]) + truncation_marker(removed) + tokenizer.decode(kept_tail)
 
 
-async def fit_oversized(session: AgentSession, agent: Agent, *, limit: int, target: int) -> int:
+async def fit_oversized(session: ConversationView[AgentT], agent: AgentT, *, limit: int, target: int) -> int:
     """Make the protected messages fit ``limit`` (cutting down to halfway between ``target``
     and ``limit``); return how many messages were cut. Raises ``ContextOverflowError`` when they
     do not fit and the agent did not opt into cutting, or when cutting cannot make them fit."""
@@ -53,7 +54,7 @@ async def fit_oversized(session: AgentSession, agent: Agent, *, limit: int, targ
         floor = plan_removal(session.window, rendered, target=0).floor
         if floor <= limit:
             return cuts
-        candidate = _largest_protected(session, rendered.spans)
+        candidate = _largest_protected(session.messages, rendered.spans)
         if not agent.truncate_oversized_messages or candidate is None:
             raise _overflow(floor, limit, candidate is None)
         index, length = candidate
@@ -61,11 +62,11 @@ async def fit_oversized(session: AgentSession, agent: Agent, *, limit: int, targ
         # NOTE: cut only down to halfway between the low-water mark and the limit: a cut loses
         # content for good (in the window), so it takes no more than the budget needs.
         excess = floor - max((target + limit) // 2, 1)
-        new_content = cut_content(session.renderer.tokenizer, entry.message.content, min(excess, length))
+        new_content = cut_content(session.tokenizer, entry.message.content, min(excess, length))
         if new_content == entry.message.content:
             break
         cut = entry.message.model_copy(update={"content": new_content})
-        tokens = session.renderer.message_tokens(cut, position=index + 1)
+        tokens = session.message_tokens(cut, position=index + 1)
         await session.replace_in_window([entry], cut, token_count=tokens)
         cuts += 1
     rendered = session.render(agent)
@@ -75,9 +76,9 @@ async def fit_oversized(session: AgentSession, agent: Agent, *, limit: int, targ
     return cuts
 
 
-def _largest_protected(session: AgentSession, spans: tuple[MessageSpan, ...]) -> tuple[int, int] | None:
-    """(window index, span length) of the largest protected user/tool message with content."""
-    messages = session.messages
+def _largest_protected(messages: Sequence[Message], spans: Sequence[TokenSpan]) -> tuple[int, int] | None:
+    """(window index, span length) of the largest protected user/tool message with content
+    (``spans``: the rendered prompt's, span 0 being the system prompt)."""
     removable = {i for unit in removable_units(messages) for i in range(unit.first, unit.end)}
     best: tuple[int, int, tuple[int, bool]] | None = None
     for index, message in enumerate(messages):

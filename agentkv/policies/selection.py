@@ -19,8 +19,7 @@ from typing import TYPE_CHECKING
 from agentkv.chat.messages import Message
 
 if TYPE_CHECKING:
-    from agentkv.chat.render import RenderedPrompt
-    from agentkv.conversation import WindowEntry
+    from agentkv.policies.protocol import Rendered, WindowItem
 
 
 @dataclass(frozen=True)
@@ -58,7 +57,7 @@ def removable_units(messages: Sequence[Message]) -> list[Unit]:
     return [unit for position, unit in enumerate(units) if position not in protected]
 
 
-def unit_tokens(unit: Unit, rendered: RenderedPrompt) -> tuple[int, int]:
+def unit_tokens(unit: Unit, rendered: Rendered) -> tuple[int, int]:
     """The unit's token range in ``rendered`` (span 0 is the system message, so window entry k
     is span k + 1)."""
     return rendered.spans[unit.first + 1].start, rendered.spans[unit.end].end
@@ -68,7 +67,7 @@ def unit_tokens(unit: Unit, rendered: RenderedPrompt) -> tuple[int, int]:
 class RemovalPlan:
     """The messages a compaction removes and what that saves."""
 
-    entries: tuple[WindowEntry, ...]
+    entries: tuple[WindowItem, ...]
     """Entries to remove, in window order."""
     token_ranges: tuple[tuple[int, int], ...]
     """Their (start, end) token ranges in the rendered prompt, adjacent ones merged, in order."""
@@ -81,7 +80,7 @@ class RemovalPlan:
 
 
 def plan_removal(
-    window: Sequence[WindowEntry], rendered: RenderedPrompt, *, target: int, reserve: int = 0
+    window: Sequence[WindowItem], rendered: Rendered, *, target: int, reserve: int = 0
 ) -> RemovalPlan:
     """The oldest removable units whose removal brings ``rendered`` to ``target - reserve``
     tokens (``reserve``: tokens something will add back, e.g. a summary), or all of them."""

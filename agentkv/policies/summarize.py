@@ -1,6 +1,6 @@
 """SummarizeAndReprefill: summarise the oldest messages with the model, replace them by one summary.
 
-The summary is written by the same engine in a temporary session (the conversation's KV is
+The summary is written by the same model in a scratch session (the conversation's KV is
 untouched), chunk by chunk so the summariser never outgrows its own window, with a bounded
 number of attempts per chunk; an empty or failed summary falls back to truncation. The
 summary message (content ``"Summary of earlier conversation: …"``) takes the place of the
@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from agentkv.chat.messages import Message
 from agentkv.engine.base import GenerationConfig
 from agentkv.errors import UserError
-from agentkv.policies.base import DEFAULT_LOW_WATER, WindowPolicy, realign, truncate
+from agentkv.policies.base import DEFAULT_LOW_WATER, WindowPolicy, truncate
 from agentkv.policies.selection import plan_removal
 from agentkv.policies.summary_prompt import (
     SUMMARIZER_INSTRUCTIONS,
@@ -31,9 +31,7 @@ from agentkv.policies.summary_prompt import (
 )
 
 if TYPE_CHECKING:
-    from agentkv.agent import Agent
-    from agentkv.conversation import AgentSession
-    from agentkv.engine.base import KVSession
+    from agentkv.policies.protocol import AgentT, ConversationView, ScratchSession
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +69,9 @@ class SummarizeAndReprefill(WindowPolicy):
         self.role = role
         """Role of the summary message."""
 
-    async def _remove(self, session: AgentSession, agent: Agent, *, target: int) -> tuple[int, str | None]:
+    async def _remove(
+        self, session: ConversationView[AgentT], agent: AgentT, *, target: int
+    ) -> tuple[int, str | None]:
         reserve = self.max_summary_tokens + _SUMMARY_MESSAGE_OVERHEAD
         plan = plan_removal(session.window, session.render(agent), target=target, reserve=reserve)
         if not plan.entries:
@@ -83,26 +83,23 @@ class SummarizeAndReprefill(WindowPolicy):
             await truncate(session, agent, plan)
             return len(plan.entries), reason
         message = Message(role=self.role, content=f"{SUMMARY_PREFIX} {summary}")
-        tokens = session.renderer.message_tokens(message, position=1)
+        tokens = session.message_tokens(message, position=1)
         await session.replace_in_window(plan.entries, message, token_count=tokens)
-        session.summaries += 1
-        await realign(session, agent)
+        await session.realign(agent)
         return len(plan.entries), None
 
-    async def summarize(self, session: AgentSession, messages: Sequence[Message]) -> str | None:
-        """A summary of ``messages`` written in a temporary session, or None if every attempt
-        on some chunk failed or came back empty."""
-        engine = session.engine
+    async def summarize(self, session: ConversationView[Any], messages: Sequence[Message]) -> str | None:
+        """A summary of ``messages`` written in a scratch session, or None if every attempt on
+        some chunk failed or came back empty."""
         # The prompt holds the summary so far and the chunk; the answer needs its own room.
-        room = engine.max_context_len - 2 * self.max_summary_tokens - _PROMPT_OVERHEAD
+        room = session.context_len - 2 * self.max_summary_tokens - _PROMPT_OVERHEAD
         budget = max(1, min(self.chunk_tokens, room))
-        chunks = chunk_lines(transcript_lines(messages), session.renderer.tokenizer, budget)
-        scratch = await engine.open_session()
-        try:
+        chunks = chunk_lines(transcript_lines(messages), session.tokenizer, budget)
+        async with session.scratch() as scratch:
             summary = ""
             for chunk in chunks:
                 request = chunk_request(chunk, summary)
-                prompt = session.renderer.render(
+                prompt = session.render_messages(
                     [Message.system(SUMMARIZER_INSTRUCTIONS), Message.user(request)]
                 ).token_ids
                 text = await self._attempt(scratch, prompt)
@@ -110,10 +107,8 @@ class SummarizeAndReprefill(WindowPolicy):
                     return None
                 summary = text
             return summary or None
-        finally:
-            await scratch.close()
 
-    async def _attempt(self, scratch: KVSession, prompt: Sequence[int]) -> str | None:
+    async def _attempt(self, scratch: ScratchSession, prompt: Sequence[int]) -> str | None:
         """Up to ``max_attempts`` generations (greedy first, then sampled); the first non-empty."""
         for attempt in range(self.max_attempts):
             config = GenerationConfig(

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from agentkv.chat.messages import Message
 
 if TYPE_CHECKING:
-    from agentkv.chat.render import ChatTokenizer
+    from agentkv.policies.protocol import TextTokenizer
 
 SUMMARY_PREFIX = "Summary of earlier conversation:"
 """Every summary message's content starts with this."""
@@ -47,7 +47,7 @@ def transcript_lines(messages: Sequence[Message]) -> list[str]:
     return lines
 
 
-def chunk_lines(lines: Sequence[str], tokenizer: ChatTokenizer, max_tokens: int) -> list[str]:
+def chunk_lines(lines: Sequence[str], tokenizer: TextTokenizer, max_tokens: int) -> list[str]:
     """Join lines into chunks of at most ``max_tokens`` tokens; a longer line is split by tokens."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
@@ -78,7 +78,7 @@ def chunk_request(chunk: str, summary_so_far: str) -> str:
             f"Summary so far:\n{summary_so_far}\n\nMore of the conversation:\n{chunk}\n\n"
             "Rewrite the summary so it also covers these messages."
         )
-    return f"Conversation:\n{chunk}\n\nSummarise this conversation."
+    return f"ConversationView:\n{chunk}\n\nSummarise this conversation."
 
 
 def clean_summary(text: str) -> str:

@@ -14,8 +14,7 @@ from agentkv.policies.base import WindowPolicy, truncate
 from agentkv.policies.selection import plan_removal
 
 if TYPE_CHECKING:
-    from agentkv.agent import Agent
-    from agentkv.conversation import AgentSession
+    from agentkv.policies.protocol import AgentT, ConversationView
 
 
 class Truncation(WindowPolicy):
@@ -23,7 +22,9 @@ class Truncation(WindowPolicy):
 
     name = "truncation"
 
-    async def _remove(self, session: AgentSession, agent: Agent, *, target: int) -> tuple[int, str | None]:
+    async def _remove(
+        self, session: ConversationView[AgentT], agent: AgentT, *, target: int
+    ) -> tuple[int, str | None]:
         plan = plan_removal(session.window, session.render(agent), target=target)
         await truncate(session, agent, plan)
         return len(plan.entries), None

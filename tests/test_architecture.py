@@ -1,0 +1,95 @@
+"""The layer map holds: no import cycles (type-only imports included), and each layer imports
+only what DESIGN.md allows (engine: no SQL, no messages; memory: no OpenVINO)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "agentkv"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module ``path`` imports, wherever the import sits (TYPE_CHECKING and functions too)."""
+    found: set[str] = set()
+    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    return {name: {m for m in imports_of(path) if m in modules and m != name} for name, path in modules.items()}
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected groups of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in edges[node]:
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_package_has_no_import_cycles_not_even_type_only_ones():
+    edges = graph()
+    # a package's __init__ re-exports its modules; a module importing a sibling through the
+    # package is the same edge, so package -> own submodule edges do not count as cycles
+    for name in edges:
+        edges[name] = {t for t in edges[name] if not t.startswith(name + ".")}
+    assert cycles(edges) == []
+
+
+def test_each_layer_imports_only_what_the_design_allows():
+    forbidden = {
+        "agentkv.engine": ("sqlalchemy", "agentkv.memory", "agentkv.chat", "agentkv.runner", "agentkv.runtime",
+                           "agentkv.conversation", "agentkv.policies"),
+        "agentkv.memory": ("openvino", "openvino_genai", "agentkv.engine.stateful", "agentkv.runner",
+                           "agentkv.runtime", "agentkv.policies"),
+        "agentkv.policies": ("agentkv.runner", "agentkv.runtime", "agentkv.memory", "agentkv.engine.stateful",
+                             "agentkv.conversation", "agentkv.agent", "openvino"),
+    }
+    broken = []
+    for path in PACKAGE.rglob("*.py"):
+        name = module_name(path)
+        for layer, banned in forbidden.items():
+            if name == layer or name.startswith(layer + "."):
+                broken += [(name, m) for m in imports_of(path) if m.startswith(banned)]
+    assert broken == []
