@@ -1,0 +1,119 @@
+"""PagedSlot: one sequence's block table over a PagedModel — the KVSlot a KVLog runs on, paged.
+
+It honours the slot contract of ``engine/kv_log.py`` (feed, trim, reset, read, write), so the
+same alignment, trim, snapshot and restore code runs on blocks instead of a stateful request.
+Blocks come from the shared ``BlockPool`` as the sequence grows and go back on trim and reset::
+
+    slot = PagedSlot(model, pool)
+    logits = slot.feed(np.array([ids]), past_len=0)      # [1, vocab]
+    slot.trim(40)                                         # blocks past position 40 are released
+
+Blocking; one caller at a time (the session's lease). ``read``/``write`` copy float K/V for
+f32 and f16 caches; a u8 cache's rows carry their quantisation parameters and are not read here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from agentkv.engine.block_pool import BlockPool
+from agentkv.engine.paged_model import BLOCK_SIZE, PagedModel, SequenceStep
+from agentkv.errors import UserError
+
+
+def blocks_for(tokens: int) -> int:
+    """Blocks that hold ``tokens`` positions: ``blocks_for(33) == 2``."""
+    return -(-tokens // BLOCK_SIZE)
+
+
+class PagedSlot:
+    """A block table and a length over a shared model and block pool."""
+
+    def __init__(self, model: PagedModel, pool: BlockPool) -> None:
+        self.model = model
+        self.pool = pool
+        self.blocks: list[int] = []
+        """The block table: block i holds positions ``i*BLOCK_SIZE ..``."""
+        self._length = 0
+
+    def feed(self, input_ids: np.ndarray, past_len: int, beam_idx: np.ndarray | None = None) -> np.ndarray:
+        """Run ``input_ids`` ``[1, T]`` after ``past_len`` cached positions; logits ``[1, vocab]``."""
+        if beam_idx is not None and list(np.asarray(beam_idx)) != [0]:
+            raise UserError("beam search needs the stateful engine's beam_idx: use StatefulEngine for num_beams > 1")
+        if np.asarray(input_ids).shape[0] != 1 or past_len != self._length:
+            raise UserError(f"a paged slot feeds one sequence after its {self._length} positions, got "
+                            f"batch {np.asarray(input_ids).shape[0]} after {past_len}")
+        ids = [int(t) for t in np.asarray(input_ids)[0]]
+        self._grow(past_len + len(ids))
+        logits = self.model.step([SequenceStep(ids, past_len, self.blocks)])
+        self._length = past_len + len(ids)
+        return logits
+
+    def length(self) -> int:
+        return self._length
+
+    def reset(self) -> None:
+        self.pool.release(self.blocks)
+        self.blocks, self._length = [], 0
+
+    def trim(self, n: int) -> None:
+        """Keep the first ``n`` positions; blocks past them go back to the pool."""
+        if n >= self._length:
+            return
+        keep = blocks_for(n)
+        self.pool.release(self.blocks[keep:])
+        del self.blocks[keep:]
+        self._length = n
+
+    def read(self) -> tuple[np.ndarray, np.ndarray]:
+        """float32 K and V ``[layers, 1, heads, T, head_dim]`` (copies)."""
+        self._check_float_cache("read")
+        keys, values = [], []
+        for k_cache, v_cache in self.model.cache_layers():
+            keys.append(_gather(k_cache, self.blocks, self._length))
+            values.append(_gather(v_cache, self.blocks, self._length))
+        return np.stack(keys)[:, None], np.stack(values)[:, None]
+
+    def write(self, keys: np.ndarray, values: np.ndarray) -> None:
+        """Replace the KV by ``keys`` / ``values`` ``[layers, 1, heads, T, head_dim]``."""
+        self._check_float_cache("write")
+        if keys.shape[1] != 1:
+            raise UserError("a paged slot holds one sequence: write [layers, 1, heads, T, dim]")
+        self.reset()
+        length = keys.shape[3]
+        self._grow(length)
+        for layer, (k_cache, v_cache) in enumerate(self.model.cache_layers()):
+            _scatter(k_cache, self.blocks, keys[layer, 0])
+            _scatter(v_cache, self.blocks, values[layer, 0])
+        self._length = length
+
+    def select_row(self, row: int, n: int) -> None:
+        """Keep row ``row`` (a paged slot has only row 0) and its first ``n`` positions."""
+        if row != 0:
+            raise UserError("a paged slot holds one sequence (row 0)")
+        self.trim(n)
+
+    def _grow(self, tokens: int) -> None:
+        missing = blocks_for(tokens) - len(self.blocks)
+        if missing > 0:
+            self.blocks.extend(self.pool.allocate(missing))
+
+    def _check_float_cache(self, action: str) -> None:
+        if self.model.kv_cache_precision == "u8":
+            raise UserError(f"cannot {action} a u8 paged cache as floats: use kv_cache_precision='f16' or 'f32'")
+
+
+def _gather(cache: np.ndarray, blocks: list[int], length: int) -> np.ndarray:
+    """``[heads, length, dim]`` float32 from ``cache[blocks]`` (``[n, heads, BLOCK, dim]``)."""
+    picked = cache[blocks]  # [n, heads, BLOCK, dim]
+    heads, dim = picked.shape[1], picked.shape[3]
+    flat = picked.transpose(1, 0, 2, 3).reshape(heads, -1, dim)
+    return np.array(flat[:, :length], dtype=np.float32)
+
+
+def _scatter(cache: np.ndarray, blocks: list[int], kv: np.ndarray) -> None:
+    """Write ``kv`` ``[heads, T, dim]`` into ``cache[blocks]`` (the tail of the last block is zeroed)."""
+    heads, length, dim = kv.shape
+    padded = np.zeros((heads, len(blocks) * BLOCK_SIZE, dim), dtype=cache.dtype)
+    padded[:, :length] = kv
+    cache[blocks] = padded.reshape(heads, len(blocks), BLOCK_SIZE, dim).transpose(1, 0, 2, 3)
