@@ -57,12 +57,14 @@ from agentkv.runtime import Runtime
 from agentkv.tools import Tool, ToolOutcome, calculator, clock, run_tool_calls, tool
 
 if TYPE_CHECKING:
+    from agentkv.engine.paged import PagedEngine
     from agentkv.engine.stateful import StatefulEngine
 
 __all__ = [
     "Agent", "AgentKVError", "AgentSession", "ConstraintError", "ContextCompacted", "ContextOverflowError",
     "Engine", "GenerationConfig", "GenerationMetrics", "GenerationResult", "GenerationStream", "KVSession",
-    "KVSnapshot", "MaxTurnsExceeded", "Message", "ModelNotFound", "RunEvent", "RunFinished", "RunResult",
+    "KVSnapshot", "MaxTurnsExceeded", "Message", "ModelNotFound", "PagedEngine", "RunEvent", "RunFinished",
+    "RunResult",
     "Runner", "Runtime", "SessionBusy", "SessionClosed", "SessionNotFound", "SnapshotCorrupt",
     "SnapshotIncompatible", "StatefulEngine", "TextDelta", "TokenDelta", "Tool", "ToolCall", "ToolCallEvent",
     "ToolOutcome", "ToolResultEvent", "TurnMetricsEvent", "UserError", "calculator", "clock",
@@ -71,9 +73,13 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    # StatefulEngine imports OpenVINO: load it only when asked for.
+    # The engines import OpenVINO: load them only when asked for.
     if name == "StatefulEngine":
         from agentkv.engine.stateful import StatefulEngine
 
         return StatefulEngine
+    if name == "PagedEngine":
+        from agentkv.engine.paged import PagedEngine
+
+        return PagedEngine
     raise AttributeError(f"module 'agentkv' has no attribute {name!r}")

@@ -10,24 +10,26 @@ sequences, each feeding its new tokens after ``past_len`` cached ones::
     logits = model.step([SequenceStep(ids=prompt, past_len=0, blocks=[0, 1, 2, 3])])  # [1, vocab]
 
 A gather before the LM head keeps only each sequence's last position (prefill needs no more).
-Blocking; one caller at a time (the engine's scheduler). No sessions, no messages here.
+Blocking and thread-safe: ``lock`` serialises steps and access to the block storage (one
+InferRequest serves every sequence). No sessions, no messages here.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import openvino as ov
 
 from agentkv.engine.models import ModelFiles, compiled_cache_dir
-from agentkv.engine.numerics import EXACT_CONFIG, PluginNumerics
+from agentkv.engine.numerics import EXACT_CONFIG, PluginNumerics, precision_name
 from agentkv.errors import UserError
 
 BLOCK_SIZE = 32
 """Tokens per KV block (the CPU plugin's PagedAttention block)."""
-_CACHE_TYPES = {"f32": (ov.Type.f32, 0), "f16": (ov.Type.f16, 0), "u8": (ov.Type.u8, 8)}
+_CACHE_TYPES = {"f32": (ov.Type.f32, 0), "f16": (ov.Type.f16, 0), "bf16": (ov.Type.bf16, 0), "u8": (ov.Type.u8, 8)}
 """Element type per KV precision, and the bytes each token row carries beyond head_dim (u8: its
 quantisation parameters)."""
 
@@ -41,6 +43,8 @@ class SequenceStep:
     blocks: Sequence[int]
     """Block table: block i holds positions ``i*BLOCK_SIZE .. (i+1)*BLOCK_SIZE-1``; it must cover
     ``past_len + len(ids)`` positions."""
+    position_offset: int = 0
+    """Added to every position id (how RoPE is measured: ``engine/rope.py``)."""
 
 
 class PagedModel:
@@ -50,14 +54,15 @@ class PagedModel:
         self,
         files: ModelFiles,
         *,
-        num_blocks: int,
+        num_blocks: int | None = None,
+        kv_cache_bytes: int | None = None,
         device: str = "CPU",
         kv_cache_precision: str = "f16",
         exact: bool = False,
         ov_config: dict[str, str] | None = None,
     ) -> None:
-        if num_blocks < 1:
-            raise UserError(f"num_blocks must be >= 1, got {num_blocks}")
+        if (num_blocks is None) == (kv_cache_bytes is None):
+            raise UserError("give PagedModel either num_blocks or kv_cache_bytes")
         if kv_cache_precision not in _CACHE_TYPES:
             raise UserError(f"kv_cache_precision must be one of {sorted(_CACHE_TYPES)}, got {kv_cache_precision!r}")
         if exact and kv_cache_precision != "f32":
@@ -68,15 +73,30 @@ class PagedModel:
 
         self.heads, self.head_dim = _state_kv_shape(model)
         paged_attention_transformation(model, False, False, False, False, False)
-        element, extra = _CACHE_TYPES[kv_cache_precision]
-        self.num_layers = _type_caches(model, element, (self.heads, self.head_dim + extra))
-        _gather_last_positions(model)
         config = {"CACHE_DIR": str(compiled_cache_dir()), **(EXACT_CONFIG if exact else {}),
                   "KV_CACHE_PRECISION": kv_cache_precision, **(ov_config or {})}
+        # NOTE: with bf16 compute the plugin writes bf16 into a 16-bit cache whatever it is called:
+        # type it bf16, or reading it as f16 gives garbage (measured: keys off by ~100 %).
+        if kv_cache_precision == "f16" and _compute_precision(core, device, config) == "bf16":
+            kv_cache_precision = "bf16"
+        element, extra = _CACHE_TYPES[kv_cache_precision]
+        self.num_layers = _type_caches(model, element, (self.heads, self.head_dim + extra))
+        if num_blocks is None:
+            assert kv_cache_bytes is not None
+            block_bytes = 2 * self.num_layers * self.heads * BLOCK_SIZE * (self.head_dim + extra) * element.size
+            num_blocks = kv_cache_bytes // block_bytes
+        if num_blocks < 1:
+            raise UserError(f"the KV cache needs at least one block; got num_blocks={num_blocks} "
+                            f"(kv_cache_bytes={kv_cache_bytes})")
+        _gather_last_positions(model)
         self._compiled = core.compile_model(model, device, config)
-        self.numerics = PluginNumerics.of(self._compiled, kv_cache_precision)
+        self.numerics = replace(PluginNumerics.of(self._compiled, kv_cache_precision), kv_cache=kv_cache_precision)
         self.kv_cache_precision = kv_cache_precision
+        """The blocks' element type: "f32", "f16", "bf16" (f16 asked, bf16 compute) or "u8"."""
         self.num_blocks = num_blocks
+        self.vocab_size = int(self._compiled.output("logits").get_partial_shape()[2].get_length())
+        self.lock = threading.RLock()
+        """Held by every step and every read or write of the block storage."""
         self._request = self._compiled.create_infer_request()
         self.caches: dict[str, ov.Tensor] = {}
         """``key_cache.N`` / ``value_cache.N`` → the block storage (read and written through ``.data``)."""
@@ -101,10 +121,15 @@ class PagedModel:
             if len(seq.blocks) < needed:
                 raise UserError(f"a sequence of {total} tokens needs {needed} blocks, its table has {len(seq.blocks)}")
             ids.extend(int(t) for t in seq.ids)
-            positions.extend(range(seq.past_len, total))
+            positions.extend(range(seq.past_len + seq.position_offset, total + seq.position_offset))
             blocks.extend(int(b) for b in seq.blocks[:needed])
             begins.append(len(ids))
             block_begins.append(len(blocks))
+        with self.lock:
+            return self._infer(ids, positions, sequences, begins, blocks, block_begins)
+
+    def _infer(self, ids: list[int], positions: list[int], sequences: Sequence[SequenceStep], begins: list[int],
+               blocks: list[int], block_begins: list[int]) -> np.ndarray:
         self._request.infer({
             "input_ids": np.array(ids, dtype=np.int64),
             "position_ids": np.array(positions, dtype=np.int64),
@@ -121,6 +146,17 @@ class PagedModel:
         """Per layer, numpy views ``(keys, values)`` of ``[num_blocks, heads, BLOCK_SIZE, row]``."""
         return [(self.caches[f"key_cache.{i}"].data, self.caches[f"value_cache.{i}"].data)
                 for i in range(self.num_layers)]
+
+
+def _compute_precision(core: ov.Core, device: str, config: dict[str, str]) -> str:
+    """The plugin's compute precision for ``config`` (its hint, else the device's default)."""
+    hint = config.get("INFERENCE_PRECISION_HINT")
+    if hint is None:
+        try:
+            hint = core.get_property(device, "INFERENCE_PRECISION_HINT")
+        except RuntimeError:
+            return "f32"
+    return precision_name(hint)
 
 
 def _type_caches(model: ov.Model, element: ov.Type, row: tuple[int, int]) -> int:

@@ -18,6 +18,7 @@ import numpy as np
 
 from agentkv.engine.block_pool import BlockPool
 from agentkv.engine.paged_model import BLOCK_SIZE, PagedModel, SequenceStep
+from agentkv.engine.snapshot import from_bf16_bits, to_bf16_bits
 from agentkv.errors import UserError
 
 
@@ -36,8 +37,11 @@ class PagedSlot:
         """The block table: block i holds positions ``i*BLOCK_SIZE ..``."""
         self._length = 0
 
-    def feed(self, input_ids: np.ndarray, past_len: int, beam_idx: np.ndarray | None = None) -> np.ndarray:
-        """Run ``input_ids`` ``[1, T]`` after ``past_len`` cached positions; logits ``[1, vocab]``."""
+    def feed(
+        self, input_ids: np.ndarray, past_len: int, beam_idx: np.ndarray | None = None, position_offset: int = 0
+    ) -> np.ndarray:
+        """Run ``input_ids`` ``[1, T]`` after ``past_len`` cached positions; logits ``[1, vocab]``
+        (``position_offset`` shifts the position ids, to measure RoPE)."""
         if beam_idx is not None and list(np.asarray(beam_idx)) != [0]:
             raise UserError("beam search needs the stateful engine's beam_idx: use StatefulEngine for num_beams > 1")
         if np.asarray(input_ids).shape[0] != 1 or past_len != self._length:
@@ -45,7 +49,7 @@ class PagedSlot:
                             f"batch {np.asarray(input_ids).shape[0]} after {past_len}")
         ids = [int(t) for t in np.asarray(input_ids)[0]]
         self._grow(past_len + len(ids))
-        logits = self.model.step([SequenceStep(ids, past_len, self.blocks)])
+        logits = self.model.step([SequenceStep(ids, past_len, self.blocks, position_offset)])
         self._length = past_len + len(ids)
         return logits
 
@@ -69,9 +73,11 @@ class PagedSlot:
         """float32 K and V ``[layers, 1, heads, T, head_dim]`` (copies)."""
         self._check_float_cache("read")
         keys, values = [], []
-        for k_cache, v_cache in self.model.cache_layers():
-            keys.append(_gather(k_cache, self.blocks, self._length))
-            values.append(_gather(v_cache, self.blocks, self._length))
+        bf16 = self.model.kv_cache_precision == "bf16"
+        with self.model.lock:
+            for k_cache, v_cache in self.model.cache_layers():
+                keys.append(_gather(k_cache, self.blocks, self._length, bf16))
+                values.append(_gather(v_cache, self.blocks, self._length, bf16))
         return np.stack(keys)[:, None], np.stack(values)[:, None]
 
     def write(self, keys: np.ndarray, values: np.ndarray) -> None:
@@ -82,9 +88,11 @@ class PagedSlot:
         self.reset()
         length = keys.shape[3]
         self._grow(length)
-        for layer, (k_cache, v_cache) in enumerate(self.model.cache_layers()):
-            _scatter(k_cache, self.blocks, keys[layer, 0])
-            _scatter(v_cache, self.blocks, values[layer, 0])
+        bf16 = self.model.kv_cache_precision == "bf16"
+        with self.model.lock:
+            for layer, (k_cache, v_cache) in enumerate(self.model.cache_layers()):
+                _scatter(k_cache, self.blocks, keys[layer, 0], bf16)
+                _scatter(v_cache, self.blocks, values[layer, 0], bf16)
         self._length = length
 
     def select_row(self, row: int, n: int) -> None:
@@ -103,17 +111,19 @@ class PagedSlot:
             raise UserError(f"cannot {action} a u8 paged cache as floats: use kv_cache_precision='f16' or 'f32'")
 
 
-def _gather(cache: np.ndarray, blocks: list[int], length: int) -> np.ndarray:
-    """``[heads, length, dim]`` float32 from ``cache[blocks]`` (``[n, heads, BLOCK, dim]``)."""
+def _gather(cache: np.ndarray, blocks: list[int], length: int, bf16: bool) -> np.ndarray:
+    """``[heads, length, dim]`` float32 from ``cache[blocks]`` (``[n, heads, BLOCK, dim]``; a bf16
+    cache shows as 16-bit numbers: its bits are converted, not its values)."""
     picked = cache[blocks]  # [n, heads, BLOCK, dim]
     heads, dim = picked.shape[1], picked.shape[3]
-    flat = picked.transpose(1, 0, 2, 3).reshape(heads, -1, dim)
-    return np.array(flat[:, :length], dtype=np.float32)
+    flat = picked.transpose(1, 0, 2, 3).reshape(heads, -1, dim)[:, :length]
+    return from_bf16_bits(flat.view(np.uint16)) if bf16 else np.array(flat, dtype=np.float32)
 
 
-def _scatter(cache: np.ndarray, blocks: list[int], kv: np.ndarray) -> None:
+def _scatter(cache: np.ndarray, blocks: list[int], kv: np.ndarray, bf16: bool) -> None:
     """Write ``kv`` ``[heads, T, dim]`` into ``cache[blocks]`` (the tail of the last block is zeroed)."""
     heads, length, dim = kv.shape
-    padded = np.zeros((heads, len(blocks) * BLOCK_SIZE, dim), dtype=cache.dtype)
-    padded[:, :length] = kv
-    cache[blocks] = padded.reshape(heads, len(blocks), BLOCK_SIZE, dim).transpose(1, 0, 2, 3)
+    target = cache.view(np.uint16) if bf16 else cache
+    padded = np.zeros((heads, len(blocks) * BLOCK_SIZE, dim), dtype=target.dtype)
+    padded[:, :length] = to_bf16_bits(kv) if bf16 else kv
+    target[blocks] = padded.reshape(heads, len(blocks), BLOCK_SIZE, dim).transpose(1, 0, 2, 3)

@@ -5,11 +5,12 @@ from the KV (``KVSession.drop``) must rotate every later key back by the span's 
 positions contiguous. θ and linear scaling come from the model's metadata (GGUF
 ``*.rope.freq_base`` / ``*.rope.scaling.*``, config.json ``rope_theta`` / ``rope_scaling``) and
 are verified: the same tokens are prefilled at position offsets 0 and p and the rotation must
-map one key state onto the other. Without metadata (or when it fails) the rotation is fitted —
-pairing of dimensions (rotate-half or interleaved) and every pair's frequency — from layer 0,
-whose keys do not pass through attention. Either way the check runs on every layer, against a
+map one key state onto the other — on layer 0, whose keys pass through no attention, within a
 tolerance derived from noise measured on the running machine (the probe prefilled again in two
-chunks: dynamic quantisation and bf16 compute make deeper keys depend on chunking)::
+chunks). Without metadata (or when it fails) the rotation is fitted there — pairing of
+dimensions (rotate-half or interleaved) and every pair's frequency. Then every layer must be
+explained by it far better than by no rotation (deeper keys also carry the noise of attention
+computed at other positions: ~3e-2 with bf16 compute)::
 
     convention = await engine.rope_convention()     # None when no rotation explains the keys
     keys = convention.rotate(keys, -40)            # [..., T, head_dim], every token by −40
@@ -60,7 +61,8 @@ class RopeConvention:
     scale: float | None
     """The linear position-scaling factor of that fit (1.0 = unscaled)."""
     fit_error: float
-    """Largest error of the fitted rotation on the probe, relative to the largest key."""
+    """Largest error of the rotation on the probe's layer-0 keys (or the keys it was fitted on),
+    relative to the largest key."""
     source: Literal["metadata", "fitted", "given"] = "given"
     """Where θ came from: the model's metadata (verified), a fit on its keys, or a caller."""
     tolerance: float = 0.0
@@ -282,18 +284,47 @@ def chunking_noise(slot: Slot, ids: Sequence[int], offsets: Sequence[int], keys:
 def measure_convention(
     slot: Slot, ids: Sequence[int], *, floor: float, metadata: tuple[float, float] | None
 ) -> RopeConvention | None:
-    """Measure the slot's RoPE: keys at ``PROBE_OFFSETS``, the machine's noise, then the
-    metadata's θ verified (or a fit) against ``max(floor, NOISE_FACTOR × noise)``. Blocking."""
+    """Measure the slot's RoPE: keys at ``PROBE_OFFSETS`` and the machine's noise; the metadata's
+    θ verified (or a fit) on layer 0 — whose keys pass through no attention, so only rounding
+    separates them from an exact rotation — against ``max(floor, NOISE_FACTOR × noise)``; then
+    every layer must be explained by that rotation far better than by none (a layer without
+    RoPE, or another rotation, makes the convention unusable for span drops). Blocking."""
     keys = measure_keys(slot, ids, PROBE_OFFSETS)
     noise = chunking_noise(slot, ids, (0, max(PROBE_OFFSETS)), keys)
     tolerance = max(floor, NOISE_FACTOR * noise)
     base = keys.pop(0)
+    first = {p: k[:1] for p, k in keys.items()}
     convention = None
     if metadata is not None:
-        convention = convention_from_metadata(*metadata, base, keys, tolerance=tolerance)
+        convention = convention_from_metadata(*metadata, base[:1], first, tolerance=tolerance)
     if convention is None:
-        convention = fit_convention(base, keys, tolerance=tolerance, fit_layers=slice(0, 1))
-    if convention is not None:
-        logger.info("RoPE (%s): %s, θ=%s, scale=%s, error %.1e within %.1e (noise %.1e)", convention.source,
-                    convention.style, convention.theta, convention.scale, convention.fit_error, tolerance, noise)
+        convention = fit_convention(base[:1], first, tolerance=tolerance)
+    if convention is None or convention.style == "none":
+        return convention
+    worst = _worst_layer(convention, base, keys)
+    if worst is not None:
+        logger.warning("RoPE θ=%s does not explain layer %d of the model's keys (rotated error %.2e vs %.2e "
+                       "unrotated); span drops are unavailable", convention.theta, *worst)
+        return None
+    logger.info("RoPE (%s): %s, θ=%s, scale=%s, layer-0 error %.1e within %.1e (noise %.1e)", convention.source,
+                convention.style, convention.theta, convention.scale, convention.fit_error, tolerance, noise)
     return convention
+
+
+DEPTH_MARGIN = 0.5
+"""Every layer's keys must fit the rotation with at most this fraction of the unrotated error
+(measured: ≤0.04 rotated vs ~1 unrotated with bf16 compute; a layer without RoPE gives ≫1)."""
+
+
+def _worst_layer(
+    convention: RopeConvention, base: np.ndarray, moved: Mapping[int, np.ndarray]
+) -> tuple[int, float, float] | None:
+    """(layer, rotated error, unrotated error) of the first layer the rotation does not explain."""
+    inv_freq = np.asarray(convention.inv_freq)
+    for layer in range(base.shape[0]):
+        layer_moved = {p: k[layer] for p, k in moved.items()}
+        rotated = rotation_error(base[layer], layer_moved, convention.style, inv_freq)
+        unrotated = max(_relative_error(base[layer], k) for k in layer_moved.values())
+        if rotated > DEPTH_MARGIN * unrotated:
+            return layer, rotated, unrotated
+    return None

@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from dataclasses import dataclass
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -39,7 +40,7 @@ import anyio
 
 from agentkv.engine.base import GenerationMetrics
 from agentkv.engine.chunking import PrefixBoundaries
-from agentkv.engine.kv_log import KVLog
+from agentkv.engine.kv_log import KVLog, KVSlot
 from agentkv.engine.models import ModelFiles, compiled_cache_dir, resolve_model
 from agentkv.engine.numerics import EXACT_CONFIG, PluginNumerics
 from agentkv.engine.prefix_cache import PrefixCache
@@ -94,6 +95,18 @@ def slice_last_position(model: ov.Model) -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class Backend:
+    """What an engine's KV backend provides: its slots and the model's shape."""
+
+    slots: Sequence[KVSlot]
+    numerics: PluginNumerics
+    num_layers: int
+    heads: int
+    head_dim: int
+    vocab_size: int
+
+
 class StatefulEngine(EngineCommon):
     """The local OpenVINO engine. See the module docstring for a call."""
 
@@ -131,33 +144,26 @@ class StatefulEngine(EngineCommon):
         self.files: ModelFiles = resolve_model(model)
         self.prefill_chunk_size = prefill_chunk_size
         self._tokenizer = OVTokenizer(self.files.ir_dir)
-        core = ov.Core()
-        ov_model = core.read_model(str(self.files.model_xml))
-        if slice_logits:
-            slice_last_position(ov_model)
         requested_kv = kv_cache_precision or ("f32" if exact else DEFAULT_KV_PRECISION)
         config: dict[str, str] = {"CACHE_DIR": str(compiled_cache_dir())}
         config.update(EXACT_CONFIG if exact else {})
         config["KV_CACHE_PRECISION"] = requested_kv
         config.update(ov_config or {})
-        self._compiled = _compile(core, ov_model, device, config)
-        self.numerics = PluginNumerics.of(self._compiled, requested_kv)
+        backend = self._open_backend(device, config, num_slots, slice_logits=slice_logits)
+        self.numerics = backend.numerics
         """What the plugin computes in on this machine (read back, not what was asked)."""
         self.kv_cache_precision: str = self.numerics.kv_cache
         self.snapshot_precision: PrecisionChoice = snapshot_precision
-        inputs = frozenset(name for i in ov_model.inputs for name in i.get_names())
-        slots = [Slot(self._compiled.create_infer_request(), i, inputs) for i in range(num_slots)]
-        self.pool = SlotPool(slots, host=HostKVStore(offload_bytes, spill_dir))
-        first = slots[0].layout
-        self.num_layers = first.num_layers
+        self.pool = SlotPool(backend.slots, host=HostKVStore(offload_bytes, spill_dir))  # type: ignore[arg-type]
+        self.num_layers = backend.num_layers
         self._max_context_len = max_context_len or _context_length(self.files) or DEFAULT_CONTEXT_LEN
         self._fingerprint = _fingerprint(self.files.model_xml, self.kv_cache_precision, device)
         self._eos = frozenset({self._tokenizer.eos_token_id})
         self._sessions: set[StatefulSession] = set()
         self._constraints: ConstraintFactory | None = None
-        self._vocab_size = int(ov_model.output("logits").get_partial_shape()[2].get_length())
-        heads, head_dim = _state_head_shape(slots[0])
-        self._kv_token_bytes = 2 * self.num_layers * heads * head_dim * _BYTES.get(self.kv_cache_precision, 4)
+        self._vocab_size = backend.vocab_size
+        self._kv_token_bytes = (2 * self.num_layers * backend.heads * backend.head_dim
+                                * _BYTES.get(self.kv_cache_precision, 4))
         self.boundaries = PrefixBoundaries()
         """Registered prefixes: chunk boundaries of every prefill, cached or not (canonical chunking)."""
         self.prefix_cache: PrefixCache | None = None  # prefix_cache_bytes=0 disables it
@@ -169,6 +175,22 @@ class StatefulEngine(EngineCommon):
         self._rope: RopeConvention | None = None
         self._rope_measured = False
         self._rope_lock = anyio.Lock()
+
+    def _open_backend(self, device: str, config: dict[str, str], num_slots: int, *, slice_logits: bool) -> Backend:
+        """Compile the stateful model; each InferRequest is one KV slot."""
+        core = ov.Core()
+        ov_model = core.read_model(str(self.files.model_xml))
+        if slice_logits:
+            slice_last_position(ov_model)
+        compiled = _compile(core, ov_model, device, config)
+        inputs = frozenset(name for i in ov_model.inputs for name in i.get_names())
+        slots = [Slot(compiled.create_infer_request(), i, inputs) for i in range(num_slots)]
+        heads, head_dim = _state_head_shape(slots[0])
+        return Backend(
+            slots=slots, numerics=PluginNumerics.of(compiled, config["KV_CACHE_PRECISION"]),
+            num_layers=slots[0].layout.num_layers, heads=heads, head_dim=head_dim,
+            vocab_size=int(ov_model.output("logits").get_partial_shape()[2].get_length()),
+        )
 
     # ---- Engine protocol ---------------------------------------------------------------
     @property

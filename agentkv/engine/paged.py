@@ -1,0 +1,67 @@
+"""PagedEngine: the engine on the PagedAttention form of the model — sessions are block tables.
+
+The same sessions, prefix cache, snapshots, offload and policies as ``StatefulEngine`` (a
+session's ``KVLog`` runs on a ``PagedSlot`` instead of an InferRequest), over one compiled paged
+model whose KV blocks all sessions share. A turn over a long history prefills ~3× faster than
+the stateful form on CPU (``benchmarks/paged_step.py``)::
+
+    engine = PagedEngine()                    # default model, f16 KV blocks, 512 MiB of them
+    runtime = Runtime(engine)
+
+Not yet here (issue 15): beam search (use ``StatefulEngine`` for ``num_beams > 1``), sessions
+decoding together in one step, prefix hits by shared blocks (hits copy today), u8 blocks.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from agentkv.engine.block_pool import BlockPool
+from agentkv.engine.numerics import EXACT_CONFIG
+from agentkv.engine.paged_model import PagedModel
+from agentkv.engine.paged_slot import PagedSlot
+from agentkv.engine.stateful import Backend, StatefulEngine
+from agentkv.errors import UserError
+
+DEFAULT_KV_CACHE_BYTES = 512 << 20
+"""KV block storage of a ``PagedEngine`` (f16, default model: ~23,000 tokens)."""
+
+
+class PagedEngine(StatefulEngine):
+    """The local OpenVINO engine on the paged model. See the module docstring for a call."""
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | None = None,
+        *,
+        kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
+        num_slots: int = 16,
+        **options: Any,
+    ) -> None:
+        """``kv_cache_bytes`` sizes the shared KV blocks; ``num_slots`` bounds the sessions that
+        keep their KV in blocks at once (more are offloaded to host, as on the stateful engine).
+        Other options as ``StatefulEngine`` (``kv_cache_precision`` "f16" or "f32", ``exact``…)."""
+        if options.get("kv_cache_precision") in ("u8", "bf16"):
+            raise UserError("the paged engine keeps f16 or f32 KV blocks for now; pass kv_cache_precision='f16'")
+        if kv_cache_bytes <= 0:
+            raise UserError(f"kv_cache_bytes must be > 0, got {kv_cache_bytes}")
+        self._kv_cache_bytes = kv_cache_bytes
+        super().__init__(model, num_slots=num_slots, **options)
+
+    def _open_backend(self, device: str, config: dict[str, str], num_slots: int, *, slice_logits: bool) -> Backend:
+        """Compile the paged model and give each slot a block table over one shared pool."""
+        exact = all(config.get(k) == v for k, v in EXACT_CONFIG.items())
+        model = PagedModel(self.files, kv_cache_bytes=self._kv_cache_bytes, device=device,
+                           kv_cache_precision=config["KV_CACHE_PRECISION"], exact=exact, ov_config=_extra(config))
+        self.block_pool = BlockPool(model.num_blocks)
+        """The KV blocks every session's table draws from."""
+        self.paged_model = model
+        slots = [PagedSlot(model, self.block_pool) for _ in range(num_slots)]
+        return Backend(slots=slots, numerics=model.numerics, num_layers=model.num_layers, heads=model.heads,
+                       head_dim=model.head_dim, vocab_size=model.vocab_size)
+
+
+def _extra(config: dict[str, str]) -> dict[str, str]:
+    """The plugin settings PagedModel does not set itself."""
+    return {k: v for k, v in config.items() if k not in ("CACHE_DIR", "KV_CACHE_PRECISION")}

@@ -1,0 +1,97 @@
+"""PagedEngine behind the same session protocol: conversations, restores, offload, span drops
+and block accounting on the paged form of the default model (its default numerics)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from agentkv import Agent, GenerationConfig, Runtime
+from agentkv.errors import UserError
+
+pytestmark = pytest.mark.model
+
+CFG = GenerationConfig(max_new_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def paged():
+    from agentkv.engine.paged import PagedEngine
+
+    engine = PagedEngine(num_slots=1, kv_cache_bytes=64 << 20)
+    yield engine
+    engine.block_pool.check_integrity()
+
+
+async def test_a_conversation_on_the_paged_engine_prefills_only_each_new_turn(paged):
+    agent = Agent(name="paged-chat", instructions="You are brief.", generation=CFG)
+    runtime = Runtime(paged)
+    session = await runtime.open_session(agent)
+    try:
+        await runtime.run(session, "What is the capital of France?")  # reads the system prompt too
+        for question in ("And of Italy?", "Which one is older?"):
+            result = await runtime.run(session, question)
+            metrics = result.step_metrics[-1]
+            new_turn = len(paged.tokenizer.encode(question))
+            assert metrics.prefilled_tokens <= new_turn + 12 and metrics.kv_exact
+        assert metrics.reused_tokens > 40
+    finally:
+        await runtime.aclose()
+
+
+def prompt(engine, text: str) -> list[int]:
+    return engine.tokenizer.encode(engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True))
+
+
+async def test_offloaded_and_restored_paged_sessions_answer_like_the_uninterrupted_one(paged):
+    follow = paged.tokenizer.encode("<|im_end|>\n<|im_start|>user\nWhy?<|im_end|>\n<|im_start|>assistant\n")
+    for topic in ("bees", "rivers", "glass"):
+        first = prompt(paged, f"Tell me one fact about {topic}.")
+        steady = await paged.open_session()
+        one = await steady.generate(first, CFG)
+        snapshot = await steady.snapshot()
+        second = list(steady.tokens) + list(one.token_ids[-1:]) + follow
+        expected = (await steady.generate(second, CFG)).token_ids
+        await steady.close()
+
+        moved = await paged.open_session()
+        await moved.generate(first, CFG)
+        intruder = await paged.open_session()
+        await intruder.prefill([1, 2, 3])  # the only slot: `moved` goes to host memory
+        await intruder.close()
+        offloaded = await moved.generate(second, CFG)
+        await moved.close()
+
+        restored = await paged.open_session()
+        await restored.restore(snapshot)
+        again = await restored.generate(second, CFG)
+        await restored.close()
+        assert offloaded.token_ids == expected == again.token_ids, topic
+        assert offloaded.metrics.kv_exact and again.metrics.restored_tokens == snapshot.num_tokens
+    assert paged.block_pool.free_blocks == paged.block_pool.num_blocks  # every block came back
+
+
+async def test_span_drops_work_on_the_paged_engine_with_the_models_rope(paged):
+    convention = await paged.rope_convention()
+    assert convention is not None and convention.theta == pytest.approx(100000.0, rel=1e-3)
+    session = await paged.open_session()
+    try:
+        ids = paged.tokenizer.encode("The river keeps flowing to the sea while the fox jumps. " * 6)
+        await session.prefill(ids)
+        await session.drop(8, 40)
+        assert session.tokens == tuple(ids[:8] + ids[40:]) and session.shifted
+        assert np.isfinite(await session.next_token_logits()).all()
+    finally:
+        await session.close()
+
+
+async def test_beam_search_on_the_paged_engine_says_to_use_the_stateful_one(paged):
+    session = await paged.open_session()
+    try:
+        with pytest.raises(UserError, match="StatefulEngine"):
+            await session.generate(prompt(paged, "hi"), GenerationConfig(max_new_tokens=4, num_beams=2))
+        result = await session.generate(prompt(paged, "hi"), CFG)  # the session is still usable
+        assert result.token_ids
+    finally:
+        await session.close()
