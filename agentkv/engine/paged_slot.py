@@ -18,7 +18,7 @@ import numpy as np
 
 from agentkv.engine.block_pool import BlockPool
 from agentkv.engine.paged_model import BLOCK_SIZE, PagedModel, SequenceStep
-from agentkv.engine.snapshot import from_bf16_bits, to_bf16_bits
+from agentkv.engine.kv_precision import from_bf16_bits, to_bf16_bits
 from agentkv.errors import UserError
 
 
