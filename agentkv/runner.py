@@ -271,10 +271,7 @@ def _constraint(state: _RunState, step: int) -> TokenConstraint | None:
     # The forced choice applies to the first model call only; after tool results the model
     # must be free to answer (otherwise "required" could never finish).
     choice = agent.tool_choice if step == 0 else "auto"
-    make = getattr(state.session.engine, "make_constraint", None)
-    if make is None:
-        return None
-    return make(tool_call_grammar(agent.tool_schemas, choice))
+    return state.session.engine.make_constraint(tool_call_grammar(agent.tool_schemas, choice))
 
 
 def _read_reply(agent: Agent, result: GenerationResult) -> _Reply:

@@ -333,5 +333,9 @@ class Engine(Protocol):
     def register_prefix(self, tokens: Sequence[int]) -> None:
         """Mark ``tokens`` as a shared prefix worth caching (system prompt + tool schemas)."""
 
+    def make_constraint(self, grammar: str) -> TokenConstraint | None:
+        """A fresh grammar constraint for one generation (llguidance Lark grammar), or None
+        when the engine decodes without one (the scripted engine records the grammar)."""
+
     async def aclose(self) -> None:
         """Close every session and release the model."""
