@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from agentkv.agent import Agent
 from agentkv.chat.messages import Message, ToolCall
-from agentkv.conversation import AgentSession
+from agentkv.conversation import Conversation
 from agentkv.engine.base import (
     Engine,
     GenerationConfig,
@@ -26,7 +26,6 @@ from agentkv.engine.base import (
     GenerationResult,
     GenerationStream,
     KVSession,
-    TokenDelta,
 )
 from agentkv.engine.snapshot import KVSnapshot
 from agentkv.errors import (
@@ -47,9 +46,9 @@ from agentkv.events import (
     RunEvent,
     RunFinished,
     TextDelta,
-    ToolCallEvent,
-    ToolResultEvent,
-    TurnMetricsEvent,
+    ToolCalled,
+    ToolReturned,
+    StepFinished,
 )
 from agentkv.result import RunResult
 from agentkv.runner import Runner
@@ -61,18 +60,34 @@ if TYPE_CHECKING:
     from agentkv.engine.stateful import StatefulEngine
 
 __all__ = [
-    "Agent", "AgentKVError", "AgentSession", "ConstraintError", "ContextCompacted", "ContextOverflowError",
+    "Agent", "AgentKVError", "ConstraintError", "ContextCompacted", "ContextOverflowError", "Conversation",
     "Engine", "GenerationConfig", "GenerationMetrics", "GenerationResult", "GenerationStream", "KVSession",
     "KVSnapshot", "MaxTurnsExceeded", "Message", "ModelNotFound", "PagedEngine", "RunEvent", "RunFinished",
-    "RunResult",
-    "Runner", "Runtime", "SessionBusy", "SessionClosed", "SessionNotFound", "SnapshotCorrupt",
-    "SnapshotIncompatible", "StatefulEngine", "TextDelta", "TokenDelta", "Tool", "ToolCall", "ToolCallEvent",
-    "ToolOutcome", "ToolResultEvent", "TurnMetricsEvent", "UserError", "calculator", "clock",
-    "run_tool_calls", "tool",
+    "RunResult", "Runner", "Runtime", "SessionBusy", "SessionClosed", "SessionNotFound", "SnapshotCorrupt",
+    "SnapshotIncompatible", "StatefulEngine", "StepFinished", "TextDelta", "Tool", "ToolCall", "ToolCalled",
+    "ToolOutcome", "ToolReturned", "UserError", "calculator", "clock", "run_tool_calls", "tool",
 ]
 
 
+_DEPRECATED = {
+    "AgentSession": ("agentkv.conversation", "Conversation"),
+    "ToolCallEvent": ("agentkv.events", "ToolCalled"),
+    "ToolResultEvent": ("agentkv.events", "ToolReturned"),
+    "TurnMetricsEvent": ("agentkv.events", "StepFinished"),
+    "TokenDelta": ("agentkv.engine.base", "TokenDelta"),
+}
+"""Old public names, kept for one release: ``name -> (module, new name)``."""
+
+
 def __getattr__(name: str) -> Any:
+    if name in _DEPRECATED:
+        import importlib
+        import warnings
+
+        module, new = _DEPRECATED[name]
+        where = "agentkv" if module != "agentkv.engine.base" else module
+        warnings.warn(f"agentkv.{name} is deprecated: use {where}.{new}", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(module), new)
     # The engines import OpenVINO: load them only when asked for.
     if name == "StatefulEngine":
         from agentkv.engine.stateful import StatefulEngine

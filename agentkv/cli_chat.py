@@ -32,7 +32,7 @@ from agentkv.chat.messages import Message
 from agentkv.cli_agent import DEFAULT_AGENT, AgentOptions, CLIUsageError, check_window, resolve_agent
 from agentkv.cli_config import model_choice, open_store
 from agentkv.cli_display import TurnPrinter
-from agentkv.conversation import AgentSession
+from agentkv.conversation import Conversation
 from agentkv.engine.base import Engine
 from agentkv.errors import AgentKVError
 from agentkv.memory import Store
@@ -182,7 +182,7 @@ class _Chat:
 
     runtime: Runtime
     agent: Agent
-    session: AgentSession | None
+    session: Conversation | None
     metrics: bool
     out: Console
     err: Console
@@ -209,7 +209,7 @@ class _Chat:
             self.out.print()
         return 1 if self.failed else 0
 
-    async def turn(self, session: AgentSession, text: str, interrupts: Interrupts) -> None:
+    async def turn(self, session: Conversation, text: str, interrupts: Interrupts) -> None:
         """Run one user turn; Ctrl-C cancels it and keeps what was streamed."""
         printer = TurnPrinter(self.out, self.err, metrics=self.metrics,
                               eos_token_id=self.runtime.engine.tokenizer.eos_token_id,
@@ -234,7 +234,7 @@ class _Chat:
                 interrupts.turn = None
 
 
-async def keep_partial(session: AgentSession, text: str) -> None:
+async def keep_partial(session: Conversation, text: str) -> None:
     """Record the streamed part of a cancelled answer as the assistant's turn, unless the run
     already recorded one (the window then ends with an assistant message)."""
     if not text.strip() or not session.window:

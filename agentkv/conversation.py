@@ -1,4 +1,4 @@
-"""AgentSession: one conversation — its KV session, its message window, and where messages are recorded.
+"""Conversation: one conversation — its KV session, its message window, and where messages are recorded.
 
 Opened by ``Runtime.open_session(agent)`` (or ``Runtime.resume(id)``) and passed to the runner::
 
@@ -9,7 +9,7 @@ Opened by ``Runtime.open_session(agent)`` (or ``Runtime.resume(id)``) and passed
 Only one run may use a session at a time: a second concurrent run raises ``SessionBusy``
 rather than queueing behind the first (a queued run would answer a stale history).
 
-``AgentSession`` is the ``ConversationView`` that context policies work on
+``Conversation`` is the ``ConversationView`` that context policies work on
 (``agentkv.policies.protocol``): the methods under "For context policies" are that protocol's
 thin delegations to the KV session, the engine and the renderer.
 """
@@ -44,17 +44,17 @@ class WindowEntry:
     message cut to fit the window (empty for an ordinary message)."""
 
 
-MessageSink = Callable[["AgentSession", Message, int, bool], Awaitable[int | None]]
+MessageSink = Callable[["Conversation", Message, int, bool], Awaitable[int | None]]
 """``(session, message, token_count, in_window) -> seq``: persists a message (the store's hook)."""
 
-WindowChange = Callable[["AgentSession", list[WindowEntry], "WindowEntry | None"], Awaitable[None]]
+WindowChange = Callable[["Conversation", list[WindowEntry], "WindowEntry | None"], Awaitable[None]]
 """``(session, removed, replacement)``: a policy is taking ``removed`` out of the window and,
 if not None, putting ``replacement`` (a summary, or a message cut to fit; ``replacement.replaces``
 lists what it replaces) in their place. Awaited before the window changes; it may set
 ``replacement.seq`` once it has stored the new message."""
 
 
-class AgentSession:
+class Conversation:
     """A conversation: agent, KV session, and the messages currently in the context window."""
 
     def __init__(
@@ -219,3 +219,7 @@ class AgentSession:
     async def close(self) -> None:
         """Release the KV session."""
         await self.kv.close()
+
+
+AgentSession = Conversation
+"""Deprecated name of ``Conversation`` (kept for one release)."""

@@ -28,7 +28,7 @@ class TextDelta:
 
 
 @dataclass(frozen=True)
-class ToolCallEvent:
+class ToolCalled:
     """The model called a tool."""
 
     call: ToolCall
@@ -36,7 +36,7 @@ class ToolCallEvent:
 
 
 @dataclass(frozen=True)
-class ToolResultEvent:
+class ToolReturned:
     """A tool returned (or failed; ``is_error``)."""
 
     call: ToolCall
@@ -47,7 +47,7 @@ class ToolResultEvent:
 
 
 @dataclass(frozen=True)
-class TurnMetricsEvent:
+class StepFinished:
     """What one model call cost and reused."""
 
     step: int
@@ -81,4 +81,11 @@ class RunFinished:
     type: Literal["run_finished"] = "run_finished"
 
 
-RunEvent = Union[TextDelta, ToolCallEvent, ToolResultEvent, TurnMetricsEvent, ContextCompacted, RunFinished]
+RunEvent = Union[TextDelta, ToolCalled, ToolReturned, StepFinished, ContextCompacted, RunFinished]
+
+ToolCallEvent = ToolCalled
+"""Deprecated name of ``ToolCalled`` (kept for one release)."""
+ToolResultEvent = ToolReturned
+"""Deprecated name of ``ToolReturned`` (kept for one release)."""
+TurnMetricsEvent = StepFinished
+"""Deprecated name of ``StepFinished`` (kept for one release)."""

@@ -1,6 +1,6 @@
 """Bridges agent sessions and the store: record messages, lease runs, snapshot KV after a turn, resume.
 
-Runtime-level glue (it knows AgentSession and Store; the store itself knows neither the
+Runtime-level glue (it knows Conversation and Store; the store itself knows neither the
 engine nor the runner). Used by ``Runtime`` when it is given a store::
 
     runtime = Runtime(engine, store=Store.from_env(), agents=[agent])
@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 
 from agentkv.chat.messages import Message
-from agentkv.conversation import AgentSession, WindowEntry
+from agentkv.conversation import Conversation, WindowEntry
 from agentkv.engine.base import KVSession, common_prefix_len
 from agentkv.errors import SnapshotCorrupt, SnapshotIncompatible
 from agentkv.memory import Store
@@ -30,7 +30,7 @@ class StoreSink:
     def __init__(self, store: Store) -> None:
         self.store = store
 
-    async def __call__(self, session: AgentSession, message: Message, token_count: int, in_window: bool) -> int:
+    async def __call__(self, session: Conversation, message: Message, token_count: int, in_window: bool) -> int:
         stored = await self.store.append_message(session.id, message, token_count=token_count, in_window=in_window)
         return stored.seq
 
@@ -43,7 +43,7 @@ class StoreWindowHook:
     def __init__(self, store: Store) -> None:
         self.store = store
 
-    async def __call__(self, session: AgentSession, removed: list[WindowEntry], replacement: WindowEntry | None) -> None:
+    async def __call__(self, session: Conversation, removed: list[WindowEntry], replacement: WindowEntry | None) -> None:
         seqs = [entry.seq for entry in removed if entry.seq is not None]
         if replacement is not None:
             stored = await self.store.replace_in_window(
@@ -76,7 +76,7 @@ async def load_window(store: Store, session_id: str) -> list[WindowEntry]:
 INTERRUPTED_RESULT = "error: interrupted (the process stopped before the tool returned)"
 
 
-async def record_interrupted_calls(session: AgentSession) -> int:
+async def record_interrupted_calls(session: Conversation) -> int:
     """Record an ``INTERRUPTED_RESULT`` for every tool call in the window that has no result
     (a process died mid-tool), so the history is a valid message sequence again; returns how
     many. Idempotent: a call that has a result is left alone.
@@ -95,7 +95,7 @@ async def record_interrupted_calls(session: AgentSession) -> int:
     return len(orphans)
 
 
-async def save_snapshot(store: Store, session: AgentSession) -> None:
+async def save_snapshot(store: Store, session: Conversation) -> None:
     """Snapshot the session's KV to a file and reference it (failures are logged, never raised).
 
     Only the part of the KV that the stored history renders to is kept: after a failed or

@@ -29,7 +29,7 @@ from agentkv.agent import Agent
 from agentkv.chat.messages import Message, ToolCall
 from agentkv.chat.stream_filter import MarkupFilter
 from agentkv.chat.toolcalls import TOOL_CALL_OPEN, parse_tool_calls, tool_call_grammar
-from agentkv.conversation import AgentSession, WindowEntry
+from agentkv.conversation import Conversation, WindowEntry
 from agentkv.engine.base import (
     GenerationConfig,
     GenerationMetrics,
@@ -41,9 +41,9 @@ from agentkv.events import (
     RunEvent,
     RunFinished,
     TextDelta,
-    ToolCallEvent,
-    ToolResultEvent,
-    TurnMetricsEvent,
+    ToolCalled,
+    ToolReturned,
+    StepFinished,
 )
 from agentkv.result import FinishReason, RunResult
 from agentkv.tools import run_tool_calls
@@ -60,7 +60,7 @@ class _RunState:
     """Everything one run accumulates."""
 
     agent: Agent
-    session: AgentSession
+    session: Conversation
     new_messages: list[Message] = field(default_factory=list)
     tool_calls: list[ToolCall] = field(default_factory=list)
     metrics: list[GenerationMetrics] = field(default_factory=list)
@@ -93,7 +93,7 @@ class Runner:
     release; it runs the same turn loop without the store's lease, refresh and snapshot)."""
 
     @staticmethod
-    async def run(agent: Agent, session: AgentSession, user_input: str) -> RunResult:
+    async def run(agent: Agent, session: Conversation, user_input: str) -> RunResult:
         """Deprecated: ``await runtime.run(session, user_input)``."""
         warnings.warn(_DEPRECATED, DeprecationWarning, stacklevel=2)
         result: RunResult | None = None
@@ -105,7 +105,7 @@ class Runner:
         return result
 
     @staticmethod
-    async def run_stream(agent: Agent, session: AgentSession, user_input: str) -> AsyncIterator[RunEvent]:
+    async def run_stream(agent: Agent, session: Conversation, user_input: str) -> AsyncIterator[RunEvent]:
         """Deprecated: ``runtime.run_stream(session, user_input)``."""
         warnings.warn(_DEPRECATED, DeprecationWarning, stacklevel=2)
         async with aclosing(_guarded_turns(agent, session, user_input)) as events:
@@ -113,14 +113,14 @@ class Runner:
                 yield event
 
 
-async def _guarded_turns(agent: Agent, session: AgentSession, user_input: str) -> AsyncIterator[RunEvent]:
+async def _guarded_turns(agent: Agent, session: Conversation, user_input: str) -> AsyncIterator[RunEvent]:
     async with session.run_guard():
         async with aclosing(run_turns(agent, session, user_input)) as events:
             async for event in events:
                 yield event
 
 
-async def run_turns(agent: Agent, session: AgentSession, user_input: str) -> AsyncIterator[RunEvent]:
+async def run_turns(agent: Agent, session: Conversation, user_input: str) -> AsyncIterator[RunEvent]:
     """The turn loop of one run, without the one-run-per-session guard (the caller holds it)."""
     state = _RunState(agent, session)
     user = await _record_user(state, user_input)
@@ -141,7 +141,7 @@ async def run_turns(agent: Agent, session: AgentSession, user_input: str) -> Asy
         assert result is not None
         reply = _read_reply(agent, result)
         await _record_assistant(state, result, reply)
-        yield TurnMetricsEvent(step, result.metrics)
+        yield StepFinished(step, result.metrics)
         if reply.finish != "tool_calls":
             yield RunFinished(state.result(reply.content, reply.finish))
             return
@@ -301,7 +301,7 @@ async def _record_assistant(state: _RunState, result: GenerationResult, reply: _
 async def _run_tools(state: _RunState, calls: tuple[ToolCall, ...]) -> AsyncIterator[RunEvent]:
     """Run the calls concurrently; record and announce each result in call order."""
     for call in calls:
-        yield ToolCallEvent(call)
+        yield ToolCalled(call)
     try:
         outcomes = await run_tool_calls(state.agent.tools, calls, default_timeout_s=state.agent.tool_timeout_s)
     except anyio.get_cancelled_exc_class():
@@ -313,4 +313,4 @@ async def _run_tools(state: _RunState, calls: tuple[ToolCall, ...]) -> AsyncIter
         raise
     for outcome in outcomes:
         await _record(state, outcome.to_message())
-        yield ToolResultEvent(outcome.call, outcome.content, outcome.is_error, outcome.duration_s)
+        yield ToolReturned(outcome.call, outcome.content, outcome.is_error, outcome.duration_s)

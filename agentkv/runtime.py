@@ -27,7 +27,7 @@ import anyio
 from agentkv.agent import Agent
 from agentkv.chat.messages import Message
 from agentkv.chat.render import ChatRenderer
-from agentkv.conversation import AgentSession
+from agentkv.conversation import Conversation
 from agentkv.engine.base import Engine
 from agentkv.errors import SessionBusy, UserError
 from agentkv.events import RunEvent, RunFinished
@@ -69,7 +69,7 @@ class Runtime:
         self.last_resume: ResumeReport | None = None
         """Deprecated: the newest resume's report; read ``session.resume_report`` instead."""
         self._agents: dict[str, Agent] = {}
-        self._sessions: dict[str, AgentSession] = {}
+        self._sessions: dict[str, Conversation] = {}
         for agent in agents:
             self.add_agent(agent)
 
@@ -83,7 +83,7 @@ class Runtime:
         prefix = self.renderer.render([Message.system(agent.instructions)], tools=tools, add_generation_prompt=False)
         self.engine.register_prefix(prefix.token_ids[: prefix.prefix_len])
 
-    async def open_session(self, agent: Agent, *, session_id: str | None = None) -> AgentSession:
+    async def open_session(self, agent: Agent, *, session_id: str | None = None) -> Conversation:
         """A new conversation for ``agent`` (stored, if the runtime has a store)."""
         self.add_agent(agent)
         sid = session_id or uuid.uuid4().hex
@@ -96,7 +96,7 @@ class Runtime:
             await self.store.create_session(agent.name, session_id=sid)
         return await self._attach(sid, agent, [])
 
-    async def resume(self, session_id: str, agent: Agent | None = None) -> AgentSession:
+    async def resume(self, session_id: str, agent: Agent | None = None) -> Conversation:
         """Reopen a stored session: its window of messages and, from the newest valid snapshot,
         its KV; ``session.resume_report`` says what came back. Raises ``SessionNotFound`` for an
         unknown id."""
@@ -117,7 +117,7 @@ class Runtime:
         self.last_resume = session.resume_report
         return session
 
-    async def _repair_if_free(self, session: AgentSession) -> int:
+    async def _repair_if_free(self, session: Conversation) -> int:
         """Give orphaned tool calls their "interrupted" result, unless a live run holds the
         session (its calls are not orphans: that run will record their results)."""
         try:
@@ -137,9 +137,9 @@ class Runtime:
         await store.release_lease(session_id, self.holder)
         return None
 
-    async def _attach(self, sid: str, agent: Agent, window: list) -> AgentSession:  # type: ignore[type-arg]
+    async def _attach(self, sid: str, agent: Agent, window: list) -> Conversation:  # type: ignore[type-arg]
         kv = await self.engine.open_session()
-        session = AgentSession(
+        session = Conversation(
             sid, agent, self.engine, kv, self.renderer, window=window,
             sink=StoreSink(self.store) if self.store is not None else None,
             on_window_change=StoreWindowHook(self.store) if self.store is not None else None,
@@ -163,7 +163,7 @@ class Runtime:
             raise UserError(f"{action} needs a store: Runtime(engine, store=Store.from_env())")
         return self.store
 
-    async def run(self, session: AgentSession, user_input: str) -> RunResult:
+    async def run(self, session: Conversation, user_input: str) -> RunResult:
         """Run the session's agent on ``user_input`` to its final answer."""
         result: RunResult | None = None
         async for event in self.run_stream(session, user_input):
@@ -172,7 +172,7 @@ class Runtime:
         assert result is not None
         return result
 
-    async def run_stream(self, session: AgentSession, user_input: str) -> AsyncIterator[RunEvent]:
+    async def run_stream(self, session: Conversation, user_input: str) -> AsyncIterator[RunEvent]:
         """The one way to run a conversation: yields typed events, the last ``RunFinished``.
 
         With a store the run holds the session's lease (a heartbeat renews it), first reloads a
@@ -186,7 +186,7 @@ class Runtime:
                     yield event
 
     @asynccontextmanager
-    async def _stored_run(self, session: AgentSession) -> AsyncIterator[None]:
+    async def _stored_run(self, session: Conversation) -> AsyncIterator[None]:
         """What a run does around its turns when there is a store (nothing without one)."""
         if self.store is None:
             yield
@@ -200,7 +200,7 @@ class Runtime:
                 with anyio.CancelScope(shield=True):
                     await save_snapshot(self.store, session)
 
-    async def close_session(self, session: AgentSession) -> None:
+    async def close_session(self, session: Conversation) -> None:
         """Release the session's KV (its stored history stays)."""
         self._sessions.pop(session.id, None)
         await session.close()

@@ -20,7 +20,7 @@ from _turns import padded_turn
 
 from agentkv import Agent, GenerationConfig, Runtime
 from agentkv.engine.stateful import StatefulEngine
-from agentkv.events import ContextCompacted, TurnMetricsEvent
+from agentkv.events import ContextCompacted, StepFinished
 from agentkv.policies import SlidingWindow, SummarizeAndReprefill, Truncation
 
 POLICIES = {"truncation": Truncation, "sliding_window": SlidingWindow, "summarize_and_reprefill": SummarizeAndReprefill}
@@ -52,7 +52,7 @@ async def run_policy(engine: StatefulEngine, name: str, turns: int, max_prompt_l
                 pending_cost += event.cost_ms / 1000
                 print(f"  turn {turn:2d}: {event.policy} {event.tokens_before} → {event.tokens_after} tokens, "
                       f"{event.messages_removed} messages, {event.cost_ms:7.1f} ms", flush=True)
-            elif isinstance(event, TurnMetricsEvent):
+            elif isinstance(event, StepFinished):
                 ttfts.append(event.metrics.ttft_s)
                 seen_ttfts.append(event.metrics.ttft_s + pending_cost)
                 prompts.append(event.metrics.prompt_tokens)

@@ -17,7 +17,7 @@ import json
 import anyio
 
 from agentkv import Agent, Runtime, tool
-from agentkv.conversation import AgentSession, WindowEntry
+from agentkv.conversation import Conversation, WindowEntry
 from agentkv.events import ContextCompacted
 from agentkv.policies import SlidingWindow, SummarizeAndReprefill, Truncation
 from agentkv.testing import ScriptedCall, ScriptedEngine
@@ -65,7 +65,7 @@ async def run(policy_name: str, turns: int) -> None:
     left: list[WindowEntry] = []
 
     async def on_window_change(
-        session: AgentSession, removed: list[WindowEntry], replacement: WindowEntry | None
+        session: Conversation, removed: list[WindowEntry], replacement: WindowEntry | None
     ) -> None:
         left.extend(removed)
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from agentkv.engine.base import GenerationConfig
-from agentkv.engine.slots import HostKVStore
+from agentkv.engine.slot_pool import HostKVStore
 from agentkv.engine.snapshot import KVSnapshot
 from agentkv.errors import SnapshotCorrupt, SnapshotIncompatible
 

@@ -14,10 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agentkv import Agent, GenerationConfig, Message, Runtime, ToolCall, tool
-from agentkv.conversation import AgentSession, WindowEntry
+from agentkv.conversation import Conversation, WindowEntry
 from agentkv.engine.base import common_prefix_len
 from agentkv.errors import ContextOverflowError, KVShiftUnsupported
-from agentkv.events import ContextCompacted, TurnMetricsEvent
+from agentkv.events import ContextCompacted, StepFinished
 from agentkv.policies import (
     SUMMARY_PREFIX,
     SlidingWindow,
@@ -61,12 +61,12 @@ class Harness:
     summary_text: str = "the user asked for facts about rivers and stones"
     summary_failure: str | Exception | None = None
     """What the summariser gets instead of ``summary_text``: an empty reply or an error."""
-    session: AgentSession | None = None
+    session: Conversation | None = None
     runtime: Runtime | None = None
     cuts: int = 0
     """Messages cut to fit (their new content differs from what the KV may hold)."""
 
-    async def open(self) -> AgentSession:
+    async def open(self) -> Conversation:
         self.engine.add_steps(*([self.step] * 400))
         self.runtime = Runtime(self.engine)
         self.session = await self.runtime.open_session(self.agent)
@@ -207,7 +207,7 @@ async def test_truncation_reprefills_inside_the_compaction_so_the_model_call_pre
     metrics = []
     harness.replies.append("ok")
     async for event in harness.runtime.run_stream(session, words(200)):
-        if isinstance(event, TurnMetricsEvent):
+        if isinstance(event, StepFinished):
             metrics.append(event.metrics)
         elif isinstance(event, ContextCompacted):
             harness.events.append(event)
@@ -223,7 +223,7 @@ async def test_sliding_window_drops_spans_from_the_kv_without_reprefill():
     metrics = []
     harness.replies.append("ok")
     async for event in harness.runtime.run_stream(session, words(150)):
-        if isinstance(event, TurnMetricsEvent):
+        if isinstance(event, StepFinished):
             metrics.append(event.metrics)
         elif isinstance(event, ContextCompacted):
             harness.events.append(event)
@@ -450,7 +450,7 @@ async def test_each_policy_carries_a_real_conversation_across_the_limit_several_
                         kv_tokens = session.kv.tokens
                         rendered = session.render(agent).token_ids
                         assert common_prefix_len(kv_tokens, rendered) == len(kv_tokens)
-                elif isinstance(event, TurnMetricsEvent):
+                elif isinstance(event, StepFinished):
                     prompts.append(event.metrics.prompt_tokens)
                     if compacted:
                         new_turn = len(policy_engine.tokenizer.encode(question))

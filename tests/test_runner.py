@@ -12,9 +12,9 @@ from agentkv.errors import MaxTurnsExceeded, SessionBusy
 from agentkv.events import (
     RunFinished,
     TextDelta,
-    ToolCallEvent,
-    ToolResultEvent,
-    TurnMetricsEvent,
+    ToolCalled,
+    ToolReturned,
+    StepFinished,
 )
 from agentkv.runner import CANCELLED_RESULT
 from agentkv.testing import ScriptedEngine
@@ -140,8 +140,8 @@ async def test_text_before_a_tool_call_is_streamed_and_markup_hidden():
     events = [e async for e in runtime.run_stream(session, "1+2")]
     text = "".join(e.text for e in events if isinstance(e, TextDelta))
     assert text == "Let me add. 3"
-    assert any(isinstance(e, ToolCallEvent) for e in events)
-    assert any(isinstance(e, ToolResultEvent) and e.content == "3" for e in events)
+    assert any(isinstance(e, ToolCalled) for e in events)
+    assert any(isinstance(e, ToolReturned) and e.content == "3" for e in events)
     assert isinstance(events[-1], RunFinished)
 
 
@@ -190,7 +190,7 @@ async def test_turn_metrics_are_reported_per_model_call():
     agent = Agent(name="a", tools=[calculator])
     runtime, session = await open_session(engine, agent)
     events = [e async for e in runtime.run_stream(session, "6*7?")]
-    metrics = [e for e in events if isinstance(e, TurnMetricsEvent)]
+    metrics = [e for e in events if isinstance(e, StepFinished)]
     assert [m.step for m in metrics] == [0, 1]
     assert session.messages[2].content == "42"
 

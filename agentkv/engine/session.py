@@ -34,7 +34,7 @@ from agentkv.engine.kv_log import KVLog, KVLogCorrupt
 from agentkv.engine.rope import RopeConvention
 from agentkv.engine.session_common import SessionCommon
 from agentkv.engine.slot import Slot
-from agentkv.engine.slots import HostKV, SlotPool
+from agentkv.engine.slot_pool import HostKV, SlotPool
 from agentkv.engine.snapshot import KVSnapshot
 from agentkv.errors import (
     KVShiftUnsupported,

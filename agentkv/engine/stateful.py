@@ -48,7 +48,7 @@ from agentkv.engine.rope import FIT_TOLERANCE, PROBE_TEXT, RopeConvention, measu
 from agentkv.engine.session import StatefulSession
 from agentkv.engine.session_common import EngineCommon
 from agentkv.engine.slot import Slot
-from agentkv.engine.slots import HostKVStore, SlotPool
+from agentkv.engine.slot_pool import HostKVStore, SlotPool
 from agentkv.engine.snapshot import KVSnapshot, PrecisionChoice
 from agentkv.engine.tokenizer import OVTokenizer
 from agentkv.errors import AgentKVError, ConstraintError, UserError

@@ -4,7 +4,7 @@ Policies decide *which messages* leave the window; everything else they need —
 counts, the KV's token log and span drop, re-prefill, a scratch session for summaries, the
 context length — is named here, so a policy never reaches into the conversation's KV session,
 engine or renderer, and never imports ``agentkv.agent`` or ``agentkv.conversation``.
-``AgentSession`` satisfies ``ConversationView``; a test can satisfy it with a list of messages and a
+``Conversation`` satisfies ``ConversationView``; a test can satisfy it with a list of messages and a
 fake tokenizer::
 
     async for event in Truncation().compact(conversation, agent, limit=700):
@@ -34,7 +34,7 @@ class PolicyAgent(Protocol):
 
 
 AgentT = TypeVar("AgentT", bound=PolicyAgent)
-"""The agent a policy passes through to its conversation (``Agent`` for ``AgentSession``)."""
+"""The agent a policy passes through to its conversation (``Agent`` for ``Conversation``)."""
 AgentT_contra = TypeVar("AgentT_contra", bound=PolicyAgent, contravariant=True)
 
 
