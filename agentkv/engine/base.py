@@ -141,6 +141,37 @@ class GenerationMetrics:
 
 
 @dataclass(frozen=True)
+class Alignment:
+    """How a prompt met a session's KV before any token was generated (every engine's counts)."""
+
+    reused: int
+    """Prompt tokens whose KV the session already held."""
+    prefix_cache: int
+    """Prompt tokens whose KV came from the shared prefix cache."""
+    restored: int
+    """Of ``reused``, the tokens that came back from an offloaded or restored snapshot."""
+    prefilled: int
+    """Prompt tokens run through the model."""
+
+    def metrics(self, *, generated: int, ttft: float, tpot: float, kv_tokens: int, kv_bytes: int,
+                kv_exact: bool = True) -> GenerationMetrics:
+        """The call's metrics: ``align.metrics(generated=3, ttft=0.1, tpot=0.02, kv_tokens=40, kv_bytes=...)``."""
+        return GenerationMetrics(
+            prompt_tokens=self.reused + self.prefix_cache + self.prefilled,
+            reused_tokens=self.reused,
+            prefix_cache_tokens=self.prefix_cache,
+            restored_tokens=self.restored,
+            prefilled_tokens=self.prefilled,
+            generated_tokens=generated,
+            ttft_s=ttft,
+            tpot_s=tpot,
+            kv_tokens=kv_tokens,
+            kv_bytes=kv_bytes,
+            kv_exact=kv_exact,
+        )
+
+
+@dataclass(frozen=True)
 class BeamHypothesis:
     """One finished beam: its tokens and normalised score."""
 

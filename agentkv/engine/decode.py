@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from agentkv.engine.base import (
+    Alignment,
     BeamHypothesis,
     GenerationConfig,
     GenerationMetrics,
@@ -39,7 +40,7 @@ class DecodeEngine(Protocol):
     def tokenizer(self) -> Tokenizer: ...
     @property
     def max_context_len(self) -> int: ...
-    def metrics_for(self, log: KVLog, align: dict[str, int], *, generated: int, ttft: float,
+    def metrics_for(self, log: KVLog, align: Alignment, *, generated: int, ttft: float,
                     tpot: float) -> GenerationMetrics: ...
 
 RunBlocking = Callable[..., Awaitable[Any]]
@@ -135,7 +136,7 @@ class DecodeLoop:
         prompt: list[int],
         config: GenerationConfig,
         constraint: TokenConstraint | None,
-        align: dict[str, int],
+        align: Alignment,
         started: float,
     ) -> None:
         self.engine, self.log, self.slot, self.run_blocking = engine, log, slot, run_blocking

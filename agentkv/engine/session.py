@@ -22,6 +22,7 @@ import anyio
 import numpy as np
 
 from agentkv.engine.base import (
+    Alignment,
     GenerationConfig,
     GenerationMetrics,
     GenerationResult,
@@ -60,16 +61,12 @@ class SessionEngine(DecodeEngine, Protocol):
     async def rope_convention(self) -> RopeConvention | None: ...
 
 
-def _align_counts(reused: int, cached: int, restored: int, prefilled: int, recomputed: int) -> dict[str, int]:
-    """Metric counts of one alignment. Tokens the session re-prefilled when it got its slot back
+def _alignment(reused: int, cached: int, restored: int, prefilled: int, recomputed: int) -> Alignment:
+    """The counts of one alignment. Tokens the session re-prefilled when it got its slot back
     (its offloaded KV had been dropped) count as prefilled, not reused: nothing was reused."""
     recomputed = min(recomputed, reused)
-    return {
-        "reused": reused - recomputed,
-        "prefix_cache": cached,
-        "restored": min(restored, reused),
-        "prefilled": prefilled + recomputed,
-    }
+    return Alignment(reused=reused - recomputed, prefix_cache=cached, restored=min(restored, reused),
+                     prefilled=prefilled + recomputed)
 
 
 class StatefulSession(SessionCommon):
@@ -163,7 +160,7 @@ class StatefulSession(SessionCommon):
                 elapsed = time.perf_counter() - started
                 return self._engine.metrics_for(self._log, align, generated=0, ttft=elapsed, tpot=0.0)
 
-    async def _align(self, slot: Slot, prompt: list[int]) -> dict[str, int]:
+    async def _align(self, slot: Slot, prompt: list[int]) -> Alignment:
         """Trim the KV to the longest common prefix with ``prompt``, prefill the rest.
 
         Returns counts for the metrics. Leaves the log's last logits = logits after ``prompt[-1]``.
@@ -173,7 +170,7 @@ class StatefulSession(SessionCommon):
         recomputed, self.recomputed_tokens_pending = self.recomputed_tokens_pending, 0
         reused = common_prefix_len(log.tokens, prompt)
         if reused == len(prompt) and reused == len(log) and log.last_logits is not None:
-            return _align_counts(reused, 0, restored, 0, recomputed)
+            return _alignment(reused, 0, restored, 0, recomputed)
         # NOTE: a prompt fully covered by the KV still needs its last token fed to get logits.
         reused = min(reused, len(prompt) - 1)
         cached = 0
@@ -188,7 +185,7 @@ class StatefulSession(SessionCommon):
             reused_from_cache = reused
         await self._run(log.feed, slot, prompt[reused_from_cache:])
         await self._engine.prefix_cache_store(self, slot)
-        return _align_counts(reused, cached, restored, len(prompt) - reused_from_cache, recomputed)
+        return _alignment(reused, cached, restored, len(prompt) - reused_from_cache, recomputed)
 
     # ---- blocking steps (worker threads; the caller holds lock + lease) --------------
     async def _run(self, fn, *args):  # type: ignore[no-untyped-def]

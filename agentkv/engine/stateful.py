@@ -38,7 +38,7 @@ import openvino as ov
 
 import anyio
 
-from agentkv.engine.base import GenerationMetrics
+from agentkv.engine.base import Alignment, GenerationMetrics
 from agentkv.engine.chunking import PrefixBoundaries
 from agentkv.engine.kv_log import KVLog, KVSlot
 from agentkv.engine.models import ModelFiles, compiled_cache_dir, resolve_model
@@ -292,23 +292,11 @@ class StatefulEngine(EngineCommon):
         return self._kv_token_bytes
 
     def metrics_for(
-        self, log: KVLog, align: dict[str, int], *, generated: int, ttft: float, tpot: float
+        self, log: KVLog, align: Alignment, *, generated: int, ttft: float, tpot: float
     ) -> GenerationMetrics:
-        """Metrics of one call from the alignment counts."""
-        kv_tokens = len(log)
-        return GenerationMetrics(
-            prompt_tokens=align["reused"] + align["prefix_cache"] + align["prefilled"],
-            reused_tokens=align["reused"],
-            prefix_cache_tokens=align["prefix_cache"],
-            restored_tokens=align["restored"],
-            prefilled_tokens=align["prefilled"],
-            generated_tokens=generated,
-            ttft_s=ttft,
-            tpot_s=tpot,
-            kv_tokens=kv_tokens,
-            kv_bytes=kv_tokens * self.kv_bytes_per_token(),
-            kv_exact=log.exact,
-        )
+        """Metrics of one call from its alignment and the log it left."""
+        return align.metrics(generated=generated, ttft=ttft, tpot=tpot, kv_tokens=len(log),
+                             kv_bytes=len(log) * self.kv_bytes_per_token(), kv_exact=log.exact)
 
     def prefix_cache_lookup(self, prompt: Sequence[int], reused: int) -> KVSnapshot | None:
         """The longest cached *registered* prefix of ``prompt`` that adds at least

@@ -16,6 +16,7 @@ from dataclasses import replace
 from typing import Any, Protocol
 
 from agentkv.engine.base import (
+    Alignment,
     BeamHypothesis,
     GenerationConfig,
     GenerationMetrics,
@@ -42,7 +43,7 @@ class ScriptedHost(Protocol):
     def max_context_len(self) -> int: ...
     decode_s_per_token: float
 
-    def metrics_for(self, session: Any, align: dict[str, int], *, generated: int, ttft: float,
+    def metrics_for(self, session: Any, align: Alignment, *, generated: int, ttft: float,
                     tpot: float) -> GenerationMetrics: ...
 
 
@@ -63,7 +64,7 @@ class ScriptedDecode:
         prompt: list[int],
         config: GenerationConfig,
         constraint: TokenConstraint | None,
-        align: dict[str, int],
+        align: Alignment,
         started: float,
     ) -> None:
         self.session, self.config, self.constraint = session, config, constraint

@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from agentkv.engine.base import GenerationConfig, GenerationMetrics, GenerationResult
+from agentkv.engine.base import Alignment, GenerationConfig, GenerationMetrics, GenerationResult
 from agentkv.engine.session_common import EngineCommon
 from agentkv.errors import UserError
 from agentkv.testing.session import ScriptedSession
@@ -188,19 +188,9 @@ class ScriptedEngine(EngineCommon):
         return reply
 
     def metrics_for(
-        self, session: ScriptedSession, align: dict[str, int], *, generated: int, ttft: float, tpot: float
+        self, session: ScriptedSession, align: Alignment, *, generated: int, ttft: float, tpot: float
     ) -> GenerationMetrics:
-        """Metrics of one call from the alignment counts (as ``StatefulEngine.metrics_for``)."""
+        """Metrics of one call from its alignment (as ``StatefulEngine.metrics_for``)."""
         kv_tokens = len(session.tokens)
-        return GenerationMetrics(
-            prompt_tokens=align["reused"] + align["prefix_cache"] + align["prefilled"],
-            reused_tokens=align["reused"],
-            prefix_cache_tokens=align["prefix_cache"],
-            restored_tokens=align["restored"],
-            prefilled_tokens=align["prefilled"],
-            generated_tokens=generated,
-            ttft_s=ttft,
-            tpot_s=tpot,
-            kv_tokens=kv_tokens,
-            kv_bytes=kv_tokens * KV_BYTES_PER_TOKEN,
-        )
+        return align.metrics(generated=generated, ttft=ttft, tpot=tpot, kv_tokens=kv_tokens,
+                             kv_bytes=kv_tokens * KV_BYTES_PER_TOKEN)

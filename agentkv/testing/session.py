@@ -22,6 +22,7 @@ import anyio.lowlevel
 import numpy as np
 
 from agentkv.engine.base import (
+    Alignment,
     GenerationConfig,
     GenerationMetrics,
     GenerationResult,
@@ -113,22 +114,17 @@ class ScriptedSession(SessionCommon):
                     call.result = event
                 yield event
 
-    async def _align(self, prompt: list[int]) -> dict[str, int]:
+    async def _align(self, prompt: list[int]) -> Alignment:
         """Trim the log to the longest common prefix with ``prompt``, "prefill" the rest."""
         restored, self.restored_tokens_pending = self.restored_tokens_pending, 0
         reused = common_prefix_len(self._tokens, prompt)
         if reused == len(prompt) == len(self._tokens) and self._logits_ready:
-            return {"reused": reused, "prefix_cache": 0, "restored": restored, "prefilled": 0}
+            return Alignment(reused=reused, prefix_cache=0, restored=restored, prefilled=0)
         # NOTE: a prompt fully covered by the KV still needs its last token fed to get logits.
         reused = min(reused, len(prompt) - 1)
         self._trim_to(reused)
         await self.feed(prompt[reused:], self._engine.prefill_s_per_token)
-        return {
-            "reused": reused,
-            "prefix_cache": 0,
-            "restored": min(restored, reused),
-            "prefilled": len(prompt) - reused,
-        }
+        return Alignment(reused=reused, prefix_cache=0, restored=min(restored, reused), prefilled=len(prompt) - reused)
 
     async def feed(self, ids: Sequence[int], seconds_per_token: float) -> None:
         """Run ``ids`` through the "model": they join the log once the step completes.
