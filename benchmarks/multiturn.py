@@ -1,9 +1,11 @@
-"""Multi-turn TTFT: agentkv KV session vs stateless re-prefill vs openvino-genai LLMPipeline + ChatHistory.
+"""Multi-turn TTFT: agentkv (stateful and paged engines) vs stateless re-prefill vs openvino-genai.
 
-A chat of ~100-token user turns and 64-token answers. Per turn it prints TTFT for:
-agentkv (one KV session: prefills only the new turn), stateless (same engine, the whole
-history re-prefilled every turn) and LLMPipeline.generate(ChatHistory). Then decode speed.
-The last line is one JSON object with the ratios. Run: ``python benchmarks/multiturn.py``.
+A chat of ~100-token user turns and 64-token answers. Per turn it prints TTFT for: agentkv on
+the stateful engine and on the paged engine (one KV session each: prefills only the new turn),
+stateless (the stateful engine re-prefilling the whole history every turn), and LLMPipeline +
+ChatHistory twice — its SDPA backend and its default (PagedAttention + prefix caching). Then
+decode speed. The last line is one JSON object with the ratios.
+Run: ``python benchmarks/multiturn.py [--turns 13]``.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from _turns import SENTENCES, padded_turn
 
 from agentkv.chat.messages import Message
 from agentkv.chat.render import ChatRenderer
-from agentkv.engine.base import GenerationConfig
+from agentkv.engine.base import GenerationConfig, KVSession
+from agentkv.engine.paged import PagedEngine
 from agentkv.engine.stateful import StatefulEngine
 
 
@@ -27,54 +30,75 @@ def user_turn(engine: StatefulEngine, turn: int, target: int = 100) -> str:
                        start=turn, sentences=SENTENCES[:7], target=target)
 
 
+class GenaiChat:
+    """One LLMPipeline with its own ChatHistory (the same user turns; its own answers)."""
+
+    def __init__(self, ir_dir: str, system: str, answer_tokens: int, **options: str) -> None:
+        self.pipe = og.LLMPipeline(ir_dir, "CPU", **options)
+        self.history = og.ChatHistory()
+        self.history.append({"role": "system", "content": system})
+        self.config = og.GenerationConfig()
+        self.config.max_new_tokens, self.config.ignore_eos = answer_tokens, True
+        self.tpots: list[float] = []
+
+    def turn(self, text: str) -> float:
+        self.history.append({"role": "user", "content": text})
+        out = self.pipe.generate(self.history, self.config)
+        self.history.append({"role": "assistant", "content": out.texts[0]})
+        self.tpots.append(out.perf_metrics.get_tpot().mean / 1000)
+        return out.perf_metrics.get_ttft().mean / 1000
+
+
+class AgentkvChat:
+    """One engine's KV session over the rendered chat (its own answers, kept as generated ids)."""
+
+    def __init__(self, engine: StatefulEngine, system: Message, answer_tokens: int) -> None:
+        self.engine, self.system = engine, system
+        self.renderer = ChatRenderer(engine.tokenizer)
+        self.messages: list[Message] = []
+        self.config = GenerationConfig(max_new_tokens=answer_tokens, ignore_eos=True)
+        self.tpots: list[float] = []
+        self.session: KVSession | None = None
+
+    async def turn(self, text: str) -> tuple[float, int, list[int]]:
+        if self.session is None:
+            self.session = await self.engine.open_session()
+        self.messages.append(Message.user(text))
+        prompt = self.renderer.render([self.system, *self.messages]).token_ids
+        result = await self.session.generate(prompt, self.config)
+        self.messages.append(Message.assistant(result.text, token_ids=result.token_ids))
+        self.tpots.append(result.metrics.tpot_s)
+        return result.metrics.ttft_s, result.metrics.prefilled_tokens, list(prompt)
+
+
 async def measure(turns: int, answer_tokens: int) -> dict:
-    engine = StatefulEngine(num_slots=2)
-    renderer = ChatRenderer(engine.tokenizer)
-    pipe = og.LLMPipeline(str(engine.files.ir_dir), "CPU", ATTENTION_BACKEND="SDPA")
-    cfg = GenerationConfig(max_new_tokens=answer_tokens, ignore_eos=True)
+    stateful, paged = StatefulEngine(num_slots=2), PagedEngine(num_slots=2)
     system = Message.system("You are a helpful assistant that summarises text.")
-    messages: list[Message] = []
-    history = og.ChatHistory()
-    history.append({"role": "system", "content": system.content})
-    gcfg = og.GenerationConfig()
-    gcfg.max_new_tokens = answer_tokens
-    gcfg.ignore_eos = True
-    kv_session = await engine.open_session()
-    stateless = await engine.open_session()
-    rows, tpots, genai_tpots = [], [], []
+    chats = {"agentkv": AgentkvChat(stateful, system, answer_tokens), "paged": AgentkvChat(paged, system, answer_tokens)}
+    ir_dir = str(stateful.files.ir_dir)
+    sdpa = GenaiChat(ir_dir, system.content, answer_tokens, ATTENTION_BACKEND="SDPA")
+    default = GenaiChat(ir_dir, system.content, answer_tokens)
+    stateless = await stateful.open_session()
+    rows = []
     for turn in range(1, turns + 1):
-        text = user_turn(engine, turn)
-        messages.append(Message.user(text))
-        prompt = renderer.render([system, *messages]).token_ids
-        result = await kv_session.generate(prompt, cfg)
-        messages.append(Message.assistant(result.text, token_ids=result.token_ids))
-        tpots.append(result.metrics.tpot_s)
+        text = user_turn(stateful, turn)
+        ttft, prefilled, prompt = await chats["agentkv"].turn(text)
+        paged_ttft, _, _ = await chats["paged"].turn(text)
         await stateless.trim(0)
         cold = await stateless.generate(prompt, GenerationConfig(max_new_tokens=1))
-        history.append({"role": "user", "content": text})
-        out = pipe.generate(history, gcfg)
-        history.append({"role": "assistant", "content": out.texts[0]})
-        genai_ttft = out.perf_metrics.get_ttft().mean / 1000
-        genai_tpots.append(out.perf_metrics.get_tpot().mean / 1000)
-        rows.append(
-            {
-                "turn": turn,
-                "history_tokens": len(prompt),
-                "agentkv_ttft": result.metrics.ttft_s,
-                "agentkv_prefilled": result.metrics.prefilled_tokens,
-                "stateless_ttft": cold.metrics.ttft_s,
-                "genai_chat_ttft": genai_ttft,
-            }
-        )
+        rows.append({"turn": turn, "history_tokens": len(prompt), "agentkv_ttft": ttft, "agentkv_prefilled": prefilled,
+                     "paged_ttft": paged_ttft, "stateless_ttft": cold.metrics.ttft_s,
+                     "genai_chat_ttft": sdpa.turn(text), "genai_default_ttft": default.turn(text)})
         r = rows[-1]
-        print(
-            f"turn {turn:2d}  history {len(prompt):5d} tok  agentkv {r['agentkv_ttft'] * 1000:7.1f} ms "
-            f"(prefilled {r['agentkv_prefilled']:4d})  stateless {r['stateless_ttft'] * 1000:7.1f} ms  "
-            f"genai-chat {genai_ttft * 1000:7.1f} ms",
-            flush=True,
-        )
-    await engine.aclose()
-    return {"rows": rows, "tpot": statistics.median(tpots), "genai_tpot": statistics.median(genai_tpots)}
+        print(f"turn {turn:2d}  history {len(prompt):5d} tok  stateful {ttft * 1000:7.1f} ms (prefilled {prefilled:4d})  "
+              f"paged {paged_ttft * 1000:7.1f} ms  stateless {r['stateless_ttft'] * 1000:7.1f} ms  "
+              f"genai-sdpa {r['genai_chat_ttft'] * 1000:7.1f} ms  genai-default {r['genai_default_ttft'] * 1000:7.1f} ms",
+              flush=True)
+    await stateful.aclose()
+    await paged.aclose()
+    return {"rows": rows, "tpot": statistics.median(chats["agentkv"].tpots),
+            "paged_tpot": statistics.median(chats["paged"].tpots), "genai_tpot": statistics.median(sdpa.tpots),
+            "genai_default_tpot": statistics.median(default.tpots)}
 
 
 def main() -> None:
@@ -93,9 +117,14 @@ def main() -> None:
         "agentkv_over_genai_chat_ttft": statistics.median(r["agentkv_ttft"] for r in later)
         / statistics.median(r["genai_chat_ttft"] for r in later),
         "agentkv_over_genai_decode": data["genai_tpot"] / data["tpot"],
+        "paged_over_genai_default_ttft": statistics.median(r["paged_ttft"] for r in later)
+        / statistics.median(r["genai_default_ttft"] for r in later),
+        "stateful_over_paged_ttft_2k": at2k["agentkv_ttft"] / at2k["paged_ttft"],
+        "paged_over_genai_default_decode": data["genai_default_tpot"] / data["paged_tpot"],
     }
     print(f"2K point: turn {at2k['turn']} with {at2k['history_tokens']} tokens of history")
-    print(f"decode: agentkv {1 / data['tpot']:.1f} tok/s, LLMPipeline {1 / data['genai_tpot']:.1f} tok/s")
+    print(f"decode: agentkv stateful {1 / data['tpot']:.1f}, paged {1 / data['paged_tpot']:.1f}, LLMPipeline SDPA "
+          f"{1 / data['genai_tpot']:.1f}, default {1 / data['genai_default_tpot']:.1f} tok/s")
     print(json.dumps({k: round(v, 3) for k, v in ratio.items()}))
 
 
