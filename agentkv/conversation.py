@@ -175,7 +175,7 @@ class Conversation:
     @property
     def supports_drop(self) -> bool:
         """Whether the KV session can drop spans (``KVSession.supports_drop``)."""
-        return bool(getattr(self.kv, "supports_drop", False))
+        return self.kv.supports_drop
 
     async def drop_spans(self, ranges: Sequence[tuple[int, int]]) -> None:
         """Drop each ``(start, end)`` range of ``kv_tokens`` from the KV by span drop + RoPE shift
