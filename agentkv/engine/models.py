@@ -45,6 +45,11 @@ class ModelFiles:
     def model_xml(self) -> Path:
         return self.ir_dir / "openvino_model.xml"
 
+    def config(self) -> dict[str, Any]:
+        """The IR's ``config.json`` (optimum-intel exports), or {} when there is none."""
+        path = self.ir_dir / "config.json"
+        return dict(json.loads(path.read_text())) if path.is_file() else {}
+
     def gguf_metadata(self) -> dict[str, Any]:
         """The GGUF's scalar metadata plus its vocabulary (``tokenizer.ggml.tokens``), read once
         and cached as JSON beside the IR (parsing the GGUF takes seconds; the JSON, milliseconds).

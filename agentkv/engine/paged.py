@@ -18,7 +18,6 @@ import os
 from typing import Any
 
 from agentkv.engine.block_pool import BlockPool
-from agentkv.engine.numerics import EXACT_CONFIG
 from agentkv.engine.paged_model import PagedModel
 from agentkv.engine.paged_slot import PagedSlot
 from agentkv.engine.stateful import Backend, StatefulEngine
@@ -51,9 +50,9 @@ class PagedEngine(StatefulEngine):
 
     def _open_backend(self, device: str, config: dict[str, str], num_slots: int, *, slice_logits: bool) -> Backend:
         """Compile the paged model and give each slot a block table over one shared pool."""
-        exact = all(config.get(k) == v for k, v in EXACT_CONFIG.items())
+        # NOTE: the engine checked and merged its options already (exact=True is in ``config``)
         model = PagedModel(self.files, kv_cache_bytes=self._kv_cache_bytes, device=device,
-                           kv_cache_precision=config["KV_CACHE_PRECISION"], exact=exact, ov_config=_extra(config))
+                           kv_cache_precision=config["KV_CACHE_PRECISION"], ov_config=_extra(config))
         self.block_pool = BlockPool(model.num_blocks)
         """The KV blocks every session's table draws from."""
         self.paged_model = model

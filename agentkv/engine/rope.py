@@ -165,19 +165,15 @@ def fit_convention(
     moved: Mapping[int, np.ndarray],
     *,
     tolerance: float = FIT_TOLERANCE["f32"],
-    fit_layers: slice = slice(None),
 ) -> RopeConvention | None:
     """Fit the rotation mapping keys prefilled at offset 0 (``base``, ``[..., T, dim]``) onto the
     same tokens' keys at each offset p (``moved[p]``); None when no rotation explains them
-    within ``tolerance`` (relative to the largest key). Frequencies are fitted on
-    ``base[fit_layers]`` (the first axis), the error is checked on everything."""
+    within ``tolerance`` (relative to the largest key)."""
     if not moved or min(moved) < 1:
         raise ValueError("fit_convention needs keys at positive offsets, the smallest ideally 1")
     if max(_relative_error(base, k) for k in moved.values()) <= tolerance:
         return RopeConvention("none", (), None, None, 0.0, "fitted", tolerance)  # keys ignore position
-    fit_base = base[fit_layers]
-    fit_moved = {p: k[fit_layers] for p, k in moved.items()}
-    fits = {style: _fit_style(fit_base, fit_moved, style)[0] for style in ("rotate_half", "interleaved")}
+    fits = {style: _fit_style(base, moved, style)[0] for style in ("rotate_half", "interleaved")}
     errors = {style: rotation_error(base, moved, style, omega) for style, omega in fits.items()}
     style: RopeStyle = min(errors, key=lambda s: errors[s])  # type: ignore[assignment]
     omega, error = fits[style], errors[style]

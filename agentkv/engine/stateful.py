@@ -221,11 +221,7 @@ class StatefulEngine(EngineCommon):
         return self._rope
 
     async def _measure_rope(self) -> RopeConvention | None:
-        import json
-
-        config_path = self.files.ir_dir / "config.json"
-        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-        metadata = rope_metadata(config, self.files.gguf_metadata())
+        metadata = rope_metadata(self.files.config(), self.files.gguf_metadata())
         floor = FIT_TOLERANCE.get(self.kv_cache_precision, max(FIT_TOLERANCE.values()))
         ids = self._tokenizer.encode(PROBE_TEXT)
         probe = self.new_session()
@@ -342,11 +338,9 @@ def _compile(core: ov.Core, model: ov.Model, device: str, config: dict[str, str]
 
 def _context_length(files: ModelFiles) -> int | None:
     """The model's trained context length, from GGUF metadata or config.json."""
-    import json
-
-    config = files.ir_dir / "config.json"
-    if config.is_file():
-        value = json.loads(config.read_text()).get("max_position_embeddings")
+    config = files.config()
+    if config:
+        value = config.get("max_position_embeddings")
         return int(value) if value else None
     for name, value in files.gguf_metadata().items():
         if name.endswith(".context_length"):
