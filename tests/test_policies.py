@@ -456,6 +456,7 @@ async def test_each_policy_carries_a_real_conversation_across_the_limit_several_
                         new_turn = len(policy_engine.tokenizer.encode(question))
                         after_compaction.append((event.metrics.prefilled_tokens, new_turn))
                         compacted = False
+        shifted = session.kv.shifted  # read before close: a closed session's log is empty
     finally:
         await runtime.aclose()
     assert len(events) >= 2
@@ -467,6 +468,6 @@ async def test_each_policy_carries_a_real_conversation_across_the_limit_several_
         assert all(prefilled <= new_turn + 12 for prefilled, new_turn in after_compaction), after_compaction
     assert len(removed) >= 4
     if policy_name == "sliding_window":
-        assert session.kv.shifted
+        assert shifted
     if policy_name == "summarize":
         assert session.messages[0].content.startswith(SUMMARY_PREFIX)

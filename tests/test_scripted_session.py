@@ -14,6 +14,7 @@ from agentkv.errors import (
     UserError,
 )
 from agentkv.testing import ScriptedEngine, ScriptedTokenizer
+from agentkv.testing.fake_kv import HEAD_DIM
 
 CFG = GenerationConfig(max_new_tokens=64)
 
@@ -82,7 +83,7 @@ async def test_snapshot_and_restore_round_trip_the_log():
     await session.generate(prompt, CFG)
     snap = await session.snapshot()
     assert isinstance(snap, KVSnapshot) and snap.tokens == session.tokens
-    assert snap.fingerprint == "scripted" and snap.keys.shape == (1, 1, 1, len(session.tokens), 1)
+    assert snap.fingerprint == "scripted" and snap.keys.shape == (1, 1, 1, len(session.tokens), HEAD_DIM)
     fresh = await engine.open_session()
     await fresh.restore(snap)
     assert fresh.tokens == session.tokens

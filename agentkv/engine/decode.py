@@ -154,6 +154,29 @@ class DecodeLoop:
             yield TokenDelta(result.token_ids[-1] if result.token_ids else -1, result.text)
             yield result
             return
+        async for event in self.run_sequential():
+            yield event
+
+    async def run_sequential(self) -> AsyncIterator[TokenDelta | GenerationResult]:
+        """One token at a time from ``chooser()``: a delta per token, then the result."""
+        log = self.log
+
+        async def feed(token: int) -> None:
+            await self.run_blocking(log.feed, self.slot, [token])
+
+        events = decode_tokens(
+            self.chooser(), feed, config=self.config, decode_text=self.engine.tokenizer.decode,
+            stop_ids=self.stop_ids, max_new=self.max_new, constraint=self.constraint,
+        )
+        async for event in events:
+            if isinstance(event, DecodeOutcome):
+                yield self.finish(event.generated, event.text, event.finish_reason, event.first_token_at)
+            else:
+                yield event
+
+    def chooser(self) -> Callable[[list[int]], int]:
+        """``choose(generated)``: the next token, sampled from the log's last logits under the
+        config (and the constraint's mask)."""
         log, cfg = self.log, self.config
         rng = make_rng(cfg.seed)
 
@@ -164,18 +187,7 @@ class DecodeLoop:
                 log.last_logits, cfg, rng, context_ids=log.tokens, generated_ids=generated, allowed=allowed
             )
 
-        async def feed(token: int) -> None:
-            await self.run_blocking(log.feed, self.slot, [token])
-
-        events = decode_tokens(
-            choose, feed, config=cfg, decode_text=self.engine.tokenizer.decode,
-            stop_ids=self.stop_ids, max_new=self.max_new, constraint=self.constraint,
-        )
-        async for event in events:
-            if isinstance(event, DecodeOutcome):
-                yield self.finish(event.generated, event.text, event.finish_reason, event.first_token_at)
-            else:
-                yield event
+        return choose
 
     def finish(
         self,

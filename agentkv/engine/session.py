@@ -1,10 +1,11 @@
-"""StatefulSession: one conversation's KV on the OpenVINO stateful engine.
+"""SlotSession: one conversation's KV on an engine's slots — stateful requests, paged block
+tables or the test suite's fake slots, through one code path.
 
 Keeps the invariant of DESIGN.md — the slot's KV is exactly the KV of ``tokens`` — through
 generate (align to the longest common prefix, prefill the rest, decode), trim, fork,
 snapshot/restore and slot offload; the token log and every KV change live in its ``KVLog``
 (``engine/kv_log.py``). Every public method takes the session's lock, then a slot lease, then
-runs blocking model work in a worker thread::
+runs blocking model work through ``engine.run_blocking`` (a worker thread)::
 
     session = await engine.open_session()
     async for delta in session.stream(ids, GenerationConfig(max_new_tokens=32)):
@@ -31,10 +32,9 @@ from agentkv.engine.base import (
     common_prefix_len,
 )
 from agentkv.engine.decode import DecodeEngine, DecodeLoop
-from agentkv.engine.kv_log import KVLog, KVLogCorrupt
+from agentkv.engine.kv_log import KVLog, KVLogCorrupt, KVSlot
 from agentkv.engine.rope import RopeConvention
 from agentkv.engine.session_common import SessionCommon
-from agentkv.engine.slot import Slot
 from agentkv.engine.slot_pool import HostKV, SlotPool
 from agentkv.engine.snapshot import KVSnapshot
 from agentkv.errors import (
@@ -46,18 +46,19 @@ from agentkv.errors import (
 
 
 class SessionEngine(DecodeEngine, Protocol):
-    """What a ``StatefulSession`` asks of its engine (``StatefulEngine`` is the one)."""
+    """What a ``SlotSession`` asks of its engine (a ``SlotEngine``)."""
 
     pool: SlotPool
     fingerprint: str
 
     def new_log(self) -> KVLog: ...
-    def new_session(self, **state: Any) -> StatefulSession: ...
-    def forget(self, session: StatefulSession) -> None: ...
+    def new_session(self, **state: Any) -> SlotSession: ...
+    def forget(self, session: SlotSession) -> None: ...
     def restores_exactly(self, snapshot: KVSnapshot) -> bool: ...
     def make_snapshot(self, log: KVLog, keys: np.ndarray, values: np.ndarray) -> KVSnapshot: ...
     def prefix_cache_lookup(self, prompt: Sequence[int], reused: int) -> KVSnapshot | None: ...
-    async def prefix_cache_store(self, session: StatefulSession, slot: Slot) -> None: ...
+    async def run_blocking(self, fn: Any, *args: Any) -> Any: ...
+    async def prefix_cache_store(self, session: SlotSession, slot: KVSlot) -> None: ...
     async def rope_convention(self) -> RopeConvention | None: ...
 
 
@@ -69,8 +70,8 @@ def _alignment(reused: int, cached: int, restored: int, prefilled: int, recomput
                      prefilled=prefilled + recomputed)
 
 
-class StatefulSession(SessionCommon):
-    """A KV session bound (lazily) to a slot of a ``StatefulEngine``."""
+class SlotSession(SessionCommon):
+    """A KV session bound (lazily) to a slot of a ``SlotEngine`` (stateful, paged or fake)."""
 
     def __init__(
         self,
@@ -102,17 +103,19 @@ class StatefulSession(SessionCommon):
 
     @property
     def kv_exact(self) -> bool:
-        """False once part of the KV came back from a lossy restore (see ``KVLog.exact``)."""
+        """False once part of the KV came back from a lossy restore (a u8 cache through the
+        state API, or a snapshot stored in a rounding precision): close to, not equal to, what
+        the model computed. A trim to 0 makes it exact again."""
         return self._log.exact
 
     # ---- slot pool callbacks (run in worker threads, under the pool's lease) ---------
-    def offload(self, slot: Slot) -> None:
+    def offload(self, slot: KVSlot) -> None:
         """Copy this session's KV to host memory before its slot is given away."""
         keys, values = self._log.read(slot)
         self._host = self._engine.pool.host.put(self._engine.make_snapshot(self._log, keys, values))
         slot.reset()
 
-    def adopt(self, slot: Slot) -> None:
+    def adopt(self, slot: KVSlot) -> None:
         """Fill a newly bound slot with this session's KV (empty if it has none on the host).
         On any failure the slot is emptied and so is the log: never partial KV."""
         try:
@@ -121,7 +124,7 @@ class StatefulSession(SessionCommon):
             self._log.clear(slot)
             raise
 
-    def _adopt(self, slot: Slot) -> None:
+    def _adopt(self, slot: KVSlot) -> None:
         slot.reset()
         host, self._host = self._host, None
         snapshot = None if host is None else host.take()  # None: empty, or dropped by the host budget
@@ -160,7 +163,7 @@ class StatefulSession(SessionCommon):
                 elapsed = time.perf_counter() - started
                 return self._engine.metrics_for(self._log, align, generated=0, ttft=elapsed, tpot=0.0)
 
-    async def _align(self, slot: Slot, prompt: list[int]) -> Alignment:
+    async def _align(self, slot: KVSlot, prompt: list[int]) -> Alignment:
         """Trim the KV to the longest common prefix with ``prompt``, prefill the rest.
 
         Returns counts for the metrics. Leaves the log's last logits = logits after ``prompt[-1]``.
@@ -189,11 +192,9 @@ class StatefulSession(SessionCommon):
 
     # ---- blocking steps (worker threads; the caller holds lock + lease) --------------
     async def _run(self, fn, *args):  # type: ignore[no-untyped-def]
-        # NOTE: not abandoned on cancellation: the step finishes and updates tokens with the
-        # KV, then the cancellation is delivered. That keeps the invariant under cancel.
-        return await anyio.to_thread.run_sync(fn, *args, limiter=self._engine.pool.limiter)
+        return await self._engine.run_blocking(fn, *args)
 
-    def _load_blocking(self, slot: Slot, snapshot: KVSnapshot) -> None:
+    def _load_blocking(self, slot: KVSlot, snapshot: KVSnapshot) -> None:
         self._log.load(slot, snapshot, exact=self._engine.restores_exactly(snapshot))
 
     # ---- other operations ------------------------------------------------------------
@@ -257,7 +258,7 @@ class StatefulSession(SessionCommon):
                 await self._run(self._load_blocking, slot, snapshot)
                 self.restored_tokens_pending = snapshot.num_tokens
 
-    async def fork(self) -> StatefulSession:
+    async def fork(self) -> SlotSession:
         """A new session with a copy of this KV; the KV is put into a slot when it first runs."""
         async with self._lock:
             self._ensure_open()
@@ -319,4 +320,5 @@ class StatefulSession(SessionCommon):
             if self._host is not None:
                 self._host.release()
                 self._host = None
+            self._log.forget()  # its KV is gone: the log says so
             self._engine.forget(self)

@@ -28,7 +28,7 @@ from typing import Literal, Protocol
 
 import anyio
 
-from agentkv.engine.slot import Slot
+from agentkv.engine.kv_log import KVSlot
 from agentkv.engine.snapshot import KVSnapshot
 from agentkv.errors import SnapshotCorrupt, SnapshotIncompatible, UserError
 
@@ -36,21 +36,21 @@ from agentkv.errors import SnapshotCorrupt, SnapshotIncompatible, UserError
 class SlotOwner(Protocol):
     """What the pool needs from a session."""
 
-    def offload(self, slot: Slot) -> None:
+    def offload(self, slot: KVSlot) -> None:
         """Copy the KV out of ``slot`` to host memory (blocking; runs in a worker thread)."""
 
-    def adopt(self, slot: Slot) -> None:
+    def adopt(self, slot: KVSlot) -> None:
         """Called (blocking, in a worker thread) when ``slot`` is newly bound: restore KV into it."""
 
 
 class SlotPool:
     """Fixed set of slots shared by any number of sessions."""
 
-    def __init__(self, slots: list[Slot], host: HostKVStore | None = None) -> None:
+    def __init__(self, slots: list[KVSlot], host: HostKVStore | None = None) -> None:
         self.host = host or HostKVStore()
         """Where offloaded sessions' KV waits (byte budget, spill or drop)."""
-        self._free: list[Slot] = list(slots)
-        self._bound: OrderedDict[SlotOwner, Slot] = OrderedDict()  # LRU first
+        self._free: list[KVSlot] = list(slots)
+        self._bound: OrderedDict[SlotOwner, KVSlot] = OrderedDict()  # LRU first
         self._leased: set[SlotOwner] = set()
         self._changed = anyio.Condition()
         self.size = len(slots)
@@ -58,7 +58,7 @@ class SlotPool:
         self.limiter = anyio.CapacityLimiter(max(1, len(slots)))
 
     @asynccontextmanager
-    async def lease(self, owner: SlotOwner) -> AsyncIterator[Slot]:
+    async def lease(self, owner: SlotOwner) -> AsyncIterator[KVSlot]:
         """Hold ``owner``'s slot (binding one, evicting an idle session if needed) for the block."""
         slot, fresh = await self._acquire(owner)
         try:
@@ -76,7 +76,7 @@ class SlotPool:
                     self._leased.discard(owner)
                     self._changed.notify_all()
 
-    async def _acquire(self, owner: SlotOwner) -> tuple[Slot, bool]:
+    async def _acquire(self, owner: SlotOwner) -> tuple[KVSlot, bool]:
         async with self._changed:
             while True:
                 if owner in self._bound:

@@ -38,18 +38,13 @@ import openvino as ov
 
 import anyio
 
-from agentkv.engine.base import Alignment, GenerationMetrics
-from agentkv.engine.chunking import PrefixBoundaries
-from agentkv.engine.kv_log import KVLog, KVSlot
+from agentkv.engine.kv_log import KVSlot
 from agentkv.engine.models import ModelFiles, compiled_cache_dir, resolve_model
 from agentkv.engine.numerics import EXACT_CONFIG, PluginNumerics
-from agentkv.engine.prefix_cache import PrefixCache
 from agentkv.engine.rope import FIT_TOLERANCE, PROBE_TEXT, RopeConvention, measure_convention, rope_metadata
-from agentkv.engine.session import StatefulSession
-from agentkv.engine.session_common import EngineCommon
 from agentkv.engine.slot import Slot
-from agentkv.engine.slot_pool import HostKVStore, SlotPool
-from agentkv.engine.snapshot import KVSnapshot, PrecisionChoice
+from agentkv.engine.slot_engine import SlotEngine
+from agentkv.engine.snapshot import PrecisionChoice
 from agentkv.engine.tokenizer import OVTokenizer
 from agentkv.errors import AgentKVError, ConstraintError, UserError
 
@@ -64,8 +59,6 @@ DEFAULT_KV_PRECISION: KVPrecision = "f16"
 """The smallest KV cache whose restores are bit-exact (see the module docstring)."""
 DEFAULT_CONTEXT_LEN = 8192
 DEFAULT_PREFIX_CACHE_BYTES = 256 << 20
-MIN_PREFIX_HIT_TOKENS = 16
-"""A prefix-cache hit is used only when it saves at least this many tokens of prefill."""
 DEFAULT_OFFLOAD_BYTES = 2 << 30
 
 
@@ -107,10 +100,8 @@ class Backend:
     vocab_size: int
 
 
-class StatefulEngine(EngineCommon):
+class StatefulEngine(SlotEngine):
     """The local OpenVINO engine. See the module docstring for a call."""
-
-    session_class = StatefulSession
 
     def __init__(
         self,
@@ -142,8 +133,7 @@ class StatefulEngine(EngineCommon):
             raise UserError(f"exact=True needs an f32 KV cache, got kv_cache_precision={kv_cache_precision!r}; "
                             "drop one of the two")
         self.files: ModelFiles = resolve_model(model)
-        self.prefill_chunk_size = prefill_chunk_size
-        self._tokenizer = OVTokenizer(self.files.ir_dir)
+        tokenizer = OVTokenizer(self.files.ir_dir)
         requested_kv = kv_cache_precision or ("f32" if exact else DEFAULT_KV_PRECISION)
         config: dict[str, str] = {"CACHE_DIR": str(compiled_cache_dir())}
         config.update(EXACT_CONFIG if exact else {})
@@ -153,28 +143,20 @@ class StatefulEngine(EngineCommon):
         self.numerics = backend.numerics
         """What the plugin computes in on this machine (read back, not what was asked)."""
         self.kv_cache_precision: str = self.numerics.kv_cache
-        self.snapshot_precision: PrecisionChoice = snapshot_precision
-        self.pool = SlotPool(backend.slots, host=HostKVStore(offload_bytes, spill_dir))  # type: ignore[arg-type]
         self.num_layers = backend.num_layers
-        self._max_context_len = max_context_len or _context_length(self.files) or DEFAULT_CONTEXT_LEN
-        self._fingerprint = _fingerprint(self.files.model_xml, self.kv_cache_precision, device)
-        self._eos = frozenset({self._tokenizer.eos_token_id})
-        self._sessions: set[StatefulSession] = set()
-        self._constraints: ConstraintFactory | None = None
         self._vocab_size = backend.vocab_size
-        self._kv_token_bytes = (2 * self.num_layers * backend.heads * backend.head_dim
-                                * _BYTES.get(self.kv_cache_precision, 4))
-        self.boundaries = PrefixBoundaries()
-        """Registered prefixes: chunk boundaries of every prefill, cached or not (canonical chunking)."""
-        self.prefix_cache: PrefixCache | None = None  # prefix_cache_bytes=0 disables it
-        if prefix_cache_bytes != 0:
-            self.prefix_cache = PrefixCache(
-                fingerprint=self._fingerprint, budget_bytes=prefix_cache_bytes,
-                precision=prefix_cache_precision, limiter=self.pool.limiter, boundaries=self.boundaries,
-            )
-        self._rope: RopeConvention | None = None
-        self._rope_measured = False
-        self._rope_lock = anyio.Lock()
+        self._constraints: ConstraintFactory | None = None
+        super().__init__(
+            slots=backend.slots, tokenizer=tokenizer,
+            fingerprint=_fingerprint(self.files.model_xml, self.kv_cache_precision, device),
+            eos_token_ids={tokenizer.eos_token_id},
+            max_context_len=max_context_len or _context_length(self.files) or DEFAULT_CONTEXT_LEN,
+            kv_bytes_per_token=(2 * backend.num_layers * backend.heads * backend.head_dim
+                                * _BYTES.get(self.kv_cache_precision, 4)),
+            restores_exact=self.numerics.restores_exact, prefill_chunk_size=prefill_chunk_size,
+            snapshot_precision=snapshot_precision, prefix_cache_bytes=prefix_cache_bytes,
+            prefix_cache_precision=prefix_cache_precision, offload_bytes=offload_bytes, spill_dir=spill_dir,
+        )
 
     def _open_backend(self, device: str, config: dict[str, str], num_slots: int, *, slice_logits: bool) -> Backend:
         """Compile the stateful model; each InferRequest is one KV slot."""
@@ -192,38 +174,16 @@ class StatefulEngine(EngineCommon):
             vocab_size=int(ov_model.output("logits").get_partial_shape()[2].get_length()),
         )
 
-    # ---- Engine protocol ---------------------------------------------------------------
     @property
     def tokenizer(self) -> OVTokenizer:
-        return self._tokenizer
-
-    @property
-    def eos_token_ids(self) -> frozenset[int]:
-        return self._eos
-
-    @property
-    def fingerprint(self) -> str:
-        return self._fingerprint
-
-    def register_prefix(self, tokens: Sequence[int]) -> None:
-        """Mark ``tokens`` as a shared prefix: a chunk boundary of every prefill that covers it,
-        and cached once a session has read it (when the prefix cache is enabled)."""
-        self.boundaries.register(tokens)
-
-    async def rope_convention(self) -> RopeConvention | None:
-        """The model's RoPE (θ from its metadata, verified on its keys), measured once on a
-        temporary session's slot; None if no rotation explains the keys (then span drops are
-        unavailable). Must not be called while holding a slot lease (it needs a slot)."""
-        async with self._rope_lock:
-            if not self._rope_measured:
-                self._rope = await self._measure_rope()
-                self._rope_measured = True
-        return self._rope
+        return self._tokenizer  # type: ignore[no-any-return]
 
     async def _measure_rope(self) -> RopeConvention | None:
+        """θ from the model's metadata, verified on its keys (``engine/rope.py``), on a
+        temporary session's slot."""
         metadata = rope_metadata(self.files.config(), self.files.gguf_metadata())
         floor = FIT_TOLERANCE.get(self.kv_cache_precision, max(FIT_TOLERANCE.values()))
-        ids = self._tokenizer.encode(PROBE_TEXT)
+        ids = self.tokenizer.encode(PROBE_TEXT)
         probe = self.new_session()
         try:
             async with self.pool.lease(probe) as slot:
@@ -254,66 +214,12 @@ class StatefulEngine(EngineCommon):
 
             self._constraints = ConstraintFactory(
                 meta["tokenizer.ggml.tokens"],
-                eos_token_id=sorted(self._eos),
+                eos_token_id=sorted(self.eos_token_ids),
                 vocab_size=self._vocab_size,
                 token_types=meta.get("tokenizer.ggml.token_type"),
-                encode=self._tokenizer.encode,
+                encode=self.tokenizer.encode,
             )
         return self._constraints(grammar)
-
-    # ---- helpers used by sessions ------------------------------------------------------
-    def new_log(self) -> KVLog:
-        """An empty token log that cuts its prefills canonically for this engine."""
-        return KVLog(boundaries=self.boundaries, chunk_size=self.prefill_chunk_size)
-
-    def make_snapshot(self, log: KVLog, keys: np.ndarray, values: np.ndarray) -> KVSnapshot:
-        """Host snapshot of ``log``'s float32 KV arrays in this engine's snapshot precision
-        ("auto": lossless); an inexact log's snapshot says so."""
-        return KVSnapshot.from_float(
-            tuple(log.tokens),
-            keys,
-            values,
-            precision=self.snapshot_precision,
-            fingerprint=self._fingerprint,
-            shifted=log.shifted,
-            lossless=log.exact,
-        )
-
-    def restores_exactly(self, snapshot: KVSnapshot) -> bool:
-        """True when writing ``snapshot`` into a slot gives the KV it was read from, bit for bit."""
-        return snapshot.lossless and self.numerics.restores_exact
-
-    def kv_bytes_per_token(self) -> int:
-        """Bytes one token's K and V take in the model's cache precision (all layers)."""
-        return self._kv_token_bytes
-
-    def metrics_for(
-        self, log: KVLog, align: Alignment, *, generated: int, ttft: float, tpot: float
-    ) -> GenerationMetrics:
-        """Metrics of one call from its alignment and the log it left."""
-        return align.metrics(generated=generated, ttft=ttft, tpot=tpot, kv_tokens=len(log),
-                             kv_bytes=len(log) * self.kv_bytes_per_token(), kv_exact=log.exact)
-
-    def prefix_cache_lookup(self, prompt: Sequence[int], reused: int) -> KVSnapshot | None:
-        """The longest cached *registered* prefix of ``prompt`` that adds at least
-        ``MIN_PREFIX_HIT_TOKENS`` to the ``reused`` tokens the session holds and leaves one
-        token to prefill.
-
-        NOTE: whole registered prefixes only: they are chunk boundaries of a cold prefill too,
-        so a hit computes exactly what a cold start would. A hit of a few tokens (a shared
-        "<|im_start|>system\nYou are a") would cost a KV copy bigger than the prefill it saves."""
-        if self.prefix_cache is None:
-            return None
-        for mark in reversed(self.boundaries.prefixes_of(prompt)):
-            if len(mark) < len(prompt) and len(mark) >= reused + MIN_PREFIX_HIT_TOKENS:
-                if self.prefix_cache.match_len(mark) == len(mark):
-                    return self.prefix_cache.lookup(prompt[: len(mark) + 1], longer_than=len(mark) - 1)
-        return None
-
-    async def prefix_cache_store(self, session: StatefulSession, slot: Slot) -> None:
-        """Give the prefix cache a chance to copy registered prefixes out of ``slot``."""
-        if self.prefix_cache is not None:
-            await self.prefix_cache.capture(session, slot)
 
 
 def _state_head_shape(slot: Slot) -> tuple[int, int]:

@@ -10,7 +10,8 @@
     engine.assert_complete()
 """
 
+from agentkv.testing.fake_kv import FakeSlot
 from agentkv.testing.scripted import ScriptedCall, ScriptedEngine, ScriptedSession, Step
 from agentkv.testing.tokenizer import ScriptedTokenizer
 
-__all__ = ["ScriptedCall", "ScriptedEngine", "ScriptedSession", "ScriptedTokenizer", "Step"]
+__all__ = ["FakeSlot", "ScriptedCall", "ScriptedEngine", "ScriptedSession", "ScriptedTokenizer", "Step"]

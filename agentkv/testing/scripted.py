@@ -1,9 +1,10 @@
-"""ScriptedEngine: a deterministic engine that replays scripted replies through the real protocol.
+"""ScriptedEngine: a deterministic engine that replays scripted replies through the real session code.
 
 Each ``generate`` call pops the next step — a reply string, a function of the call, or an
-exception to raise — and decodes the reply's tokens (then ``<|im_end|>``) exactly as the
-stateful engine would: longest-common-prefix alignment, token log, metrics, streaming, stop
-strings, ``max_new_tokens``, trim / fork / snapshot / restore and their errors::
+exception to raise — and decodes the reply's tokens (then ``<|im_end|>``). It is a
+``SlotEngine`` over fake KV slots (``testing/fake_kv.py``): alignment, the token log, metrics,
+streaming, stop strings, ``max_new_tokens``, trim / fork / offload / snapshot / restore / drop
+and their errors are the engine's own code, not a copy::
 
     engine = ScriptedEngine(["Hello!", lambda call: f"You said {len(call.prompt_ids)} tokens"])
     session = await engine.open_session()
@@ -18,19 +19,25 @@ strings, ``max_new_tokens``, trim / fork / snapshot / restore and their errors::
 from __future__ import annotations
 
 import inspect
+import os
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
-from agentkv.engine.base import Alignment, GenerationConfig, GenerationMetrics, GenerationResult
-from agentkv.engine.session_common import EngineCommon
+import anyio
+import anyio.lowlevel
+
+from agentkv.engine.base import GenerationConfig, GenerationMetrics, GenerationResult
+from agentkv.engine.rope import FIT_TOLERANCE, PROBE_TEXT, RopeConvention, measure_convention
+from agentkv.engine.slot_engine import SlotEngine
 from agentkv.errors import UserError
+from agentkv.testing.fake_kv import KV_BYTES_PER_TOKEN, ROPE_THETA, FakeSlot
 from agentkv.testing.session import ScriptedSession
 from agentkv.testing.tokenizer import ScriptedTokenizer
 
 FINGERPRINT = "scripted"
-KV_BYTES_PER_TOKEN = 8
-"""One float32 key and one float32 value per token: the ``[1, 1, 1, T, 1]`` snapshot layout."""
+T = TypeVar("T")
 
 
 @dataclass
@@ -74,7 +81,7 @@ def _check_step(step: object) -> None:
         )
 
 
-class ScriptedEngine(EngineCommon):
+class ScriptedEngine(SlotEngine):
     """An ``Engine`` whose "model" replays scripted replies; see the module docstring."""
 
     session_class = ScriptedSession
@@ -86,13 +93,29 @@ class ScriptedEngine(EngineCommon):
         max_context_len: int = 8192,
         prefill_s_per_token: float = 0.0,
         decode_s_per_token: float = 0.0,
+        num_slots: int = 16,
+        prefix_cache_bytes: int | None = 0,
+        offload_bytes: int | None = None,
+        spill_dir: str | os.PathLike[str] | None = None,
+        prefill_chunk_size: int | None = None,
     ) -> None:
+        """``*_s_per_token`` make the "model" slow (a step over one token is a decode step);
+        ``num_slots`` sessions keep their fake KV in a slot, more are offloaded as on a real
+        engine; ``prefix_cache_bytes`` > 0 (or None: unbounded) turns the prefix cache on."""
         if max_context_len < 2:
             raise UserError(f"max_context_len must be >= 2, got {max_context_len}")
         if prefill_s_per_token < 0 or decode_s_per_token < 0:
             raise UserError("prefill_s_per_token and decode_s_per_token must be >= 0")
-        self._tokenizer = ScriptedTokenizer()
-        self._max_context_len = max_context_len
+        if num_slots < 1:
+            raise UserError(f"num_slots must be >= 1, got {num_slots}")
+        tokenizer = ScriptedTokenizer()
+        super().__init__(
+            slots=[FakeSlot(tokenizer.n_vocab, self._step_seconds) for _ in range(num_slots)],
+            tokenizer=tokenizer, fingerprint=FINGERPRINT, eos_token_ids={tokenizer.eos_token_id},
+            max_context_len=max_context_len, kv_bytes_per_token=KV_BYTES_PER_TOKEN,
+            prefill_chunk_size=prefill_chunk_size, prefix_cache_bytes=prefix_cache_bytes,
+            offload_bytes=offload_bytes, spill_dir=spill_dir,
+        )
         self.prefill_s_per_token = prefill_s_per_token
         self.decode_s_per_token = decode_s_per_token
         self._steps: deque[Step] = deque()
@@ -103,7 +126,6 @@ class ScriptedEngine(EngineCommon):
         self.requested_grammars: list[str] = []
         """Every ``make_constraint`` argument, in order."""
         self._pending_grammar: str | None = None
-        self._sessions: set[ScriptedSession] = set()
         if isinstance(steps, (str, Exception)) or callable(steps):
             steps = [steps]  # type: ignore[list-item]
         self.add_steps(*steps)  # type: ignore[misc]
@@ -111,18 +133,11 @@ class ScriptedEngine(EngineCommon):
     # ---- Engine protocol ---------------------------------------------------------------
     @property
     def tokenizer(self) -> ScriptedTokenizer:
-        return self._tokenizer
-
-    @property
-    def eos_token_ids(self) -> frozenset[int]:
-        return frozenset({self._tokenizer.eos_token_id})
-
-    @property
-    def fingerprint(self) -> str:
-        return FINGERPRINT
+        return self._tokenizer  # type: ignore[no-any-return]
 
     def register_prefix(self, tokens: Sequence[int]) -> None:
-        """Record ``tokens`` in ``registered_prefixes`` (the scripted engine has no prefix cache)."""
+        """Register ``tokens`` as the engine does, and record them in ``registered_prefixes``."""
+        super().register_prefix(tokens)
         self.registered_prefixes.append(tuple(int(t) for t in tokens))
 
     def make_constraint(self, grammar: str) -> None:
@@ -187,10 +202,26 @@ class ScriptedEngine(EngineCommon):
         call.reply = reply
         return reply
 
-    def metrics_for(
-        self, session: ScriptedSession, align: Alignment, *, generated: int, ttft: float, tpot: float
-    ) -> GenerationMetrics:
-        """Metrics of one call from its alignment (as ``StatefulEngine.metrics_for``)."""
-        kv_tokens = len(session.tokens)
-        return align.metrics(generated=generated, ttft=ttft, tpot=tpot, kv_tokens=kv_tokens,
-                             kv_bytes=kv_tokens * KV_BYTES_PER_TOKEN)
+    # ---- the fake model ----------------------------------------------------------------
+    def _step_seconds(self, tokens: int) -> float:
+        """How long a fake step over ``tokens`` takes (read at each step: tests may change the pace)."""
+        return tokens * (self.decode_s_per_token if tokens == 1 else self.prefill_s_per_token)
+
+    async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
+        """A paced step runs in a worker thread (as a real one); an instant one runs inline,
+        then yields to the event loop (cancellation is delivered after the step, as in a thread)."""
+        if self.prefill_s_per_token or self.decode_s_per_token:
+            return await super().run_blocking(fn, *args)
+        result = fn(*args)
+        await anyio.lowlevel.checkpoint()
+        return result
+
+    async def _measure_rope(self) -> RopeConvention | None:
+        """The fake model's RoPE, measured on a fake slot by the engine's own procedure."""
+        probe = self.new_session()
+        ids = self.tokenizer.encode(PROBE_TEXT)
+        try:
+            async with self.pool.lease(probe) as slot:
+                return measure_convention(slot, ids, floor=FIT_TOLERANCE["f32"], metadata=(ROPE_THETA, 1.0))
+        finally:
+            await probe.close()

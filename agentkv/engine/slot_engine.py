@@ -1,0 +1,201 @@
+"""SlotEngine: what every engine over KV slots shares, whatever computes the KV.
+
+A slot engine owns a ``SlotPool`` of ``KVSlot`` backends (OpenVINO stateful requests, paged
+block tables, or the fake slots of ``agentkv.testing``), the registry of shared prefixes and
+the prefix cache, how snapshots are made and whether restores are exact, the metrics of a
+call, the RoPE convention (measured once, by the subclass) and the bookkeeping of open
+sessions. Its sessions are ``SlotSession``s: the alignment, fork, drop, offload and restore
+code is the same for every backend. Subclasses load a model (or a fake) and call
+``super().__init__``::
+
+    class MyEngine(SlotEngine):
+        def __init__(self):
+            super().__init__(slots=[...], tokenizer=tok, fingerprint="my-model:kv=f16",
+                             eos_token_ids={2}, max_context_len=4096, kv_bytes_per_token=1024)
+
+        async def _measure_rope(self): ...
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
+
+import anyio
+import numpy as np
+
+from agentkv.engine.base import Alignment, GenerationMetrics, Tokenizer
+from agentkv.engine.chunking import PrefixBoundaries
+from agentkv.engine.kv_log import KVLog, KVSlot
+from agentkv.engine.prefix_cache import PrefixCache
+from agentkv.engine.rope import RopeConvention
+from agentkv.engine.session import SlotSession
+from agentkv.engine.slot_pool import HostKVStore, SlotPool
+from agentkv.engine.snapshot import KVSnapshot, PrecisionChoice
+
+T = TypeVar("T")
+
+MIN_PREFIX_HIT_TOKENS = 16
+"""A prefix-cache hit is used only when it saves at least this many tokens of prefill."""
+
+
+class SlotEngine:
+    """Pool, prefixes, snapshots, metrics and sessions of an engine over KV slots (no model here)."""
+
+    session_class: type[SlotSession] = SlotSession
+
+    def __init__(
+        self,
+        *,
+        slots: Sequence[KVSlot],
+        tokenizer: Any,
+        fingerprint: str,
+        eos_token_ids: Iterable[int],
+        max_context_len: int,
+        kv_bytes_per_token: int,
+        restores_exact: bool = True,
+        prefill_chunk_size: int | None = None,
+        snapshot_precision: PrecisionChoice = "auto",
+        prefix_cache_bytes: int | None = 0,
+        prefix_cache_precision: PrecisionChoice = "auto",
+        offload_bytes: int | None = None,
+        spill_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
+        """``restores_exact``: the slots give back written KV bit for bit (not a u8 stateful
+        cache). ``prefix_cache_bytes`` 0 disables the prefix cache; ``offload_bytes`` bounds
+        the host memory of offloaded idle sessions (``spill_dir``: where the excess goes)."""
+        self._tokenizer = tokenizer
+        self._fingerprint = fingerprint
+        self._eos = frozenset(int(t) for t in eos_token_ids)
+        self._max_context_len = max_context_len
+        self._kv_token_bytes = kv_bytes_per_token
+        self._restores_exact = restores_exact
+        self.prefill_chunk_size = prefill_chunk_size
+        self.snapshot_precision: PrecisionChoice = snapshot_precision
+        self.pool = SlotPool(list(slots), host=HostKVStore(offload_bytes, spill_dir))
+        """The slots sessions are bound to, and the host store of offloaded KV."""
+        self.boundaries = PrefixBoundaries()
+        """Registered prefixes: chunk boundaries of every prefill, cached or not (canonical chunking)."""
+        self.prefix_cache: PrefixCache | None = None
+        if prefix_cache_bytes != 0:
+            self.prefix_cache = PrefixCache(
+                fingerprint=fingerprint, budget_bytes=prefix_cache_bytes,
+                precision=prefix_cache_precision, limiter=self.pool.limiter, boundaries=self.boundaries,
+            )
+        self._sessions: set[SlotSession] = set()
+        self._rope: RopeConvention | None = None
+        self._rope_measured = False
+        self._rope_lock = anyio.Lock()
+
+    # ---- Engine protocol ---------------------------------------------------------------
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._tokenizer  # type: ignore[no-any-return]
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self._eos
+
+    @property
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+    @property
+    def max_context_len(self) -> int:
+        return self._max_context_len
+
+    async def open_session(self) -> SlotSession:
+        """A new empty session (bound to a slot when it first runs)."""
+        return self.new_session()
+
+    def register_prefix(self, tokens: Sequence[int]) -> None:
+        """Mark ``tokens`` as a shared prefix: a chunk boundary of every prefill that covers it,
+        and cached once a session has read it (when the prefix cache is enabled)."""
+        self.boundaries.register(tokens)
+
+    async def rope_convention(self) -> RopeConvention | None:
+        """The model's RoPE, measured once (``_measure_rope``); None if no rotation explains the
+        keys (span drops are then unavailable). Must not be called while holding a slot lease."""
+        async with self._rope_lock:
+            if not self._rope_measured:
+                self._rope = await self._measure_rope()
+                self._rope_measured = True
+        return self._rope
+
+    async def _measure_rope(self) -> RopeConvention | None:
+        """Subclasses measure their model's convention on a slot (None: unknown)."""
+        return None
+
+    async def aclose(self) -> None:
+        """Close every open session."""
+        for session in list(self._sessions):
+            await session.close()
+
+    # ---- helpers used by sessions ------------------------------------------------------
+    def new_session(self, **state: Any) -> SlotSession:
+        """Synchronous constructor used by ``open_session`` and ``fork`` (``state``: what a
+        forked session starts with, passed to ``session_class``)."""
+        session = self.session_class(self, **state)
+        self._sessions.add(session)
+        return session
+
+    def forget(self, session: SlotSession) -> None:
+        """Called by ``session.close()``."""
+        self._sessions.discard(session)
+
+    async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run one blocking slot step in a worker thread (at most one per slot at a time).
+
+        NOTE: not abandoned on cancellation: the step finishes and updates the log with the KV,
+        then the cancellation is delivered. That keeps the invariant under cancel."""
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self.pool.limiter)
+
+    def new_log(self) -> KVLog:
+        """An empty token log that cuts its prefills canonically for this engine."""
+        return KVLog(boundaries=self.boundaries, chunk_size=self.prefill_chunk_size)
+
+    def make_snapshot(self, log: KVLog, keys: np.ndarray, values: np.ndarray) -> KVSnapshot:
+        """Host snapshot of ``log``'s float32 KV arrays in this engine's snapshot precision
+        ("auto": lossless); an inexact log's snapshot says so."""
+        return KVSnapshot.from_float(
+            tuple(log.tokens), keys, values, precision=self.snapshot_precision,
+            fingerprint=self._fingerprint, shifted=log.shifted, lossless=log.exact,
+        )
+
+    def restores_exactly(self, snapshot: KVSnapshot) -> bool:
+        """True when writing ``snapshot`` into a slot gives the KV it was read from, bit for bit."""
+        return snapshot.lossless and self._restores_exact
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one token's K and V take in the cache (all layers)."""
+        return self._kv_token_bytes
+
+    def metrics_for(
+        self, log: KVLog, align: Alignment, *, generated: int, ttft: float, tpot: float
+    ) -> GenerationMetrics:
+        """Metrics of one call from its alignment and the log it left."""
+        return align.metrics(generated=generated, ttft=ttft, tpot=tpot, kv_tokens=len(log),
+                             kv_bytes=len(log) * self._kv_token_bytes, kv_exact=log.exact)
+
+    def prefix_cache_lookup(self, prompt: Sequence[int], reused: int) -> KVSnapshot | None:
+        """The longest cached *registered* prefix of ``prompt`` that adds at least
+        ``MIN_PREFIX_HIT_TOKENS`` to the ``reused`` tokens the session holds and leaves one
+        token to prefill.
+
+        NOTE: whole registered prefixes only: they are chunk boundaries of a cold prefill too,
+        so a hit computes exactly what a cold start would. A hit of a few tokens (a shared
+        "<|im_start|>system\nYou are a") would cost a KV copy bigger than the prefill it saves."""
+        if self.prefix_cache is None:
+            return None
+        for mark in reversed(self.boundaries.prefixes_of(prompt)):
+            if len(mark) < len(prompt) and len(mark) >= reused + MIN_PREFIX_HIT_TOKENS:
+                if self.prefix_cache.match_len(mark) == len(mark):
+                    return self.prefix_cache.lookup(prompt[: len(mark) + 1], longer_than=len(mark) - 1)
+        return None
+
+    async def prefix_cache_store(self, session: SlotSession, slot: KVSlot) -> None:
+        """Give the prefix cache a chance to copy registered prefixes out of ``slot``."""
+        if self.prefix_cache is not None:
+            await self.prefix_cache.capture(session, slot)
+
