@@ -8,8 +8,12 @@ the stateful form on CPU (``benchmarks/paged_step.py``)::
     engine = PagedEngine()                    # default model, f16 KV blocks, 512 MiB of them
     runtime = Runtime(engine)
 
-Not yet here (issue 15): beam search (use ``StatefulEngine`` for ``num_beams > 1``), sessions
-decoding together in one step, prefix hits by shared blocks (hits copy today), u8 blocks.
+Sessions that feed at the same time — decoding, or a prefill joining them — run as one model
+step (``engine/step_batcher.py``; ``engine.batcher.stats()``), each with its own sampling,
+constraint, stop and stream.
+
+Not yet here (issue 15): beam search (use ``StatefulEngine`` for ``num_beams > 1``), prefix
+hits by shared blocks (hits copy today), u8 blocks.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from agentkv.engine.block_pool import BlockPool
 from agentkv.engine.paged_model import PagedModel
 from agentkv.engine.paged_slot import PagedSlot
 from agentkv.engine.stateful import Backend, StatefulEngine
+from agentkv.engine.step_batcher import DEFAULT_MAX_TOKENS, StepBatcher
 from agentkv.errors import UserError
 
 DEFAULT_KV_CACHE_BYTES = 512 << 20
@@ -36,16 +41,24 @@ class PagedEngine(StatefulEngine):
         *,
         kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
         num_slots: int = 16,
+        max_batch: int | None = None,
+        max_step_tokens: int = DEFAULT_MAX_TOKENS,
         **options: Any,
     ) -> None:
         """``kv_cache_bytes`` sizes the shared KV blocks; ``num_slots`` bounds the sessions that
         keep their KV in blocks at once (more are offloaded to host, as on the stateful engine).
+        ``max_batch`` (default ``num_slots``; 1 turns batching off) and ``max_step_tokens`` cap
+        what one model step takes from the sessions feeding at the same time.
         Other options as ``StatefulEngine`` (``kv_cache_precision`` "f16" or "f32", ``exact``…)."""
         if options.get("kv_cache_precision") in ("u8", "bf16"):
             raise UserError("the paged engine keeps f16 or f32 KV blocks for now; pass kv_cache_precision='f16'")
         if kv_cache_bytes <= 0:
             raise UserError(f"kv_cache_bytes must be > 0, got {kv_cache_bytes}")
+        if max_batch is not None and max_batch < 1:
+            raise UserError(f"max_batch must be >= 1 (1: no batching), got {max_batch}")
         self._kv_cache_bytes = kv_cache_bytes
+        self._max_batch = max_batch or num_slots
+        self._max_step_tokens = max_step_tokens
         super().__init__(model, num_slots=num_slots, **options)
 
     def _open_backend(self, device: str, config: dict[str, str], num_slots: int, *, slice_logits: bool) -> Backend:
@@ -56,7 +69,9 @@ class PagedEngine(StatefulEngine):
         self.block_pool = BlockPool(model.num_blocks)
         """The KV blocks every session's table draws from."""
         self.paged_model = model
-        slots = [PagedSlot(model, self.block_pool) for _ in range(num_slots)]
+        self.batcher = StepBatcher(model.step, max_batch=self._max_batch, max_tokens=self._max_step_tokens)
+        """Runs the feeds of sessions feeding at the same time as one step (``batcher.stats()``)."""
+        slots = [PagedSlot(model, self.block_pool, self.batcher) for _ in range(num_slots)]
         return Backend(slots=slots, numerics=model.numerics, num_layers=model.num_layers, heads=model.heads,
                        head_dim=model.head_dim, vocab_size=model.vocab_size)
 

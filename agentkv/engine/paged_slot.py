@@ -18,6 +18,7 @@ import numpy as np
 
 from agentkv.engine.block_pool import BlockPool
 from agentkv.engine.paged_model import BLOCK_SIZE, PagedModel, SequenceStep
+from agentkv.engine.step_batcher import StepBatcher
 from agentkv.engine.kv_precision import from_bf16_bits, to_bf16_bits
 from agentkv.errors import UserError
 
@@ -30,9 +31,12 @@ def blocks_for(tokens: int) -> int:
 class PagedSlot:
     """A block table and a length over a shared model and block pool."""
 
-    def __init__(self, model: PagedModel, pool: BlockPool) -> None:
+    def __init__(self, model: PagedModel, pool: BlockPool, batcher: StepBatcher | None = None) -> None:
+        """``batcher``: run feeds through it, so sessions feeding at the same time share a step
+        (None: each feed is a step of its own)."""
         self.model = model
         self.pool = pool
+        self.batcher = batcher
         self.blocks: list[int] = []
         """The block table: block i holds positions ``i*BLOCK_SIZE ..``."""
         self._length = 0
@@ -49,7 +53,8 @@ class PagedSlot:
                             f"batch {np.asarray(input_ids).shape[0]} after {past_len}")
         ids = [int(t) for t in np.asarray(input_ids)[0]]
         self._grow(past_len + len(ids))
-        logits = self.model.step([SequenceStep(ids, past_len, self.blocks, position_offset)])
+        sequence = SequenceStep(ids, past_len, list(self.blocks), position_offset)
+        logits = self.batcher.run(sequence)[None] if self.batcher is not None else self.model.step([sequence])
         self._length = past_len + len(ids)
         return logits
 
