@@ -38,6 +38,35 @@ def engine_f32():
 
 
 @pytest.fixture(scope="session")
+def paged_engine():
+    """The paged engine with its default numerics, 4 slots, 128 MiB of KV blocks."""
+    from agentkv.engine.paged import PagedEngine
+
+    return PagedEngine(num_slots=4, kv_cache_bytes=128 << 20)
+
+
+@pytest.fixture(scope="session")
+def paged_exact():
+    """The paged engine with ``exact=True`` (f32 blocks, f32 compute, no dynamic quantisation)
+    and no prefix cache, 6 slots: a batched step then equals each sequence's solo step."""
+    from agentkv.engine.paged import PagedEngine
+
+    return PagedEngine(num_slots=6, exact=True, prefix_cache_bytes=0, kv_cache_bytes=128 << 20)
+
+
+@pytest.fixture(params=["stateful", "paged"])
+def any_engine(request: pytest.FixtureRequest):
+    """Each engine with its default numerics: the protocol tests run on both."""
+    return request.getfixturevalue("engine" if request.param == "stateful" else "paged_engine")
+
+
+@pytest.fixture(params=["stateful", "paged"])
+def any_exact_engine(request: pytest.FixtureRequest):
+    """Each engine with ``exact=True`` numerics and no prefix cache."""
+    return request.getfixturevalue("engine_f32" if request.param == "stateful" else "paged_exact")
+
+
+@pytest.fixture(scope="session")
 def engine_plain():
     """The default engine settings with no prefix cache: for references that must be a
     genuine one-pass prefill and for comparisons with LLMPipeline, which has no prefix cache."""

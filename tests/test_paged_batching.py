@@ -26,15 +26,6 @@ CONFIGS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def paged_exact():
-    from agentkv.engine.paged import PagedEngine
-
-    engine = PagedEngine(num_slots=len(CONFIGS) + 1, exact=True, kv_cache_bytes=64 << 20)
-    yield engine
-    engine.block_pool.check_integrity()
-
-
 def prompts(engine) -> list[list[int]]:
     topics = ("a lighthouse", "the moon", "bread", "a violin")
     return [engine.tokenizer.encode(engine.tokenizer.apply_chat_template(

@@ -40,7 +40,7 @@ def feed_together(batcher: StepBatcher, sequences: list[SequenceStep]) -> list[o
     def worker(i: int) -> None:
         start.wait()
         try:
-            results[i] = batcher.run(sequences[i])
+            results[i] = batcher.run(sequences[i], caller=i)
         except Exception as error:  # noqa: BLE001 - the test inspects it
             results[i] = error
 
@@ -102,20 +102,29 @@ def test_a_lone_caller_is_not_kept_waiting_for_company():
     assert batcher.stats().steps == 3
 
 
-def test_a_leader_waits_for_the_rest_of_its_last_batch_to_come_back():
+def test_a_leader_waits_for_the_callers_of_the_last_steps_to_come_back():
     step = RecordingStep(seconds=0.02)
     batcher = StepBatcher(step, max_batch=4, gather=1.0, max_gather_s=1.0)
-    feed_together(batcher, [seq(i) for i in range(4)])
-    size = len(step.batches[-1])
-    assert size >= 2
+    feed_together(batcher, [seq(i) for i in range(4)])  # callers 0..3 stepped (in one or more steps)
     results: list[object] = []
-    # as many come back, one by one 5 ms apart (as sessions sampling their next token)
-    threads = [threading.Timer(0.005 * i, lambda i=i: results.append(batcher.run(seq(10 + i)))) for i in range(size)]
+    # they come back one by one, 5 ms apart (as sessions sampling their next token)
+    threads = [threading.Timer(0.005 * i, lambda i=i: results.append(batcher.run(seq(10 + i), caller=i)))
+               for i in range(4)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    assert len(results) == size and sorted(step.batches[-1]) == list(range(10, 10 + size))
+    assert len(results) == 4 and sorted(step.batches[-1]) == [10, 11, 12, 13]
+
+
+def test_callers_that_stopped_feeding_are_waited_for_at_most_two_steps():
+    step = RecordingStep(seconds=0.01)
+    batcher = StepBatcher(step, max_batch=4, gather=1.0, max_gather_s=1.0)
+    feed_together(batcher, [seq(i) for i in range(4)])
+    for n in range(4):  # caller 0 goes on alone: the others finished
+        batcher.run(seq(20 + n), caller=0)
+    assert batcher.stats().largest_batch >= 2
+    assert [len(batch) for batch in step.batches[-2:]] == [1, 1]
 
 
 def test_bad_caps_are_refused():

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from agentkv.errors import AgentKVError, UserError
 
@@ -33,13 +33,18 @@ class BlockPool:
         self._free: deque[int] = deque(range(num_blocks))
         self._refs = [0] * num_blocks
         self._lock = threading.Lock()
+        self.reclaim: Callable[[int], None] | None = None
+        """Called with the blocks wanted when an allocation finds too few free (blocking)."""
 
     @property
     def free_blocks(self) -> int:
         return len(self._free)
 
     def allocate(self, n: int) -> list[int]:
-        """``n`` free blocks, now held once each; ``KVPoolExhausted`` (nothing taken) if fewer are free."""
+        """``n`` free blocks, now held once each; ``KVPoolExhausted`` (nothing taken) if fewer are
+        free even after the ``reclaim`` hook (e.g. the prefix cache letting go) had its chance."""
+        if n > len(self._free) and self.reclaim is not None:
+            self.reclaim(n)  # NOTE: outside our lock: it releases blocks
         with self._lock:
             if n > len(self._free):
                 raise KVPoolExhausted(

@@ -22,7 +22,6 @@ import numpy as np
 
 from agentkv.engine.chunking import PrefixBoundaries, chunk_spans
 from agentkv.engine.rope import RopeConvention, drop_span
-from agentkv.engine.snapshot import KVSnapshot
 from agentkv.errors import AgentKVError
 
 
@@ -36,6 +35,21 @@ class KVSlot(Protocol):
     def read(self) -> tuple[np.ndarray, np.ndarray]: ...
     def write(self, keys: np.ndarray, values: np.ndarray) -> None: ...
     def select_row(self, row: int, n: int) -> None: ...
+
+
+class KVSource(Protocol):
+    """KV a log can be loaded from: a ``KVSnapshot`` (host copy) or a paged ``SharedPrefix``."""
+
+    @property
+    def tokens(self) -> tuple[int, ...]: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def shifted(self) -> bool: ...
+    @property
+    def lossless(self) -> bool: ...
+    def write_into(self, slot: KVSlot) -> None: ...
+    def release(self) -> None: ...
 
 
 class KVLogCorrupt(AgentKVError):
@@ -95,17 +109,17 @@ class KVLog:
         del self.tokens[n:]
         self.last_logits = None
 
-    def load(self, slot: KVSlot, snapshot: KVSnapshot, *, exact: bool) -> None:
-        """Replace KV and log by ``snapshot``'s (``exact``: the slot gives back its values bit
-        for bit). On failure the slot and the log are empty: never partial KV."""
-        keys, values = snapshot.to_float()
+    def load(self, slot: KVSlot, source: KVSource, *, exact: bool) -> None:
+        """Replace KV and log by ``source``'s — a ``KVSnapshot`` (copied in) or a paged
+        ``SharedPrefix`` (its blocks pointed at) — (``exact``: the KV is the very values it was
+        read as). On failure the slot and the log are empty: never partial KV."""
         try:
-            slot.write(keys, values)
+            source.write_into(slot)
         except BaseException:
             self.clear(slot)
             raise
-        self.tokens, self.last_logits = list(snapshot.tokens), None
-        self.shifted, self.exact = snapshot.shifted, exact
+        self.tokens, self.last_logits = list(source.tokens), None
+        self.shifted, self.exact = source.shifted, exact
 
     def clear(self, slot: KVSlot) -> None:
         """Empty the slot and the log."""

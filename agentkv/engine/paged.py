@@ -12,8 +12,11 @@ Sessions that feed at the same time — decoding, or a prefill joining them — 
 step (``engine/step_batcher.py``; ``engine.batcher.stats()``), each with its own sampling,
 constraint, stop and stream.
 
-Not yet here (issue 15): beam search (use ``StatefulEngine`` for ``num_beams > 1``), prefix
-hits by shared blocks (hits copy today), u8 blocks.
+A prefix-cache hit points the new session's block table at the cached prefix's blocks (no
+copy; ``engine/paged_prefix.py``); whoever writes into a shared block first copies it.
+
+Not yet here (issue 15): beam search (use ``StatefulEngine`` for ``num_beams > 1``), forks
+sharing blocks (a fork copies today), u8 blocks.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ from typing import Any
 
 from agentkv.engine.block_pool import BlockPool
 from agentkv.engine.paged_model import PagedModel
+from agentkv.engine.paged_prefix import PagedPrefixCache
 from agentkv.engine.paged_slot import PagedSlot
+from agentkv.engine.snapshot import PrecisionChoice
 from agentkv.engine.stateful import Backend, StatefulEngine
 from agentkv.engine.step_batcher import DEFAULT_MAX_TOKENS, StepBatcher
 from agentkv.errors import UserError
@@ -60,6 +65,15 @@ class PagedEngine(StatefulEngine):
         self._max_batch = max_batch or num_slots
         self._max_step_tokens = max_step_tokens
         super().__init__(model, num_slots=num_slots, **options)
+
+    def _make_prefix_cache(self, budget_bytes: int | None, precision: PrecisionChoice) -> PagedPrefixCache:
+        """Cached prefixes stay in the pool's blocks (``precision`` does not apply: nothing is
+        converted); ``budget_bytes`` caps the blocks the cache alone keeps alive."""
+        block = self.paged_model.block_bytes
+        cache = PagedPrefixCache(self.block_pool, boundaries=self.boundaries, block_bytes=block,
+                                 max_blocks=None if budget_bytes is None else budget_bytes // block)
+        self.block_pool.reclaim = cache.reclaim
+        return cache
 
     def _open_backend(self, device: str, config: dict[str, str], num_slots: int, *, slice_logits: bool) -> Backend:
         """Compile the paged model and give each slot a block table over one shared pool."""

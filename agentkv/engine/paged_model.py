@@ -81,10 +81,11 @@ class PagedModel:
             kv_cache_precision = "bf16"
         element, extra = _CACHE_TYPES[kv_cache_precision]
         self.num_layers = _type_caches(model, element, (self.heads, self.head_dim + extra))
+        self.block_bytes = 2 * self.num_layers * self.heads * BLOCK_SIZE * (self.head_dim + extra) * element.size
+        """Bytes of one block across every layer's K and V."""
         if num_blocks is None:
             assert kv_cache_bytes is not None
-            block_bytes = 2 * self.num_layers * self.heads * BLOCK_SIZE * (self.head_dim + extra) * element.size
-            num_blocks = kv_cache_bytes // block_bytes
+            num_blocks = kv_cache_bytes // self.block_bytes
         if num_blocks < 1:
             raise UserError(f"the KV cache needs at least one block; got num_blocks={num_blocks} "
                             f"(kv_cache_bytes={kv_cache_bytes})")
@@ -141,6 +142,13 @@ class PagedModel:
         })
         logits = self._request.get_tensor("logits").data  # [sequences, 1, vocab]
         return np.array(logits[:, -1, :], dtype=np.float32)
+
+    def copy_block(self, source: int, target: int) -> None:
+        """Copy block ``source`` into block ``target`` in every layer's K and V (raw: any precision)."""
+        with self.lock:
+            for tensor in self.caches.values():
+                data = tensor.data
+                data[target] = data[source]
 
     def cache_layers(self) -> list[tuple[np.ndarray, np.ndarray]]:
         """Per layer, numpy views ``(keys, values)`` of ``[num_blocks, heads, BLOCK_SIZE, row]``."""

@@ -52,9 +52,10 @@ class PagedSlot:
             raise UserError(f"a paged slot feeds one sequence after its {self._length} positions, got "
                             f"batch {np.asarray(input_ids).shape[0]} after {past_len}")
         ids = [int(t) for t in np.asarray(input_ids)[0]]
+        self._own_block_at(past_len)
         self._grow(past_len + len(ids))
         sequence = SequenceStep(ids, past_len, list(self.blocks), position_offset)
-        logits = self.batcher.run(sequence)[None] if self.batcher is not None else self.model.step([sequence])
+        logits = self.batcher.run(sequence, caller=self)[None] if self.batcher is not None else self.model.step([sequence])
         self._length = past_len + len(ids)
         return logits
 
@@ -105,6 +106,24 @@ class PagedSlot:
         if row != 0:
             raise UserError("a paged slot holds one sequence (row 0)")
         self.trim(n)
+
+    def attach(self, blocks: list[int], length: int) -> None:
+        """Make ``blocks`` (references already held for this slot) the table, holding ``length``
+        positions: how a shared prefix is used without a copy."""
+        if blocks_for(length) != len(blocks):
+            raise UserError(f"{len(blocks)} blocks cannot hold exactly {length} positions")
+        self.reset()
+        self.blocks, self._length = list(blocks), length
+
+    def _own_block_at(self, position: int) -> None:
+        """Copy-on-write: before writing at ``position``, a block other tables also hold is
+        replaced by a private copy, so what they read never changes."""
+        index = position // BLOCK_SIZE
+        if index < len(self.blocks) and self.pool.holders(self.blocks[index]) > 1:
+            [copy] = self.pool.allocate(1)
+            self.model.copy_block(self.blocks[index], copy)
+            self.pool.release([self.blocks[index]])
+            self.blocks[index] = copy
 
     def _grow(self, tokens: int) -> None:
         missing = blocks_for(tokens) - len(self.blocks)

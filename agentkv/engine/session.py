@@ -32,7 +32,7 @@ from agentkv.engine.base import (
     common_prefix_len,
 )
 from agentkv.engine.decode import DecodeEngine, DecodeLoop
-from agentkv.engine.kv_log import KVLog, KVLogCorrupt, KVSlot
+from agentkv.engine.kv_log import KVLog, KVLogCorrupt, KVSlot, KVSource
 from agentkv.engine.rope import RopeConvention
 from agentkv.engine.session_common import SessionCommon
 from agentkv.engine.slot_pool import HostKV, SlotPool
@@ -54,9 +54,9 @@ class SessionEngine(DecodeEngine, Protocol):
     def new_log(self) -> KVLog: ...
     def new_session(self, **state: Any) -> SlotSession: ...
     def forget(self, session: SlotSession) -> None: ...
-    def restores_exactly(self, snapshot: KVSnapshot) -> bool: ...
+    def restores_exactly(self, snapshot: KVSource) -> bool: ...
     def make_snapshot(self, log: KVLog, keys: np.ndarray, values: np.ndarray) -> KVSnapshot: ...
-    def prefix_cache_lookup(self, prompt: Sequence[int], reused: int) -> KVSnapshot | None: ...
+    def prefix_cache_lookup(self, prompt: Sequence[int], reused: int) -> KVSource | None: ...
     async def run_blocking(self, fn: Any, *args: Any) -> Any: ...
     async def prefix_cache_store(self, session: SlotSession, slot: KVSlot) -> None: ...
     async def rope_convention(self) -> RopeConvention | None: ...
@@ -181,7 +181,10 @@ class SlotSession(SessionCommon):
             await self._run(log.trim, slot, reused)
         hit = self._engine.prefix_cache_lookup(prompt, reused)
         if hit is not None:
-            await self._run(self._load_blocking, slot, hit)
+            try:
+                await self._run(self._load_blocking, slot, hit)
+            finally:
+                hit.release()  # what the slot did not take (a paged hit's block references)
             cached = hit.num_tokens - reused
             reused_from_cache = hit.num_tokens
         else:
@@ -194,8 +197,8 @@ class SlotSession(SessionCommon):
     async def _run(self, fn, *args):  # type: ignore[no-untyped-def]
         return await self._engine.run_blocking(fn, *args)
 
-    def _load_blocking(self, slot: KVSlot, snapshot: KVSnapshot) -> None:
-        self._log.load(slot, snapshot, exact=self._engine.restores_exactly(snapshot))
+    def _load_blocking(self, slot: KVSlot, source: KVSource) -> None:
+        self._log.load(slot, source, exact=self._engine.restores_exactly(source))
 
     # ---- other operations ------------------------------------------------------------
     async def next_token_logits(self) -> np.ndarray:

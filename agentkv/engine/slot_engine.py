@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import anyio
 import numpy as np
 
 from agentkv.engine.base import Alignment, GenerationMetrics, Tokenizer
 from agentkv.engine.chunking import PrefixBoundaries
-from agentkv.engine.kv_log import KVLog, KVSlot
-from agentkv.engine.prefix_cache import PrefixCache
+from agentkv.engine.kv_log import KVLog, KVSlot, KVSource
+from agentkv.engine.prefix_cache import PrefixCache, PrefixCacheStats
 from agentkv.engine.rope import RopeConvention
 from agentkv.engine.session import SlotSession
 from agentkv.engine.slot_pool import HostKVStore, SlotPool
@@ -38,6 +38,16 @@ T = TypeVar("T")
 
 MIN_PREFIX_HIT_TOKENS = 16
 """A prefix-cache hit is used only when it saves at least this many tokens of prefill."""
+
+
+class PrefixStore(Protocol):
+    """What a slot engine asks of its prefix cache (``PrefixCache`` copies KV to the host; the
+    paged engine's ``PagedPrefixCache`` shares blocks)."""
+
+    def match_len(self, tokens: Sequence[int], *, salt: str = "") -> int: ...
+    def lookup(self, prompt: Sequence[int], *, longer_than: int = 0, salt: str = "") -> KVSource | None: ...
+    async def capture(self, session: Any, slot: Any, *, salt: str = "") -> int: ...
+    def stats(self) -> PrefixCacheStats: ...
 
 
 class SlotEngine:
@@ -77,16 +87,18 @@ class SlotEngine:
         """The slots sessions are bound to, and the host store of offloaded KV."""
         self.boundaries = PrefixBoundaries()
         """Registered prefixes: chunk boundaries of every prefill, cached or not (canonical chunking)."""
-        self.prefix_cache: PrefixCache | None = None
-        if prefix_cache_bytes != 0:
-            self.prefix_cache = PrefixCache(
-                fingerprint=fingerprint, budget_bytes=prefix_cache_bytes,
-                precision=prefix_cache_precision, limiter=self.pool.limiter, boundaries=self.boundaries,
-            )
+        self.prefix_cache: PrefixStore | None = (
+            None if prefix_cache_bytes == 0 else self._make_prefix_cache(prefix_cache_bytes, prefix_cache_precision))
+        """Shared prefixes' KV (None: off); ``engine.prefix_cache.stats()``."""
         self._sessions: set[SlotSession] = set()
         self._rope: RopeConvention | None = None
         self._rope_measured = False
         self._rope_lock = anyio.Lock()
+
+    def _make_prefix_cache(self, budget_bytes: int | None, precision: PrecisionChoice) -> PrefixStore:
+        """The prefix cache: host copies of cached KV in ``precision`` (the paged engine shares blocks)."""
+        return PrefixCache(fingerprint=self._fingerprint, budget_bytes=budget_bytes, precision=precision,
+                           limiter=self.pool.limiter, boundaries=self.boundaries)
 
     # ---- Engine protocol ---------------------------------------------------------------
     @property
@@ -163,7 +175,7 @@ class SlotEngine:
             fingerprint=self._fingerprint, shifted=log.shifted, lossless=log.exact,
         )
 
-    def restores_exactly(self, snapshot: KVSnapshot) -> bool:
+    def restores_exactly(self, snapshot: KVSource) -> bool:
         """True when writing ``snapshot`` into a slot gives the KV it was read from, bit for bit."""
         return snapshot.lossless and self._restores_exact
 
@@ -178,7 +190,7 @@ class SlotEngine:
         return align.metrics(generated=generated, ttft=ttft, tpot=tpot, kv_tokens=len(log),
                              kv_bytes=len(log) * self._kv_token_bytes, kv_exact=log.exact)
 
-    def prefix_cache_lookup(self, prompt: Sequence[int], reused: int) -> KVSnapshot | None:
+    def prefix_cache_lookup(self, prompt: Sequence[int], reused: int) -> KVSource | None:
         """The longest cached *registered* prefix of ``prompt`` that adds at least
         ``MIN_PREFIX_HIT_TOKENS`` to the ``reused`` tokens the session holds and leaves one
         token to prefill.

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 import numpy as np
 
@@ -77,6 +77,10 @@ def _read_only(a: np.ndarray) -> np.ndarray:
     view = a.view()
     view.setflags(write=False)
     return view
+
+
+class WritableSlot(Protocol):
+    def write(self, keys: np.ndarray, values: np.ndarray) -> None: ...
 
 
 @dataclass(frozen=True, eq=False)
@@ -195,6 +199,13 @@ class KVSnapshot:
         if self.precision == "bf16":
             return from_bf16_bits(self.keys), from_bf16_bits(self.values)
         return self.keys.astype(np.float32, copy=True), self.values.astype(np.float32, copy=True)
+
+    def write_into(self, slot: WritableSlot) -> None:
+        """Copy this KV into ``slot`` (replacing what it held): ``snapshot.write_into(slot)``."""
+        slot.write(*self.to_float())
+
+    def release(self) -> None:
+        """Nothing to let go: a snapshot is a host copy (the ``KVSource`` protocol asks for it)."""
 
     def prefix(self, n: int) -> KVSnapshot:
         """The snapshot of the first ``n`` tokens: ``snap.prefix(32).tokens == snap.tokens[:32]``."""

@@ -1,0 +1,174 @@
+"""Prefix hits as shared blocks on the paged engine: block accounting and copy-on-write under
+any sequence of operations (hypothesis, over a fake paged model that checks every write), and
+on the real model a hit that copies nothing and computes exactly what a cold prefill computes."""
+
+from __future__ import annotations
+
+import anyio
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from agentkv.engine.block_pool import BlockPool, KVPoolExhausted
+from agentkv.engine.chunking import PrefixBoundaries
+from agentkv.engine.paged_model import BLOCK_SIZE
+from agentkv.engine.paged_prefix import PagedPrefixCache
+from agentkv.engine.paged_slot import PagedSlot, blocks_for
+
+
+class FakePagedModel:
+    """A paged model whose "KV" at a position is the token id written there; every write
+    asserts that no other block table holds the block written (copy-on-write)."""
+
+    kv_cache_precision = "f32"
+
+    def __init__(self, pool: BlockPool) -> None:
+        import threading
+
+        self.pool = pool
+        self.lock = threading.RLock()
+        self.keys = np.full((pool.num_blocks, 1, BLOCK_SIZE, 1), -1.0, dtype=np.float32)
+        self.values = self.keys.copy()
+
+    def step(self, sequences):
+        for seq in sequences:
+            for offset, token in enumerate(seq.ids):
+                position = seq.past_len + offset
+                block = seq.blocks[position // BLOCK_SIZE]
+                assert self.pool.holders(block) == 1, f"wrote block {block} that {self.pool.holders(block)} tables hold"
+                self.keys[block, 0, position % BLOCK_SIZE, 0] = token
+                self.values[block, 0, position % BLOCK_SIZE, 0] = token
+        return np.zeros((len(sequences), 8), dtype=np.float32)
+
+    def copy_block(self, source: int, target: int) -> None:
+        self.keys[target] = self.keys[source]
+        self.values[target] = self.values[source]
+
+    def cache_layers(self):
+        return [(self.keys, self.values)]
+
+
+class Session:
+    """Just enough of a session for ``capture``: its tokens."""
+
+    def __init__(self) -> None:
+        self.tokens: tuple[int, ...] = ()
+        self.shifted = False
+
+
+PREFIXES = [tuple(range(1000, 1000 + n)) for n in (20, 45, 70)]
+OPERATIONS = st.lists(
+    st.tuples(st.sampled_from(["start_with_prefix", "feed", "trim", "capture", "reset", "squeeze"]),
+              st.integers(0, 3), st.integers(0, 80)),
+    min_size=1, max_size=25,
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(operations=OPERATIONS)
+def test_blocks_are_never_leaked_nor_written_while_shared_whatever_the_operations(operations):
+    pool = BlockPool(24)
+    model = FakePagedModel(pool)
+    boundaries = PrefixBoundaries()
+    for prefix in PREFIXES:
+        boundaries.register(prefix)
+    cache = PagedPrefixCache(pool, boundaries=boundaries, max_blocks=6, block_bytes=1)
+    pool.reclaim = cache.reclaim
+    slots = [PagedSlot(model, pool) for _ in range(4)]  # type: ignore[arg-type]
+    logs: list[list[int]] = [[] for _ in slots]
+    sessions = [Session() for _ in slots]
+    for name, which, amount in operations:
+        slot, log = slots[which], logs[which]
+        try:
+            if name == "start_with_prefix":
+                prefix = PREFIXES[amount % len(PREFIXES)]
+                hit = cache.lookup([*prefix, 1], longer_than=0)
+                if hit is None:
+                    slot.reset()
+                    log.clear()
+                    slot.feed(np.array([list(prefix)]), past_len=0)
+                else:
+                    try:
+                        hit.write_into(slot)
+                    finally:
+                        hit.release()
+                    log[:] = list(hit.tokens)
+                    assert len(log) <= len(prefix)
+                    if len(log) < len(prefix):
+                        slot.feed(np.array([list(prefix[len(log):])]), past_len=len(log))
+                log[:] = list(prefix)
+            elif name == "feed":
+                ids = list(range(2000 + len(log), 2000 + len(log) + 1 + amount % 40))
+                slot.feed(np.array([ids]), past_len=len(log))
+                log.extend(ids)
+            elif name == "trim":
+                slot.trim(min(amount, len(log)))
+                del log[amount:]
+            elif name == "capture":
+                sessions[which].tokens = tuple(log)
+                anyio.run(cache.capture, sessions[which], slot)
+            elif name == "reset":
+                slot.reset()
+                log.clear()
+            elif name == "squeeze":  # another user of the pool takes what it can
+                taken = pool.allocate(min(pool.free_blocks, amount % 8))
+                pool.release(taken)
+        except KVPoolExhausted:
+            slot.reset()  # the session gives its KV up, as the engine would offload it
+            log.clear()
+        for s, held in zip(slots, logs):
+            assert s.length() == len(held)
+            if held:
+                keys, _ = s.read()
+                assert keys[0, 0, 0, :, 0].astype(int).tolist() == held
+        for mark, blocks in cache.entries():
+            stored = model.keys[list(blocks), 0].reshape(-1)[: len(mark)]
+            assert stored.astype(int).tolist() == list(mark), "a cached prefix's KV changed"
+        pool.check_integrity()
+    for slot in slots:
+        slot.reset()
+    cache.clear()
+    pool.check_integrity()
+    assert pool.free_blocks == pool.num_blocks
+
+
+# ---- the real model ---------------------------------------------------------------------------
+@pytest.mark.model
+async def test_a_prefix_hit_points_at_cached_blocks_and_computes_exactly_what_a_cold_prefill_does():
+    from agentkv.engine.base import GenerationConfig
+    from agentkv.engine.paged import PagedEngine
+
+    engine = PagedEngine(num_slots=3, kv_cache_bytes=32 << 20)
+    tok = engine.tokenizer
+    system = tok.encode("<|im_start|>system\nYou are a careful assistant. " + "Answer briefly and cite facts. " * 12
+                        + "<|im_end|>\n")
+    engine.register_prefix(system)
+    question = tok.encode("<|im_start|>user\nWhat is a lighthouse?<|im_end|>\n<|im_start|>assistant\n")
+    try:
+        cold = await engine.open_session()
+        await cold.prefill(system + question)  # computes the prefix, and the cache shares its blocks
+        assert engine.prefix_cache.stats().nodes == 1
+        free_before = engine.block_pool.free_blocks
+        warm = await engine.open_session()
+        metrics = await warm.prefill(system + question)
+        used = free_before - engine.block_pool.free_blocks
+        assert metrics.prefix_cache_tokens == len(system) and metrics.prefilled_tokens == len(question)
+        # the prefix's full blocks are shared: only the rest, and a copy of the partial block, are new
+        assert used <= blocks_for(len(system) + len(question)) - len(system) // BLOCK_SIZE + 1
+        assert np.array_equal(await warm.next_token_logits(), await cold.next_token_logits())
+        hit = engine.prefix_cache.lookup([*system, 1])
+        assert hit is not None
+        cached = np.array(engine.paged_model.cache_layers()[0][0][list(hit.blocks)])
+        hit.release()
+        config = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+        await warm.generate(system + question, config)  # writes after the prefix, in its own copies
+        await cold.generate(system + question, config)
+        assert np.array_equal(cached, engine.paged_model.cache_layers()[0][0][list(hit.blocks)])
+        for session in (cold, warm):
+            await session.close()
+    finally:
+        await engine.aclose()
+    engine.prefix_cache.clear()
+    engine.block_pool.check_integrity()
+    assert engine.block_pool.free_blocks == engine.block_pool.num_blocks
