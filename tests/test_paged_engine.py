@@ -96,3 +96,28 @@ async def test_beam_search_on_the_paged_engine_says_to_use_the_stateful_one(page
         assert result.token_ids
     finally:
         await session.close()
+
+
+async def test_a_paged_fork_shares_the_parents_blocks_and_each_writes_only_its_own_copies(paged_engine):
+    tok = paged_engine.tokenizer
+    prompt = tok.encode("<|im_start|>user\n" + "Tell me about rivers and the sea. " * 8 + "<|im_end|>\n"
+                        "<|im_start|>assistant\n")
+    follow = tok.encode("Rivers")
+    config = GenerationConfig(max_new_tokens=16, ignore_eos=True)
+    parent = await paged_engine.open_session()
+    await parent.prefill(prompt)
+    before = await parent.snapshot()
+    free = paged_engine.block_pool.free_blocks
+    child = await parent.fork()
+    assert paged_engine.block_pool.free_blocks == free  # the fork copied no KV
+    assert (await child.snapshot()).tokens == before.tokens  # read through the shared blocks
+    from_child = await child.generate(prompt + follow, config)
+    after = await parent.snapshot()
+    assert np.array_equal(after.keys, before.keys) and np.array_equal(after.values, before.values)
+    from_parent = await parent.generate(prompt + follow, config)
+    assert from_child.token_ids == from_parent.token_ids  # the same computation on the same blocks
+    assert from_child.metrics.reused_tokens == from_parent.metrics.reused_tokens == len(prompt)
+    for session in (parent, child):
+        await session.check_integrity()
+        await session.close()
+    paged_engine.block_pool.check_integrity()

@@ -1,5 +1,5 @@
-"""Prefix hits as shared blocks on the paged engine: block accounting and copy-on-write under
-any sequence of operations (hypothesis, over a fake paged model that checks every write), and
+"""Prefix hits and forks as shared blocks on the paged engine: block accounting and
+copy-on-write under any sequence of operations (hypothesis, over a fake paged model that checks every write), and
 on the real model a hit that copies nothing and computes exactly what a cold prefill computes."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from agentkv.engine.chunking import PrefixBoundaries
 from agentkv.engine.paged_model import BLOCK_SIZE
 from agentkv.engine.paged_prefix import PagedPrefixCache
 from agentkv.engine.paged_slot import PagedSlot, blocks_for
+from agentkv.engine.shared_blocks import SharedBlocks
 
 
 class FakePagedModel:
@@ -59,7 +60,7 @@ class Session:
 
 PREFIXES = [tuple(range(1000, 1000 + n)) for n in (20, 45, 70)]
 OPERATIONS = st.lists(
-    st.tuples(st.sampled_from(["start_with_prefix", "feed", "trim", "capture", "reset", "squeeze"]),
+    st.tuples(st.sampled_from(["start_with_prefix", "feed", "trim", "capture", "reset", "squeeze", "fork"]),
               st.integers(0, 3), st.integers(0, 80)),
     min_size=1, max_size=25,
 )
@@ -111,6 +112,11 @@ def test_blocks_are_never_leaked_nor_written_while_shared_whatever_the_operation
             elif name == "reset":
                 slot.reset()
                 log.clear()
+            elif name == "fork":  # the next slot takes this one's KV by sharing its blocks
+                other = (which + 1) % len(slots)
+                pool.share(slot.blocks)
+                SharedBlocks(pool, log, slot.blocks).write_into(slots[other])
+                logs[other] = list(log)
             elif name == "squeeze":  # another user of the pool takes what it can
                 taken = pool.allocate(min(pool.free_blocks, amount % 8))
                 pool.release(taken)

@@ -15,8 +15,10 @@ constraint, stop and stream.
 A prefix-cache hit points the new session's block table at the cached prefix's blocks (no
 copy; ``engine/paged_prefix.py``); whoever writes into a shared block first copies it.
 
-Not yet here (issue 15): beam search (use ``StatefulEngine`` for ``num_beams > 1``), forks
-sharing blocks (a fork copies today), u8 blocks.
+A fork shares its parent's blocks the same way (``hold_copy``): no KV is copied until one of
+them writes into a shared block.
+
+Not yet here (issue 15): beam search (use ``StatefulEngine`` for ``num_beams > 1``), u8 blocks.
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ from typing import Any
 from agentkv.engine.block_pool import BlockPool
 from agentkv.engine.paged_model import PagedModel
 from agentkv.engine.paged_prefix import PagedPrefixCache
-from agentkv.engine.paged_slot import PagedSlot
-from agentkv.engine.snapshot import PrecisionChoice
+from agentkv.engine.kv_log import KVLog, KVSlot
+from agentkv.engine.paged_slot import PagedSlot, read_table
+from agentkv.engine.shared_blocks import SharedBlocks
+from agentkv.engine.snapshot import KVSnapshot, PrecisionChoice
 from agentkv.engine.stateful import Backend, StatefulEngine
 from agentkv.engine.step_batcher import DEFAULT_MAX_TOKENS, StepBatcher
 from agentkv.errors import UserError
@@ -65,6 +69,19 @@ class PagedEngine(StatefulEngine):
         self._max_batch = max_batch or num_slots
         self._max_step_tokens = max_step_tokens
         super().__init__(model, num_slots=num_slots, **options)
+
+    def hold_copy(self, log: KVLog, slot: KVSlot) -> SharedBlocks:
+        """A fork's copy of ``log``'s KV: references on the same blocks (no KV copied; the
+        first write into a shared block copies that block)."""
+        assert isinstance(slot, PagedSlot)
+        blocks = list(slot.blocks)
+        self.block_pool.share(blocks)
+        return SharedBlocks(self.block_pool, log.tokens, blocks, shifted=log.shifted, lossless=log.exact,
+                            read=self._snapshot_of_shared)
+
+    def _snapshot_of_shared(self, shared: SharedBlocks) -> KVSnapshot:
+        keys, values = read_table(self.paged_model, shared.blocks, shared.num_tokens)
+        return self.snapshot_of(shared.tokens, keys, values, shifted=shared.shifted, lossless=shared.lossless)
 
     def _make_prefix_cache(self, budget_bytes: int | None, precision: PrecisionChoice) -> PagedPrefixCache:
         """Cached prefixes stay in the pool's blocks (``precision`` does not apply: nothing is

@@ -8,7 +8,7 @@ shared block first copies it (``PagedSlot``'s copy-on-write), so cached KV never
 
     cache = PagedPrefixCache(pool, model.copy_block, boundaries=engine.boundaries, max_blocks=64)
     await cache.capture(session, slot)             # after a prefill: share the prefixes it covers
-    hit = cache.lookup(prompt, longer_than=10)     # SharedPrefix holding one reference, or None
+    hit = cache.lookup(prompt, longer_than=10)     # SharedBlocks (references held), or None
     hit.write_into(slot)                           # the slot's table now starts with its blocks
 
 Entries are evicted least recently used first when the cache exceeds ``max_blocks`` distinct
@@ -27,6 +27,7 @@ from agentkv.engine.block_pool import BlockPool
 from agentkv.engine.chunking import PrefixBoundaries
 from agentkv.engine.kv_log import KVSlot
 from agentkv.engine.paged_slot import PagedSlot, blocks_for
+from agentkv.engine.shared_blocks import SharedBlocks
 from agentkv.engine.prefix_cache import PrefixCacheStats
 from agentkv.errors import UserError
 
@@ -36,42 +37,6 @@ class CapturableSession(Protocol):
     def tokens(self) -> tuple[int, ...]: ...
     @property
     def shifted(self) -> bool: ...
-
-
-class SharedPrefix:
-    """A cached prefix as blocks, holding one reference on each until ``write_into`` hands them
-    to a slot or ``release`` lets go (both idempotent: whichever comes first)."""
-
-    shifted = False
-    lossless = True
-
-    def __init__(self, pool: BlockPool, tokens: tuple[int, ...], blocks: tuple[int, ...]) -> None:
-        self.tokens = tokens
-        self.blocks = blocks
-        self._pool = pool
-        self._held = True
-        self._lock = threading.Lock()
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.tokens)
-
-    def write_into(self, slot: KVSlot) -> None:
-        """Make ``slot``'s table these blocks (it takes over this hit's references)."""
-        if not isinstance(slot, PagedSlot):
-            raise UserError("a shared prefix goes into a paged slot; use KVSnapshot for other engines")
-        with self._lock:
-            if not self._held:
-                raise UserError("this prefix hit was released already: look the prefix up again")
-            self._held = False
-        slot.attach(list(self.blocks), len(self.tokens))
-
-    def release(self) -> None:
-        """Drop the references this hit still holds."""
-        with self._lock:
-            held, self._held = self._held, False
-        if held:
-            self._pool.release(self.blocks)
 
 
 class PagedPrefixCache:
@@ -113,7 +78,7 @@ class PagedPrefixCache:
         return added
 
     # ---- lookup ----------------------------------------------------------------------
-    def lookup(self, prompt: Sequence[int], *, longer_than: int = 0, salt: str = "") -> SharedPrefix | None:
+    def lookup(self, prompt: Sequence[int], *, longer_than: int = 0, salt: str = "") -> SharedBlocks | None:
         """The longest cached prefix of ``prompt`` longer than ``longer_than`` and shorter than
         ``prompt``, holding a reference on its blocks (use it or ``release`` it); else None."""
         key = tuple(int(t) for t in prompt)
@@ -131,7 +96,7 @@ class PagedPrefixCache:
             self.pool.share(blocks)
             self._counts["hits"] += 1
             self._counts["hit_tokens"] += len(best) - max(0, longer_than)
-            return SharedPrefix(self.pool, best, blocks)
+            return SharedBlocks(self.pool, best, blocks)
 
     def match_len(self, tokens: Sequence[int], *, salt: str = "") -> int:
         """How many leading tokens of ``tokens`` a cached prefix covers (no stats, no LRU touch)."""

@@ -14,6 +14,8 @@ f32 and f16 caches; a u8 cache's rows carry their quantisation parameters and ar
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from agentkv.engine.block_pool import BlockPool
@@ -77,14 +79,7 @@ class PagedSlot:
 
     def read(self) -> tuple[np.ndarray, np.ndarray]:
         """float32 K and V ``[layers, 1, heads, T, head_dim]`` (copies)."""
-        self._check_float_cache("read")
-        keys, values = [], []
-        bf16 = self.model.kv_cache_precision == "bf16"
-        with self.model.lock:
-            for k_cache, v_cache in self.model.cache_layers():
-                keys.append(_gather(k_cache, self.blocks, self._length, bf16))
-                values.append(_gather(v_cache, self.blocks, self._length, bf16))
-        return np.stack(keys)[:, None], np.stack(values)[:, None]
+        return read_table(self.model, self.blocks, self._length)
 
     def write(self, keys: np.ndarray, values: np.ndarray) -> None:
         """Replace the KV by ``keys`` / ``values`` ``[layers, 1, heads, T, head_dim]``."""
@@ -131,8 +126,24 @@ class PagedSlot:
             self.blocks.extend(self.pool.allocate(missing))
 
     def _check_float_cache(self, action: str) -> None:
-        if self.model.kv_cache_precision == "u8":
-            raise UserError(f"cannot {action} a u8 paged cache as floats: use kv_cache_precision='f16' or 'f32'")
+        _check_float_cache(self.model, action)
+
+
+def read_table(model: PagedModel, blocks: Sequence[int], length: int) -> tuple[np.ndarray, np.ndarray]:
+    """float32 K and V ``[layers, 1, heads, length, head_dim]`` held by a block table (copies)."""
+    _check_float_cache(model, "read")
+    keys, values = [], []
+    bf16 = model.kv_cache_precision == "bf16"
+    with model.lock:
+        for k_cache, v_cache in model.cache_layers():
+            keys.append(_gather(k_cache, list(blocks), length, bf16))
+            values.append(_gather(v_cache, list(blocks), length, bf16))
+    return np.stack(keys)[:, None], np.stack(values)[:, None]
+
+
+def _check_float_cache(model: PagedModel, action: str) -> None:
+    if model.kv_cache_precision == "u8":
+        raise UserError(f"cannot {action} a u8 paged cache as floats: use kv_cache_precision='f16' or 'f32'")
 
 
 def _gather(cache: np.ndarray, blocks: list[int], length: int, bf16: bool) -> np.ndarray:

@@ -35,7 +35,7 @@ from agentkv.engine.decode import DecodeEngine, DecodeLoop
 from agentkv.engine.kv_log import KVLog, KVLogCorrupt, KVSlot, KVSource
 from agentkv.engine.rope import RopeConvention
 from agentkv.engine.session_common import SessionCommon
-from agentkv.engine.slot_pool import HostKV, SlotPool
+from agentkv.engine.slot_pool import HeldKV, SlotPool
 from agentkv.engine.snapshot import KVSnapshot
 from agentkv.errors import (
     KVShiftUnsupported,
@@ -56,6 +56,7 @@ class SessionEngine(DecodeEngine, Protocol):
     def forget(self, session: SlotSession) -> None: ...
     def restores_exactly(self, snapshot: KVSource) -> bool: ...
     def make_snapshot(self, log: KVLog, keys: np.ndarray, values: np.ndarray) -> KVSnapshot: ...
+    def hold_copy(self, log: KVLog, slot: KVSlot) -> HeldKV: ...
     def prefix_cache_lookup(self, prompt: Sequence[int], reused: int) -> KVSource | None: ...
     async def run_blocking(self, fn: Any, *args: Any) -> Any: ...
     async def prefix_cache_store(self, session: SlotSession, slot: KVSlot) -> None: ...
@@ -79,13 +80,13 @@ class SlotSession(SessionCommon):
         session_id: str | None = None,
         *,
         log: KVLog | None = None,
-        held: HostKV | None = None,
+        held: HeldKV | None = None,
     ) -> None:
         """``log`` and ``held`` (its KV waiting on the host) start a session from a fork."""
         self._engine = engine
         self._id = session_id or uuid.uuid4().hex
         self._log = log or engine.new_log()
-        self._host: HostKV | None = held  # KV waiting to be put into a slot
+        self._host: HeldKV | None = held  # KV waiting to be put into a slot
         self._closed = False
         # NOTE: a semaphore, not a Lock: a stream abandoned mid-way is closed by the async-generator
         # finalizer in another task, and a Lock refuses release from a task that did not take it.
@@ -135,7 +136,10 @@ class SlotSession(SessionCommon):
                 self._log.feed(slot, tokens)
                 self.recomputed_tokens_pending += len(tokens)
             return
-        self._log.load(slot, snapshot, exact=self._engine.restores_exactly(snapshot))
+        try:
+            self._log.load(slot, snapshot, exact=self._engine.restores_exactly(snapshot))
+        finally:
+            snapshot.release()  # what the slot did not take
         self.restored_tokens_pending += snapshot.num_tokens
 
     # ---- generation ------------------------------------------------------------------
@@ -262,14 +266,21 @@ class SlotSession(SessionCommon):
                 self.restored_tokens_pending = snapshot.num_tokens
 
     async def fork(self) -> SlotSession:
-        """A new session with a copy of this KV; the KV is put into a slot when it first runs."""
+        """A new session holding this KV (a host copy, or on the paged engine the same blocks,
+        copied on write); it is put into a slot when it first runs."""
         async with self._lock:
             self._ensure_open()
-            snap = await self._snapshot_locked()
-        host = await self._run(self._engine.pool.host.put, snap)
-        log = self._engine.new_log()
-        log.tokens, log.shifted, log.exact = list(snap.tokens), snap.shifted, self._log.exact
-        return self._engine.new_session(log=log, held=host)
+            if not self._engine.pool.is_bound(self) and self._host is not None:
+                snapshot = await self._run(self._host.load)
+                held = None if snapshot is None else await self._run(self._engine.pool.host.put, snapshot)
+            else:
+                held = None
+            if held is None:  # bound (or its host KV was dropped: the lease re-prefills it)
+                async with self._engine.pool.lease(self) as slot:
+                    held = await self._run(self._engine.hold_copy, self._log, slot)
+            log = self._engine.new_log()
+            log.tokens, log.shifted, log.exact = list(self._log.tokens), self._log.shifted, self._log.exact
+        return self._engine.new_session(log=log, held=held)
 
     async def check_integrity(self) -> None:
         """Raise ``KVLogCorrupt`` unless the KV (in a slot, or offloaded) holds exactly

@@ -31,7 +31,7 @@ from agentkv.engine.kv_log import KVLog, KVSlot, KVSource
 from agentkv.engine.prefix_cache import PrefixCache, PrefixCacheStats
 from agentkv.engine.rope import RopeConvention
 from agentkv.engine.session import SlotSession
-from agentkv.engine.slot_pool import HostKVStore, SlotPool
+from agentkv.engine.slot_pool import HeldKV, HostKVStore, SlotPool
 from agentkv.engine.snapshot import KVSnapshot, PrecisionChoice
 
 T = TypeVar("T")
@@ -170,10 +170,18 @@ class SlotEngine:
     def make_snapshot(self, log: KVLog, keys: np.ndarray, values: np.ndarray) -> KVSnapshot:
         """Host snapshot of ``log``'s float32 KV arrays in this engine's snapshot precision
         ("auto": lossless); an inexact log's snapshot says so."""
-        return KVSnapshot.from_float(
-            tuple(log.tokens), keys, values, precision=self.snapshot_precision,
-            fingerprint=self._fingerprint, shifted=log.shifted, lossless=log.exact,
-        )
+        return self.snapshot_of(log.tokens, keys, values, shifted=log.shifted, lossless=log.exact)
+
+    def snapshot_of(self, tokens: Sequence[int], keys: np.ndarray, values: np.ndarray, *, shifted: bool,
+                    lossless: bool) -> KVSnapshot:
+        """Host snapshot of ``tokens``' float32 KV in this engine's snapshot precision."""
+        return KVSnapshot.from_float(tuple(tokens), keys, values, precision=self.snapshot_precision,
+                                     fingerprint=self._fingerprint, shifted=shifted, lossless=lossless)
+
+    def hold_copy(self, log: KVLog, slot: KVSlot) -> HeldKV:
+        """What a fork holds of ``log``'s KV until it gets a slot: a host snapshot (blocking;
+        the paged engine shares blocks instead)."""
+        return self.pool.host.put(self.make_snapshot(log, *log.read(slot)))
 
     def restores_exactly(self, snapshot: KVSource) -> bool:
         """True when writing ``snapshot`` into a slot gives the KV it was read from, bit for bit."""

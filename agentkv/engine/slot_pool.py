@@ -28,7 +28,7 @@ from typing import Literal, Protocol
 
 import anyio
 
-from agentkv.engine.kv_log import KVSlot
+from agentkv.engine.kv_log import KVSlot, KVSource
 from agentkv.engine.snapshot import KVSnapshot
 from agentkv.errors import SnapshotCorrupt, SnapshotIncompatible, UserError
 
@@ -138,6 +138,18 @@ class HostKVStats:
     """Spilled snapshots read back."""
     reprefilled_tokens: int
     """Tokens re-prefilled because their offloaded KV had been dropped (or its file was unreadable)."""
+
+
+class HeldKV(Protocol):
+    """KV a session holds while it has no slot: a ``HostKV`` receipt (a host copy) or the paged
+    engine's ``SharedBlocks`` (references on blocks). ``take()`` hands it over for loading
+    (None: it was dropped — re-prefill), ``load()`` reads it as a snapshot, ``release()`` lets go."""
+
+    num_tokens: int
+
+    def take(self) -> KVSource | None: ...
+    def load(self) -> KVSnapshot | None: ...
+    def release(self) -> None: ...
 
 
 class HostKV:
