@@ -87,15 +87,39 @@ async def test_span_drops_work_on_the_paged_engine_with_the_models_rope(paged):
         await session.close()
 
 
-async def test_beam_search_on_the_paged_engine_says_to_use_the_stateful_one(paged):
+async def test_beam_search_on_paged_blocks_finds_the_beams_the_stateful_engine_finds(paged_exact, engine_f32):
+    config = GenerationConfig(max_new_tokens=12, num_beams=3, num_return_sequences=3)
+    ids = prompt(paged_exact, "Name three rivers.")
+    results = []
+    for engine in (engine_f32, paged_exact):
+        session = await engine.open_session()
+        results.append(await session.generate(ids, config))
+        kept = tuple(ids) + results[-1].token_ids
+        assert session.tokens == (kept[:-1] if kept[-1] in engine.eos_token_ids else kept)
+        await session.check_integrity()
+        await session.close()
+    stateful, paged = results
+    assert [b.token_ids for b in paged.beams] == [b.token_ids for b in stateful.beams]
+    assert [b.score for b in paged.beams] == pytest.approx([b.score for b in stateful.beams], abs=1e-3)
+    paged_exact.block_pool.check_integrity()
+    assert paged_exact.block_pool.free_blocks == paged_exact.block_pool.num_blocks  # no prefix cache here
+
+
+async def test_a_cancelled_paged_beam_search_leaves_the_session_at_its_prompt(paged):
+    import anyio
+
     session = await paged.open_session()
+    ids = prompt(paged, "Write a long poem about the sea.")
     try:
-        with pytest.raises(UserError, match="StatefulEngine"):
-            await session.generate(prompt(paged, "hi"), GenerationConfig(max_new_tokens=4, num_beams=2))
-        result = await session.generate(prompt(paged, "hi"), CFG)  # the session is still usable
-        assert result.token_ids
+        with anyio.move_on_after(0.3):
+            await session.generate(ids, GenerationConfig(max_new_tokens=200, num_beams=4, ignore_eos=True))
+        assert session.tokens == tuple(ids)
+        await session.check_integrity()
+        result = await session.generate(ids, CFG)  # the session goes on from its prompt
+        assert result.metrics.reused_tokens == len(ids) - 1 or result.metrics.reused_tokens == len(ids)
     finally:
         await session.close()
+    paged.block_pool.check_integrity()
 
 
 async def test_a_paged_fork_shares_the_parents_blocks_and_each_writes_only_its_own_copies(paged_engine):

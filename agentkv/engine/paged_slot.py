@@ -1,8 +1,11 @@
-"""PagedSlot: one sequence's block table over a PagedModel — the KVSlot a KVLog runs on, paged.
+"""PagedSlot: one session's block table over a PagedModel — the KVSlot a KVLog runs on, paged.
 
 It honours the slot contract of ``engine/kv_log.py`` (feed, trim, reset, read, write), so the
 same alignment, trim, snapshot and restore code runs on blocks instead of a stateful request.
-Blocks come from the shared ``BlockPool`` as the sequence grows and go back on trim and reset::
+Blocks come from the shared ``BlockPool`` as the sequence grows and go back on trim and reset.
+During a beam search the slot holds one table per beam row; a row continuing another
+(``beam_idx``) starts as a share of its table, and a block is copied before a row writes into
+it while another table holds it (copy-on-write)::
 
     slot = PagedSlot(model, pool)
     logits = slot.feed(np.array([ids]), past_len=0)      # [1, vocab]
@@ -40,41 +43,74 @@ class PagedSlot:
         self.pool = pool
         self.batcher = batcher
         self.blocks: list[int] = []
-        """The block table: block i holds positions ``i*BLOCK_SIZE ..``."""
+        """The block table (of row 0): block i holds positions ``i*BLOCK_SIZE ..``."""
+        self._extra_rows: list[list[int]] = []  # rows 1.. during a beam search
         self._length = 0
 
     def feed(
         self, input_ids: np.ndarray, past_len: int, beam_idx: np.ndarray | None = None, position_offset: int = 0
     ) -> np.ndarray:
-        """Run ``input_ids`` ``[1, T]`` after ``past_len`` cached positions; logits ``[1, vocab]``
-        (``position_offset`` shifts the position ids, to measure RoPE)."""
-        if beam_idx is not None and list(np.asarray(beam_idx)) != [0]:
-            raise UserError("beam search needs the stateful engine's beam_idx: use StatefulEngine for num_beams > 1")
-        if np.asarray(input_ids).shape[0] != 1 or past_len != self._length:
-            raise UserError(f"a paged slot feeds one sequence after its {self._length} positions, got "
-                            f"batch {np.asarray(input_ids).shape[0]} after {past_len}")
-        ids = [int(t) for t in np.asarray(input_ids)[0]]
-        self._own_block_at(past_len)
-        self._grow(past_len + len(ids))
-        sequence = SequenceStep(ids, past_len, list(self.blocks), position_offset)
+        """Run ``input_ids`` ``[rows, T]`` after ``past_len`` cached positions; logits ``[rows, vocab]``
+        (``position_offset`` shifts the position ids, to measure RoPE). ``beam_idx`` ``[rows]``
+        makes row i continue the table of row ``beam_idx[i]`` (beam search: rows share blocks)."""
+        ids = np.asarray(input_ids)
+        if past_len != self._length:
+            raise UserError(f"a paged slot feeds after its {self._length} positions, got past_len {past_len}")
+        one_row = ids.shape[0] == 1 and not self._extra_rows
+        if not one_row or (beam_idx is not None and list(np.asarray(beam_idx)) != [0]):
+            return self._feed_rows(ids, past_len, beam_idx)
+        row = [int(t) for t in ids[0]]
+        self._own_block(self.blocks, past_len)
+        self._grow(self.blocks, past_len + len(row))
+        sequence = SequenceStep(row, past_len, list(self.blocks), position_offset)
         logits = self.batcher.run(sequence, caller=self)[None] if self.batcher is not None else self.model.step([sequence])
-        self._length = past_len + len(ids)
+        self._length = past_len + len(row)
+        return logits
+
+    def _feed_rows(self, ids: np.ndarray, past_len: int, beam_idx: np.ndarray | None) -> np.ndarray:
+        """Several rows in one step, each on its own table; a row's table starts as a share of
+        its parent's (``beam_idx``), so rows hold common blocks until they write into them.
+        On failure (no free block) the old rows are kept as they were."""
+        rows = [self.blocks, *self._extra_rows]
+        parents = list(range(ids.shape[0])) if beam_idx is None else [int(i) for i in np.asarray(beam_idx)]
+        if len(parents) != ids.shape[0] or not all(0 <= p < len(rows) for p in parents):
+            raise UserError(f"beam_idx {parents} does not pick {ids.shape[0]} of the slot's {len(rows)} rows")
+        tables = []
+        try:
+            for parent in parents:
+                table = list(rows[parent])
+                self.pool.share(table)
+                tables.append(table)
+                self._own_block(table, past_len)
+                self._grow(table, past_len + ids.shape[1])
+        except BaseException:
+            for table in tables:
+                self.pool.release(table)
+            raise
+        for table in rows:
+            self.pool.release(table)
+        self.blocks, self._extra_rows = tables[0], tables[1:]
+        logits = self.model.step([SequenceStep([int(t) for t in row], past_len, table)
+                                  for row, table in zip(ids, tables)])
+        self._length = past_len + ids.shape[1]
         return logits
 
     def length(self) -> int:
         return self._length
 
     def reset(self) -> None:
-        self.pool.release(self.blocks)
-        self.blocks, self._length = [], 0
+        for table in (self.blocks, *self._extra_rows):
+            self.pool.release(table)
+        self.blocks, self._extra_rows, self._length = [], [], 0
 
     def trim(self, n: int) -> None:
         """Keep the first ``n`` positions; blocks past them go back to the pool."""
         if n >= self._length:
             return
         keep = blocks_for(n)
-        self.pool.release(self.blocks[keep:])
-        del self.blocks[keep:]
+        for table in (self.blocks, *self._extra_rows):
+            self.pool.release(table[keep:])
+            del table[keep:]
         self._length = n
 
     def read(self) -> tuple[np.ndarray, np.ndarray]:
@@ -88,7 +124,7 @@ class PagedSlot:
             raise UserError("a paged slot holds one sequence: write [layers, 1, heads, T, dim]")
         self.reset()
         length = keys.shape[3]
-        self._grow(length)
+        self._grow(self.blocks, length)
         bf16 = self.model.kv_cache_precision == "bf16"
         with self.model.lock:
             for layer, (k_cache, v_cache) in enumerate(self.model.cache_layers()):
@@ -97,9 +133,14 @@ class PagedSlot:
         self._length = length
 
     def select_row(self, row: int, n: int) -> None:
-        """Keep row ``row`` (a paged slot has only row 0) and its first ``n`` positions."""
-        if row != 0:
-            raise UserError("a paged slot holds one sequence (row 0)")
+        """Keep only row ``row`` (its table) and its first ``n`` positions."""
+        rows = [self.blocks, *self._extra_rows]
+        if not 0 <= row < len(rows):
+            raise UserError(f"row {row} is not one of the slot's {len(rows)} rows")
+        for i, table in enumerate(rows):
+            if i != row:
+                self.pool.release(table)
+        self.blocks, self._extra_rows = rows[row], []
         self.trim(n)
 
     def attach(self, blocks: list[int], length: int) -> None:
@@ -110,20 +151,20 @@ class PagedSlot:
         self.reset()
         self.blocks, self._length = list(blocks), length
 
-    def _own_block_at(self, position: int) -> None:
-        """Copy-on-write: before writing at ``position``, a block other tables also hold is
-        replaced by a private copy, so what they read never changes."""
+    def _own_block(self, table: list[int], position: int) -> None:
+        """Copy-on-write: before writing at ``position``, a block of ``table`` other tables also
+        hold is replaced by a private copy, so what they read never changes."""
         index = position // BLOCK_SIZE
-        if index < len(self.blocks) and self.pool.holders(self.blocks[index]) > 1:
+        if index < len(table) and self.pool.holders(table[index]) > 1:
             [copy] = self.pool.allocate(1)
-            self.model.copy_block(self.blocks[index], copy)
-            self.pool.release([self.blocks[index]])
-            self.blocks[index] = copy
+            self.model.copy_block(table[index], copy)
+            self.pool.release([table[index]])
+            table[index] = copy
 
-    def _grow(self, tokens: int) -> None:
-        missing = blocks_for(tokens) - len(self.blocks)
+    def _grow(self, table: list[int], tokens: int) -> None:
+        missing = blocks_for(tokens) - len(table)
         if missing > 0:
-            self.blocks.extend(self.pool.allocate(missing))
+            table.extend(self.pool.allocate(missing))
 
     def _check_float_cache(self, action: str) -> None:
         _check_float_cache(self.model, action)
