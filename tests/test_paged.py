@@ -156,8 +156,10 @@ def test_a_paged_slot_refuses_what_it_cannot_do(exact_paged):
     from agentkv.engine.paged_slot import PagedSlot
 
     slot = PagedSlot(exact_paged, BlockPool(4))
-    with pytest.raises(UserError, match="stateful"):
-        slot.feed(np.array([[1], [2]]), 0, np.array([0, 0]))
+    with pytest.raises(UserError, match="beam_idx"):
+        slot.feed(np.array([[1], [2]]), 0, np.array([0, 3]))  # there is no row 3 to continue
+    with pytest.raises(UserError, match="past_len"):
+        slot.feed(np.array([[1]]), 5)
     with pytest.raises(KVPoolExhausted):
         slot.feed(np.array([IDS[:200]]), 0)
     assert slot.length() == 0 and slot.blocks == []

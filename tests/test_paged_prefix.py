@@ -1,4 +1,4 @@
-"""Prefix hits and forks as shared blocks on the paged engine: block accounting and
+"""Prefix hits, forks and beam rows as shared blocks on the paged engine: block accounting and
 copy-on-write under any sequence of operations (hypothesis, over a fake paged model that checks every write), and
 on the real model a hit that copies nothing and computes exactly what a cold prefill computes."""
 
@@ -60,7 +60,8 @@ class Session:
 
 PREFIXES = [tuple(range(1000, 1000 + n)) for n in (20, 45, 70)]
 OPERATIONS = st.lists(
-    st.tuples(st.sampled_from(["start_with_prefix", "feed", "trim", "capture", "reset", "squeeze", "fork"]),
+    st.tuples(st.sampled_from(["start_with_prefix", "feed", "trim", "capture", "reset", "squeeze", "fork",
+                                    "beam"]),
               st.integers(0, 3), st.integers(0, 80)),
     min_size=1, max_size=25,
 )
@@ -117,6 +118,14 @@ def test_blocks_are_never_leaked_nor_written_while_shared_whatever_the_operation
                 pool.share(slot.blocks)
                 SharedBlocks(pool, log, slot.blocks).write_into(slots[other])
                 logs[other] = list(log)
+            elif name == "beam":  # two steps of a beam search over 2–3 rows, then one row kept
+                k = 2 + amount % 2
+                slot.feed(np.array([[3000 + r] for r in range(k)]), len(log), np.array([0] * k))
+                parents = [amount % k, (amount + 1) % k, 0][:k]
+                slot.feed(np.array([[3100 + r] for r in range(k)]), len(log) + 1, np.array(parents))
+                row = (amount // 3) % k
+                slot.select_row(row, len(log) + 2)
+                log.extend([3000 + parents[row], 3100 + row])
             elif name == "squeeze":  # another user of the pool takes what it can
                 taken = pool.allocate(min(pool.free_blocks, amount % 8))
                 pool.release(taken)
