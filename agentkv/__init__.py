@@ -2,14 +2,14 @@
 
 ::
 
-    from agentkv import Agent, Runtime, StatefulEngine, tool
+    from agentkv import Agent, Runtime, open_engine, tool
 
-    engine = StatefulEngine()                  # the default offline model
+    engine = open_engine()                     # the default offline model, paged engine on CPU
     runtime = Runtime(engine)
     session = await runtime.open_session(Agent(name="helper"))
     result = await runtime.run(session, "Hello!")
 
-Importing agentkv does not load a model: ``StatefulEngine`` (and OpenVINO) load on first use.
+Importing agentkv does not load a model: the engines (and OpenVINO) load on first use.
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ from agentkv.runtime import Runtime
 from agentkv.tools import Tool, ToolOutcome, calculator, clock, run_tool_calls, tool
 
 if TYPE_CHECKING:
+    from agentkv.engine.factory import open_engine
     from agentkv.engine.paged import PagedEngine
     from agentkv.engine.stateful import StatefulEngine
 
@@ -64,7 +65,7 @@ __all__ = [
     "Engine", "GenerationConfig", "GenerationMetrics", "GenerationResult", "GenerationStream", "KVSession",
     "KVSnapshot", "MaxTurnsExceeded", "Message", "ModelNotFound", "PagedEngine", "RunEvent", "RunFinished",
     "RunResult", "Runner", "Runtime", "SessionBusy", "SessionClosed", "SessionNotFound", "SnapshotCorrupt",
-    "SnapshotIncompatible", "StatefulEngine", "StepFinished", "TextDelta", "Tool", "ToolCall", "ToolCalled",
+    "SnapshotIncompatible", "StatefulEngine", "open_engine", "StepFinished", "TextDelta", "Tool", "ToolCall", "ToolCalled",
     "ToolOutcome", "ToolReturned", "UserError", "calculator", "clock", "run_tool_calls", "tool",
 ]
 
@@ -97,4 +98,8 @@ def __getattr__(name: str) -> Any:
         from agentkv.engine.paged import PagedEngine
 
         return PagedEngine
+    if name == "open_engine":
+        from agentkv.engine.factory import open_engine
+
+        return open_engine
     raise AttributeError(f"module 'agentkv' has no attribute {name!r}")

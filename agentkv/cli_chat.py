@@ -46,10 +46,11 @@ DOUBLE_PRESS_S = 1.0
 
 
 def load_engine(model: str | None) -> Engine:
-    """The engine the CLI chats on (one KV slot). Tests replace this with a scripted engine."""
-    from agentkv.engine.stateful import StatefulEngine
+    """The engine the CLI chats on (one KV slot; ``AGENTKV_ENGINE`` picks paged or stateful,
+    ``open_engine``'s default otherwise). Tests replace this with a scripted engine."""
+    from agentkv.engine.factory import open_engine
 
-    return StatefulEngine(model, num_slots=1)
+    return open_engine(model, num_slots=1, kv_cache_bytes=256 << 20)
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,9 @@ async def run_chat(request: ChatRequest, out: Console, err: Console) -> int:
             finally:
                 tg.cancel_scope.cancel()
     if interrupts.exiting:
+        # NOTE: the process is on its way out: later presses are ignored, also while the
+        # interpreter shuts down (which would otherwise die of the default SIGINT action, -2).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         err.print()
         return EXIT_INTERRUPTED
     return code

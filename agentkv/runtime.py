@@ -2,7 +2,7 @@
 
 ::
 
-    engine = StatefulEngine()
+    engine = open_engine()                     # PagedEngine on CPU
     runtime = Runtime(engine, store=Store.from_env(), agents=[agent])
     session = await runtime.open_session(agent)
     result = await runtime.run(session, "hello")

@@ -3,8 +3,10 @@
 Eight new sessions, each with the same system prompt (+ tool-like rules) and its own short
 question, answered once with the prefix cache off (every session prefills everything) and
 once with it on (the first agent reads the prompt and the cache captures it; the eight new
-sessions copy its KV and prefill only their question). The default engine: u8 KV cache,
-f16 prefix cache. The last line is one JSON object. Run: ``python benchmarks/prefix.py``.
+sessions reuse its KV and prefill only their question). On the stateful engine a hit copies the
+cached KV into the session's request; on the paged engine it points the session's block table at
+the cached blocks (no copy). The last line is one JSON object.
+Run: ``python benchmarks/prefix.py [--engine both|paged|stateful]``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import statistics
 import anyio
 
 from agentkv.engine.base import GenerationConfig
+from agentkv.engine.factory import open_engine
 from agentkv.engine.stateful import StatefulEngine
 
 RULES = [
@@ -59,8 +62,9 @@ async def ttft(engine: StatefulEngine, prompt: list[int]) -> tuple[float, int, i
     return m.ttft_s, m.prefix_cache_tokens, m.prefilled_tokens
 
 
-async def measure(target: int, sessions: int) -> dict[str, float]:
-    engine = StatefulEngine(num_slots=2)
+async def measure(target: int, sessions: int, backend: str) -> dict[str, float]:
+    engine = open_engine(backend=backend, num_slots=2)  # type: ignore[arg-type]
+    print(f"--- {type(engine).__name__}")
     system = system_prompt(engine, target)
     questions = ["Hello, who are you?"] + [QUESTIONS[i % len(QUESTIONS)] + f" (case {i})" for i in range(sessions)]
     prompts = [render(engine, system, q) for q in questions]
@@ -88,8 +92,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--system-tokens", type=int, default=1000)
     parser.add_argument("--sessions", type=int, default=8)
+    parser.add_argument("--engine", choices=["both", "paged", "stateful"], default="both")
     args = parser.parse_args()
-    result = anyio.run(measure, args.system_tokens, args.sessions)
+    backends = ["stateful", "paged"] if args.engine == "both" else [args.engine]
+    result = {}
+    for backend in backends:
+        figures = anyio.run(measure, args.system_tokens, args.sessions, backend)
+        result.update({f"{k}_{backend}": v for k, v in figures.items()})
     print(json.dumps({k: round(v, 2) for k, v in result.items()}))
 
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import anyio
 
-from agentkv import Agent, GenerationConfig, Runtime, StatefulEngine
+from agentkv import Agent, GenerationConfig, Runtime, open_engine
 
 
 async def main() -> None:
-    engine = StatefulEngine()
+    engine = open_engine()
     agent = Agent(
         name="demo",
         instructions="You are a helpful assistant. Answer in two sentences.",

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import anyio
 
-from agentkv import Agent, GenerationConfig, Runtime, StatefulEngine
+from agentkv import Agent, GenerationConfig, Runtime, open_engine
 from agentkv.memory import Store
 
 HOME = Path(".agentkv-example")
@@ -21,7 +21,7 @@ AGENT = Agent(name="resumer", instructions="You are a concise assistant.",
 async def main() -> None:
     HOME.mkdir(exist_ok=True)
     store = Store(f"sqlite:///{HOME / 'agentkv.db'}")
-    runtime = Runtime(StatefulEngine(), store, agents=[AGENT])
+    runtime = Runtime(open_engine(), store, agents=[AGENT])
     ids = {s.id for s in await store.list_sessions()}
     if SESSION in ids:
         session = await runtime.resume(SESSION)

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import anyio
 
-from agentkv import Agent, GenerationConfig, Runtime, StatefulEngine, calculator, clock
+from agentkv import Agent, GenerationConfig, Runtime, open_engine, calculator, clock
 
 
 async def main() -> None:
-    engine = StatefulEngine()
+    engine = open_engine()
     agent = Agent(
         name="tools",
         instructions="You are an assistant that uses tools for arithmetic and for the time.",

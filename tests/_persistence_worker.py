@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import anyio
@@ -29,9 +30,10 @@ async def slow_turn(url: str, session_id: str) -> None:
 
 
 async def resume_turn(url: str, session_id: str, text: str) -> None:
-    from agentkv.engine.stateful import StatefulEngine
+    from agentkv.engine.factory import open_engine
 
-    engine = StatefulEngine(num_slots=1)
+    # NOTE: the same backend as the test's engine fixture (snapshots do not cross backends)
+    engine = open_engine(num_slots=1, backend=os.environ.get("AGENTKV_TEST_ENGINE", "paged"))
     store = Store(url)
     runtime = Runtime(engine, store, agents=[AGENT])
     session = await runtime.resume(session_id)

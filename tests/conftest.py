@@ -19,12 +19,31 @@ PG_ENV = "AGENTKV_TEST_POSTGRES_URL"
 from agentkv.engine.base import GenerationConfig
 
 
+TEST_ENGINE = os.environ.get("AGENTKV_TEST_ENGINE", "paged")
+"""Which engine the ``engine`` fixture is: "paged" (the default engine) or "stateful"."""
+
+
 @pytest.fixture(scope="session")
-def engine():
-    """The default model and engine settings (f16 KV cache, this CPU's numerics), 4 slots."""
+def stateful_engine():
+    """The stateful engine with the default settings (f16 KV cache, this CPU's numerics), 4 slots."""
     from agentkv.engine.stateful import StatefulEngine
 
     return StatefulEngine(num_slots=4)
+
+
+@pytest.fixture(scope="session")
+def paged_engine():
+    """The paged engine with its default numerics, 4 slots, 256 MiB of KV blocks."""
+    from agentkv.engine.paged import PagedEngine
+
+    return PagedEngine(num_slots=4, kv_cache_bytes=256 << 20)
+
+
+@pytest.fixture(scope="session")
+def engine(request: pytest.FixtureRequest):
+    """The default engine with the default settings: the engine ``AGENTKV_TEST_ENGINE`` names
+    (paged unless told otherwise), so the whole suite can run on either."""
+    return request.getfixturevalue("paged_engine" if TEST_ENGINE == "paged" else "stateful_engine")
 
 
 @pytest.fixture(scope="session")
@@ -35,14 +54,6 @@ def engine_f32():
     from agentkv.engine.stateful import StatefulEngine
 
     return StatefulEngine(num_slots=3, exact=True, prefix_cache_bytes=0)
-
-
-@pytest.fixture(scope="session")
-def paged_engine():
-    """The paged engine with its default numerics, 4 slots, 128 MiB of KV blocks."""
-    from agentkv.engine.paged import PagedEngine
-
-    return PagedEngine(num_slots=4, kv_cache_bytes=128 << 20)
 
 
 @pytest.fixture(scope="session")
@@ -57,7 +68,7 @@ def paged_exact():
 @pytest.fixture(params=["stateful", "paged"])
 def any_engine(request: pytest.FixtureRequest):
     """Each engine with its default numerics: the protocol tests run on both."""
-    return request.getfixturevalue("engine" if request.param == "stateful" else "paged_engine")
+    return request.getfixturevalue("stateful_engine" if request.param == "stateful" else "paged_engine")
 
 
 @pytest.fixture(params=["stateful", "paged"])

@@ -364,7 +364,9 @@ def test_ctrl_c_cancels_the_answer_keeps_the_session_and_twice_exits_130(db):
         child.proc.send_signal(signal.SIGINT)
         time.sleep(0.05)
         child.proc.send_signal(signal.SIGINT)
-        assert child.proc.wait(timeout=20) == 130
+        code = child.proc.wait(timeout=20)
+        time.sleep(0.1)
+        assert code == 130, "".join(child.err)[-3000:]
     finally:
         child.proc.kill()
         child.proc.wait()

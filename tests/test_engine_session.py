@@ -54,7 +54,7 @@ def concurrent_engine(request: pytest.FixtureRequest):
     numerics; on the paged engine they share batched steps, which agree bit for bit with solo
     steps only under exact numerics (default numerics: up to ~0.6 max abs logit apart, and the
     batch a token lands in depends on timing — see tests/test_paged_batching.py)."""
-    return request.getfixturevalue("engine" if request.param == "stateful" else "paged_exact")
+    return request.getfixturevalue("stateful_engine" if request.param == "stateful" else "paged_exact")
 
 
 async def test_four_concurrent_sessions_match_their_solo_greedy_runs(concurrent_engine, chat_ids):

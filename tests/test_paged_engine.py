@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 from agentkv import Agent, GenerationConfig, Runtime
-from agentkv.errors import UserError
 
 pytestmark = pytest.mark.model
 

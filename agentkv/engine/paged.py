@@ -44,6 +44,8 @@ DEFAULT_KV_CACHE_BYTES = 512 << 20
 class PagedEngine(StatefulEngine):
     """The local OpenVINO engine on the paged model. See the module docstring for a call."""
 
+    backend_tag = ":paged"
+
     def __init__(
         self,
         model: str | os.PathLike[str] | None = None,

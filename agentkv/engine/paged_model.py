@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import openvino as ov
 
+from agentkv.engine.compile import compile_for_device
 from agentkv.engine.models import ModelFiles, compiled_cache_dir
 from agentkv.engine.numerics import EXACT_CONFIG, PluginNumerics, precision_name
 from agentkv.errors import UserError
@@ -90,7 +91,7 @@ class PagedModel:
             raise UserError(f"the KV cache needs at least one block; got num_blocks={num_blocks} "
                             f"(kv_cache_bytes={kv_cache_bytes})")
         _gather_last_positions(model)
-        self._compiled = core.compile_model(model, device, config)
+        self._compiled = compile_for_device(core, model, device, config)
         self.numerics = replace(PluginNumerics.of(self._compiled, kv_cache_precision), kv_cache=kv_cache_precision)
         self.kv_cache_precision = kv_cache_precision
         """The blocks' element type: "f32", "f16", "bf16" (f16 asked, bf16 compute) or "u8"."""

@@ -38,6 +38,7 @@ import openvino as ov
 
 import anyio
 
+from agentkv.engine.compile import compile_for_device
 from agentkv.engine.kv_log import KVSlot
 from agentkv.engine.models import ModelFiles, compiled_cache_dir, resolve_model
 from agentkv.engine.numerics import EXACT_CONFIG, PluginNumerics
@@ -103,6 +104,10 @@ class Backend:
 class StatefulEngine(SlotEngine):
     """The local OpenVINO engine. See the module docstring for a call."""
 
+    backend_tag = ""
+    """Appended to the fingerprint: KV computed by another backend's kernels is close to, not
+    equal to, this one's, so snapshots do not cross backends (a resume re-prefills instead)."""
+
     def __init__(
         self,
         model: str | os.PathLike[str] | None = None,
@@ -148,7 +153,7 @@ class StatefulEngine(SlotEngine):
         self._constraints: ConstraintFactory | None = None
         super().__init__(
             slots=backend.slots, tokenizer=tokenizer,
-            fingerprint=_fingerprint(self.files.model_xml, self.kv_cache_precision, device),
+            fingerprint=_fingerprint(self.files.model_xml, self.kv_cache_precision, device) + self.backend_tag,
             eos_token_ids={tokenizer.eos_token_id},
             max_context_len=max_context_len or _context_length(self.files) or DEFAULT_CONTEXT_LEN,
             kv_bytes_per_token=(2 * backend.num_layers * backend.heads * backend.head_dim
@@ -164,7 +169,7 @@ class StatefulEngine(SlotEngine):
         ov_model = core.read_model(str(self.files.model_xml))
         if slice_logits:
             slice_last_position(ov_model)
-        compiled = _compile(core, ov_model, device, config)
+        compiled = compile_for_device(core, ov_model, device, config)
         inputs = frozenset(name for i in ov_model.inputs for name in i.get_names())
         slots = [Slot(compiled.create_infer_request(), i, inputs) for i in range(num_slots)]
         heads, head_dim = _state_head_shape(slots[0])
@@ -226,20 +231,6 @@ def _state_head_shape(slot: Slot) -> tuple[int, int]:
     """(heads, head_dim) of the KV states, read from a fresh request's ``[0, H, 0, D]`` state."""
     shape = slot.request.query_state()[0].state.shape
     return int(shape[1]), int(shape[3])
-
-
-def _compile(core: ov.Core, model: ov.Model, device: str, config: dict[str, str]) -> ov.CompiledModel:
-    """``core.compile_model``; a failure (e.g. a device this machine lacks) is a ``UserError``
-    naming the devices it has."""
-    try:
-        return core.compile_model(model, device, config)
-    except RuntimeError as error:
-        available = list(core.available_devices)
-        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-        cause = next((line for line in lines if not line.startswith("Exception from")), type(error).__name__)
-        raise UserError(f"OpenVINO could not compile the model for device {device!r} ({cause}); this "
-                        f"machine has {available}: pass one of those, e.g. StatefulEngine(device={available[0]!r})"
-                        ) from error
 
 
 def _context_length(files: ModelFiles) -> int | None:
