@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from agentkv import Agent, GenerationConfig, Runtime
+from agentkv.engine.block_pool import KVPoolExhausted
 
 pytestmark = pytest.mark.model
 
@@ -144,3 +145,37 @@ async def test_a_paged_fork_shares_the_parents_blocks_and_each_writes_only_its_o
         await session.check_integrity()
         await session.close()
     paged_engine.block_pool.check_integrity()
+
+
+async def test_when_blocks_run_short_idle_sessions_go_to_host_and_come_back_exactly(paged_engine):
+    from agentkv.engine.paged import PagedEngine
+
+    block = paged_engine.paged_model.block_bytes
+    engine = PagedEngine(num_slots=4, kv_cache_bytes=40 * block, prefix_cache_bytes=0)  # 40 blocks: 1,280 tokens
+    tok = engine.tokenizer
+    texts = [f"Session {i}: " + "The river keeps flowing to the sea while the fox jumps. " * 40 for i in range(3)]
+    prompts = [prompt(engine, text) for text in texts]  # ~500 tokens each: three do not fit at once
+    follow = tok.encode("<|im_end|>\n<|im_start|>user\nAnd then?<|im_end|>\n<|im_start|>assistant\n")
+    try:
+        sessions = [await engine.open_session() for _ in prompts]
+        first = [await s.generate(p, CFG) for s, p in zip(sessions, prompts)]  # the third evicts the first
+        assert engine.pool.offloads >= 1
+        again = await sessions[0].generate([*sessions[0].tokens, first[0].token_ids[-1], *follow], CFG)
+        assert again.metrics.restored_tokens > 0 and again.metrics.kv_exact
+        reference = await engine.open_session()  # the same turns, never moved
+        await sessions[1].close()
+        await sessions[2].close()
+        await reference.generate(prompts[0], CFG)
+        expected = await reference.generate([*reference.tokens, first[0].token_ids[-1], *follow], CFG)
+        assert again.token_ids == expected.token_ids
+        for session in (sessions[0], reference):
+            await session.check_integrity()
+            await session.close()
+        with pytest.raises(KVPoolExhausted, match="kv_cache_bytes"):  # alone bigger than the pool
+            huge = await engine.open_session()
+            await huge.prefill(prompt(engine, "word " * 1400))
+        await huge.close()
+    finally:
+        await engine.aclose()
+    engine.block_pool.check_integrity()
+    assert engine.block_pool.free_blocks == engine.block_pool.num_blocks

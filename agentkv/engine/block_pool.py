@@ -19,8 +19,9 @@ from agentkv.errors import AgentKVError, UserError
 
 
 class KVPoolExhausted(AgentKVError):
-    """Not enough free KV blocks: close idle sessions, shorten prompts, or give the engine more
-    ``kv_cache_bytes``."""
+    """Not enough free KV blocks even after the pool's ``reclaim`` hook ran (the paged engine lets
+    cached prefixes go and offloads idle sessions to host): shorten prompts, close sessions that
+    are running, or give the engine more ``kv_cache_bytes``."""
 
 
 class BlockPool:
@@ -48,8 +49,9 @@ class BlockPool:
         with self._lock:
             if n > len(self._free):
                 raise KVPoolExhausted(
-                    f"{n} KV blocks needed, {len(self._free)} of {self.num_blocks} free; close idle sessions "
-                    "or give the engine more kv_cache_bytes"
+                    f"{n} KV blocks needed, {len(self._free)} of {self.num_blocks} free even after reclaiming "
+                    "(cached prefixes, idle sessions to host); shorten the prompt, close sessions that are "
+                    "running, or give the engine more kv_cache_bytes"
                 )
             blocks = [self._free.popleft() for _ in range(n)]
             for block in blocks:

@@ -26,6 +26,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import anyio
+import anyio.from_thread
+
 from agentkv.engine.block_pool import BlockPool
 from agentkv.engine.paged_model import PagedModel
 from agentkv.engine.paged_prefix import PagedPrefixCache
@@ -71,6 +74,7 @@ class PagedEngine(StatefulEngine):
         self._max_batch = max_batch or num_slots
         self._max_step_tokens = max_step_tokens
         super().__init__(model, num_slots=num_slots, **options)
+        self.block_pool.reclaim = self._reclaim_blocks
 
     def hold_copy(self, log: KVLog, slot: KVSlot) -> SharedBlocks:
         """A fork's copy of ``log``'s KV: references on the same blocks (no KV copied; the
@@ -91,8 +95,21 @@ class PagedEngine(StatefulEngine):
         block = self.paged_model.block_bytes
         cache = PagedPrefixCache(self.block_pool, boundaries=self.boundaries, block_bytes=block,
                                  max_blocks=None if budget_bytes is None else budget_bytes // block)
-        self.block_pool.reclaim = cache.reclaim
         return cache
+
+    def _reclaim_blocks(self, blocks_needed: int) -> None:
+        """The block pool is short (called in a worker thread by an allocation): let the prefix
+        cache go first, then offload idle sessions to host, least recently used first, until
+        ``blocks_needed`` blocks are free or nobody idle is left (then the allocation refuses)."""
+        if isinstance(self.prefix_cache, PagedPrefixCache):
+            self.prefix_cache.reclaim(blocks_needed)
+        while self.block_pool.free_blocks < blocks_needed:
+            try:
+                offloaded = anyio.from_thread.run(self.pool.offload_idle)
+            except RuntimeError:  # not called from one of the event loop's worker threads
+                return
+            if not offloaded:
+                return
 
     def _open_backend(self, device: str, config: dict[str, str], num_slots: int, *, slice_logits: bool) -> Backend:
         """Compile the paged model and give each slot a block table over one shared pool."""

@@ -106,6 +106,31 @@ class SlotPool:
             self._leased.add(owner)
             return slot, True
 
+    async def offload_idle(self) -> bool:
+        """Offload the least recently used idle session (its KV to the host store, its slot
+        emptied and freed); False when every bound session is in use. For backends whose slots
+        share storage (paged blocks): frees what that session held."""
+        async with self._changed:
+            victim = next((o for o in self._bound if o not in self._leased), None)
+            if victim is None:
+                return False
+            slot = self._bound.pop(victim)
+            self._leased.add(victim)
+            try:
+                with anyio.CancelScope(shield=True):
+                    # NOTE: the default thread limiter: the caller may hold one of ours while it waits
+                    await anyio.to_thread.run_sync(victim.offload, slot)
+            except BaseException:
+                self._bound[victim] = slot
+                self._bound.move_to_end(victim, last=False)
+                raise
+            finally:
+                self._leased.discard(victim)
+            self._free.append(slot)
+            self.offloads += 1
+            self._changed.notify_all()
+            return True
+
     async def release(self, owner: SlotOwner) -> None:
         """Unbind ``owner``'s slot (its KV is discarded) and return it to the free list."""
         async with self._changed:
