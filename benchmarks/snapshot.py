@@ -5,8 +5,9 @@ f16 and u8, and starts a child process. The child compiles the engine (not timed
 paths need it), evicts the files from the OS page cache, then times the first token of the
 next turn two ways: restore (read + verify the file, set the KV, prefill the new turn) and
 re-prefill (the whole history + the new turn). Also reports bytes per token on disk.
-The default engine (u8 KV cache). The last line is one JSON object.
-Run: ``python benchmarks/snapshot.py``.
+The engine ``open_engine`` picks (``--engine paged|stateful`` chooses; the child process uses
+the same backend: snapshots do not cross backends). The last line is one JSON object.
+Run: ``python benchmarks/snapshot.py [--engine stateful]``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import numpy as np
 
 from agentkv.engine.base import GenerationConfig
 from agentkv.engine.snapshot import KVSnapshot
+from agentkv.engine.factory import ENGINE_ENV, open_engine
 from agentkv.engine.stateful import StatefulEngine
 
 PARAGRAPHS = [
@@ -51,7 +53,8 @@ def history(engine: StatefulEngine, target: int) -> list[int]:
 
 
 async def parent(target: int, workdir: Path) -> dict[str, float]:
-    engine = StatefulEngine(num_slots=1)
+    engine = open_engine(num_slots=1)
+    print(f"engine: {type(engine).__name__}")
     ids = history(engine, target)
     session = await engine.open_session()
     await session.prefill(ids)
@@ -92,7 +95,7 @@ def drop_from_page_cache(path: str) -> None:
 
 
 async def child(files: dict[str, str]) -> dict[str, dict]:
-    engine = StatefulEngine(num_slots=1)
+    engine = open_engine(num_slots=1)
     turn = engine.tokenizer.encode(NEXT_TURN)
     one = GenerationConfig(max_new_tokens=1)
     warm = await engine.open_session()  # first inference allocates; keep it out of both timings
@@ -126,8 +129,11 @@ async def child(files: dict[str, str]) -> dict[str, dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--history-tokens", type=int, default=2000)
+    parser.add_argument("--engine", choices=["paged", "stateful"], default=None)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.engine:
+        os.environ[ENGINE_ENV] = args.engine  # NOTE: the child process inherits it
     if args.child:
         print(json.dumps(anyio.run(child, json.loads(args.child)), default=int))
         return
