@@ -10,7 +10,8 @@
     agentkv sessions unlock ID        # release the lease a crashed process left behind
 
 Configuration is read here, at the edge (``cli_config``): ``--db``, ``$AGENTKV_DB_URL`` or
-``$AGENTKV_HOME`` for the store, ``--model`` or ``$AGENTKV_MODEL`` for the model. The chat
+``$AGENTKV_HOME`` for the store, ``--model`` or ``$AGENTKV_MODEL`` for the model, ``$AGENTKV_ENGINE``
+for the engine (``open_engine``: paged on CPU/GPU unless it says ``stateful``). The chat
 loop is in ``cli_chat``, the agent options in ``cli_agent``, printing in ``cli_display``.
 """
 
@@ -41,7 +42,8 @@ out = Console()
 err = Console(stderr=True)
 
 DB_HELP = "SQLAlchemy URL of the store (default: $AGENTKV_DB_URL, else $AGENTKV_HOME/agentkv.db)."
-MODEL_HELP = "GGUF file or OpenVINO IR directory (default: $AGENTKV_MODEL, else SmolLM2-135M)."
+MODEL_HELP = ("GGUF file or OpenVINO IR directory (default: $AGENTKV_MODEL, else SmolLM2-135M); "
+              "$AGENTKV_ENGINE=stateful runs it on the stateful engine instead of the paged one.")
 
 
 @app.command(epilog=ENVIRONMENT_HELP)
