@@ -86,20 +86,9 @@ class SlotPool:
                 if self._free:
                     slot = self._free.pop()
                     break
-                victim = next((o for o in self._bound if o not in self._leased), None)
-                if victim is not None:
-                    slot = self._bound.pop(victim)
-                    self._leased.add(victim)  # NOTE: keeps the victim from re-binding mid-offload
-                    try:
-                        with anyio.CancelScope(shield=True):
-                            await anyio.to_thread.run_sync(victim.offload, slot, limiter=self.limiter)
-                    except BaseException:
-                        self._bound[victim] = slot
-                        self._bound.move_to_end(victim, last=False)
-                        raise
-                    finally:
-                        self._leased.discard(victim)
-                    self.offloads += 1
+                evicted = await self._offload_lru(self.limiter)
+                if evicted is not None:
+                    slot = evicted
                     break
                 await self._changed.wait()
             self._bound[owner] = slot
@@ -111,25 +100,33 @@ class SlotPool:
         emptied and freed); False when every bound session is in use. For backends whose slots
         share storage (paged blocks): frees what that session held."""
         async with self._changed:
-            victim = next((o for o in self._bound if o not in self._leased), None)
-            if victim is None:
+            # NOTE: the default thread limiter: the caller may hold one of ours while it waits
+            slot = await self._offload_lru(None)
+            if slot is None:
                 return False
-            slot = self._bound.pop(victim)
-            self._leased.add(victim)
-            try:
-                with anyio.CancelScope(shield=True):
-                    # NOTE: the default thread limiter: the caller may hold one of ours while it waits
-                    await anyio.to_thread.run_sync(victim.offload, slot)
-            except BaseException:
-                self._bound[victim] = slot
-                self._bound.move_to_end(victim, last=False)
-                raise
-            finally:
-                self._leased.discard(victim)
             self._free.append(slot)
-            self.offloads += 1
             self._changed.notify_all()
             return True
+
+    async def _offload_lru(self, limiter: anyio.CapacityLimiter | None) -> KVSlot | None:
+        """Offload the least recently used idle session and unbind it; its emptied slot, or None
+        if every bound session is in use. The caller holds ``_changed``."""
+        victim = next((o for o in self._bound if o not in self._leased), None)
+        if victim is None:
+            return None
+        slot = self._bound.pop(victim)
+        self._leased.add(victim)  # NOTE: keeps the victim from re-binding mid-offload
+        try:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(victim.offload, slot, limiter=limiter)
+        except BaseException:
+            self._bound[victim] = slot
+            self._bound.move_to_end(victim, last=False)
+            raise
+        finally:
+            self._leased.discard(victim)
+        self.offloads += 1
+        return slot
 
     async def release(self, owner: SlotOwner) -> None:
         """Unbind ``owner``'s slot (its KV is discarded) and return it to the free list."""
