@@ -110,6 +110,14 @@ def test_formatted_call_walks_through_the_required_grammar_and_then_only_eos_rem
     constraint.advance(EOS)
 
 
+def test_a_namespaced_tool_name_walks_through_the_grammar(factory, tokenizer):
+    tools = [{"type": "function", "function": {"name": "math.factorial", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}}]
+    text = format_tool_calls([ToolCall(name="math.factorial", arguments={"n": 5})])
+    constraint = factory(tool_call_grammar(tools, "required"))
+    assert walk(constraint, tokenizer.encode(text)) and constraint.is_finished()
+
+
 @pytest.mark.parametrize(
     "text",
     [

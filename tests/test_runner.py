@@ -62,6 +62,25 @@ async def test_multi_step_tool_use_feeds_results_back_and_finishes():
     engine.assert_complete()
 
 
+async def test_a_tool_with_a_namespaced_name_is_offered_called_and_answered():
+    @tool(name="math.factorial")
+    def factorial(n: int) -> int:
+        """n!"""
+        result = 1
+        for k in range(2, n + 1):
+            result *= k
+        return result
+
+    engine = ScriptedEngine([call("math.factorial", n=5), "5! is 120."])
+    agent = Agent(name="math", tools=[factorial])
+    runtime, session = await open_session(engine, agent)
+    result = await runtime.run(session, "What is 5!?")
+    assert [c.name for c in result.tool_calls] == ["math.factorial"]
+    assert session.messages[2].content == "120" and result.final_text == "5! is 120."
+    assert "math.factorial" in engine.requested_grammars[0]  # the grammar lets the model call it
+    engine.assert_complete()
+
+
 async def test_second_step_prefills_only_the_tool_result_delta():
     engine = ScriptedEngine([call("add", a=1, b=1), "2"])
     agent = Agent(name="math", tools=[add])

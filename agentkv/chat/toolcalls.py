@@ -24,7 +24,9 @@ from agentkv.chat.messages import ToolCall
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
 
-_GRAMMAR_TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+TOOL_NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+"""Names a tool may have: what the tool-call grammar and parser carry (letters, digits, '_',
+'-', '.'), so clients' namespaced names such as ``math.factorial`` work as they are."""
 _JSON_WHITESPACE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 """llguidance JSON options: exactly ``json.dumps``'s default layout, so the model cannot pad."""
 _DECODER = json.JSONDecoder()
@@ -246,7 +248,7 @@ def _name_and_parameters(tool: dict[str, Any]) -> tuple[str, dict[str, Any]]:
             f"got {tool!r}"
         )
     name = function["name"]
-    if not _GRAMMAR_TOOL_NAME.match(name):
+    if not TOOL_NAME_PATTERN.match(name):
         raise ValueError(f"tool name {name!r} is not allowed; use 1-64 letters, digits, '_', '-' or '.'")
     parameters = function.get("parameters") or _NO_ARGUMENTS
     if not isinstance(parameters, dict):

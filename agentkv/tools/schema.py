@@ -19,7 +19,6 @@
 from __future__ import annotations
 
 import inspect
-import re
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,9 +30,9 @@ from pydantic.fields import FieldInfo
 from pydantic.json_schema import GenerateJsonSchema, PydanticJsonSchemaWarning
 
 from agentkv.errors import UserError
+from agentkv.chat.toolcalls import TOOL_NAME_PATTERN
 from agentkv.tools.docstrings import parse_docstring
 
-TOOL_NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 """Tool names the OpenAI tool format accepts: letters, digits, ``_`` and ``-``, at most 64."""
 
 
@@ -114,7 +113,7 @@ def _tool_name(function: Callable[..., Any], name: str | None) -> str:
         raise UserError(f"{function!r} has no __name__; give the tool one: tool(fn, name='my_tool')")
     if not TOOL_NAME_PATTERN.match(candidate):
         raise UserError(
-            f"tool name {candidate!r} is not allowed; use 1-64 letters, digits, '_' or '-' "
+            f"tool name {candidate!r} is not allowed; use 1-64 letters, digits, '_', '-' or '.' "
             "(pass name='...' to @tool)"
         )
     return candidate
