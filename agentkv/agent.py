@@ -62,6 +62,9 @@ class Agent:
     ``ContextOverflowError``. Applies to user and tool messages; the stored original is kept."""
     constrain_tool_calls: bool = True
     """Decode tool calls under a grammar so they always parse (engines that support it)."""
+    parallel_tool_calls: bool = True
+    """The model may answer with several calls at once (run concurrently, results in call
+    order), as OpenAI's ``parallel_tool_calls``; False: at most one call per model step."""
     tool_timeout_s: float = 30.0
     """Timeout for tools that set none."""
     settings: dict[str, Any] = field(default_factory=dict)

@@ -271,7 +271,8 @@ def _constraint(state: _RunState, step: int) -> TokenConstraint | None:
     # The forced choice applies to the first model call only; after tool results the model
     # must be free to answer (otherwise "required" could never finish).
     choice = agent.tool_choice if step == 0 else "auto"
-    return state.session.engine.make_constraint(tool_call_grammar(agent.tool_schemas, choice))
+    grammar = tool_call_grammar(agent.tool_schemas, choice, parallel=agent.parallel_tool_calls)
+    return state.session.engine.make_constraint(grammar)
 
 
 def _read_reply(agent: Agent, result: GenerationResult) -> _Reply:

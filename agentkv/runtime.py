@@ -220,6 +220,7 @@ def _agent_settings(agent: Agent) -> dict:  # type: ignore[type-arg]
         "min_response_len": agent.min_response_len,
         "truncate_oversized_messages": agent.truncate_oversized_messages,
         "constrain_tool_calls": agent.constrain_tool_calls,
+        "parallel_tool_calls": agent.parallel_tool_calls,
         "tool_timeout_s": agent.tool_timeout_s,
         "policy": type(agent.policy).__name__ if agent.policy is not None else None,
         **agent.settings,

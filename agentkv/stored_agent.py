@@ -38,6 +38,7 @@ _PLAIN_FIELDS = (
     "min_response_len",
     "truncate_oversized_messages",
     "constrain_tool_calls",
+    "parallel_tool_calls",
     "tool_timeout_s",
 )
 """Stored settings copied to the ``Agent`` field of the same name (``Runtime._agent_settings``)."""

@@ -102,7 +102,7 @@ def test_logits_wider_than_the_vocabulary_never_allow_the_padding_ids(vocab):
 
 def test_formatted_call_walks_through_the_required_grammar_and_then_only_eos_remains(factory, tokenizer):
     text = format_tool_calls([ToolCall(name="calculator", arguments={"expression": "2 * (3 + 4)"})])
-    constraint = factory(tool_call_grammar(TOOLS, "required"))
+    constraint = factory(tool_call_grammar(TOOLS, "required", parallel=False))
     assert walk(constraint, tokenizer.encode(text))
     assert constraint.is_finished()
     mask = constraint.allowed_mask()
@@ -110,12 +110,24 @@ def test_formatted_call_walks_through_the_required_grammar_and_then_only_eos_rem
     constraint.advance(EOS)
 
 
+def test_parallel_calls_walk_through_the_grammar_and_only_one_call_does_without_parallel(factory, tokenizer):
+    two = format_tool_calls([ToolCall(name="clock", arguments={"timezone": "Europe/Paris"}),
+                             ToolCall(name="calculator", arguments={"expression": "1 + 1"})])
+    for choice in ("required", "auto"):
+        assert walk(factory(tool_call_grammar(TOOLS, choice)), tokenizer.encode(two) + [EOS]), choice
+        assert not walk(factory(tool_call_grammar(TOOLS, choice, parallel=False)), tokenizer.encode(two)), choice
+    one = format_tool_calls([ToolCall(name="clock", arguments={"timezone": "Europe/Paris"})])
+    assert walk(factory(tool_call_grammar(TOOLS, "required", parallel=False)), tokenizer.encode(one) + [EOS])
+    three = format_tool_calls([ToolCall(name="clock", arguments={"timezone": "UTC"})] * 3)
+    capped = factory(tool_call_grammar(TOOLS, "required", max_calls=2))
+    assert not walk(capped, tokenizer.encode(three))  # a third call is past the cap
+
+
 def test_a_namespaced_tool_name_walks_through_the_grammar(factory, tokenizer):
     tools = [{"type": "function", "function": {"name": "math.factorial", "parameters": {
         "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}}]
     text = format_tool_calls([ToolCall(name="math.factorial", arguments={"n": 5})])
-    constraint = factory(tool_call_grammar(tools, "required"))
-    assert walk(constraint, tokenizer.encode(text)) and constraint.is_finished()
+    assert walk(factory(tool_call_grammar(tools, "required")), tokenizer.encode(text) + [EOS])
 
 
 @pytest.mark.parametrize(
@@ -314,7 +326,7 @@ async def test_required_tool_choice_always_yields_one_valid_call_and_the_mask_ov
     constraint_engine, model_factory
 ):
     session = await constraint_engine.open_session()
-    grammar = tool_call_grammar(TOOLS, "required")
+    grammar = tool_call_grammar(TOOLS, "required", parallel=False)
     timed_seconds, timed_steps, decode_seconds = 0.0, 0, 0.0
     names = []
     for question in PROMPTS:
@@ -345,12 +357,27 @@ async def test_required_tool_choice_always_yields_one_valid_call_and_the_mask_ov
 @pytest.mark.model
 async def test_named_tool_choice_calls_that_tool(constraint_engine, model_factory):
     session = await constraint_engine.open_session()
-    grammar = tool_call_grammar(TOOLS, "clock")
+    grammar = tool_call_grammar(TOOLS, "clock", parallel=False)
     for question in PROMPTS[:4]:
         result = await session.generate(
             prompt_ids(constraint_engine, question), CONSTRAINED, constraint=model_factory(grammar)
         )
         assert_one_valid_call(result.text, {"clock"})
+    await session.close()
+
+
+@pytest.mark.model
+async def test_with_parallel_calls_every_call_of_an_answer_is_valid(constraint_engine, model_factory):
+    session = await constraint_engine.open_session()
+    grammar = tool_call_grammar(TOOLS, "required")  # parallel: one or more calls
+    for question in PROMPTS[:4]:
+        result = await session.generate(
+            prompt_ids(constraint_engine, question), CONSTRAINED, constraint=model_factory(grammar)
+        )
+        parsed = parse_tool_calls(result.text)
+        assert parsed.errors == () and parsed.content == "" and parsed.tool_calls, result.text
+        for call in parsed.tool_calls:
+            BY_NAME[call.name].validate_arguments(call.arguments)
     await session.close()
 
 

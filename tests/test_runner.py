@@ -62,6 +62,17 @@ async def test_multi_step_tool_use_feeds_results_back_and_finishes():
     engine.assert_complete()
 
 
+async def test_without_parallel_tool_calls_the_grammar_allows_one_call_per_step():
+    engine = ScriptedEngine([call("add", a=1, b=2), "3", call("add", a=1, b=2), "3"])
+    for parallel in (True, False):
+        agent = Agent(name=f"math-{parallel}", tools=[add], parallel_tool_calls=parallel)
+        runtime, session = await open_session(engine, agent)
+        await runtime.run(session, "1+2?")
+        grammar = engine.requested_grammars[-2]  # the first step's
+        assert ("more_1" in grammar) is parallel
+    engine.assert_complete()
+
+
 async def test_a_tool_with_a_namespaced_name_is_offered_called_and_answered():
     @tool(name="math.factorial")
     def factorial(n: int) -> int:

@@ -190,20 +190,28 @@ def tool_call_grammar(
     *,
     max_string_length: int = 200,
     max_items: int = 16,
+    parallel: bool = True,
+    max_calls: int = 4,
 ) -> str:
     """An llguidance Lark grammar for the model's whole answer under ``tool_choice``.
 
-    ``"required"``: exactly one block calling one of ``tools``; a tool's name: one block calling
-    that tool; ``"auto"``: one block, or text that never contains ``<tool_call>``. The arguments
-    follow the tool's (bounded) JSON schema in ``json.dumps`` layout. ``"none"`` needs no grammar
-    (pass no constraint) and raises ``ValueError``, as do unknown names and malformed tools.
+    ``"required"``: call blocks, each calling one of ``tools``; a tool's name: blocks calling
+    that tool; ``"auto"``: call blocks, or text that never contains ``<tool_call>``. With
+    ``parallel`` (OpenAI's ``parallel_tool_calls``, default) an answer may hold 1 to
+    ``max_calls`` blocks, one per line as ``format_tool_calls`` writes them; without, exactly
+    one. (The bound keeps a weak model from repeating calls until its token budget cuts the
+    last one: measured on the default model, unbounded answers ran to ``max_new_tokens``.) The
+    arguments follow the tool's (bounded) JSON schema in ``json.dumps`` layout. ``"none"`` needs
+    no grammar (pass no constraint) and raises ``ValueError``, as do unknown names and malformed
+    tools.
 
     ``factory(tool_call_grammar([calculator.schema_for_prompt()], "required"))``
     """
     chosen = _chosen_tools(tools, tool_choice)
     open_tag, close_tag = _lark_literal(TOOL_CALL_OPEN + "\n"), _lark_literal("\n" + TOOL_CALL_CLOSE)
     lines = [
-        "start: tool_call | TEXT" if tool_choice == "auto" else "start: tool_call",
+        "start: tool_calls | TEXT" if tool_choice == "auto" else "start: tool_calls",
+        *_call_list(max_calls if parallel else 1),
         f"tool_call: {open_tag} call_body {close_tag}",
         "call_body: " + " | ".join(f"call_{i}" for i in range(len(chosen))),
     ]
@@ -215,9 +223,19 @@ def tool_call_grammar(
         lines.append(f"arguments_{i}: %json {json.dumps(schema, ensure_ascii=False)}")
     if tool_choice == "auto":
         # NOTE: plain text may be anything non-empty that never contains the open tag, so an
-        # answer is either prose or exactly one call, never prose with a call in its middle.
+        # answer is either prose or calls, never prose with a call in its middle.
         lines.append(f"TEXT: /(?s:.+)/ & ~/(?s:.*){re.escape(TOOL_CALL_OPEN)}(?s:.*)/")
     return "\n".join(lines) + "\n"
+
+
+def _call_list(max_calls: int) -> list[str]:
+    """Lark rules for 1..``max_calls`` call blocks separated by newlines (``tool_calls``)."""
+    if max_calls < 1:
+        raise ValueError(f"max_calls must be >= 1, got {max_calls}")
+    rules = [f"tool_calls: tool_call{' more_1?' if max_calls > 1 else ''}"]
+    for k in range(1, max_calls):
+        rules.append(f'more_{k}: "\\n" tool_call{f" more_{k + 1}?" if k + 1 < max_calls else ""}')
+    return rules
 
 
 def _chosen_tools(tools: Sequence[dict[str, Any]], tool_choice: str) -> list[tuple[str, dict[str, Any]]]:
