@@ -119,7 +119,7 @@ class PagedSlot:
 
     def write(self, keys: np.ndarray, values: np.ndarray) -> None:
         """Replace the KV by ``keys`` / ``values`` ``[layers, 1, heads, T, head_dim]``."""
-        self._check_float_cache("write")
+        _check_float_cache(self.model, "write")
         if keys.shape[1] != 1:
             raise UserError("a paged slot holds one sequence: write [layers, 1, heads, T, dim]")
         self.reset()
@@ -165,9 +165,6 @@ class PagedSlot:
         missing = blocks_for(tokens) - len(table)
         if missing > 0:
             table.extend(self.pool.allocate(missing))
-
-    def _check_float_cache(self, action: str) -> None:
-        _check_float_cache(self.model, action)
 
 
 def read_table(model: PagedModel, blocks: Sequence[int], length: int) -> tuple[np.ndarray, np.ndarray]:

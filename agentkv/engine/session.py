@@ -238,11 +238,17 @@ class SlotSession(SessionCommon):
             self._ensure_open()
             return await self._snapshot_locked()
 
+    async def _host_snapshot(self) -> KVSnapshot | None:
+        """The offloaded KV as a snapshot while the session has no slot; None when it is bound,
+        holds nothing offloaded, or its host KV was dropped (a lease then re-prefills it)."""
+        if self._engine.pool.is_bound(self) or self._host is None:
+            return None
+        return await self._run(self._host.load)
+
     async def _snapshot_locked(self) -> KVSnapshot:
-        if not self._engine.pool.is_bound(self) and self._host is not None:
-            held = await self._run(self._host.load)
-            if held is not None:
-                return held  # else it was dropped: the lease below re-prefills it
+        held = await self._host_snapshot()
+        if held is not None:
+            return held
         async with self._engine.pool.lease(self) as slot:
             keys, values = await self._run(self._log.read, slot)
             return self._engine.make_snapshot(self._log, keys, values)
@@ -270,12 +276,10 @@ class SlotSession(SessionCommon):
         copied on write); it is put into a slot when it first runs."""
         async with self._lock:
             self._ensure_open()
-            if not self._engine.pool.is_bound(self) and self._host is not None:
-                snapshot = await self._run(self._host.load)
-                held = None if snapshot is None else await self._run(self._engine.pool.host.put, snapshot)
+            snapshot = await self._host_snapshot()
+            if snapshot is not None:
+                held = await self._run(self._engine.pool.host.put, snapshot)
             else:
-                held = None
-            if held is None:  # bound (or its host KV was dropped: the lease re-prefills it)
                 async with self._engine.pool.lease(self) as slot:
                     held = await self._run(self._engine.hold_copy, self._log, slot)
             log = self._engine.new_log()
