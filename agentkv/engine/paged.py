@@ -93,9 +93,8 @@ class PagedEngine(StatefulEngine):
         """Cached prefixes stay in the pool's blocks (``precision`` does not apply: nothing is
         converted); ``budget_bytes`` caps the blocks the cache alone keeps alive."""
         block = self.paged_model.block_bytes
-        cache = PagedPrefixCache(self.block_pool, boundaries=self.boundaries, block_bytes=block,
-                                 max_blocks=None if budget_bytes is None else budget_bytes // block)
-        return cache
+        return PagedPrefixCache(self.block_pool, boundaries=self.boundaries, block_bytes=block,
+                                max_blocks=None if budget_bytes is None else budget_bytes // block)
 
     def _reclaim_blocks(self, blocks_needed: int) -> None:
         """The block pool is short (called in a worker thread by an allocation): let the prefix

@@ -6,7 +6,7 @@ a later session that starts with the prefix gets a block table pointing at the s
 prefills only what follows. The last, partly filled block is shared too: whoever writes into a
 shared block first copies it (``PagedSlot``'s copy-on-write), so cached KV never changes::
 
-    cache = PagedPrefixCache(pool, model.copy_block, boundaries=engine.boundaries, max_blocks=64)
+    cache = PagedPrefixCache(pool, boundaries=engine.boundaries, max_blocks=64, block_bytes=model.block_bytes)
     await cache.capture(session, slot)             # after a prefill: share the prefixes it covers
     hit = cache.lookup(prompt, longer_than=10)     # SharedBlocks (references held), or None
     hit.write_into(slot)                           # the slot's table now starts with its blocks
@@ -21,22 +21,14 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Protocol
 
 from agentkv.engine.block_pool import BlockPool
 from agentkv.engine.chunking import PrefixBoundaries
 from agentkv.engine.kv_log import KVSlot
 from agentkv.engine.paged_slot import PagedSlot, blocks_for
 from agentkv.engine.shared_blocks import SharedBlocks
-from agentkv.engine.prefix_cache import PrefixCacheStats
+from agentkv.engine.prefix_cache import CapturableSession, PrefixCacheStats
 from agentkv.errors import UserError
-
-
-class CapturableSession(Protocol):
-    @property
-    def tokens(self) -> tuple[int, ...]: ...
-    @property
-    def shifted(self) -> bool: ...
 
 
 class PagedPrefixCache:

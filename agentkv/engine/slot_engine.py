@@ -13,11 +13,13 @@ code is the same for every backend. Subclasses load a model (or a fake) and call
             super().__init__(slots=[...], tokenizer=tok, fingerprint="my-model:kv=f16",
                              eos_token_ids={2}, max_context_len=4096, kv_bytes_per_token=1024)
 
-        async def _measure_rope(self): ...
+        def _rope_reference(self):   # θ from the model's metadata, and the fit's tolerance floor
+            return (100_000.0, 1.0), 1e-2
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol, TypeVar
@@ -29,12 +31,14 @@ from agentkv.engine.base import Alignment, GenerationMetrics, Tokenizer
 from agentkv.engine.chunking import PrefixBoundaries
 from agentkv.engine.kv_log import KVLog, KVSlot, KVSource
 from agentkv.engine.prefix_cache import PrefixCache, PrefixCacheStats
-from agentkv.engine.rope import RopeConvention
+from agentkv.engine.rope import FIT_TOLERANCE, PROBE_TEXT, RopeConvention, measure_convention
 from agentkv.engine.session import SlotSession
 from agentkv.engine.slot_pool import HeldKV, HostKVStore, SlotPool
 from agentkv.engine.snapshot import KVSnapshot, PrecisionChoice
+from agentkv.errors import AgentKVError
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 MIN_PREFIX_HIT_TOKENS = 16
 """A prefix-cache hit is used only when it saves at least this many tokens of prefill."""
@@ -136,8 +140,26 @@ class SlotEngine:
         return self._rope
 
     async def _measure_rope(self) -> RopeConvention | None:
-        """Subclasses measure their model's convention on a slot (None: unknown)."""
-        return None
+        """The model's RoPE measured on a temporary session's slot (``engine/rope.py``): θ from
+        ``_rope_reference`` verified on the keys (fitted when there is none); None, with a
+        warning, when no rotation explains them."""
+        metadata, floor = self._rope_reference()
+        ids = self.tokenizer.encode(PROBE_TEXT)
+        probe = self.new_session()
+        try:
+            async with self.pool.lease(probe) as slot:
+                return await self.run_blocking(
+                    lambda: measure_convention(slot, ids, floor=floor, metadata=metadata))
+        except AgentKVError as error:
+            logger.warning("cannot measure the model's RoPE convention: %s", error)
+            return None
+        finally:
+            await probe.close()
+
+    def _rope_reference(self) -> tuple[tuple[float, float] | None, float]:
+        """(θ and linear scale from the model's metadata, or None to fit them; the tolerance
+        floor of the fit). Subclasses that know their model say so; this one fits, f32 floor."""
+        return None, FIT_TOLERANCE["f32"]
 
     async def aclose(self) -> None:
         """Close every open session."""

@@ -26,7 +26,6 @@ only close is listed in ``engine/numerics.py``.
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 from dataclasses import dataclass
 from collections.abc import Sequence
@@ -36,23 +35,19 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 import openvino as ov
 
-import anyio
-
 from agentkv.engine.compile import compile_for_device
 from agentkv.engine.kv_log import KVSlot
 from agentkv.engine.models import ModelFiles, compiled_cache_dir, resolve_model
 from agentkv.engine.numerics import EXACT_CONFIG, PluginNumerics
-from agentkv.engine.rope import FIT_TOLERANCE, PROBE_TEXT, RopeConvention, measure_convention, rope_metadata
+from agentkv.engine.rope import FIT_TOLERANCE, rope_metadata
 from agentkv.engine.slot import Slot
 from agentkv.engine.slot_engine import SlotEngine
 from agentkv.engine.snapshot import PrecisionChoice
 from agentkv.engine.tokenizer import OVTokenizer
-from agentkv.errors import AgentKVError, ConstraintError, UserError
+from agentkv.errors import ConstraintError, UserError
 
 if TYPE_CHECKING:
     from agentkv.engine.constraints import ConstraintFactory, GrammarConstraint
-
-logger = logging.getLogger(__name__)
 
 KVPrecision = Literal["u8", "f16", "bf16", "f32"]
 _BYTES = {"u8": 1, "f16": 2, "bf16": 2, "f32": 4}
@@ -183,24 +178,10 @@ class StatefulEngine(SlotEngine):
     def tokenizer(self) -> OVTokenizer:
         return self._tokenizer  # type: ignore[no-any-return]
 
-    async def _measure_rope(self) -> RopeConvention | None:
-        """θ from the model's metadata, verified on its keys (``engine/rope.py``), on a
-        temporary session's slot."""
+    def _rope_reference(self) -> tuple[tuple[float, float] | None, float]:
+        """θ from the model's GGUF / config.json metadata; the floor of this KV precision."""
         metadata = rope_metadata(self.files.config(), self.files.gguf_metadata())
-        floor = FIT_TOLERANCE.get(self.kv_cache_precision, max(FIT_TOLERANCE.values()))
-        ids = self.tokenizer.encode(PROBE_TEXT)
-        probe = self.new_session()
-        try:
-            async with self.pool.lease(probe) as slot:
-                return await anyio.to_thread.run_sync(
-                    lambda: measure_convention(slot, ids, floor=floor, metadata=metadata),
-                    limiter=self.pool.limiter,
-                )
-        except AgentKVError as error:
-            logger.warning("cannot measure the model's RoPE convention: %s", error)
-            return None
-        finally:
-            await probe.close()
+        return metadata, FIT_TOLERANCE.get(self.kv_cache_precision, max(FIT_TOLERANCE.values()))
 
     def make_constraint(self, grammar: str) -> GrammarConstraint:
         """A fresh grammar constraint (llguidance Lark grammar) for one generation::

@@ -29,7 +29,7 @@ import anyio
 import anyio.lowlevel
 
 from agentkv.engine.base import GenerationConfig, GenerationMetrics, GenerationResult
-from agentkv.engine.rope import FIT_TOLERANCE, PROBE_TEXT, RopeConvention, measure_convention
+from agentkv.engine.rope import FIT_TOLERANCE
 from agentkv.engine.slot_engine import SlotEngine
 from agentkv.errors import UserError
 from agentkv.testing.fake_kv import KV_BYTES_PER_TOKEN, ROPE_THETA, FakeSlot
@@ -216,12 +216,7 @@ class ScriptedEngine(SlotEngine):
         await anyio.lowlevel.checkpoint()
         return result
 
-    async def _measure_rope(self) -> RopeConvention | None:
-        """The fake model's RoPE, measured on a fake slot by the engine's own procedure."""
-        probe = self.new_session()
-        ids = self.tokenizer.encode(PROBE_TEXT)
-        try:
-            async with self.pool.lease(probe) as slot:
-                return measure_convention(slot, ids, floor=FIT_TOLERANCE["f32"], metadata=(ROPE_THETA, 1.0))
-        finally:
-            await probe.close()
+    def _rope_reference(self) -> tuple[tuple[float, float] | None, float]:
+        """The fake model's "metadata" θ (its one pair turns 1 rad/position for any θ) and the f32
+        floor: the engine's own procedure then verifies it on a fake slot."""
+        return (ROPE_THETA, 1.0), FIT_TOLERANCE["f32"]
