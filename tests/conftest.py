@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.exc import OperationalError, ProgrammingError
 
 from agentkv.memory import Store
 
@@ -111,9 +112,24 @@ def fresh_postgres_database(base_url: str) -> Iterator[str]:
     try:
         yield make_url(base_url).set(database=name).render_as_string(hide_password=False)
     finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        drop_postgres_database(admin, name)
         admin.dispose()
+
+
+def drop_postgres_database(admin: Engine, name: str) -> None:
+    """Drop a test database. A plain DROP first: the server itself stops an autovacuum worker
+    busy in it, where ``WITH (FORCE)`` would need the right to signal that worker's (superuser)
+    process — a CI server refused exactly that. FORCE stays the fallback for a connection a
+    failing test left open."""
+    statements = (f'DROP DATABASE IF EXISTS "{name}"', f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    for attempt, statement in enumerate(statements, start=1):
+        try:
+            with admin.connect() as conn:
+                conn.execute(text(statement))
+            return
+        except (OperationalError, ProgrammingError):
+            if attempt == len(statements):
+                raise
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
