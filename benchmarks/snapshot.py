@@ -6,8 +6,10 @@ paths need it), evicts the files from the OS page cache, then times the first to
 next turn two ways: restore (read + verify the file, set the KV, prefill the new turn) and
 re-prefill (the whole history + the new turn). Also reports bytes per token on disk.
 The engine ``open_engine`` picks (``--engine paged|stateful`` chooses; the child process uses
-the same backend: snapshots do not cross backends). The last line is one JSON object.
-Run: ``python benchmarks/snapshot.py [--engine stateful]``.
+the same backend: snapshots do not cross backends). ``--kv-cache u8`` runs the paged engine on
+u8 blocks: its snapshot is then the raw blocks ("u8-paged"), timed as a third form. The last
+line is one JSON object.
+Run: ``python benchmarks/snapshot.py [--engine stateful] [--kv-cache u8]``.
 """
 
 from __future__ import annotations
@@ -52,8 +54,17 @@ def history(engine: StatefulEngine, target: int) -> list[int]:
         i += 1
 
 
+KV_ENV = "AGENTKV_BENCH_KV_CACHE"
+"""The KV cache precision both processes use (set by ``--kv-cache``)."""
+
+
+def engine_options() -> dict[str, str]:
+    kv = os.environ.get(KV_ENV)
+    return {"kv_cache_precision": kv} if kv else {}
+
+
 async def parent(target: int, workdir: Path) -> dict[str, float]:
-    engine = open_engine(num_slots=1)
+    engine = open_engine(num_slots=1, **engine_options())
     print(f"engine: {type(engine).__name__}")
     ids = history(engine, target)
     session = await engine.open_session()
@@ -67,21 +78,29 @@ async def parent(target: int, workdir: Path) -> dict[str, float]:
         KVSnapshot.from_float(snap.tokens, keys, values, precision=precision,  # type: ignore[arg-type]
                               fingerprint=snap.fingerprint).to_file(path)
         files[precision] = str(path)
+    if snap.precision == "u8-paged":  # a u8 paged cache: its raw blocks, as the engine stores them
+        path = workdir / "session.u8-paged.kvsnap"
+        snap.to_file(path)
+        files["u8-paged"] = str(path)
     sizes = {p: os.path.getsize(f) / len(ids) for p, f in files.items()}
-    print(f"history {len(ids)} tokens; on disk: f16 {sizes['f16']:.0f} B/token, u8 {sizes['u8']:.0f} B/token")
+    print(f"history {len(ids)} tokens; on disk: " + ", ".join(f"{p} {b:.0f} B/token" for p, b in sizes.items()))
     child = subprocess.run([sys.executable, __file__, "--child", json.dumps(files)],
                            capture_output=True, text=True, check=True)
     timings = json.loads(child.stdout.strip().splitlines()[-1])
     print(f"{'path (new process)':<26} {'TTFT ms':>9} {'first token':>12}")
-    for name in ("reprefill", "restore_f16", "restore_u8"):
+    for name in ("reprefill", *(f"restore_{p}" for p in files)):
         t = timings[name]
         print(f"{name:<26} {t['ttft'] * 1000:9.1f} {t['token']:12d}   {t.get('detail', '')}")
-    return {
+    out = {
         "reprefill_over_restore": timings["reprefill"]["ttft"] / timings["restore_f16"]["ttft"],
         "reprefill_over_restore_u8": timings["reprefill"]["ttft"] / timings["restore_u8"]["ttft"],
         "bytes_per_token_f16": sizes["f16"],
         "bytes_per_token_u8": sizes["u8"],
     }
+    if "u8-paged" in files:
+        out["reprefill_over_restore_u8_paged"] = timings["reprefill"]["ttft"] / timings["restore_u8-paged"]["ttft"]
+        out["bytes_per_token_u8_paged"] = sizes["u8-paged"]
+    return out
 
 
 def drop_from_page_cache(path: str) -> None:
@@ -95,7 +114,7 @@ def drop_from_page_cache(path: str) -> None:
 
 
 async def child(files: dict[str, str]) -> dict[str, dict]:
-    engine = open_engine(num_slots=1)
+    engine = open_engine(num_slots=1, **engine_options())
     turn = engine.tokenizer.encode(NEXT_TURN)
     one = GenerationConfig(max_new_tokens=1)
     warm = await engine.open_session()  # first inference allocates; keep it out of both timings
@@ -130,10 +149,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--history-tokens", type=int, default=2000)
     parser.add_argument("--engine", choices=["paged", "stateful"], default=None)
+    parser.add_argument("--kv-cache", choices=["f16", "u8"], default=None,
+                        help="the engine's KV cache precision (u8 on paged: raw-block snapshots)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.engine:
         os.environ[ENGINE_ENV] = args.engine  # NOTE: the child process inherits it
+    if args.kv_cache:
+        os.environ[KV_ENV] = args.kv_cache
     if args.child:
         print(json.dumps(anyio.run(child, json.loads(args.child)), default=int))
         return

@@ -109,3 +109,43 @@ async def test_on_default_numerics_batched_sessions_keep_their_logs_and_blocks_c
         await engine.aclose()
     engine.block_pool.check_integrity()
     assert engine.block_pool.free_blocks == engine.block_pool.num_blocks
+
+
+async def test_a_long_prefill_runs_in_chunks_and_a_decoding_session_steps_between_them(paged_engine):
+    engine = paged_engine
+    assert engine.prefill_chunk_size == 512
+    long_text = " ".join(f"Line {i}: the quick brown fox jumps over the lazy dog." for i in range(110))
+    long_ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": long_text}], add_generation_prompt=True))
+    assert len(long_ids) > 1100
+    decoder, reader = await engine.open_session(), await engine.open_session()
+    before = len(engine.batcher.recent_steps())
+    first_token = anyio.Event()
+    results: dict = {}
+
+    async def decode() -> None:
+        stream = decoder.stream(prompts(engine)[0], GenerationConfig(max_new_tokens=48, ignore_eos=True))
+        async for _ in stream:
+            first_token.set()
+        results["decoder"] = stream.result
+
+    async def read() -> None:
+        await first_token.wait()
+        results["reader"] = await reader.prefill(long_ids)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(decode)
+        tg.start_soon(read)
+    steps = engine.batcher.recent_steps()[before:]
+    reader_metrics = results["reader"]
+    chunks = -(-len(long_ids) // 512)
+    assert reader_metrics.prefilled_tokens == len(long_ids) and reader_metrics.model_steps == chunks
+    # no step carried more than one chunk (plus decoders' single tokens)
+    assert max(s.tokens for s in steps) <= 512 + engine.batcher.max_batch
+    # the decoder's tokens ran in steps with the reader's chunks, not after the whole prompt
+    assert reader_metrics.mean_batch > 1.0
+    decoder_metrics = results["decoder"].metrics
+    assert decoder_metrics.model_steps >= 48 and decoder_metrics.mean_batch > 1.0
+    assert decoder_metrics.queued_s >= 0.0
+    await decoder.close()
+    await reader.close()

@@ -147,6 +147,43 @@ async def test_a_paged_fork_shares_the_parents_blocks_and_each_writes_only_its_o
     paged_engine.block_pool.check_integrity()
 
 
+async def test_when_blocks_run_short_a_fork_that_has_not_run_moves_to_host_and_answers_as_before(paged_engine):
+    from agentkv.engine.paged import PagedEngine
+
+    block = paged_engine.paged_model.block_bytes
+    engine = PagedEngine(num_slots=4, kv_cache_bytes=40 * block, prefix_cache_bytes=0)  # 1,280 tokens
+    text = "The river keeps flowing to the sea while the fox jumps. " * 40
+    ids = prompt(engine, text)  # ~500 tokens: 16 blocks
+    follow = engine.tokenizer.encode("Rivers")
+    config = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+    try:
+        parent = await engine.open_session()
+        await parent.prefill(ids)
+        reference = await parent.fork()
+        expected = await reference.generate(ids + follow, config)
+        await reference.close()
+        child = await parent.fork()  # holds the parent's blocks, no slot
+        await parent.close()  # the child's references alone keep those blocks now
+        used = engine.block_pool.num_blocks - engine.block_pool.free_blocks
+        assert used == -(-len(ids) // 32)
+        other = await engine.open_session()
+        other_ids = prompt(engine, "Another story about the fox and the sea. " * 90)
+        assert -(-len(other_ids) // 32) > engine.block_pool.free_blocks  # fits only without the child's
+        await other.prefill(other_ids)
+        # the child's KV went to host: the pool holds the other session's blocks alone
+        assert engine.block_pool.num_blocks - engine.block_pool.free_blocks == -(-len(other_ids) // 32)
+        await other.close()
+        again = await child.generate(ids + follow, config)
+        assert again.token_ids == expected.token_ids and again.metrics.kv_exact
+        assert again.metrics.reused_tokens == len(ids)
+        await child.check_integrity()
+        await child.close()
+    finally:
+        await engine.aclose()
+    engine.block_pool.check_integrity()
+    assert engine.block_pool.free_blocks == engine.block_pool.num_blocks
+
+
 async def test_when_blocks_run_short_idle_sessions_go_to_host_and_come_back_exactly(paged_engine):
     from agentkv.engine.paged import PagedEngine
 

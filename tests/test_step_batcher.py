@@ -60,10 +60,17 @@ def test_sequences_fed_at_the_same_time_share_steps_and_each_gets_its_own_row():
     step = RecordingStep(seconds=0.05)
     batcher = StepBatcher(step, max_batch=8)
     results = feed_together(batcher, [seq(i) for i in range(8)])
-    assert [r[0] for r in results] == list(range(8))  # type: ignore[index]
+    assert [r.logits[0] for r in results] == list(range(8))  # type: ignore[attr-defined]
     stats = batcher.stats()
     assert stats.sequences == 8 and stats.steps < 8 and stats.largest_batch > 1
     assert sorted(i for batch in step.batches for i in batch) == list(range(8))
+    # each caller learns the size of its step, and the steps are recorded one by one
+    sizes = {i: len(batch) for batch in step.batches for i in batch}
+    assert [r.batch_size for r in results] == [sizes[i] for i in range(8)]  # type: ignore[attr-defined]
+    records = batcher.recent_steps()
+    assert [r.sequences for r in records] == [len(batch) for batch in step.batches]
+    assert sum(r.tokens for r in records) == 8 and all(r.seconds >= 0.05 and r.tokens_per_s > 0 for r in records)
+    assert all(r.queued_s >= 0 for r in records)
 
 
 def test_a_step_takes_at_most_max_batch_sequences_and_max_tokens_tokens_but_always_one():
@@ -90,14 +97,14 @@ def test_a_failed_step_raises_in_each_of_its_callers_and_later_steps_still_run()
     failed = {i for i, r in enumerate(results) if isinstance(r, RuntimeError)}
     batch_of_3 = next(batch for batch in step.batches if 3 in batch)
     assert failed == set(batch_of_3)
-    assert batcher.run(seq(9))[0] == 9
+    assert batcher.run(seq(9)).logits[0] == 9
 
 
 def test_a_lone_caller_is_not_kept_waiting_for_company():
     batcher = StepBatcher(RecordingStep(seconds=0.01), max_batch=8, gather=500.0, max_gather_s=5.0)
     started = time.perf_counter()
     for i in range(3):
-        assert batcher.run(seq(i))[0] == i
+        assert batcher.run(seq(i)).logits[0] == i
     assert time.perf_counter() - started < 5.0  # the last step had one sequence: nobody to wait for
     assert batcher.stats().steps == 3
 
@@ -125,6 +132,15 @@ def test_callers_that_stopped_feeding_are_waited_for_at_most_two_steps():
         batcher.run(seq(20 + n), caller=0)
     assert batcher.stats().largest_batch >= 2
     assert [len(batch) for batch in step.batches[-2:]] == [1, 1]
+
+
+def test_a_caller_queued_behind_a_step_is_told_how_long_it_waited():
+    step = RecordingStep(seconds=0.05)
+    batcher = StepBatcher(step, max_batch=1)
+    results = feed_together(batcher, [seq(1), seq(2)])
+    waits = sorted(r.queued_s for r in results)  # type: ignore[attr-defined]
+    assert waits[0] < 0.05 <= waits[1]  # the second waited for the first's whole step
+    assert batcher.stats().queued_s == pytest.approx(sum(waits))
 
 
 def test_bad_caps_are_refused():

@@ -138,6 +138,13 @@ class GenerationMetrics:
     """False when part of the session's KV came back from a lossy restore (a u8 cache through
     the state API, or a snapshot stored in a rounding precision the user chose): close to, not
     bit-identical with, what the model computed on that path."""
+    model_steps: int = 0
+    """Model steps this call's prefill and decode ran in (0: the engine does not count them)."""
+    mean_batch: float = 0.0
+    """Sequences per step, on average over those steps (paged engine: >1 when other sessions'
+    tokens ran in the same steps)."""
+    queued_s: float = 0.0
+    """Seconds this call's feeds waited for their step (other sessions' steps ahead of it)."""
 
 
 @dataclass(frozen=True)

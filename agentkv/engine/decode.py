@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from agentkv.engine.base import (
@@ -26,6 +26,7 @@ from agentkv.engine.base import (
 from agentkv.engine.beam_decode import run_beam_search
 from agentkv.engine.detokenize import IncrementalDecoder
 from agentkv.engine.sampling import StopStringMatcher, make_rng, sample_next
+from agentkv.engine.step_counts import StepCounts
 
 if TYPE_CHECKING:
     from agentkv.engine.kv_log import KVLog, KVSlot
@@ -55,6 +56,21 @@ class DecodeOutcome:
     text: str
     finish_reason: str
     first_token_at: float | None
+
+
+def step_counts(slot: object) -> StepCounts | None:
+    """A copy of the slot's model-step counts, or None when its engine does not count steps."""
+    counts = getattr(slot, "steps", None)
+    return counts.copy() if isinstance(counts, StepCounts) else None
+
+
+def with_steps(metrics: GenerationMetrics, slot: object, before: StepCounts | None) -> GenerationMetrics:
+    """``metrics`` with the model steps ``slot`` ran in since ``before`` (unchanged without counts)."""
+    now = step_counts(slot)
+    if before is None or now is None:
+        return metrics
+    spent = now.since(before)
+    return replace(metrics, model_steps=spent.steps, mean_batch=spent.mean_batch, queued_s=spent.queued_s)
 
 
 def stop_ids_for(config: GenerationConfig, eos_token_ids: frozenset[int]) -> frozenset[int]:
@@ -138,8 +154,12 @@ class DecodeLoop:
         constraint: TokenConstraint | None,
         align: Alignment,
         started: float,
+        steps_before: StepCounts | None = None,
     ) -> None:
+        """``steps_before``: the slot's step counts before the call's alignment (the metrics
+        then count the prefill's steps too; default: from now)."""
         self.engine, self.log, self.slot, self.run_blocking = engine, log, slot, run_blocking
+        self.steps_before = steps_before if steps_before is not None else step_counts(slot)
         self.prompt = prompt
         self.config, self.constraint = config, constraint
         self.align, self.started = align, started
@@ -199,7 +219,9 @@ class DecodeLoop:
     ) -> GenerationResult:
         """Build the result and the metrics."""
         ttft, tpot = timing(self.started, first_at, len(generated))
-        self.metrics = self.engine.metrics_for(self.log, self.align, generated=len(generated), ttft=ttft, tpot=tpot)
+        self.metrics = with_steps(
+            self.engine.metrics_for(self.log, self.align, generated=len(generated), ttft=ttft, tpot=tpot),
+            self.slot, self.steps_before)
         return GenerationResult(
             token_ids=tuple(generated), text=text, finish_reason=finish, metrics=self.metrics, beams=beams
         )

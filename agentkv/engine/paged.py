@@ -18,30 +18,35 @@ copy; ``engine/paged_prefix.py``); whoever writes into a shared block first copi
 A fork shares its parent's blocks the same way (``hold_copy``): no KV is copied until one of
 them writes into a shared block.
 
-Not yet here (issue 15): beam search (use ``StatefulEngine`` for ``num_beams > 1``), u8 blocks.
+``kv_cache_precision="u8"`` keeps the blocks in the plugin's u8 layout (59 % of the bytes of
+f16, parameters included); snapshots and offload of such sessions are the raw blocks, restored bit for bit.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
 import anyio.from_thread
 
 from agentkv.engine.block_pool import BlockPool
-from agentkv.engine.paged_model import PagedModel
+from agentkv.engine.kv_log import KVLog, KVSlot, KVSource
+from agentkv.engine.paged_model import BLOCK_SIZE, PagedModel
 from agentkv.engine.paged_prefix import PagedPrefixCache
-from agentkv.engine.kv_log import KVLog, KVSlot
-from agentkv.engine.paged_slot import PagedSlot, read_table
+from agentkv.engine.paged_slot import PagedSlot, read_raw_blocks, read_table
 from agentkv.engine.shared_blocks import SharedBlocks
-from agentkv.engine.snapshot import KVSnapshot, PrecisionChoice
+from agentkv.engine.snapshot import RAW_BLOCKS, KVSnapshot, PrecisionChoice
 from agentkv.engine.stateful import Backend, StatefulEngine
 from agentkv.engine.step_batcher import DEFAULT_MAX_TOKENS, StepBatcher
 from agentkv.errors import UserError
 
 DEFAULT_KV_CACHE_BYTES = 512 << 20
 """KV block storage of a ``PagedEngine`` (f16, default model: ~23,000 tokens)."""
+DEFAULT_PREFILL_CHUNK = 512
+"""A long prefill runs as steps of at most this many tokens (cut at absolute multiples, so the
+cuts are canonical): sessions decoding meanwhile wait one chunk, not the whole prompt."""
 
 
 class PagedEngine(StatefulEngine):
@@ -57,24 +62,54 @@ class PagedEngine(StatefulEngine):
         num_slots: int = 16,
         max_batch: int | None = None,
         max_step_tokens: int = DEFAULT_MAX_TOKENS,
+        prefill_chunk_size: int | None = DEFAULT_PREFILL_CHUNK,
         **options: Any,
     ) -> None:
         """``kv_cache_bytes`` sizes the shared KV blocks; ``num_slots`` bounds the sessions that
         keep their KV in blocks at once (more are offloaded to host, as on the stateful engine).
         ``max_batch`` (default ``num_slots``; 1 turns batching off) and ``max_step_tokens`` cap
         what one model step takes from the sessions feeding at the same time.
-        Other options as ``StatefulEngine`` (``kv_cache_precision`` "f16" or "f32", ``exact``…)."""
-        if options.get("kv_cache_precision") in ("u8", "bf16"):
-            raise UserError("the paged engine keeps f16 or f32 KV blocks for now; pass kv_cache_precision='f16'")
+        ``prefill_chunk_size`` (a multiple of the 32-token block; None: whole prompts) cuts long
+        prefills into steps, so sessions decoding meanwhile get a step between chunks.
+        Other options as ``StatefulEngine`` (``kv_cache_precision`` "f16", "f32" or "u8",
+        ``exact``…). With u8 blocks, ``snapshot_precision`` "auto" or "u8" keeps the raw blocks."""
+        if options.get("kv_cache_precision") == "bf16":
+            raise UserError("the paged engine keeps f16, f32 or u8 KV blocks (f16 is typed bf16 by itself "
+                            "when the plugin computes in bf16); pass kv_cache_precision='f16'")
         if kv_cache_bytes <= 0:
             raise UserError(f"kv_cache_bytes must be > 0, got {kv_cache_bytes}")
+        if prefill_chunk_size is not None and (prefill_chunk_size < BLOCK_SIZE or prefill_chunk_size % BLOCK_SIZE):
+            raise UserError(f"prefill_chunk_size must be a multiple of the {BLOCK_SIZE}-token block (or None), "
+                            f"got {prefill_chunk_size}")
         if max_batch is not None and max_batch < 1:
             raise UserError(f"max_batch must be >= 1 (1: no batching), got {max_batch}")
         self._kv_cache_bytes = kv_cache_bytes
         self._max_batch = max_batch or num_slots
         self._max_step_tokens = max_step_tokens
-        super().__init__(model, num_slots=num_slots, **options)
+        super().__init__(model, num_slots=num_slots, prefill_chunk_size=prefill_chunk_size, **options)
         self.block_pool.reclaim = self._reclaim_blocks
+        self._kv_token_bytes = self.paged_model.block_bytes // BLOCK_SIZE
+        self._raw_snapshots = self.kv_cache_precision == "u8" and self.snapshot_precision in ("auto", "u8")
+
+    def make_snapshot(self, log: KVLog, slot: KVSlot) -> KVSnapshot:
+        """Host snapshot of ``log``'s KV in ``slot``: a u8 cache's raw blocks (bit-exact, u8 size),
+        else floats in the engine's snapshot precision (blocking)."""
+        if not self._raw_snapshots:
+            return super().make_snapshot(log, slot)
+        assert isinstance(slot, PagedSlot)
+        return self._raw_snapshot(log.tokens, slot.blocks, shifted=log.shifted, lossless=log.exact)
+
+    def _raw_snapshot(self, tokens: Sequence[int], blocks: Sequence[int], *, shifted: bool,
+                      lossless: bool) -> KVSnapshot:
+        keys, values = read_raw_blocks(self.paged_model, blocks)
+        return KVSnapshot.from_blocks(tokens, keys, values, block_tokens=BLOCK_SIZE, fingerprint=self.fingerprint,
+                                      shifted=shifted, lossless=lossless)
+
+    def restores_exactly(self, snapshot: KVSource) -> bool:
+        """Raw blocks restore bit for bit; floats as on any slot engine."""
+        if getattr(snapshot, "precision", None) == RAW_BLOCKS:
+            return snapshot.lossless
+        return super().restores_exactly(snapshot)
 
     def hold_copy(self, log: KVLog, slot: KVSlot) -> SharedBlocks:
         """A fork's copy of ``log``'s KV: references on the same blocks (no KV copied; the
@@ -86,6 +121,8 @@ class PagedEngine(StatefulEngine):
                             read=self._snapshot_of_shared)
 
     def _snapshot_of_shared(self, shared: SharedBlocks) -> KVSnapshot:
+        if self._raw_snapshots:
+            return self._raw_snapshot(shared.tokens, shared.blocks, shifted=shared.shifted, lossless=shared.lossless)
         keys, values = read_table(self.paged_model, shared.blocks, shared.num_tokens)
         return self.snapshot_of(shared.tokens, keys, values, shifted=shared.shifted, lossless=shared.lossless)
 
@@ -98,17 +135,26 @@ class PagedEngine(StatefulEngine):
 
     def _reclaim_blocks(self, blocks_needed: int) -> None:
         """The block pool is short (called in a worker thread by an allocation): let the prefix
-        cache go first, then offload idle sessions to host, least recently used first, until
-        ``blocks_needed`` blocks are free or nobody idle is left (then the allocation refuses)."""
+        cache go first, then move forks that have not run yet to host, then offload idle
+        sessions, least recently used first, until ``blocks_needed`` blocks are free or nobody
+        idle is left (then the allocation refuses)."""
         if isinstance(self.prefix_cache, PagedPrefixCache):
             self.prefix_cache.reclaim(blocks_needed)
-        while self.block_pool.free_blocks < blocks_needed:
-            try:
-                offloaded = anyio.from_thread.run(self.pool.offload_idle)
-            except RuntimeError:  # not called from one of the event loop's worker threads
+        try:
+            if self.block_pool.free_blocks < blocks_needed:
+                anyio.from_thread.run_sync(self._spill_unbound_forks, blocks_needed)
+            while self.block_pool.free_blocks < blocks_needed:
+                if not anyio.from_thread.run(self.pool.offload_idle):
+                    return
+        except RuntimeError:  # not called from one of the event loop's worker threads
+            return
+
+    def _spill_unbound_forks(self, blocks_needed: int) -> None:
+        """Move the KV of sessions holding shared blocks without a slot to host (event loop thread)."""
+        for session in list(self._sessions):
+            if self.block_pool.free_blocks >= blocks_needed:
                 return
-            if not offloaded:
-                return
+            session.spill_held_blocks()
 
     def _open_backend(self, device: str, config: dict[str, str], num_slots: int, *, slice_logits: bool) -> Backend:
         """Compile the paged model and give each slot a block table over one shared pool."""

@@ -26,13 +26,13 @@ import openvino as ov
 from agentkv.engine.compile import compile_for_device
 from agentkv.engine.models import ModelFiles, compiled_cache_dir
 from agentkv.engine.numerics import EXACT_CONFIG, PluginNumerics, precision_name
+from agentkv.engine.u8_blocks import BlockLayout
 from agentkv.errors import UserError
 
 BLOCK_SIZE = 32
 """Tokens per KV block (the CPU plugin's PagedAttention block)."""
-_CACHE_TYPES = {"f32": (ov.Type.f32, 0), "f16": (ov.Type.f16, 0), "bf16": (ov.Type.bf16, 0), "u8": (ov.Type.u8, 8)}
-"""Element type per KV precision, and the bytes each token row carries beyond head_dim (u8: its
-quantisation parameters)."""
+_CACHE_TYPES = {"f32": ov.Type.f32, "f16": ov.Type.f16, "bf16": ov.Type.bf16, "u8": ov.Type.u8}
+"""Element type of the blocks per KV precision."""
 
 
 @dataclass(frozen=True)
@@ -80,9 +80,17 @@ class PagedModel:
         # type it bf16, or reading it as f16 gives garbage (measured: keys off by ~100 %).
         if kv_cache_precision == "f16" and _compute_precision(core, device, config) == "bf16":
             kv_cache_precision = "bf16"
-        element, extra = _CACHE_TYPES[kv_cache_precision]
-        self.num_layers = _type_caches(model, element, (self.heads, self.head_dim + extra))
-        self.block_bytes = 2 * self.num_layers * self.heads * BLOCK_SIZE * (self.head_dim + extra) * element.size
+        element = _CACHE_TYPES[kv_cache_precision]
+        self.num_layers = _type_caches(model, element, (self.heads, self.head_dim))
+        _gather_last_positions(model)
+        self._compiled = compile_for_device(core, model, device, config)
+        # NOTE: the plugin chooses a u8 cache's block shapes (its quantisation parameters live in
+        # the blocks, by channel or by token): read them from the compiled model.
+        shapes = {port.get_any_name(): tuple(d.get_length() for d in list(port.get_partial_shape())[1:])
+                  for port in self._compiled.inputs if port.get_any_name().startswith(("key_cache.", "value_cache."))}
+        self.block_shapes = (shapes["key_cache.0"], shapes["value_cache.0"])
+        """``[heads, rows, cols]`` of one key block and one value block (as the plugin laid them out)."""
+        self.block_bytes = self.num_layers * element.size * sum(int(np.prod(s)) for s in self.block_shapes)
         """Bytes of one block across every layer's K and V."""
         if num_blocks is None:
             assert kv_cache_bytes is not None
@@ -90,8 +98,6 @@ class PagedModel:
         if num_blocks < 1:
             raise UserError(f"the KV cache needs at least one block; got num_blocks={num_blocks} "
                             f"(kv_cache_bytes={kv_cache_bytes})")
-        _gather_last_positions(model)
-        self._compiled = compile_for_device(core, model, device, config)
         self.numerics = replace(PluginNumerics.of(self._compiled, kv_cache_precision), kv_cache=kv_cache_precision)
         self.kv_cache_precision = kv_cache_precision
         """The blocks' element type: "f32", "f16", "bf16" (f16 asked, bf16 compute) or "u8"."""
@@ -151,6 +157,10 @@ class PagedModel:
                 data = tensor.data
                 data[target] = data[source]
 
+    def u8_layout(self, *, key: bool) -> BlockLayout:
+        """How a u8 cache lays out its key (``key=True``) or value blocks."""
+        return BlockLayout.of(self.block_shapes[0 if key else 1], block_tokens=BLOCK_SIZE)
+
     def cache_layers(self) -> list[tuple[np.ndarray, np.ndarray]]:
         """Per layer, numpy views ``(keys, values)`` of ``[num_blocks, heads, BLOCK_SIZE, row]``."""
         return [(self.caches[f"key_cache.{i}"].data, self.caches[f"value_cache.{i}"].data)
@@ -169,8 +179,8 @@ def _compute_precision(core: ov.Core, device: str, config: dict[str, str]) -> st
 
 
 def _type_caches(model: ov.Model, element: ov.Type, row: tuple[int, int]) -> int:
-    """Give every cache input its element type and ``[?, heads, BLOCK_SIZE, row bytes]`` shape;
-    return the number of layers."""
+    """Give every cache input its element type and ``[?, heads, BLOCK_SIZE, head_dim]`` shape
+    (a u8 cache's compiled shape adds its parameters); return the number of layers."""
     layers = 0
     for param in model.get_parameters():
         name = param.get_output_tensor(0).get_any_name()

@@ -11,8 +11,9 @@ it while another table holds it (copy-on-write)::
     logits = slot.feed(np.array([ids]), past_len=0)      # [1, vocab]
     slot.trim(40)                                         # blocks past position 40 are released
 
-Blocking; one caller at a time (the session's lease). ``read``/``write`` copy float K/V for
-f32 and f16 caches; a u8 cache's rows carry their quantisation parameters and are not read here.
+Blocking; one caller at a time (the session's lease). ``read``/``write`` copy float K/V (a u8
+cache dequantised / quantised in the plugin's block layout, ``engine/u8_blocks.py``);
+``read_blocks``/``write_blocks`` copy the raw blocks, the bit-exact form of any cache.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 from agentkv.engine.block_pool import BlockPool
 from agentkv.engine.paged_model import BLOCK_SIZE, PagedModel, SequenceStep
 from agentkv.engine.step_batcher import StepBatcher
+from agentkv.engine.step_counts import StepCounts
 from agentkv.engine.kv_precision import from_bf16_bits, to_bf16_bits
 from agentkv.errors import UserError
 
@@ -46,6 +48,8 @@ class PagedSlot:
         """The block table (of row 0): block i holds positions ``i*BLOCK_SIZE ..``."""
         self._extra_rows: list[list[int]] = []  # rows 1.. during a beam search
         self._length = 0
+        self.steps = StepCounts()
+        """The model steps this slot's feeds ran in: how many, mean batch, time queued."""
 
     def feed(
         self, input_ids: np.ndarray, past_len: int, beam_idx: np.ndarray | None = None, position_offset: int = 0
@@ -63,7 +67,13 @@ class PagedSlot:
         self._own_block(self.blocks, past_len)
         self._grow(self.blocks, past_len + len(row))
         sequence = SequenceStep(row, past_len, list(self.blocks), position_offset)
-        logits = self.batcher.run(sequence, caller=self)[None] if self.batcher is not None else self.model.step([sequence])
+        if self.batcher is None:
+            logits = self.model.step([sequence])
+            self.steps.add(1, 0.0)
+        else:
+            outcome = self.batcher.run(sequence, caller=self)
+            logits = outcome.logits[None]
+            self.steps.add(outcome.batch_size, outcome.queued_s)
         self._length = past_len + len(row)
         return logits
 
@@ -92,6 +102,7 @@ class PagedSlot:
         self.blocks, self._extra_rows = tables[0], tables[1:]
         logits = self.model.step([SequenceStep([int(t) for t in row], past_len, table)
                                   for row, table in zip(ids, tables)])
+        self.steps.add(len(tables), 0.0)
         self._length = past_len + ids.shape[1]
         return logits
 
@@ -114,22 +125,38 @@ class PagedSlot:
         self._length = n
 
     def read(self) -> tuple[np.ndarray, np.ndarray]:
-        """float32 K and V ``[layers, 1, heads, T, head_dim]`` (copies)."""
+        """float32 K and V ``[layers, 1, heads, T, head_dim]`` (copies; a u8 cache dequantised)."""
         return read_table(self.model, self.blocks, self._length)
 
     def write(self, keys: np.ndarray, values: np.ndarray) -> None:
-        """Replace the KV by ``keys`` / ``values`` ``[layers, 1, heads, T, head_dim]``."""
-        _check_float_cache(self.model, "write")
+        """Replace the KV by ``keys`` / ``values`` ``[layers, 1, heads, T, head_dim]`` (a u8 cache
+        quantises them in its own block layout)."""
         if keys.shape[1] != 1:
             raise UserError("a paged slot holds one sequence: write [layers, 1, heads, T, dim]")
         self.reset()
         length = keys.shape[3]
         self._grow(self.blocks, length)
-        bf16 = self.model.kv_cache_precision == "bf16"
         with self.model.lock:
             for layer, (k_cache, v_cache) in enumerate(self.model.cache_layers()):
-                _scatter(k_cache, self.blocks, keys[layer, 0], bf16)
-                _scatter(v_cache, self.blocks, values[layer, 0], bf16)
+                _scatter(self.model, k_cache, self.blocks, keys[layer, 0], key=True)
+                _scatter(self.model, v_cache, self.blocks, values[layer, 0], key=False)
+        self._length = length
+
+    def read_blocks(self) -> tuple[np.ndarray, np.ndarray]:
+        """The table's raw blocks, every layer: K ``[layers, n, *key block]`` and V
+        ``[layers, n, *value block]`` in the cache's own dtype (copies): the bit-exact form."""
+        return read_raw_blocks(self.model, self.blocks)
+
+    def write_blocks(self, keys: np.ndarray, values: np.ndarray, length: int) -> None:
+        """Replace the KV by raw blocks from ``read_blocks`` holding ``length`` positions."""
+        if keys.shape[1] != blocks_for(length) or values.shape[1] != keys.shape[1]:
+            raise UserError(f"{keys.shape[1]} raw blocks cannot hold exactly {length} positions")
+        self.reset()
+        self._grow(self.blocks, length)
+        with self.model.lock:
+            for layer, (k_cache, v_cache) in enumerate(self.model.cache_layers()):
+                k_cache[self.blocks] = keys[layer]
+                v_cache[self.blocks] = values[layer]
         self._length = length
 
     def select_row(self, row: int, n: int) -> None:
@@ -167,35 +194,44 @@ class PagedSlot:
             table.extend(self.pool.allocate(missing))
 
 
+def read_raw_blocks(model: PagedModel, blocks: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Raw K ``[layers, n, *key block]`` and V ``[layers, n, *value block]`` of ``blocks`` (copies)."""
+    picked = list(blocks)
+    with model.lock:
+        layers = [(k[picked], v[picked]) for k, v in model.cache_layers()]
+    return np.stack([k for k, _ in layers]), np.stack([v for _, v in layers])
+
+
 def read_table(model: PagedModel, blocks: Sequence[int], length: int) -> tuple[np.ndarray, np.ndarray]:
     """float32 K and V ``[layers, 1, heads, length, head_dim]`` held by a block table (copies)."""
-    _check_float_cache(model, "read")
     keys, values = [], []
-    bf16 = model.kv_cache_precision == "bf16"
     with model.lock:
         for k_cache, v_cache in model.cache_layers():
-            keys.append(_gather(k_cache, list(blocks), length, bf16))
-            values.append(_gather(v_cache, list(blocks), length, bf16))
+            keys.append(_gather(model, k_cache, list(blocks), length, key=True))
+            values.append(_gather(model, v_cache, list(blocks), length, key=False))
     return np.stack(keys)[:, None], np.stack(values)[:, None]
 
 
-def _check_float_cache(model: PagedModel, action: str) -> None:
-    if model.kv_cache_precision == "u8":
-        raise UserError(f"cannot {action} a u8 paged cache as floats: use kv_cache_precision='f16' or 'f32'")
-
-
-def _gather(cache: np.ndarray, blocks: list[int], length: int, bf16: bool) -> np.ndarray:
-    """``[heads, length, dim]`` float32 from ``cache[blocks]`` (``[n, heads, BLOCK, dim]``; a bf16
+def _gather(model: PagedModel, cache: np.ndarray, blocks: list[int], length: int, *, key: bool) -> np.ndarray:
+    """``[heads, length, dim]`` float32 from ``cache[blocks]`` (``[n, heads, rows, cols]``; a bf16
     cache shows as 16-bit numbers: its bits are converted, not its values)."""
-    picked = cache[blocks]  # [n, heads, BLOCK, dim]
+    picked = cache[blocks]
+    if model.kv_cache_precision == "u8":
+        return model.u8_layout(key=key).dequantize(picked, length)
     heads, dim = picked.shape[1], picked.shape[3]
     flat = picked.transpose(1, 0, 2, 3).reshape(heads, -1, dim)[:, :length]
-    return from_bf16_bits(flat.view(np.uint16)) if bf16 else np.array(flat, dtype=np.float32)
+    if model.kv_cache_precision == "bf16":
+        return from_bf16_bits(flat.view(np.uint16))
+    return np.array(flat, dtype=np.float32)
 
 
-def _scatter(cache: np.ndarray, blocks: list[int], kv: np.ndarray, bf16: bool) -> None:
+def _scatter(model: PagedModel, cache: np.ndarray, blocks: list[int], kv: np.ndarray, *, key: bool) -> None:
     """Write ``kv`` ``[heads, T, dim]`` into ``cache[blocks]`` (the tail of the last block is zeroed)."""
+    if model.kv_cache_precision == "u8":
+        cache[blocks] = model.u8_layout(key=key).quantize(kv, len(blocks))
+        return
     heads, length, dim = kv.shape
+    bf16 = model.kv_cache_precision == "bf16"
     target = cache.view(np.uint16) if bf16 else cache
     padded = np.zeros((heads, len(blocks) * BLOCK_SIZE, dim), dtype=target.dtype)
     padded[:, :length] = to_bf16_bits(kv) if bf16 else kv

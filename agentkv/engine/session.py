@@ -31,7 +31,7 @@ from agentkv.engine.base import (
     TokenDelta,
     common_prefix_len,
 )
-from agentkv.engine.decode import DecodeEngine, DecodeLoop
+from agentkv.engine.decode import DecodeEngine, DecodeLoop, step_counts, with_steps
 from agentkv.engine.kv_log import KVLog, KVLogCorrupt, KVSlot, KVSource
 from agentkv.engine.rope import RopeConvention
 from agentkv.engine.session_common import SessionCommon
@@ -55,7 +55,7 @@ class SessionEngine(DecodeEngine, Protocol):
     def new_session(self, **state: Any) -> SlotSession: ...
     def forget(self, session: SlotSession) -> None: ...
     def restores_exactly(self, snapshot: KVSource) -> bool: ...
-    def make_snapshot(self, log: KVLog, keys: np.ndarray, values: np.ndarray) -> KVSnapshot: ...
+    def make_snapshot(self, log: KVLog, slot: KVSlot) -> KVSnapshot: ...
     def hold_copy(self, log: KVLog, slot: KVSlot) -> HeldKV: ...
     def prefix_cache_lookup(self, prompt: Sequence[int], reused: int) -> KVSource | None: ...
     async def run_blocking(self, fn: Any, *args: Any) -> Any: ...
@@ -112,9 +112,23 @@ class SlotSession(SessionCommon):
     # ---- slot pool callbacks (run in worker threads, under the pool's lease) ---------
     def offload(self, slot: KVSlot) -> None:
         """Copy this session's KV to host memory before its slot is given away."""
-        keys, values = self._log.read(slot)
-        self._host = self._engine.pool.host.put(self._engine.make_snapshot(self._log, keys, values))
+        self._host = self._engine.pool.host.put(self._engine.make_snapshot(self._log, slot))
         slot.reset()
+
+    def spill_held_blocks(self) -> bool:
+        """If this session has no slot and holds its KV as references on pool blocks (a fork
+        that has not run yet), move that KV to the host store and let the blocks go; True if
+        it did. Call on the event loop's thread (binding happens there, so the session cannot
+        be adopting meanwhile); blocking: it copies the KV out."""
+        held = self._host
+        if held is None or not getattr(held, "in_pool", False) or self._engine.pool.is_bound(self):
+            return False
+        snapshot = held.load()
+        if snapshot is None:
+            return False
+        self._host = self._engine.pool.host.put(snapshot)
+        held.release()
+        return True
 
     def adopt(self, slot: KVSlot) -> None:
         """Fill a newly bound slot with this session's KV (empty if it has none on the host).
@@ -149,9 +163,10 @@ class SlotSession(SessionCommon):
         async with self._lock:
             self._ensure_open()
             async with self._engine.pool.lease(self) as slot:
-                started = time.perf_counter()
+                started, before = time.perf_counter(), step_counts(slot)
                 align = await self._align(slot, prompt)
-                loop = DecodeLoop(self._engine, self._log, slot, self._run, prompt, config, constraint, align, started)
+                loop = DecodeLoop(self._engine, self._log, slot, self._run, prompt, config, constraint, align, started,
+                                  steps_before=before)
                 async for event in loop.run():
                     yield event
 
@@ -162,10 +177,11 @@ class SlotSession(SessionCommon):
         async with self._lock:
             self._ensure_open()
             async with self._engine.pool.lease(self) as slot:
-                started = time.perf_counter()
+                started, before = time.perf_counter(), step_counts(slot)
                 align = await self._align(slot, prompt)
                 elapsed = time.perf_counter() - started
-                return self._engine.metrics_for(self._log, align, generated=0, ttft=elapsed, tpot=0.0)
+                return with_steps(self._engine.metrics_for(self._log, align, generated=0, ttft=elapsed, tpot=0.0),
+                                  slot, before)
 
     async def _align(self, slot: KVSlot, prompt: list[int]) -> Alignment:
         """Trim the KV to the longest common prefix with ``prompt``, prefill the rest.
@@ -250,8 +266,7 @@ class SlotSession(SessionCommon):
         if held is not None:
             return held
         async with self._engine.pool.lease(self) as slot:
-            keys, values = await self._run(self._log.read, slot)
-            return self._engine.make_snapshot(self._log, keys, values)
+            return await self._run(self._engine.make_snapshot, self._log, slot)
 
     async def restore(self, snapshot: KVSnapshot) -> None:
         """Replace KV and tokens by ``snapshot``'s (fresh state or nothing)."""

@@ -25,6 +25,9 @@ from agentkv.errors import UserError
 class SharedBlocks:
     """Tokens and the blocks that hold their KV, with one reference held on each."""
 
+    in_pool = True
+    """Its KV occupies pool blocks (a session holding it can spill it to host: ``spill_held_blocks``)."""
+
     def __init__(
         self,
         pool: BlockPool,

@@ -189,9 +189,10 @@ class SlotEngine:
         """An empty token log that cuts its prefills canonically for this engine."""
         return KVLog(boundaries=self.boundaries, chunk_size=self.prefill_chunk_size)
 
-    def make_snapshot(self, log: KVLog, keys: np.ndarray, values: np.ndarray) -> KVSnapshot:
-        """Host snapshot of ``log``'s float32 KV arrays in this engine's snapshot precision
-        ("auto": lossless); an inexact log's snapshot says so."""
+    def make_snapshot(self, log: KVLog, slot: KVSlot) -> KVSnapshot:
+        """Host snapshot of ``log``'s KV, read from ``slot``, in this engine's snapshot precision
+        ("auto": lossless); an inexact log's snapshot says so (blocking)."""
+        keys, values = log.read(slot)
         return self.snapshot_of(log.tokens, keys, values, shifted=log.shifted, lossless=log.exact)
 
     def snapshot_of(self, tokens: Sequence[int], keys: np.ndarray, values: np.ndarray, *, shifted: bool,
@@ -203,7 +204,7 @@ class SlotEngine:
     def hold_copy(self, log: KVLog, slot: KVSlot) -> HeldKV:
         """What a fork holds of ``log``'s KV until it gets a slot: a host snapshot (blocking;
         the paged engine shares blocks instead)."""
-        return self.pool.host.put(self.make_snapshot(log, *log.read(slot)))
+        return self.pool.host.put(self.make_snapshot(log, slot))
 
     def restores_exactly(self, snapshot: KVSource) -> bool:
         """True when writing ``snapshot`` into a slot gives the KV it was read from, bit for bit."""

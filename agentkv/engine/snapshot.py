@@ -19,6 +19,9 @@ values it was made from — bf16 (the upper half of each float32) when every val
 bfloat16, else f16 when every value is a float16, else f32 — so ``to_float()`` returns the
 input bit for bit (``snap.lossless`` is True). An explicit ``"f16"`` or ``"u8"`` may round;
 ``lossless`` then says whether it did.
+
+A u8 paged cache is snapshotted as its raw blocks (``precision="u8-paged"``, built with
+``KVSnapshot.from_blocks``): the only copy of it that restores bit for bit, at u8 size.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol
+from typing import Any, BinaryIO, Literal, Protocol
 
 import numpy as np
 
@@ -47,6 +50,7 @@ from agentkv.engine.kv_precision import (
     quantize_u8,
     to_bf16_bits,
 )
+from agentkv.engine.u8_blocks import BlockLayout
 from agentkv.errors import SnapshotCorrupt, SnapshotIncompatible, UserError
 
 __all__ = ["FORMAT_VERSION", "KVSnapshot", "Precision", "PrecisionChoice", "dequantize_u8", "from_bf16_bits",
@@ -61,7 +65,10 @@ _STORAGE_DTYPE: dict[str, np.dtype[Any]] = {
     "bf16": np.dtype("<u2"),
     "f16": np.dtype("<f2"),
     "u8": np.dtype("u1"),
+    "u8-paged": np.dtype("u1"),
 }
+RAW_BLOCKS = "u8-paged"
+"""The storage precision of raw u8 paged blocks (parameters inside the blocks)."""
 _PARAM_DTYPES = (np.dtype("<f4"), np.dtype("<f2"))
 _QUANT_PARAMS = ("key_scale", "key_zero", "value_scale", "value_zero")
 
@@ -83,6 +90,10 @@ class WritableSlot(Protocol):
     def write(self, keys: np.ndarray, values: np.ndarray) -> None: ...
 
 
+class BlockWritableSlot(WritableSlot, Protocol):
+    def write_blocks(self, keys: np.ndarray, values: np.ndarray, length: int) -> None: ...
+
+
 @dataclass(frozen=True, eq=False)
 class KVSnapshot:
     """The KV of a token log, detached from any model request. Arrays are read-only views.
@@ -93,11 +104,13 @@ class KVSnapshot:
     tokens: tuple[int, ...]
     """The token log whose KV this is (positions 0..len-1)."""
     keys: np.ndarray
-    """``[layers, batch, heads, T, head_dim]`` in the storage dtype of ``precision``."""
+    """``[layers, batch, heads, T, head_dim]`` in the storage dtype of ``precision`` (raw blocks:
+    ``[layers, blocks, heads, rows, cols]``)."""
     values: np.ndarray
-    """Same shape and dtype as ``keys``."""
-    precision: Precision
-    """Storage precision: "f32", "bf16", "f16" or "u8" (u8 carries per-token affine params)."""
+    """Same shape and dtype as ``keys`` (raw blocks: same leading axes, the value block's shape)."""
+    precision: Precision | Literal["u8-paged"]
+    """Storage precision: "f32", "bf16", "f16", "u8" (u8 carries per-token affine params) or
+    "u8-paged" (a u8 paged cache's raw blocks)."""
     fingerprint: str
     """Model + KV layout identity; a snapshot is only restored where the fingerprint matches."""
     shifted: bool = False
@@ -113,6 +126,8 @@ class KVSnapshot:
     """u8 only: like ``key_scale``, for the values."""
     value_zero: np.ndarray | None = None
     """u8 only: like ``key_zero``, for the values."""
+    block_tokens: int | None = None
+    """u8-paged only: tokens per block."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tokens", tuple(int(t) for t in self.tokens))
@@ -125,6 +140,11 @@ class KVSnapshot:
     def _check_layout(self) -> None:
         if self.precision not in _STORAGE_DTYPE:
             raise UserError(f"precision must be one of f32, bf16, f16, u8, not {self.precision!r}")
+        if self.precision == RAW_BLOCKS:
+            self._check_blocks()
+            return
+        if self.block_tokens is not None:
+            raise UserError("block_tokens belongs to u8-paged snapshots only")
         dtype = _STORAGE_DTYPE[self.precision]
         if self.keys.ndim != 5 or self.keys.shape != self.values.shape:
             raise UserError(
@@ -150,6 +170,39 @@ class KVSnapshot:
                     f"u8 snapshot needs {name} of shape {self.keys.shape[:4]} in float32/float16, "
                     f"got {got}"
                 )
+
+    def _check_blocks(self) -> None:
+        keys, values = self.keys, self.values
+        if self.block_tokens is None or self.block_tokens < 1:
+            raise UserError("a u8-paged snapshot needs block_tokens >= 1")
+        if keys.ndim != 5 or values.ndim != 5 or keys.shape[:3] != values.shape[:3]:
+            raise UserError(f"raw blocks must be [layers, blocks, heads, rows, cols] with the same leading "
+                            f"axes for K and V; got {keys.shape} and {values.shape}")
+        if keys.dtype != np.uint8 or values.dtype != np.uint8:
+            raise UserError(f"u8-paged snapshots store uint8 blocks, got {keys.dtype}/{values.dtype}")
+        if keys.shape[1] != -(-len(self.tokens) // self.block_tokens):
+            raise UserError(f"{keys.shape[1]} blocks of {self.block_tokens} tokens do not hold exactly "
+                            f"{len(self.tokens)} tokens")
+        if any(getattr(self, name) is not None for name in _QUANT_PARAMS):
+            raise UserError("scale/zero arrays belong to u8 snapshots only")
+        self._layouts()  # raises on an unknown block shape
+
+    def _layouts(self) -> tuple[BlockLayout, BlockLayout]:
+        assert self.block_tokens is not None
+        return (BlockLayout.of(self.keys.shape[2:], block_tokens=self.block_tokens),
+                BlockLayout.of(self.values.shape[2:], block_tokens=self.block_tokens))
+
+    @classmethod
+    def from_blocks(cls, tokens: Sequence[int], keys: np.ndarray, values: np.ndarray, *, block_tokens: int,
+                    fingerprint: str, shifted: bool = False, lossless: bool = True) -> KVSnapshot:
+        """A u8 paged cache's raw blocks ``[layers, blocks, heads, rows, cols]`` (as
+        ``PagedSlot.read_blocks`` gives them) holding ``tokens``; restores bit for bit::
+
+            snap = KVSnapshot.from_blocks(tokens, *slot.read_blocks(), block_tokens=32, fingerprint=fp)
+        """
+        return cls(tokens=tuple(tokens), keys=np.array(keys, dtype=np.uint8), values=np.array(values, dtype=np.uint8),
+                   precision=RAW_BLOCKS, fingerprint=fingerprint, shifted=shifted, lossless=lossless,
+                   block_tokens=block_tokens)
 
     @classmethod
     def from_float(
@@ -191,6 +244,11 @@ class KVSnapshot:
 
     def to_float(self) -> tuple[np.ndarray, np.ndarray]:
         """Float32 ``(keys, values)``, fresh writable arrays ready to set into a model."""
+        if self.precision == RAW_BLOCKS:
+            key_layout, value_layout = self._layouts()
+            keys = [key_layout.dequantize(layer, self.num_tokens) for layer in self.keys]
+            values = [value_layout.dequantize(layer, self.num_tokens) for layer in self.values]
+            return np.stack(keys)[:, None], np.stack(values)[:, None]
         if self.precision == "u8":
             assert self.key_scale is not None and self.key_zero is not None
             assert self.value_scale is not None and self.value_zero is not None
@@ -201,7 +259,14 @@ class KVSnapshot:
         return self.keys.astype(np.float32, copy=True), self.values.astype(np.float32, copy=True)
 
     def write_into(self, slot: WritableSlot) -> None:
-        """Copy this KV into ``slot`` (replacing what it held): ``snapshot.write_into(slot)``."""
+        """Copy this KV into ``slot`` (replacing what it held): ``snapshot.write_into(slot)``.
+        Raw blocks go into a slot of the same block layout as they are."""
+        if self.precision == RAW_BLOCKS:
+            if not hasattr(slot, "write_blocks"):
+                raise SnapshotIncompatible("a u8-paged snapshot restores only into a paged engine with a u8 "
+                                           "cache; re-prefill the history instead")
+            slot.write_blocks(self.keys, self.values, self.num_tokens)
+            return
         slot.write(*self.to_float())
 
     def release(self) -> None:
@@ -211,6 +276,12 @@ class KVSnapshot:
         """The snapshot of the first ``n`` tokens: ``snap.prefix(32).tokens == snap.tokens[:32]``."""
         if not 0 <= n <= self.num_tokens:
             raise UserError(f"prefix length must be in 0..{self.num_tokens}, got {n}")
+        if self.precision == RAW_BLOCKS:
+            assert self.block_tokens is not None
+            blocks = -(-n // self.block_tokens)
+            return KVSnapshot.from_blocks(self.tokens[:n], self.keys[:, :blocks], self.values[:, :blocks],
+                                          block_tokens=self.block_tokens, fingerprint=self.fingerprint,
+                                          shifted=self.shifted, lossless=self.lossless)
         cut: dict[str, Any] = {
             name: (None if getattr(self, name) is None else getattr(self, name)[:, :, :, :n])
             for name in _QUANT_PARAMS
@@ -235,6 +306,10 @@ class KVSnapshot:
     @property
     def bytes_per_token(self) -> int:
         """Bytes one token costs in this precision and layout (K + V + u8 params)."""
+        if self.precision == RAW_BLOCKS:
+            assert self.block_tokens is not None
+            per_block = int(np.prod(self.keys.shape[2:])) + int(np.prod(self.values.shape[2:]))
+            return self.keys.shape[0] * per_block // self.block_tokens
         layers, batch, heads, _, head_dim = self.keys.shape
         per_vector = head_dim * self.keys.dtype.itemsize
         if self.precision == "u8":
@@ -257,6 +332,8 @@ class KVSnapshot:
         # NOTE: "lossless" is written only when True: files made before the flag existed lack it,
         # read back as lossless=False, and their checksums still verify.
         flag = {"lossless": True} if self.lossless else {}
+        if self.block_tokens is not None:
+            flag["block_tokens"] = self.block_tokens
         return {
             "precision": self.precision,
             "fingerprint": self.fingerprint,
@@ -416,6 +493,7 @@ def _build(header: dict[str, Any], arrays: dict[str, np.ndarray], path: Path) ->
             shifted=bool(header["shifted"]),
             lossless=header.get("lossless") is True,
             **{name: arrays.get(name) for name in _QUANT_PARAMS},
+            block_tokens=header.get("block_tokens"),
         )
     except (KeyError, UserError) as e:
         raise SnapshotCorrupt(_corrupt_message(path, f"has an inconsistent layout ({e})")) from e

@@ -11,8 +11,10 @@ back (they are sampling their next token): ``gather`` × the last step's duratio
 take turns (measured before: four sessions settled into two alternating pairs, mean batch 2.0)::
 
     batcher = StepBatcher(model.step, max_batch=16)
-    logits = batcher.run(SequenceStep(ids=[42], past_len=130, blocks=table), caller=slot)   # [vocab]
+    out = batcher.run(SequenceStep(ids=[42], past_len=130, blocks=table), caller=slot)
+    out.logits, out.batch_size, out.queued_s      # [vocab]; this step's sequences; time waited
     batcher.stats()            # steps, sequences, tokens, largest batch, time queued
+    batcher.recent_steps()     # the last steps one by one: sequences, tokens, seconds, tokens/s
 
 A failed step raises its error in every caller of that step. No sessions here.
 """
@@ -37,6 +39,35 @@ DEFAULT_GATHER = 0.5
 DEFAULT_MAX_GATHER_S = 0.02
 """…and never longer than this (a decode step of the default model over eight sequences takes
 ~35 ms on two cores; measured: 4 ms was too short to keep six sessions together, mean batch 3.6)."""
+RECENT_STEPS = 1024
+"""Steps ``recent_steps()`` remembers."""
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one caller got from its step."""
+
+    logits: np.ndarray
+    """float32 ``[vocab]`` of the caller's last position."""
+    batch_size: int
+    """Sequences in the step (1: it ran alone)."""
+    queued_s: float
+    """Seconds the caller waited before its step began."""
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One model step."""
+
+    sequences: int
+    tokens: int
+    seconds: float
+    queued_s: float
+    """Longest wait of a sequence in the step."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -62,13 +93,13 @@ class StepStats:
 
 
 class _Pending:
-    __slots__ = ("sequence", "caller", "queued_at", "logits", "error", "done")
+    __slots__ = ("sequence", "caller", "queued_at", "outcome", "error", "done")
 
     def __init__(self, sequence: SequenceStep, caller: Hashable | None) -> None:
         self.sequence = sequence
         self.caller = caller
         self.queued_at = time.perf_counter()
-        self.logits: np.ndarray | None = None
+        self.outcome: StepOutcome | None = None
         self.error: BaseException | None = None
         self.done = False
 
@@ -100,9 +131,10 @@ class StepBatcher:
         self._recent: dict[Hashable, int] = {}  # caller -> the step it was last in
         self._steps = self._sequences = self._tokens = self._largest = 0
         self._queued_s = self._busy_s = 0.0
+        self._records: deque[StepRecord] = deque(maxlen=RECENT_STEPS)
 
-    def run(self, sequence: SequenceStep, caller: Hashable | None = None) -> np.ndarray:
-        """Feed ``sequence`` in the next step that has room; its float32 logits ``[vocab]``.
+    def run(self, sequence: SequenceStep, caller: Hashable | None = None) -> StepOutcome:
+        """Feed ``sequence`` in the next step that has room; its logits and how its step went.
         ``caller`` (e.g. the slot) identifies whose next feed the following steps may wait for
         (None: nobody waits for this caller)."""
         pending = _Pending(sequence, caller)
@@ -127,13 +159,18 @@ class StepBatcher:
                     self._changed.notify_all()
         if pending.error is not None:
             raise pending.error
-        assert pending.logits is not None
-        return pending.logits
+        assert pending.outcome is not None
+        return pending.outcome
 
     def stats(self) -> StepStats:
         """The counters now."""
         with self._changed:
             return StepStats(self._steps, self._sequences, self._tokens, self._largest, self._queued_s, self._busy_s)
+
+    def recent_steps(self) -> list[StepRecord]:
+        """The last steps (at most ``RECENT_STEPS``), oldest first."""
+        with self._changed:
+            return list(self._records)
 
     # ---- the leader's part (``_changed`` held unless said otherwise) -------------------
     def _gather(self) -> None:
@@ -168,7 +205,7 @@ class StepBatcher:
                 p.error, p.done = error, True
         else:
             for row, p in enumerate(batch):
-                p.logits, p.done = logits[row], True
+                p.outcome, p.done = StepOutcome(logits[row], len(batch), started - p.queued_at), True
         ended = time.perf_counter()
         with self._changed:
             self._last_step_s = ended - started
@@ -182,3 +219,5 @@ class StepBatcher:
             self._largest = max(self._largest, len(batch))
             self._queued_s += sum(started - p.queued_at for p in batch)
             self._busy_s += ended - started
+            self._records.append(StepRecord(len(batch), sum(len(p.sequence.ids) for p in batch), ended - started,
+                                            max(started - p.queued_at for p in batch)))
