@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from agentkv.agent import Agent
 from agentkv.chat.messages import Message, ToolCall
+from agentkv.chat.openai_messages import messages_from_openai
 from agentkv.conversation import Conversation
 from agentkv.engine.base import (
     Engine,
@@ -51,7 +52,7 @@ from agentkv.events import (
     StepFinished,
 )
 from agentkv.result import RunResult
-from agentkv.runner import Runner
+from agentkv.runner import RunInput, Runner
 from agentkv.runtime import Runtime
 from agentkv.tools import Tool, ToolOutcome, calculator, clock, run_tool_calls, tool
 
@@ -64,9 +65,10 @@ __all__ = [
     "Agent", "AgentKVError", "ConstraintError", "ContextCompacted", "ContextOverflowError", "Conversation",
     "Engine", "GenerationConfig", "GenerationMetrics", "GenerationResult", "GenerationStream", "KVSession",
     "KVSnapshot", "MaxTurnsExceeded", "Message", "ModelNotFound", "PagedEngine", "RunEvent", "RunFinished",
-    "RunResult", "Runner", "Runtime", "SessionBusy", "SessionClosed", "SessionNotFound", "SnapshotCorrupt",
+    "RunInput", "RunResult", "Runner", "Runtime", "SessionBusy", "SessionClosed", "SessionNotFound", "SnapshotCorrupt",
     "SnapshotIncompatible", "StatefulEngine", "open_engine", "StepFinished", "TextDelta", "Tool", "ToolCall", "ToolCalled",
-    "ToolOutcome", "ToolReturned", "UserError", "calculator", "clock", "run_tool_calls", "tool",
+    "ToolOutcome", "ToolReturned", "UserError", "calculator", "clock", "messages_from_openai", "run_tool_calls",
+    "tool",
 ]
 
 

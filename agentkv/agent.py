@@ -14,7 +14,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -40,7 +40,8 @@ class Agent:
     """The system prompt."""
     tools: Sequence[Tool] = ()
     """Tools the model may call; an agent only ever runs its own tools. A plain function is
-    wrapped with ``@tool`` (its signature and docstring make the schema)."""
+    wrapped with ``@tool`` (its signature and docstring make the schema); a dict in OpenAI
+    function format is a tool the caller executes (the run stops at its calls)."""
     generation: GenerationConfig = field(default_factory=lambda: GenerationConfig(max_new_tokens=256))
     """How the model picks tokens on every call of a run (a dict is turned into a
     ``GenerationConfig``: ``Agent(name="a", generation={"max_new_tokens": 64})``)."""
@@ -111,11 +112,13 @@ def _as_tool(agent: str, value: Any) -> Tool:
     """A ``Tool``; a plain function is wrapped with ``@tool``; anything else is refused."""
     if isinstance(value, Tool):
         return value
+    if isinstance(value, Mapping):  # a raw OpenAI schema: the caller executes the tool
+        return tool(value)
     if callable(value):
         return tool(value)
     raise UserError(
-        f"agent {agent!r}: tools must be functions or @tool-decorated functions, got {value!r} "
-        f"({type(value).__name__})"
+        f"agent {agent!r}: tools must be functions, @tool-decorated functions or OpenAI tool schemas "
+        f"(dicts), got {value!r} ({type(value).__name__})"
     )
 
 

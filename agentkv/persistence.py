@@ -77,16 +77,17 @@ INTERRUPTED_RESULT = "error: interrupted (the process stopped before the tool re
 
 
 async def record_interrupted_calls(session: Conversation) -> int:
-    """Record an ``INTERRUPTED_RESULT`` for every tool call in the window that has no result
-    (a process died mid-tool), so the history is a valid message sequence again; returns how
-    many. Idempotent: a call that has a result is left alone.
+    """Record an ``INTERRUPTED_RESULT`` for every call of the agent's own tools in the window
+    that has no result (a process died mid-tool), so the history is a valid message sequence
+    again; returns how many. Calls of caller-executed tools wait for the caller's results. Idempotent: a call that has a result is left alone.
 
     NOTE: results are appended at the end, which is where a crash leaves its orphans (the
     last assistant turn); the caller holds the session's lease.
     """
     answered = {m.tool_call_id for m in session.messages if m.role == "tool"}
+    external = {t.name for t in session.agent.tools if t.is_external}  # pending by design: the caller answers
     orphans = [call for m in session.messages if m.role == "assistant" for call in m.tool_calls
-               if call.id not in answered]
+               if call.id not in answered and call.name not in external]
     for call in orphans:
         await session.record(Message.tool(INTERRUPTED_RESULT, tool_call_id=call.id, name=call.name))
     if orphans:

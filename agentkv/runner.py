@@ -18,15 +18,15 @@ with room for it; tool-call markup never reaches ``RunResult.final_text``.
 from __future__ import annotations
 
 import warnings
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Literal
 
 import anyio
 
 from agentkv.agent import Agent
 from agentkv.chat.messages import Message, ToolCall
+from agentkv.chat.openai_messages import messages_from_openai
 from agentkv.chat.stream_filter import MarkupFilter
 from agentkv.chat.toolcalls import TOOL_CALL_OPEN, parse_tool_calls, tool_call_grammar
 from agentkv.conversation import Conversation, WindowEntry
@@ -36,7 +36,7 @@ from agentkv.engine.base import (
     GenerationResult,
     TokenConstraint,
 )
-from agentkv.errors import ContextOverflowError, MaxTurnsExceeded
+from agentkv.errors import ContextOverflowError, MaxTurnsExceeded, UserError
 from agentkv.events import (
     RunEvent,
     RunFinished,
@@ -67,7 +67,8 @@ class _RunState:
     last_result: GenerationResult | None = None
     """The newest model call's result (set when its stream ends)."""
 
-    def result(self, final_text: str, finish_reason: FinishReason = "stop") -> RunResult:
+    def result(self, final_text: str, finish_reason: FinishReason = "stop",
+               pending: tuple[ToolCall, ...] = ()) -> RunResult:
         return RunResult(
             session_id=self.session.id,
             final_text=final_text,
@@ -75,6 +76,7 @@ class _RunState:
             tool_calls=tuple(self.tool_calls),
             step_metrics=tuple(self.metrics),
             finish_reason=finish_reason,
+            pending_tool_calls=pending,
         )
 
 
@@ -82,7 +84,7 @@ class _RunState:
 class _Reply:
     """What one model call amounts to: an answer, tool calls, or a broken call."""
 
-    finish: FinishReason | Literal["tool_calls"]
+    finish: FinishReason
     content: str
     """The text outside any tool-call markup."""
     calls: tuple[ToolCall, ...] = ()
@@ -120,10 +122,15 @@ async def _guarded_turns(agent: Agent, session: Conversation, user_input: str) -
                 yield event
 
 
-async def run_turns(agent: Agent, session: Conversation, user_input: str) -> AsyncIterator[RunEvent]:
+RunInput = str | Sequence[Mapping[str, object] | Message]
+"""What a run starts from: a user message's text, or messages (OpenAI chat dicts or
+``Message``s) — e.g. the results of the calls a previous run left pending."""
+
+
+async def run_turns(agent: Agent, session: Conversation, user_input: RunInput) -> AsyncIterator[RunEvent]:
     """The turn loop of one run, without the one-run-per-session guard (the caller holds it)."""
     state = _RunState(agent, session)
-    user = await _record_user(state, user_input)
+    recorded = await _record_input(state, user_input)
     for step in range(agent.max_turns):
         async with aclosing(_fit_window(state)) as compactions:
             try:
@@ -132,7 +139,7 @@ async def run_turns(agent: Agent, session: Conversation, user_input: str) -> Asy
             except ContextOverflowError:
                 if step == 0:  # NOTE: out of the window (still stored): it must not block later turns
                     with anyio.CancelScope(shield=True):
-                        await session.replace_in_window([user])
+                        await session.replace_in_window(recorded)
                 raise
         async with aclosing(_generate_with_retry(state, step)) as generation:
             async for delta in generation:
@@ -145,9 +152,18 @@ async def run_turns(agent: Agent, session: Conversation, user_input: str) -> Asy
         if reply.finish != "tool_calls":
             yield RunFinished(state.result(reply.content, reply.finish))
             return
-        async with aclosing(_run_tools(state, reply.calls)) as tools:
-            async for event in tools:
-                yield event
+        external = {t.name for t in agent.tools if t.is_external}
+        ours = tuple(c for c in reply.calls if c.name not in external)
+        theirs = tuple(c for c in reply.calls if c.name in external)
+        if ours:
+            async with aclosing(_run_tools(state, ours)) as tools:
+                async for event in tools:
+                    yield event
+        if theirs:  # the caller runs these and continues the run with their results
+            for call in theirs:
+                yield ToolCalled(call)
+            yield RunFinished(state.result(reply.content, "tool_calls", theirs))
+            return
     raise MaxTurnsExceeded(agent.max_turns, state.result("", "max_turns"))
 
 
@@ -157,13 +173,70 @@ async def _record(state: _RunState, message: Message) -> WindowEntry:
     return entry
 
 
-async def _record_user(state: _RunState, text: str) -> WindowEntry:
-    """Record the user's message unless it cannot fit the window whatever the policy does."""
+async def _record_input(state: _RunState, run_input: RunInput) -> list[WindowEntry]:
+    """Record what the run starts from — checked first, so a refused input records nothing."""
+    if isinstance(run_input, str):
+        _refuse_while_calls_pend(state.session, "a user message")
+        return await _record_new(state, [Message.user(run_input)])
+    messages = _checked_messages(state, messages_from_openai(run_input))
+    return await _record_new(state, messages)
+
+
+def pending_tool_calls(messages: Sequence[Message]) -> dict[str, ToolCall]:
+    """Tool calls in ``messages`` that no tool message answers yet, by id, in call order."""
+    answered = {m.tool_call_id for m in messages if m.role == "tool"}
+    return {c.id: c for m in messages if m.role == "assistant" for c in m.tool_calls if c.id not in answered}
+
+
+def _refuse_while_calls_pend(session: Conversation, what: str) -> None:
+    pending = pending_tool_calls(session.messages)
+    if pending:
+        raise UserError(
+            f"{what} cannot come before the results of the pending tool calls {sorted(pending)}; continue "
+            "the run with a tool message for each: [{'role': 'tool', 'tool_call_id': ..., 'content': ...}]"
+        )
+
+
+def _checked_messages(state: _RunState, messages: list[Message]) -> list[Message]:
+    """``messages`` as they may follow the window: tool results answer pending calls (named after
+    them), no user or assistant turn jumps a pending call, a system message is the agent's own
+    instructions (left out), and the last message is one the model can answer."""
+    agent = state.agent
+    pending = pending_tool_calls(state.session.messages)
+    kept: list[Message] = []
+    for index, message in enumerate(messages):
+        if message.role == "system":
+            if message.content != agent.instructions:
+                raise UserError(f"message {index}: a system message must be the agent's instructions; set "
+                                f"Agent(instructions=...) to change them (agent {agent.name!r})")
+            continue
+        if message.role == "tool":
+            call = pending.pop(message.tool_call_id or "", None)
+            if call is None:
+                raise UserError(f"message {index}: tool_call_id {message.tool_call_id!r} answers no pending "
+                                f"tool call (pending: {sorted(pending) or 'none'})")
+            kept.append(message.model_copy(update={"name": call.name}))
+            continue
+        if pending:
+            raise UserError(f"message {index} ({message.role}) comes before the results of the pending tool "
+                            f"calls {sorted(pending)}; send a tool message for each first")
+        pending.update({c.id: c for c in message.tool_calls})
+        kept.append(message)
+    if not kept:
+        raise UserError("the run needs a user message or tool results to answer; got none")
+    if pending:
+        raise UserError(f"the tool calls {sorted(pending)} still need results: send a tool message for each")
+    if kept[-1].role == "assistant":
+        raise UserError("the last message is the assistant's: end with a user message or tool results to answer")
+    return kept
+
+
+async def _record_new(state: _RunState, messages: list[Message]) -> list[WindowEntry]:
+    """Record ``messages`` unless they cannot fit the window whatever the policy does."""
     agent, session = state.agent, state.session
-    message = Message.user(text)
     limit = _prompt_limit(state)
     history = session.messages if agent.policy is None else []  # a policy can free the history
-    needed = len(session.render_with(agent, [*history, message]).token_ids)
+    needed = len(session.render_with(agent, [*history, *messages]).token_ids)
     if needed > limit and not (agent.truncate_oversized_messages and agent.policy is not None):
         where = "with the system prompt" if agent.policy is not None else "with the history (the agent has no policy)"
         raise ContextOverflowError(
@@ -173,7 +246,7 @@ async def _record_user(state: _RunState, text: str) -> WindowEntry:
             prompt_tokens=needed,
             limit=limit,
         )
-    return await _record(state, message)
+    return [await _record(state, message) for message in messages]
 
 
 async def _fit_window(state: _RunState) -> AsyncIterator[RunEvent]:

@@ -43,7 +43,7 @@ from agentkv.persistence import (
     save_snapshot,
 )
 from agentkv.result import RunResult
-from agentkv.runner import run_turns
+from agentkv.runner import RunInput, run_turns
 
 
 class Runtime:
@@ -163,8 +163,18 @@ class Runtime:
             raise UserError(f"{action} needs a store: Runtime(engine, store=Store.from_env())")
         return self.store
 
-    async def run(self, session: Conversation, user_input: str) -> RunResult:
-        """Run the session's agent on ``user_input`` to its final answer."""
+    async def run(self, session: Conversation, user_input: RunInput) -> RunResult:
+        """Run the session's agent on ``user_input`` to its final answer: a user message's text,
+        or messages — OpenAI chat dicts or ``Message``s, e.g. the results of the calls a run
+        left pending (``result.pending_tool_calls``)::
+
+            result = await runtime.run(session, "Weather in Paris?")
+            if result.finish_reason == "tool_calls":
+                call = result.pending_tool_calls[0]
+                result = await runtime.run(session, [{"role": "tool", "tool_call_id": call.id, "content": "18 C"}])
+
+        A message that cannot follow the history (a user turn before pending results, a result
+        for no pending call) raises ``UserError`` and records nothing."""
         result: RunResult | None = None
         async for event in self.run_stream(session, user_input):
             if isinstance(event, RunFinished):
@@ -172,7 +182,7 @@ class Runtime:
         assert result is not None
         return result
 
-    async def run_stream(self, session: Conversation, user_input: str) -> AsyncIterator[RunEvent]:
+    async def run_stream(self, session: Conversation, user_input: RunInput) -> AsyncIterator[RunEvent]:
         """The one way to run a conversation: yields typed events, the last ``RunFinished``.
 
         With a store the run holds the session's lease (a heartbeat renews it), first reloads a

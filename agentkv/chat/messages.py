@@ -81,6 +81,8 @@ class Message(BaseModel):
         import json
 
         out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls and not self.content:
+            out["content"] = None  # as OpenAI sends an assistant turn that only calls tools
         if self.tool_calls:
             out["tool_calls"] = [
                 {

@@ -34,6 +34,7 @@ from pydantic import BaseModel
 
 from agentkv.errors import UserError
 from agentkv.tools.results import serialize_result, truncate_text
+from agentkv.tools.external import external_schema
 from agentkv.tools.schema import FunctionSchema, function_schema
 
 DEFAULT_MAX_RESULT_CHARS = 8_000
@@ -44,8 +45,9 @@ DEFAULT_MAX_RESULT_CHARS = 8_000
 class Tool:
     """A function with the schema, limits and runner the agent loop needs. Make one with ``@tool``."""
 
-    function: Callable[..., Any]
-    """The decorated function (sync or async)."""
+    function: Callable[..., Any] | None
+    """The decorated function (sync or async); None for a tool the caller executes (made from a
+    raw OpenAI schema: ``tool({"type": "function", "function": {...}})``)."""
     spec: FunctionSchema = field(repr=False)
     """Name, description, JSON schema and arguments model derived from the function."""
     timeout_s: float | None = None
@@ -82,13 +84,25 @@ class Tool:
         return self.spec.args_model
 
     @property
+    def is_external(self) -> bool:
+        """True when the caller executes the tool: a run stops at its calls (``finish_reason
+        "tool_calls"``) and continues with the results the caller sends."""
+        return self.function is None
+
+    @property
     def is_async(self) -> bool:
         """True for ``async def`` tools; sync tools run in a worker thread."""
-        return _is_async_callable(self.function)
+        return self.function is not None and _is_async_callable(self.function)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Call the original function directly (no validation, no limits)."""
-        return self.function(*args, **kwargs)
+        return self._function()(*args, **kwargs)
+
+    def _function(self) -> Callable[..., Any]:
+        if self.function is None:
+            raise UserError(f"tool {self.name!r} has no function: the caller executes it and answers its calls "
+                            "with tool messages ({'role': 'tool', 'tool_call_id': ..., 'content': ...})")
+        return self.function
 
     def schema_for_prompt(self) -> dict[str, Any]:
         """The OpenAI tool format: ``{"type": "function", "function": {name, description, parameters}}``."""
@@ -111,11 +125,12 @@ class Tool:
         Sync functions run in a worker thread. No timeout here: ``run_tool_calls`` applies it.
         Whatever the function raises propagates.
         """
+        function = self._function()
         args, kwargs = self.spec.call_arguments(validated)
         if self.is_async:
-            result = await self.function(*args, **kwargs)
+            result = await function(*args, **kwargs)
         else:
-            call = functools.partial(self.function, *args, **kwargs)
+            call = functools.partial(function, *args, **kwargs)
             result = await anyio.to_thread.run_sync(call, abandon_on_cancel=True)
             if inspect.isawaitable(result):
                 result = await result
@@ -144,6 +159,18 @@ def tool(
 
 @overload
 def tool(
+    function: Mapping[str, Any],
+    /,
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    timeout_s: float | None = None,
+    max_result_chars: int | None = DEFAULT_MAX_RESULT_CHARS,
+) -> Tool: ...
+
+
+@overload
+def tool(
     function: None = None,
     /,
     *,
@@ -155,7 +182,7 @@ def tool(
 
 
 def tool(
-    function: Callable[..., Any] | None = None,
+    function: Callable[..., Any] | Mapping[str, Any] | None = None,
     /,
     *,
     name: str | None = None,
@@ -167,7 +194,16 @@ def tool(
 
     Raises ``UserError`` at once when the function cannot be a tool (a parameter without a type
     annotation, ``*args``/``**kwargs``, a name the tool format refuses, a non-callable).
+
+    A dict in OpenAI function format makes a tool the caller executes (``tools/external.py``)::
+
+        lookup = tool({"type": "function", "function": {"name": "lookup", "parameters": {...}}})
     """
+    if isinstance(function, Mapping):
+        if name is not None or description is not None or timeout_s is not None:
+            raise UserError("a tool made from a schema takes its name and description from the schema; "
+                            "drop name=/description=/timeout_s= (the caller runs it, so no timeout applies)")
+        return Tool(None, external_schema(function), max_result_chars=max_result_chars)
 
     def decorate(target: Callable[..., Any]) -> Tool:
         if isinstance(target, Tool):
