@@ -69,7 +69,7 @@ async def parent(target: int, workdir: Path) -> dict[str, float]:
     ids = history(engine, target)
     session = await engine.open_session()
     await session.prefill(ids)
-    snap = await session.snapshot()  # the engine's snapshot precision: f16 for a u8 KV cache
+    snap = await session.snapshot()  # lossless: floats, or a u8 paged cache's raw blocks
     await engine.aclose()
     keys, values = snap.to_float()
     files = {}

@@ -180,3 +180,51 @@ async def test_a_dropped_span_on_u8_blocks_re_quantises_the_rest_and_the_session
     assert len(result.token_ids) > 0
     await session.check_integrity()
     await session.close()
+
+
+def test_empty_blocks_dequantise_to_no_tokens_in_either_layout():
+    for layout, shape in ((BlockLayout("by_token", 32, 8), (32, 16)), (BlockLayout("by_channel", 32, 8), (40, 8))):
+        assert layout.dequantize(np.zeros((0, 2, *shape), np.uint8), 0).shape == (2, 0, 8)
+
+
+def test_raw_block_files_say_format_2_and_float_files_stay_format_1(tmp_path):
+    import struct
+
+    kv = np.ones((1, 3, 8), np.float32)
+    raw = KVSnapshot.from_blocks(range(3), BlockLayout("by_channel", 32, 8).quantize(kv, 1)[None],
+                                 BlockLayout("by_token", 32, 8).quantize(kv, 1)[None], block_tokens=32, fingerprint="fp")
+    floats = KVSnapshot.from_float(range(3), kv[None, None], kv[None, None], fingerprint="fp")
+    for snap, version in ((raw, 2), (floats, 1)):
+        snap.to_file(tmp_path / "s.kv")
+        assert struct.unpack("<8sII", (tmp_path / "s.kv").read_bytes()[:16])[1] == version
+    with pytest.raises(UserError, match="uint8"):
+        KVSnapshot.from_blocks(range(3), raw.keys.astype(np.float16), raw.values, block_tokens=32, fingerprint="fp")
+
+
+@pytest.mark.model
+async def test_u8_fingerprints_carry_the_block_layout_and_a_foreign_layout_is_refused(paged_u8):
+    key, value = paged_u8.paged_model.block_shapes
+    assert paged_u8.fingerprint.endswith(f":paged:{'x'.join(map(str, key))}/{'x'.join(map(str, value))}")
+    session = await paged_u8.open_session()
+    await session.prefill(prompt(paged_u8, "Hello there."))
+    snap = await session.snapshot()
+    # keys laid out by token (as on a CPU whose plugin does that), under this engine's fingerprint
+    foreign = KVSnapshot.from_blocks(snap.tokens, snap.values, snap.values, block_tokens=32,
+                                     fingerprint=paged_u8.fingerprint)
+    with pytest.raises(SnapshotIncompatible, match="re-prefill"):
+        await session.restore(foreign)
+    await session.restore(snap)  # the session is usable again from its own snapshot
+    assert list(session.tokens) == list(snap.tokens)
+    await session.close()
+
+
+@pytest.mark.model
+async def test_a_fork_on_u8_blocks_shares_them_and_stays_exact(paged_u8):
+    parent = await paged_u8.open_session()
+    ids = prompt(paged_u8, "Tell me one fact about owls.")
+    await parent.prefill(ids)
+    child = await parent.fork()
+    result = await child.generate(ids + follow_up(paged_u8), CFG)
+    assert result.metrics.reused_tokens == len(ids) and child.kv_exact and result.metrics.kv_exact
+    await child.close()
+    await parent.close()

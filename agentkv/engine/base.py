@@ -142,9 +142,10 @@ class GenerationMetrics:
     """Model steps this call's prefill and decode ran in (0: the engine does not count them)."""
     mean_batch: float = 0.0
     """Sequences per step, on average over those steps (paged engine: >1 when other sessions'
-    tokens ran in the same steps)."""
+    tokens, or this call's own beams, ran in the same steps)."""
     queued_s: float = 0.0
-    """Seconds this call's feeds waited for their step (other sessions' steps ahead of it)."""
+    """Seconds this call's feeds waited for their step to begin (steps ahead of it, and the
+    moment a step waits for the sessions of the last steps to come back)."""
 
 
 @dataclass(frozen=True)

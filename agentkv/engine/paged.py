@@ -32,10 +32,11 @@ import anyio
 import anyio.from_thread
 
 from agentkv.engine.block_pool import BlockPool
-from agentkv.engine.kv_log import KVLog, KVSlot, KVSource
+from agentkv.engine.kv_log import KVLog, KVLogCorrupt, KVSlot, KVSource
 from agentkv.engine.paged_model import BLOCK_SIZE, PagedModel
 from agentkv.engine.paged_prefix import PagedPrefixCache
-from agentkv.engine.paged_slot import PagedSlot, read_raw_blocks, read_table
+from agentkv.engine.paged_slot import PagedSlot, blocks_for, read_raw_blocks, read_table
+from agentkv.engine.session import SlotSession
 from agentkv.engine.shared_blocks import SharedBlocks
 from agentkv.engine.snapshot import RAW_BLOCKS, KVSnapshot, PrecisionChoice
 from agentkv.engine.stateful import Backend, StatefulEngine
@@ -52,7 +53,14 @@ cuts are canonical): sessions decoding meanwhile wait one chunk, not the whole p
 class PagedEngine(StatefulEngine):
     """The local OpenVINO engine on the paged model. See the module docstring for a call."""
 
-    backend_tag = ":paged"
+    @property
+    def backend_tag(self) -> str:  # type: ignore[override]
+        """":paged", plus a u8 cache's block shapes (its layout differs between CPUs, and raw
+        blocks restore only into the same layout)."""
+        if self.paged_model.kv_cache_precision != "u8":
+            return ":paged"
+        key, value = self.paged_model.block_shapes
+        return ":paged:" + "x".join(map(str, key)) + "/" + "x".join(map(str, value))
 
     def __init__(
         self,
@@ -97,7 +105,10 @@ class PagedEngine(StatefulEngine):
         if not self._raw_snapshots:
             return super().make_snapshot(log, slot)
         assert isinstance(slot, PagedSlot)
-        return self._raw_snapshot(log.tokens, slot.blocks, shifted=log.shifted, lossless=log.exact)
+        if slot.length() != len(log):
+            raise KVLogCorrupt(f"the slot holds {slot.length()} positions but the log has {len(log)} tokens")
+        blocks = slot.blocks[: blocks_for(len(log))]  # a failed feed may have grown the table already
+        return self._raw_snapshot(log.tokens, blocks, shifted=log.shifted, lossless=log.exact)
 
     def _raw_snapshot(self, tokens: Sequence[int], blocks: Sequence[int], *, shifted: bool,
                       lossless: bool) -> KVSnapshot:
@@ -106,8 +117,8 @@ class PagedEngine(StatefulEngine):
                                       shifted=shifted, lossless=lossless)
 
     def restores_exactly(self, snapshot: KVSource) -> bool:
-        """Raw blocks restore bit for bit; floats as on any slot engine."""
-        if getattr(snapshot, "precision", None) == RAW_BLOCKS:
+        """Raw blocks and shared blocks give back the very bytes; floats as on any slot engine."""
+        if isinstance(snapshot, SharedBlocks) or getattr(snapshot, "precision", None) == RAW_BLOCKS:
             return snapshot.lossless
         return super().restores_exactly(snapshot)
 
@@ -130,8 +141,11 @@ class PagedEngine(StatefulEngine):
         """Cached prefixes stay in the pool's blocks (``precision`` does not apply: nothing is
         converted); ``budget_bytes`` caps the blocks the cache alone keeps alive."""
         block = self.paged_model.block_bytes
+        # NOTE: the plugin re-quantises a u8 block's keys as tokens join it, so there the last,
+        # partly filled block of a prefix captured later is not what a cold prefill leaves
         return PagedPrefixCache(self.block_pool, boundaries=self.boundaries, block_bytes=block,
-                                max_blocks=None if budget_bytes is None else budget_bytes // block)
+                                max_blocks=None if budget_bytes is None else budget_bytes // block,
+                                exact_partial_blocks=self.paged_model.kv_cache_precision != "u8")
 
     def _reclaim_blocks(self, blocks_needed: int) -> None:
         """The block pool is short (called in a worker thread by an allocation): let the prefix
@@ -140,21 +154,26 @@ class PagedEngine(StatefulEngine):
         idle is left (then the allocation refuses)."""
         if isinstance(self.prefix_cache, PagedPrefixCache):
             self.prefix_cache.reclaim(blocks_needed)
-        try:
-            if self.block_pool.free_blocks < blocks_needed:
-                anyio.from_thread.run_sync(self._spill_unbound_forks, blocks_needed)
-            while self.block_pool.free_blocks < blocks_needed:
-                if not anyio.from_thread.run(self.pool.offload_idle):
-                    return
-        except RuntimeError:  # not called from one of the event loop's worker threads
+        if self.block_pool.free_blocks >= blocks_needed or not _in_worker_thread():
             return
-
-    def _spill_unbound_forks(self, blocks_needed: int) -> None:
-        """Move the KV of sessions holding shared blocks without a slot to host (event loop thread)."""
-        for session in list(self._sessions):
-            if self.block_pool.free_blocks >= blocks_needed:
+        anyio.from_thread.run(self._spill_unbound_forks, blocks_needed)
+        while self.block_pool.free_blocks < blocks_needed:
+            if not anyio.from_thread.run(self.pool.offload_idle):
                 return
-            session.spill_held_blocks()
+
+    async def _spill_unbound_forks(self, blocks_needed: int) -> None:
+        """Move to host the KV of sessions that hold blocks without a slot (forks that have not
+        run) and are the blocks' last holders, those freeing the most first."""
+        def gain(session: SlotSession) -> int:
+            held = session.held_kv
+            if not isinstance(held, SharedBlocks):
+                return 0
+            return sum(1 for b in set(held.blocks) if self.block_pool.holders(b) == 1)
+
+        for session in sorted(self._sessions, key=gain, reverse=True):
+            if self.block_pool.free_blocks >= blocks_needed or gain(session) == 0:
+                return
+            await session.spill_held_blocks()
 
     def _open_backend(self, device: str, config: dict[str, str], num_slots: int, *, slice_logits: bool) -> Backend:
         """Compile the paged model and give each slot a block table over one shared pool."""
@@ -169,6 +188,15 @@ class PagedEngine(StatefulEngine):
         slots = [PagedSlot(model, self.block_pool, self.batcher) for _ in range(num_slots)]
         return Backend(slots=slots, numerics=model.numerics, num_layers=model.num_layers, heads=model.heads,
                        head_dim=model.head_dim, vocab_size=model.vocab_size)
+
+
+def _in_worker_thread() -> bool:
+    """True in a worker thread of a running event loop (where ``anyio.from_thread`` works)."""
+    try:
+        anyio.from_thread.run_sync(lambda: None)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _extra(config: dict[str, str]) -> dict[str, str]:

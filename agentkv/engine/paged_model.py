@@ -92,6 +92,9 @@ class PagedModel:
         """``[heads, rows, cols]`` of one key block and one value block (as the plugin laid them out)."""
         self.block_bytes = self.num_layers * element.size * sum(int(np.prod(s)) for s in self.block_shapes)
         """Bytes of one block across every layer's K and V."""
+        if kv_cache_precision == "u8":  # refuse a layout the numpy codec does not know, now
+            for shape in self.block_shapes:
+                BlockLayout.of(shape, block_tokens=BLOCK_SIZE, head_dim=self.head_dim)
         if num_blocks is None:
             assert kv_cache_bytes is not None
             num_blocks = kv_cache_bytes // self.block_bytes
@@ -159,10 +162,10 @@ class PagedModel:
 
     def u8_layout(self, *, key: bool) -> BlockLayout:
         """How a u8 cache lays out its key (``key=True``) or value blocks."""
-        return BlockLayout.of(self.block_shapes[0 if key else 1], block_tokens=BLOCK_SIZE)
+        return BlockLayout.of(self.block_shapes[0 if key else 1], block_tokens=BLOCK_SIZE, head_dim=self.head_dim)
 
     def cache_layers(self) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Per layer, numpy views ``(keys, values)`` of ``[num_blocks, heads, BLOCK_SIZE, row]``."""
+        """Per layer, numpy views ``(keys, values)`` of ``[num_blocks, *block_shapes[i]]``."""
         return [(self.caches[f"key_cache.{i}"].data, self.caches[f"value_cache.{i}"].data)
                 for i in range(self.num_layers)]
 

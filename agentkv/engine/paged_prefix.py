@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from agentkv.engine.block_pool import BlockPool
 from agentkv.engine.chunking import PrefixBoundaries
 from agentkv.engine.kv_log import KVSlot
+from agentkv.engine.paged_model import BLOCK_SIZE
 from agentkv.engine.paged_slot import PagedSlot, blocks_for
 from agentkv.engine.shared_blocks import SharedBlocks
 from agentkv.engine.prefix_cache import CapturableSession, PrefixCacheStats
@@ -35,14 +36,18 @@ class PagedPrefixCache:
     """Registered prefix → the blocks holding its KV, LRU. See the module docstring for a call."""
 
     def __init__(
-        self, pool: BlockPool, *, boundaries: PrefixBoundaries, max_blocks: int | None, block_bytes: int
+        self, pool: BlockPool, *, boundaries: PrefixBoundaries, max_blocks: int | None, block_bytes: int,
+        exact_partial_blocks: bool = True,
     ) -> None:
+        """``exact_partial_blocks=False``: a hit ending inside a block is not bit-exact (a u8 cache
+        re-quantises a block's keys as later tokens join it), and says so (``lossless``)."""
         if max_blocks is not None and max_blocks < 0:
             raise UserError(f"max_blocks must be >= 0 or None (unbounded), got {max_blocks}")
         self.pool = pool
         self.boundaries = boundaries
         self.max_blocks = max_blocks
         self.block_bytes = block_bytes
+        self.exact_partial_blocks = exact_partial_blocks
         self._lock = threading.Lock()
         self._entries: OrderedDict[tuple[str, tuple[int, ...]], tuple[int, ...]] = OrderedDict()  # LRU first
         self._counts = dict.fromkeys(("hits", "misses", "hit_tokens", "inserted_tokens", "evictions",
@@ -88,7 +93,8 @@ class PagedPrefixCache:
             self.pool.share(blocks)
             self._counts["hits"] += 1
             self._counts["hit_tokens"] += len(best) - max(0, longer_than)
-            return SharedBlocks(self.pool, best, blocks)
+            exact = self.exact_partial_blocks or len(best) % BLOCK_SIZE == 0
+            return SharedBlocks(self.pool, best, blocks, lossless=exact)
 
     def match_len(self, tokens: Sequence[int], *, salt: str = "") -> int:
         """How many leading tokens of ``tokens`` a cached prefix covers (no stats, no LRU touch)."""

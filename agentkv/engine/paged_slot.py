@@ -27,7 +27,7 @@ from agentkv.engine.paged_model import BLOCK_SIZE, PagedModel, SequenceStep
 from agentkv.engine.step_batcher import StepBatcher
 from agentkv.engine.step_counts import StepCounts
 from agentkv.engine.kv_precision import from_bf16_bits, to_bf16_bits
-from agentkv.errors import UserError
+from agentkv.errors import SnapshotIncompatible, UserError
 
 
 def blocks_for(tokens: int) -> int:
@@ -151,6 +151,9 @@ class PagedSlot:
         """Replace the KV by raw blocks from ``read_blocks`` holding ``length`` positions."""
         if keys.shape[1] != blocks_for(length) or values.shape[1] != keys.shape[1]:
             raise UserError(f"{keys.shape[1]} raw blocks cannot hold exactly {length} positions")
+        if (tuple(keys.shape[2:]), tuple(values.shape[2:])) != self.model.block_shapes or keys.dtype != np.uint8:
+            raise SnapshotIncompatible(f"raw blocks {keys.shape[2:]}/{values.shape[2:]} do not match this cache's "
+                                       f"{self.model.block_shapes}; re-prefill the history instead")
         self.reset()
         self._grow(self.blocks, length)
         with self.model.lock:

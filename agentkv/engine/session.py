@@ -115,20 +115,33 @@ class SlotSession(SessionCommon):
         self._host = self._engine.pool.host.put(self._engine.make_snapshot(self._log, slot))
         slot.reset()
 
-    def spill_held_blocks(self) -> bool:
-        """If this session has no slot and holds its KV as references on pool blocks (a fork
-        that has not run yet), move that KV to the host store and let the blocks go; True if
-        it did. Call on the event loop's thread (binding happens there, so the session cannot
-        be adopting meanwhile); blocking: it copies the KV out."""
+    @property
+    def held_kv(self) -> HeldKV | None:
+        """The KV this session holds while it has no slot (None when bound or empty)."""
+        return self._host
+
+    async def spill_held_blocks(self) -> bool:
+        """If this session is idle, has no slot and holds its KV as references on pool blocks
+        (a fork that has not run yet), move that KV to the host store and let the blocks go;
+        True if it did. Skipped while the session runs a call of its own (it may be reading
+        those blocks); the copy runs in a worker thread."""
         held = self._host
         if held is None or not getattr(held, "in_pool", False) or self._engine.pool.is_bound(self):
             return False
-        snapshot = held.load()
-        if snapshot is None:
+        try:
+            self._lock.acquire_nowait()
+        except anyio.WouldBlock:
             return False
-        self._host = self._engine.pool.host.put(snapshot)
-        held.release()
-        return True
+        try:
+            # NOTE: the default thread limiter: the caller is an allocation holding one of the pool's
+            snapshot = await anyio.to_thread.run_sync(held.load)
+            if snapshot is None or self._host is not held:
+                return False
+            self._host = await anyio.to_thread.run_sync(self._engine.pool.host.put, snapshot)
+            held.release()
+            return True
+        finally:
+            self._lock.release()
 
     def adopt(self, slot: KVSlot) -> None:
         """Fill a newly bound slot with this session's KV (empty if it has none on the host).

@@ -57,7 +57,9 @@ __all__ = ["FORMAT_VERSION", "KVSnapshot", "Precision", "PrecisionChoice", "dequ
            "holds_exactly", "lossless_precision", "quantize_u8", "to_bf16_bits", "tokens_digest"]
 
 MAGIC = b"AGKVSNAP"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""The newest file format this code reads. Files are written as 1 unless they hold raw u8 paged
+blocks (2), so an older agentkv says "upgrade" for those and still reads the rest."""
 _PREAMBLE = struct.Struct("<8sII")  # magic, format version, header length
 _MAX_HEADER_BYTES = 1 << 20
 _STORAGE_DTYPE: dict[str, np.dtype[Any]] = {
@@ -139,7 +141,7 @@ class KVSnapshot:
 
     def _check_layout(self) -> None:
         if self.precision not in _STORAGE_DTYPE:
-            raise UserError(f"precision must be one of f32, bf16, f16, u8, not {self.precision!r}")
+            raise UserError(f"precision must be one of f32, bf16, f16, u8, u8-paged, not {self.precision!r}")
         if self.precision == RAW_BLOCKS:
             self._check_blocks()
             return
@@ -200,7 +202,9 @@ class KVSnapshot:
 
             snap = KVSnapshot.from_blocks(tokens, *slot.read_blocks(), block_tokens=32, fingerprint=fp)
         """
-        return cls(tokens=tuple(tokens), keys=np.array(keys, dtype=np.uint8), values=np.array(values, dtype=np.uint8),
+        if np.asarray(keys).dtype != np.uint8 or np.asarray(values).dtype != np.uint8:
+            raise UserError("from_blocks takes a u8 cache's raw blocks (uint8); snapshot float caches with from_float")
+        return cls(tokens=tuple(tokens), keys=np.array(keys), values=np.array(values),
                    precision=RAW_BLOCKS, fingerprint=fingerprint, shifted=shifted, lossless=lossless,
                    block_tokens=block_tokens)
 
@@ -367,12 +371,13 @@ class KVSnapshot:
         ``path`` either keeps its old content or holds the whole new snapshot, never a part.
         """
         target = Path(path)
-        header = {"format_version": FORMAT_VERSION, **self._metadata(), "checksum": self.checksum()}
+        version = 2 if self.precision == RAW_BLOCKS else 1
+        header = {"format_version": version, **self._metadata(), "checksum": self.checksum()}
         header_bytes = json.dumps(header, sort_keys=True).encode()
         fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as out:
-                out.write(_PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(header_bytes)))
+                out.write(_PREAMBLE.pack(MAGIC, version, len(header_bytes)))
                 out.write(header_bytes)
                 for array in self._arrays().values():
                     if array is not None:
@@ -493,7 +498,14 @@ def _build(header: dict[str, Any], arrays: dict[str, np.ndarray], path: Path) ->
             shifted=bool(header["shifted"]),
             lossless=header.get("lossless") is True,
             **{name: arrays.get(name) for name in _QUANT_PARAMS},
-            block_tokens=header.get("block_tokens"),
+            block_tokens=_block_tokens(header.get("block_tokens")),
         )
     except (KeyError, UserError) as e:
         raise SnapshotCorrupt(_corrupt_message(path, f"has an inconsistent layout ({e})")) from e
+
+
+def _block_tokens(value: Any) -> int | None:
+    """The header's block size (an int or absent); anything else is a damaged header."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    raise UserError(f"block_tokens must be an integer, got {value!r}")

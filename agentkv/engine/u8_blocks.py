@@ -41,14 +41,15 @@ class BlockLayout:
     head_dim: int
 
     @classmethod
-    def of(cls, block_shape: tuple[int, ...], *, block_tokens: int) -> BlockLayout:
-        """The layout of blocks shaped ``[heads, rows, cols]`` holding ``block_tokens`` tokens."""
+    def of(cls, block_shape: tuple[int, ...], *, block_tokens: int, head_dim: int | None = None) -> BlockLayout:
+        """The layout of blocks shaped ``[heads, rows, cols]`` holding ``block_tokens`` tokens
+        (of ``head_dim`` each, when known: a shape that fits only with grouped parameters is refused)."""
         if len(block_shape) != 3:
             raise UserError(f"a u8 KV block is [heads, rows, cols], got shape {tuple(block_shape)}")
         _, rows, cols = (int(d) for d in block_shape)
-        if rows == block_tokens and cols > _PARAM_BYTES:
+        if rows == block_tokens and cols > _PARAM_BYTES and head_dim in (None, cols - _PARAM_BYTES):
             return cls("by_token", block_tokens, cols - _PARAM_BYTES)
-        if rows == block_tokens + _PARAM_BYTES:
+        if rows == block_tokens + _PARAM_BYTES and head_dim in (None, cols):
             return cls("by_channel", block_tokens, cols)
         raise UserError(f"u8 KV blocks of shape {tuple(block_shape)} match no known layout for "
                         f"{block_tokens}-token blocks; use kv_cache_precision='f16'")
@@ -62,16 +63,17 @@ class BlockLayout:
             floats = (codes - params[..., 1:2]) * params[..., 0:1]
         else:
             n, heads = blocks.shape[:2]
-            params = blocks[:, :, :_PARAM_BYTES, :].reshape(n, heads, -1).copy().view(np.float32)
+            params = blocks[:, :, :_PARAM_BYTES, :].reshape(n, heads, _PARAM_BYTES * self.head_dim).copy()
+            params = params.view(np.float32)
             scale, zero = params[..., None, : self.head_dim], params[..., None, self.head_dim :]
             floats = (blocks[:, :, _PARAM_BYTES:, :].astype(np.float32) - zero) * scale
-        heads = floats.shape[1]
-        return floats.transpose(1, 0, 2, 3).reshape(heads, -1, self.head_dim)[:, :length].copy()
+        n, heads = floats.shape[:2]
+        return floats.transpose(1, 0, 2, 3).reshape(heads, n * self.block_tokens, self.head_dim)[:, :length].copy()
 
     def quantize(self, kv: np.ndarray, num_blocks: int) -> np.ndarray:
         """u8 blocks ``[num_blocks, heads, rows, cols]`` holding ``kv`` ``[heads, T, head_dim]``
-        (T ≤ num_blocks × block_tokens; the rows past T are zero and take no part in a block's
-        parameters)."""
+        (T ≤ num_blocks × block_tokens; the token rows past T hold code 0 and take no part in a
+        block's parameters)."""
         heads, length, dim = kv.shape
         if dim != self.head_dim or length > num_blocks * self.block_tokens:
             raise UserError(f"cannot put KV of shape {kv.shape} into {num_blocks} blocks of "
