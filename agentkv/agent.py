@@ -36,8 +36,9 @@ class Agent:
 
     name: str
     """Unique name; sessions and stored rows refer to it."""
-    instructions: str = "You are a helpful assistant."
-    """The system prompt."""
+    instructions: str | None = "You are a helpful assistant."
+    """The system prompt. None renders no system turn, so the chat template's own default system
+    prompt applies (with tools, their text still needs one: it then carries only that)."""
     tools: Sequence[Tool] = ()
     """Tools the model may call; an agent only ever runs its own tools. A plain function is
     wrapped with ``@tool`` (its signature and docstring make the schema); a dict in OpenAI
@@ -74,6 +75,9 @@ class Agent:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
             raise UserError("Agent(name=...) must be a non-empty string")
+        if self.instructions is not None and not isinstance(self.instructions, str):
+            raise UserError(f"agent {self.name!r}: instructions must be a string, or None for no system turn "
+                            f"(the chat template's default), got {type(self.instructions).__name__}")
         # NOTE: frozen dataclass: coerced values are set through object.__setattr__
         object.__setattr__(self, "generation", _generation_config(self.name, self.generation))
         object.__setattr__(self, "tools", tuple(_as_tool(self.name, t) for t in self.tools))

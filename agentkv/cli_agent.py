@@ -182,5 +182,7 @@ def _policy_name(policy: ContextPolicy | None) -> str | None:
     return None if policy is None else type(policy).__name__
 
 
-def _short(text: str, limit: int = 60) -> str:
+def _short(text: str | None, limit: int = 60) -> str:
+    if text is None:
+        return "(none: the template's default)"
     return repr(text if len(text) <= limit else text[: limit - 1] + "…")

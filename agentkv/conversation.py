@@ -146,9 +146,9 @@ class Conversation:
     ) -> RenderedPrompt:
         """The prompt for ``agent`` over ``messages`` instead of the window (e.g. to size a
         message before recording it): ``session.render_with(agent, [Message.user("hi")])``."""
-        system = Message.system(agent.instructions)
+        system = [] if agent.instructions is None else [Message.system(agent.instructions)]
         tools = agent.tool_schemas if agent.tool_choice != "none" else []
-        return self.renderer.render([system, *messages], tools=tools, add_generation_prompt=add_generation_prompt)
+        return self.renderer.render([*system, *messages], tools=tools, add_generation_prompt=add_generation_prompt)
 
     # ---- For context policies (``agentkv.policies.protocol.ConversationView``) ---------------------
 

@@ -80,8 +80,12 @@ class Runtime:
             raise UserError(f"another agent named {agent.name!r} is already registered; use a unique name")
         self._agents[agent.name] = agent
         tools = agent.tool_schemas if agent.tool_choice != "none" else []
-        prefix = self.renderer.render([Message.system(agent.instructions)], tools=tools, add_generation_prompt=False)
-        self.engine.register_prefix(prefix.token_ids[: prefix.prefix_len])
+        # NOTE: without instructions the shared prefix is what the template puts before a first
+        # user turn (its default system prompt, or the tools' system turn)
+        first = [Message.system(agent.instructions)] if agent.instructions is not None else [Message.user("")]
+        prefix = self.renderer.render(first, tools=tools, add_generation_prompt=False)
+        if prefix.prefix_len:
+            self.engine.register_prefix(prefix.token_ids[: prefix.prefix_len])
 
     async def open_session(self, agent: Agent, *, session_id: str | None = None) -> Conversation:
         """A new conversation for ``agent`` (stored, if the runtime has a store)."""

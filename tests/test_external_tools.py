@@ -180,3 +180,26 @@ async def test_on_the_model_a_caller_executed_call_follows_its_schema_and_the_re
         assert step.prefilled_tokens <= len(engine.tokenizer.encode(result)) + 32
     finally:
         await runtime.aclose()
+
+
+async def test_an_agent_without_instructions_renders_no_system_turn_and_an_empty_one_renders_it():
+    engine = ScriptedEngine(["hi", "hi"])
+    bare = Agent(name="bare", instructions=None)
+    empty = Agent(name="empty", instructions="")
+    runtime = Runtime(engine)
+    for agent, start in ((bare, "<|im_start|>user\n"), (empty, "<|im_start|>system\n<|im_end|>\n")):
+        session = await runtime.open_session(agent)
+        await runtime.run(session, "hello")
+        assert engine.calls[-1].prompt_text.startswith(start)
+    with pytest.raises(UserError, match="instructions must be a string, or None"):
+        Agent(name="bad", instructions=42)  # type: ignore[arg-type]
+
+
+@pytest.mark.model
+async def test_on_the_model_no_instructions_means_the_templates_default_system_prompt_shared_as_a_prefix(engine):
+    runtime = Runtime(engine)
+    session = await runtime.open_session(Agent(name="template-default", instructions=None))
+    prompt = session.render_with(session.agent, [Message.user("hi")])
+    assert "You are a helpful AI assistant named SmolLM" in engine.tokenizer.decode(list(prompt.token_ids[:40]))
+    assert engine.boundaries.prefixes_of(prompt.token_ids)  # the default system turn is a shared prefix
+    await runtime.aclose()

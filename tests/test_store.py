@@ -463,3 +463,26 @@ async def test_an_in_memory_database_supports_concurrent_use(tmp_path: Path) -> 
                                                            token_count=1))
     assert [m.seq for m in await store.messages(sid)] == list(range(1, 11))
     await store.close()
+
+
+async def test_an_agent_without_instructions_is_stored_as_one_without_a_system_turn(store: Store) -> None:
+    await store.upsert_agent("bare", None, [], {})
+    assert (await store.get_agent("bare")).instructions is None
+    await store.upsert_agent("bare", "", [], {})  # an empty system turn is another thing
+    assert (await store.get_agent("bare")).instructions == ""
+
+
+async def test_agents_stored_before_migration_3_keep_their_system_turn(store_url: str, tmp_path: Path) -> None:
+    engine = create_engine(store_url)
+    with engine.begin() as conn:
+        schema_version.metadata.create_all(conn)
+        for step in MIGRATIONS[:2]:
+            step.apply(conn)
+            conn.execute(insert(schema_version).values(version=step.version, name=step.name,
+                                                       applied_at=utcnow().replace(tzinfo=None)))
+        conn.execute(text("INSERT INTO agents (name, instructions, tool_names, settings, updated_at) "
+                          "VALUES ('old', 'Be kind.', '[]', '{}', :now)"), {"now": utcnow().replace(tzinfo=None)})
+    engine.dispose()
+    upgraded = Store(store_url, snapshot_dir=tmp_path / "s")
+    assert (await upgraded.get_agent("old")).instructions == "Be kind."
+    await upgraded.close()

@@ -28,7 +28,7 @@ def json_object(value: dict[str, Any] | None, what: str) -> dict[str, Any]:
 
 
 def agent_record(row: AgentRow) -> AgentRecord:
-    return AgentRecord(name=row.name, instructions=row.instructions,
+    return AgentRecord(name=row.name, instructions=row.instructions if row.system_turn else None,
                        tool_names=tuple(row.tool_names), settings=dict(row.settings),
                        updated_at=row.updated_at)
 

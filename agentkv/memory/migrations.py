@@ -122,9 +122,18 @@ def _m002_sessions_by_recency(conn: Connection) -> None:
     Index("ix_sessions_updated_at", sessions.c.updated_at).create(conn)
 
 
+def _m003_agents_without_system_turn(conn: Connection) -> None:
+    """3: agents.system_turn — False for ``Agent(instructions=None)`` (no system turn: the chat
+    template's own default applies). Existing agents keep theirs."""
+    # NOTE: ADD COLUMN (SQLite cannot make instructions nullable in place); TRUE is spelled the
+    # same in SQLite (3.23+) and PostgreSQL
+    conn.execute(text("ALTER TABLE agents ADD COLUMN system_turn BOOLEAN NOT NULL DEFAULT TRUE"))
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "initial", _m001_initial),
     Migration(2, "sessions_by_recency", _m002_sessions_by_recency),
+    Migration(3, "agents_without_system_turn", _m003_agents_without_system_turn),
 )
 LATEST_VERSION = MIGRATIONS[-1].version
 

@@ -29,13 +29,14 @@ from agentkv.memory.schema import AgentRow, MessageRow, SessionRow, SnapshotRow,
 from agentkv.memory.snapshots import SnapshotFiles
 
 
-def upsert_agent(s: Session, name: str, instructions: str, tool_names: list[str],
+def upsert_agent(s: Session, name: str, instructions: str | None, tool_names: list[str],
                  settings: dict[str, Any]) -> None:
     row = s.get(AgentRow, name)
     if row is None:
         row = AgentRow(name=name)
         s.add(row)
-    row.instructions = instructions
+    row.instructions = instructions or ""
+    row.system_turn = instructions is not None
     row.tool_names = tool_names
     row.settings = settings
     row.updated_at = utcnow()

@@ -19,8 +19,8 @@ class AgentRecord:
 
     name: str
     """Primary key: the agent's name."""
-    instructions: str
-    """The system prompt the agent runs with."""
+    instructions: str | None
+    """The system prompt the agent runs with (None: no system turn, the template's default)."""
     tool_names: tuple[str, ...]
     """Names of the tools the agent may call."""
     settings: dict[str, Any]

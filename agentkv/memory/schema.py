@@ -17,6 +17,7 @@ from sqlalchemy import (
     Integer,
     String,
     Text,
+    true,
 )
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -56,6 +57,8 @@ class AgentRow(Base):
 
     name: Mapped[str] = mapped_column(String(255), primary_key=True)
     instructions: Mapped[str] = mapped_column(Text)
+    system_turn: Mapped[bool] = mapped_column(server_default=true())
+    """False: the agent renders no system turn (``instructions`` is then "")."""
     tool_names: Mapped[list[Any]] = mapped_column(JSON)
     settings: Mapped[dict[str, Any]] = mapped_column(JSON)
     updated_at: Mapped[datetime]

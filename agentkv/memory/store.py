@@ -139,9 +139,10 @@ class Store:
 
     # -- agents and sessions ----------------------------------------------------------------
 
-    async def upsert_agent(self, name: str, instructions: str, tool_names: Sequence[str],
+    async def upsert_agent(self, name: str, instructions: str | None, tool_names: Sequence[str],
                            settings: dict[str, Any]) -> None:
-        """Store an agent's definition, replacing a previous one with the same name."""
+        """Store an agent's definition, replacing a previous one with the same name
+        (``instructions=None``: the agent renders no system turn)."""
         args = (name, instructions, [str(t) for t in tool_names],
                 convert.json_object(settings, "agent settings"))
 
