@@ -22,6 +22,7 @@ from pydantic import ValidationError
 
 from agentkv.engine.base import GenerationConfig
 from agentkv.errors import UserError
+from agentkv.output import OutputSpec
 from agentkv.tools import Tool, tool
 
 if TYPE_CHECKING:
@@ -69,6 +70,10 @@ class Agent:
     order), as OpenAI's ``parallel_tool_calls``; False: at most one call per model step."""
     tool_timeout_s: float = 30.0
     """Timeout for tools that set none."""
+    output_type: Any = None
+    """Structured final output: a pydantic model class or a JSON schema dict (an OpenAI
+    ``response_format`` works too). The answer is decoded under the schema and parsed into
+    ``RunResult.output``: ``Agent(name="geo", output_type=City)``. None: free text."""
     settings: dict[str, Any] = field(default_factory=dict)
     """Free-form settings stored with the agent."""
 
@@ -93,11 +98,24 @@ class Agent:
             )
         if self.tool_choice != "auto" and self.tool_choice != "none" and not self.tools:
             raise UserError(f"tool_choice={self.tool_choice!r} needs at least one tool")
+        object.__setattr__(self, "_output", None if self.output_type is None else _output_spec(self.name, self.output_type))
+
+    @property
+    def output_spec(self) -> OutputSpec | None:
+        """The schema and parser of ``output_type`` (None without one)."""
+        return self._output  # type: ignore[attr-defined, no-any-return]
 
     @property
     def tool_schemas(self) -> list[dict[str, Any]]:
         """The tools in OpenAI function format, for rendering and grammars."""
         return [t.schema_for_prompt() for t in self.tools]
+
+
+def _output_spec(agent: str, value: Any) -> OutputSpec:
+    try:
+        return OutputSpec.of(value)
+    except UserError as error:
+        raise UserError(f"agent {agent!r}: {error}") from error
 
 
 def _generation_config(agent: str, value: Any) -> GenerationConfig:

@@ -4,12 +4,13 @@ what a resume found."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from agentkv.chat.messages import Message, ToolCall
 from agentkv.engine.base import GenerationMetrics
 
-FinishReason = Literal["stop", "length", "tool_calls", "tool_call_cut", "tool_call_invalid", "max_turns"]
+FinishReason = Literal["stop", "length", "tool_calls", "tool_call_cut", "tool_call_invalid", "output_invalid",
+                       "max_turns"]
 """Why a run ended: "stop" (the model finished its answer), "length" (the answer was cut by
 ``max_new_tokens``), "tool_call_cut" (a tool call was still cut by the token limit after one
 retry with room for it), "tool_call_invalid" (the model wrote tool-call markup that does not
@@ -32,6 +33,9 @@ class RunResult:
     finish_reason: FinishReason = "stop"
     """Why the run ended; ``final_text`` never holds tool-call markup, whatever the reason.
     "tool_calls": the model called tools the caller executes (``pending_tool_calls``)."""
+    output: Any = None
+    """With ``Agent(output_type=...)``: the final answer parsed (a model instance or a dict);
+    None when the run did not end in a valid one (``finish_reason`` says why)."""
     pending_tool_calls: tuple[ToolCall, ...] = ()
     """Calls of caller-executed tools (made from raw schemas) waiting for results: continue the
     run with ``runtime.run(session, [{"role": "tool", "tool_call_id": call.id, "content": ...}])``."""

@@ -17,10 +17,12 @@ with room for it; tool-call markup never reaches ``RunResult.final_text``.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
 
@@ -28,7 +30,7 @@ from agentkv.agent import Agent
 from agentkv.chat.messages import Message, ToolCall
 from agentkv.chat.openai_messages import messages_from_openai
 from agentkv.chat.stream_filter import MarkupFilter
-from agentkv.chat.toolcalls import TOOL_CALL_OPEN, parse_tool_calls, tool_call_grammar
+from agentkv.chat.toolcalls import TOOL_CALL_OPEN, answer_grammar, parse_tool_calls, tool_call_grammar
 from agentkv.conversation import Conversation, WindowEntry
 from agentkv.engine.base import (
     GenerationConfig,
@@ -45,9 +47,11 @@ from agentkv.events import (
     ToolReturned,
     StepFinished,
 )
+from agentkv.output import OutputInvalid
 from agentkv.result import FinishReason, RunResult
 from agentkv.tools import run_tool_calls
 
+logger = logging.getLogger(__name__)
 CANCELLED_RESULT = "error: the run was cancelled before this tool returned"
 _DEPRECATED = "Runner.run/run_stream are deprecated: use Runtime.run(session, text) / Runtime.run_stream"
 CALL_RETRY_MIN_TOKENS = 256
@@ -68,7 +72,7 @@ class _RunState:
     """The newest model call's result (set when its stream ends)."""
 
     def result(self, final_text: str, finish_reason: FinishReason = "stop",
-               pending: tuple[ToolCall, ...] = ()) -> RunResult:
+               pending: tuple[ToolCall, ...] = (), output: Any = None) -> RunResult:
         return RunResult(
             session_id=self.session.id,
             final_text=final_text,
@@ -77,6 +81,7 @@ class _RunState:
             step_metrics=tuple(self.metrics),
             finish_reason=finish_reason,
             pending_tool_calls=pending,
+            output=output,
         )
 
 
@@ -150,7 +155,7 @@ async def run_turns(agent: Agent, session: Conversation, user_input: RunInput) -
         await _record_assistant(state, result, reply)
         yield StepFinished(step, result.metrics)
         if reply.finish != "tool_calls":
-            yield RunFinished(state.result(reply.content, reply.finish))
+            yield RunFinished(_final_result(state, reply))
             return
         external = {t.name for t in agent.tools if t.is_external}
         ours = tuple(c for c in reply.calls if c.name not in external)
@@ -337,15 +342,35 @@ def _step_config(state: _RunState, prompt_len: int) -> GenerationConfig:
 
 
 def _constraint(state: _RunState, step: int) -> TokenConstraint | None:
-    """A grammar for tool calls, when the agent has tools and the engine supports grammars."""
+    """A grammar for tool calls (when the agent has tools and the engine supports grammars)
+    whose answer, with an ``output_type``, is JSON under its schema."""
     agent = state.agent
-    if not agent.tools or agent.tool_choice == "none" or not agent.constrain_tool_calls:
+    output = agent.output_spec
+    answer_schema = output.schema if output is not None else None
+    tools_on = bool(agent.tools) and agent.tool_choice != "none"
+    if tools_on and (agent.constrain_tool_calls or output is not None):
+        # The forced choice applies to the first model call only; after tool results the model
+        # must be free to answer (otherwise "required" could never finish).
+        choice = agent.tool_choice if step == 0 else "auto"
+        grammar = tool_call_grammar(agent.tool_schemas, choice, parallel=agent.parallel_tool_calls,
+                                    answer_schema=answer_schema)
+    elif answer_schema is not None:
+        grammar = answer_grammar(answer_schema)
+    else:
         return None
-    # The forced choice applies to the first model call only; after tool results the model
-    # must be free to answer (otherwise "required" could never finish).
-    choice = agent.tool_choice if step == 0 else "auto"
-    grammar = tool_call_grammar(agent.tool_schemas, choice, parallel=agent.parallel_tool_calls)
     return state.session.engine.make_constraint(grammar)
+
+
+def _final_result(state: _RunState, reply: _Reply) -> RunResult:
+    """The run's result from its last reply; with an ``output_type`` the answer parsed."""
+    output = state.agent.output_spec
+    if output is None or reply.finish != "stop":
+        return state.result(reply.content, reply.finish)
+    try:
+        return state.result(reply.content, "stop", output=output.parse(reply.content))
+    except OutputInvalid as error:
+        logger.warning("run of agent %r: %s", state.agent.name, error)
+        return state.result(reply.content, "output_invalid")
 
 
 def _read_reply(agent: Agent, result: GenerationResult) -> _Reply:

@@ -237,5 +237,6 @@ def _agent_settings(agent: Agent) -> dict:  # type: ignore[type-arg]
         "parallel_tool_calls": agent.parallel_tool_calls,
         "tool_timeout_s": agent.tool_timeout_s,
         "policy": type(agent.policy).__name__ if agent.policy is not None else None,
+        "output_schema": agent.output_spec.schema if agent.output_spec is not None else None,
         **agent.settings,
     }

@@ -43,7 +43,7 @@ _PLAIN_FIELDS = (
 )
 """Stored settings copied to the ``Agent`` field of the same name (``Runtime._agent_settings``)."""
 
-_KNOWN_KEYS = frozenset({*_PLAIN_FIELDS, "generation", "policy"})
+_KNOWN_KEYS = frozenset({*_PLAIN_FIELDS, "generation", "policy", "output_schema"})
 
 _HOW_TO_PASS = ("pass the Agent itself: Runtime(engine, store, agents=[agent]) or "
                 "runtime.resume(session_id, agent)")
@@ -59,6 +59,8 @@ def agent_from_record(record: AgentRecord) -> Agent:
     fields: dict[str, Any] = {key: stored[key] for key in _PLAIN_FIELDS if key in stored}
     if stored.get("generation") is not None:
         fields["generation"] = GenerationConfig.model_validate(stored["generation"])
+    if stored.get("output_schema") is not None:  # a pydantic output_type comes back as its schema (dicts)
+        fields["output_type"] = stored["output_schema"]
     return Agent(
         name=record.name,
         instructions=record.instructions,

@@ -27,7 +27,7 @@ TOOL_CALL_CLOSE = "</tool_call>"
 TOOL_NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 """Names a tool may have: what the tool-call grammar and parser carry (letters, digits, '_',
 '-', '.'), so clients' namespaced names such as ``math.factorial`` work as they are."""
-_JSON_WHITESPACE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 """llguidance JSON options: exactly ``json.dumps``'s default layout, so the model cannot pad."""
 _DECODER = json.JSONDecoder()
 _FIX = (
@@ -192,6 +192,7 @@ def tool_call_grammar(
     max_items: int = 16,
     parallel: bool = True,
     max_calls: int = 4,
+    answer_schema: dict[str, Any] | None = None,
 ) -> str:
     """An llguidance Lark grammar for the model's whole answer under ``tool_choice``.
 
@@ -205,12 +206,16 @@ def tool_call_grammar(
     no grammar (pass no constraint) and raises ``ValueError``, as do unknown names and malformed
     tools.
 
+    ``answer_schema`` (structured output): under ``"auto"`` the answer that is not a call is
+    JSON under that schema instead of free text.
+
     ``factory(tool_call_grammar([calculator.schema_for_prompt()], "required"))``
     """
     chosen = _chosen_tools(tools, tool_choice)
     open_tag, close_tag = _lark_literal(TOOL_CALL_OPEN + "\n"), _lark_literal("\n" + TOOL_CALL_CLOSE)
+    answer = "answer" if answer_schema is not None else "TEXT"
     lines = [
-        "start: tool_calls | TEXT" if tool_choice == "auto" else "start: tool_calls",
+        f"start: tool_calls | {answer}" if tool_choice == "auto" else "start: tool_calls",
         *_call_list(max_calls if parallel else 1),
         f"tool_call: {open_tag} call_body {close_tag}",
         "call_body: " + " | ".join(f"call_{i}" for i in range(len(chosen))),
@@ -218,14 +223,36 @@ def tool_call_grammar(
     for i, (name, parameters) in enumerate(chosen):
         head = _lark_literal('{"name": ' + json.dumps(name) + ', "arguments": ')
         schema = bounded_schema(parameters, max_string_length=max_string_length, max_items=max_items)
-        schema["x-guidance"] = {**schema.get("x-guidance", {}), **_JSON_WHITESPACE}
+        schema["x-guidance"] = {**schema.get("x-guidance", {}), **JSON_LAYOUT}
         lines.append(f'call_{i}: {head} arguments_{i} "}}"')
         lines.append(f"arguments_{i}: %json {json.dumps(schema, ensure_ascii=False)}")
-    if tool_choice == "auto":
+    if tool_choice == "auto" and answer_schema is not None:
+        lines.append(answer_rule(answer_schema))
+    elif tool_choice == "auto":
         # NOTE: plain text may be anything non-empty that never contains the open tag, so an
         # answer is either prose or calls, never prose with a call in its middle.
         lines.append(f"TEXT: /(?s:.+)/ & ~/(?s:.*){re.escape(TOOL_CALL_OPEN)}(?s:.*)/")
     return "\n".join(lines) + "\n"
+
+
+ANSWER_MAX_STRING_LENGTH = 2000
+"""Strings in an answer schema without a ``maxLength`` get this one (a small model otherwise
+fills an unbounded string until its token budget ends)."""
+ANSWER_MAX_ITEMS = 64
+"""…and arrays without a ``maxItems`` this one."""
+
+
+def answer_rule(schema: dict[str, Any]) -> str:
+    """The Lark rule ``answer``: JSON under ``schema`` (bounded), in ``json.dumps`` layout."""
+    bounded = bounded_schema(schema, max_string_length=ANSWER_MAX_STRING_LENGTH, max_items=ANSWER_MAX_ITEMS)
+    bounded["x-guidance"] = {**bounded.get("x-guidance", {}), **JSON_LAYOUT}
+    return f"answer: %json {json.dumps(bounded, ensure_ascii=False)}"
+
+
+def answer_grammar(schema: dict[str, Any]) -> str:
+    """An llguidance Lark grammar for an answer that is JSON under ``schema`` and nothing else:
+    ``answer_grammar({"type": "object", "properties": {"n": {"type": "integer"}}})``."""
+    return f"start: answer\n{answer_rule(schema)}\n"
 
 
 def _call_list(max_calls: int) -> list[str]:
