@@ -8,6 +8,7 @@
     agentkv sessions list
     agentkv sessions export ID > chat.jsonl
     agentkv sessions unlock ID        # release the lease a crashed process left behind
+    agentkv serve --port 8000         # an OpenAI-compatible server (``cli_serve``)
 
 Configuration is read here, at the edge (``cli_config``): ``--db``, ``$AGENTKV_DB_URL`` or
 ``$AGENTKV_HOME`` for the store, ``--model`` or ``$AGENTKV_MODEL`` for the model, ``$AGENTKV_ENGINE``
@@ -163,6 +164,31 @@ def sessions_unlock(session_id: str, db: Optional[str] = typer.Option(None, "--d
                 err.print(f"released the lease of session {session_id}, held by {escape(str(holder))}")
 
     _guard(lambda: anyio.run(run))
+
+
+@app.command(epilog=ENVIRONMENT_HELP)
+def serve(
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (loopback by default)."),
+    port: int = typer.Option(8000, "--port", min=1, max=65535, help="Port to listen on."),
+    api_key: Optional[str] = typer.Option(
+        None, "--api-key", help="Bearer token every request must send (default: $AGENTKV_API_KEY; none: open)."),
+    model: Optional[str] = typer.Option(None, "--model", help=MODEL_HELP),
+    engine: Optional[str] = typer.Option(
+        None, "--engine", help="paged or stateful (default: $AGENTKV_ENGINE, else paged on CPU/GPU)."),
+    max_sessions: int = typer.Option(64, "--max-sessions", min=1, help="KV sessions kept alive between requests."),
+    max_running: int = typer.Option(64, "--max-running", min=1,
+                                    help="Requests served at once; more are answered 429."),
+    kv_reuse: bool = typer.Option(True, "--kv-reuse/--no-kv-reuse",
+                                  help="Match requests to live KV sessions (off: every request prefills it all)."),
+) -> None:
+    """Serve the model over the OpenAI API (/v1/chat/completions, /v1/models); prints the URL when ready."""
+    from agentkv.cli_serve import ServeOptions
+    from agentkv.cli_serve import serve as run_server
+
+    if engine is not None and engine not in ("paged", "stateful"):
+        raise typer.BadParameter("--engine must be paged or stateful")
+    options = ServeOptions(host, port, api_key, model, engine, max_sessions, max_running, kv_reuse)
+    _guard(lambda: run_server(options))
 
 
 def _guard(action: Callable[[], int | None]) -> int | None:
