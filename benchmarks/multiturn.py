@@ -5,7 +5,7 @@ the stateful engine and on the paged engine (one KV session each: prefills only 
 stateless (the stateful engine re-prefilling the whole history every turn), and LLMPipeline +
 ChatHistory twice — its SDPA backend and its default (PagedAttention + prefix caching). Then
 decode speed. The last line is one JSON object with the ratios.
-Run: ``python benchmarks/multiturn.py [--turns 13]``.
+Run: ``python benchmarks/multiturn.py [--turns 13] [--paged-prefill-chunk 0]``.
 """
 
 from __future__ import annotations
@@ -71,8 +71,8 @@ class AgentkvChat:
         return result.metrics.ttft_s, result.metrics.prefilled_tokens, list(prompt)
 
 
-async def measure(turns: int, answer_tokens: int) -> dict:
-    stateful, paged = StatefulEngine(num_slots=2), PagedEngine(num_slots=2)
+async def measure(turns: int, answer_tokens: int, paged_options: dict) -> dict:
+    stateful, paged = StatefulEngine(num_slots=2), PagedEngine(num_slots=2, **paged_options)
     system = Message.system("You are a helpful assistant that summarises text.")
     chats = {"agentkv": AgentkvChat(stateful, system, answer_tokens), "paged": AgentkvChat(paged, system, answer_tokens)}
     ir_dir = str(stateful.files.ir_dir)
@@ -105,8 +105,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--turns", type=int, default=13)
     parser.add_argument("--answer-tokens", type=int, default=64)
+    parser.add_argument("--paged-prefill-chunk", type=int, default=None,
+                        help="the paged engine's prefill_chunk_size (default: its own, 512); 0: whole prompts")
     args = parser.parse_args()
-    data = anyio.run(measure, args.turns, args.answer_tokens)
+    paged_options = {} if args.paged_prefill_chunk is None else {"prefill_chunk_size": args.paged_prefill_chunk or None}
+    data = anyio.run(measure, args.turns, args.answer_tokens, paged_options)
     rows = data["rows"]
     turn10 = rows[min(9, len(rows) - 1)]
     at2k = next((r for r in rows if r["history_tokens"] >= 2000), rows[-1])

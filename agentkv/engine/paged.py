@@ -45,9 +45,11 @@ from agentkv.errors import UserError
 
 DEFAULT_KV_CACHE_BYTES = 512 << 20
 """KV block storage of a ``PagedEngine`` (f16, default model: ~23,000 tokens)."""
-DEFAULT_PREFILL_CHUNK = 512
+DEFAULT_PREFILL_CHUNK = 1024
 """A long prefill runs as steps of at most this many tokens (cut at absolute multiples, so the
-cuts are canonical): sessions decoding meanwhile wait one chunk, not the whole prompt."""
+cuts are canonical): sessions decoding meanwhile wait one chunk, not the whole prompt.
+NOTE: a turn that crosses a multiple runs as two steps — measured +26 ms (+13 %) for a 128-token
+turn at ~1K history — so the chunk is not smaller: 1,024 bounds a decoder's wait to ~1 s here."""
 
 
 class PagedEngine(StatefulEngine):
