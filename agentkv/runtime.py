@@ -79,13 +79,18 @@ class Runtime:
         if known is not None and known is not agent:
             raise UserError(f"another agent named {agent.name!r} is already registered; use a unique name")
         self._agents[agent.name] = agent
+        self.register_agent_prefix(agent)
+
+    def register_agent_prefix(self, agent: Agent, *, salt: str = "") -> None:
+        """Register the prompt prefix every conversation of ``agent`` starts with (system prompt
+        and tools) as shared, for the sessions of tenant ``salt``."""
         tools = agent.tool_schemas if agent.tool_choice != "none" else []
         # NOTE: without instructions the shared prefix is what the template puts before a first
         # user turn (its default system prompt, or the tools' system turn)
         first = [Message.system(agent.instructions)] if agent.instructions is not None else [Message.user("")]
         prefix = self.renderer.render(first, tools=tools, add_generation_prompt=False)
         if prefix.prefix_len:
-            self.engine.register_prefix(prefix.token_ids[: prefix.prefix_len])
+            self.engine.register_prefix(prefix.token_ids[: prefix.prefix_len], salt=salt)
 
     async def open_session(self, agent: Agent, *, session_id: str | None = None) -> Conversation:
         """A new conversation for ``agent`` (stored, if the runtime has a store)."""

@@ -118,6 +118,19 @@ def test_a_conversation_resent_whole_each_turn_prefills_only_each_new_turn(clien
     assert cached == sorted(cached) and cached[-1] > cached[1] > 0
 
 
+def test_two_tenants_with_the_same_system_prompt_do_not_share_cached_prefixes(client):
+    system = {"role": "system", "content": "You are the assistant of the city archive. " * 12}
+
+    def cached(salt: str, question: str) -> int:
+        answer = client.chat.completions.create(model="any", messages=[system, {"role": "user", "content": question}],
+                                                temperature=0, max_tokens=4, extra_body={"cache_salt": salt})
+        return answer.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("alpha", "When does it open?") == 0
+    assert cached("alpha", "Where is it?") > 100
+    assert cached("beta", "When does it open?") == 0
+
+
 def test_errors_come_back_as_openai_errors_with_their_status(client):
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="any", messages=[{"role": "critic", "content": "x"}])

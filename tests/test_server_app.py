@@ -171,3 +171,17 @@ async def test_response_format_makes_the_content_json_under_the_schema():
             response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}))).json()
     assert json.loads(answer["choices"][0]["message"]["content"]) == {"city": "Paris"}
     assert "answer: %json" in engine.requested_grammars[0]
+
+
+async def test_two_tenants_with_the_same_system_prompt_never_share_kv():
+    engine = ScriptedEngine(["A1", "A2", "B1"], prefix_cache_bytes=None)
+    system = {"role": "system", "content": "You are the archive's assistant. " * 20}
+    async with client_for(engine) as client:
+        async def cached(salt: str, question: str) -> int:
+            answer = (await client.post("/v1/chat/completions", json=body(
+                [system, {"role": "user", "content": question}], cache_salt=salt))).json()
+            return answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        assert await cached("tenant-a", "First question?") == 0
+        assert await cached("tenant-a", "Another question entirely?") > 100  # its own system prompt's KV
+        assert await cached("tenant-b", "First question?") == 0  # the same prompt, another tenant

@@ -366,11 +366,12 @@ class Engine(Protocol):
     def fingerprint(self) -> str:
         """Identifies model + KV layout; snapshots from another fingerprint are refused."""
 
-    async def open_session(self) -> KVSession:
-        """A new empty session."""
+    async def open_session(self, *, salt: str = "") -> KVSession:
+        """A new empty session; ``salt`` names its tenant (prefixes are cached per salt)."""
 
-    def register_prefix(self, tokens: Sequence[int]) -> None:
-        """Mark ``tokens`` as a shared prefix worth caching (system prompt + tool schemas)."""
+    def register_prefix(self, tokens: Sequence[int], *, salt: str = "") -> None:
+        """Mark ``tokens`` as a shared prefix worth caching (system prompt + tool schemas) for
+        the sessions of tenant ``salt``."""
 
     def make_constraint(self, grammar: str) -> TokenConstraint | None:
         """A fresh grammar constraint for one generation (llguidance Lark grammar), or None

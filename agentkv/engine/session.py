@@ -57,7 +57,7 @@ class SessionEngine(DecodeEngine, Protocol):
     def restores_exactly(self, snapshot: KVSource) -> bool: ...
     def make_snapshot(self, log: KVLog, slot: KVSlot) -> KVSnapshot: ...
     def hold_copy(self, log: KVLog, slot: KVSlot) -> HeldKV: ...
-    def prefix_cache_lookup(self, prompt: Sequence[int], reused: int) -> KVSource | None: ...
+    def prefix_cache_lookup(self, prompt: Sequence[int], reused: int, *, salt: str = "") -> KVSource | None: ...
     async def run_blocking(self, fn: Any, *args: Any) -> Any: ...
     async def prefix_cache_store(self, session: SlotSession, slot: KVSlot) -> None: ...
     async def rope_convention(self) -> RopeConvention | None: ...
@@ -81,9 +81,12 @@ class SlotSession(SessionCommon):
         *,
         log: KVLog | None = None,
         held: HeldKV | None = None,
+        salt: str = "",
     ) -> None:
-        """``log`` and ``held`` (its KV waiting on the host) start a session from a fork."""
+        """``log`` and ``held`` (its KV waiting on the host) start a session from a fork;
+        ``salt``: its tenant (cached prefixes are shared within a salt only)."""
         self._engine = engine
+        self.salt = salt
         self._id = session_id or uuid.uuid4().hex
         self._log = log or engine.new_log()
         self._host: HeldKV | None = held  # KV waiting to be put into a slot
@@ -212,7 +215,7 @@ class SlotSession(SessionCommon):
         cached = 0
         if reused < len(log):
             await self._run(log.trim, slot, reused)
-        hit = self._engine.prefix_cache_lookup(prompt, reused)
+        hit = self._engine.prefix_cache_lookup(prompt, reused, salt=self.salt)
         if hit is not None:
             try:
                 await self._run(self._load_blocking, slot, hit)
@@ -312,7 +315,7 @@ class SlotSession(SessionCommon):
                     held = await self._run(self._engine.hold_copy, self._log, slot)
             log = self._engine.new_log()
             log.tokens, log.shifted, log.exact = list(self._log.tokens), self._log.shifted, self._log.exact
-        return self._engine.new_session(log=log, held=held)
+        return self._engine.new_session(log=log, held=held, salt=self.salt)
 
     async def check_integrity(self) -> None:
         """Raise ``KVLogCorrupt`` unless the KV (in a slot, or offloaded) holds exactly

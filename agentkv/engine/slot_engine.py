@@ -121,14 +121,16 @@ class SlotEngine:
     def max_context_len(self) -> int:
         return self._max_context_len
 
-    async def open_session(self) -> SlotSession:
-        """A new empty session (bound to a slot when it first runs)."""
-        return self.new_session()
+    async def open_session(self, *, salt: str = "") -> SlotSession:
+        """A new empty session (bound to a slot when it first runs). ``salt`` names its tenant:
+        it shares cached prefixes only with sessions of the same salt."""
+        return self.new_session(salt=salt)
 
-    def register_prefix(self, tokens: Sequence[int]) -> None:
-        """Mark ``tokens`` as a shared prefix: a chunk boundary of every prefill that covers it,
-        and cached once a session has read it (when the prefix cache is enabled)."""
-        self.boundaries.register(tokens)
+    def register_prefix(self, tokens: Sequence[int], *, salt: str = "") -> None:
+        """Mark ``tokens`` as a shared prefix of tenant ``salt``: a chunk boundary of every
+        prefill that covers it, and cached once a session of that tenant has read it (when the
+        prefix cache is enabled)."""
+        self.boundaries.register(tokens, salt=salt)
 
     async def rope_convention(self) -> RopeConvention | None:
         """The model's RoPE, measured once (``_measure_rope``); None if no rotation explains the
@@ -221,7 +223,7 @@ class SlotEngine:
         return align.metrics(generated=generated, ttft=ttft, tpot=tpot, kv_tokens=len(log),
                              kv_bytes=len(log) * self._kv_token_bytes, kv_exact=log.exact)
 
-    def prefix_cache_lookup(self, prompt: Sequence[int], reused: int) -> KVSource | None:
+    def prefix_cache_lookup(self, prompt: Sequence[int], reused: int, *, salt: str = "") -> KVSource | None:
         """The longest cached *registered* prefix of ``prompt`` that adds at least
         ``MIN_PREFIX_HIT_TOKENS`` to the ``reused`` tokens the session holds and leaves one
         token to prefill.
@@ -231,14 +233,14 @@ class SlotEngine:
         "<|im_start|>system\nYou are a") would cost a KV copy bigger than the prefill it saves."""
         if self.prefix_cache is None:
             return None
-        for mark in reversed(self.boundaries.prefixes_of(prompt)):
+        for mark in reversed(self.boundaries.prefixes_of(prompt, salt=salt)):
             if len(mark) < len(prompt) and len(mark) >= reused + MIN_PREFIX_HIT_TOKENS:
-                if self.prefix_cache.match_len(mark) == len(mark):
-                    return self.prefix_cache.lookup(prompt[: len(mark) + 1], longer_than=len(mark) - 1)
+                if self.prefix_cache.match_len(mark, salt=salt) == len(mark):
+                    return self.prefix_cache.lookup(prompt[: len(mark) + 1], longer_than=len(mark) - 1, salt=salt)
         return None
 
     async def prefix_cache_store(self, session: SlotSession, slot: KVSlot) -> None:
         """Give the prefix cache a chance to copy registered prefixes out of ``slot``."""
         if self.prefix_cache is not None:
-            await self.prefix_cache.capture(session, slot)
+            await self.prefix_cache.capture(session, slot, salt=session.salt)
 

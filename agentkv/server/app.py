@@ -11,6 +11,7 @@ Routes: ``GET /v1/models``, ``POST /v1/chat/completions`` (``stream`` as server-
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 import time
@@ -82,9 +83,10 @@ def create_app(
     @app.post("/v1/chat/completions", dependencies=[Depends(authorised)], response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         pin = request.headers.get("x-session-id") or body.user
+        tenant = _tenant(request)
         if not body.stream:
-            return await chat.complete(body, pin=pin)
-        prepared = chat.prepare(body)  # bad input is an HTTP error, before the stream starts
+            return await chat.complete(body, pin=pin, tenant=tenant)
+        prepared = chat.prepare(body, tenant=tenant)  # bad input is an HTTP error, before the stream starts
 
         async def events() -> AsyncIterator[dict[str, str]]:
             try:
@@ -99,3 +101,10 @@ def create_app(
         return EventSourceResponse(events(), ping=15)
 
     return app
+
+
+def _tenant(request: Request) -> str:
+    """The namespace of the request's API key (a digest, so keys never sit in memory twice)."""
+    header = request.headers.get("authorization", "")
+    token = header.partition(" ")[2].strip()
+    return hashlib.sha256(token.encode()).hexdigest()[:16] if token else ""

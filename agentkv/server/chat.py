@@ -43,6 +43,8 @@ KEPT_AGENTS = 256
 class Prepared:
     """A request read into what a run needs."""
 
+    salt: str
+    """The tenant: cached prefixes and live sessions are shared within it only."""
     agent: Agent
     history: list[Message]
     tail: list[Message]
@@ -59,11 +61,14 @@ class ChatCompletions:
         self.max_running = max_running
         self.running = 0
         self._agents: OrderedDict[str, Agent] = OrderedDict()
+        self._registered: OrderedDict[tuple[str, str], None] = OrderedDict()
 
     # ---- the request, read --------------------------------------------------------------
-    def prepare(self, request: ChatCompletionRequest) -> Prepared:
-        """The agent, history and new messages of ``request``; ``UserError`` / ``ValueError``
-        (400) or ``ContextOverflowError`` (413) before anything runs."""
+    def prepare(self, request: ChatCompletionRequest, *, tenant: str = "") -> Prepared:
+        """The agent, history and new messages of ``request`` for ``tenant`` (the API key's
+        namespace); ``UserError`` / ``ValueError`` (400) or ``ContextOverflowError`` (413) before
+        anything runs."""
+        salt = tenant if request.cache_salt is None else f"{tenant}/{request.cache_salt}"
         messages = messages_from_openai(request.messages)
         system = []
         while messages and messages[0].role == "system":
@@ -74,7 +79,7 @@ class ChatCompletions:
         history, tail = messages[: last_answer + 1], messages[last_answer + 1:]
         if not tail:
             raise UserError("the last message must be a user message or tool results for the model to answer")
-        agent = dataclasses.replace(self._agent(request, "\n\n".join(system) if system else None),
+        agent = dataclasses.replace(self._agent(request, "\n\n".join(system) if system else None, salt),
                                     generation=request.generation_config())
         history = self.live.with_token_ids(history)
         probe = Conversation("probe", agent, self.runtime.engine, None, self.runtime.renderer)  # type: ignore[arg-type]
@@ -85,10 +90,11 @@ class ChatCompletions:
                 f"the messages need {len(prompt)} tokens, over the {limit} this model's context leaves "
                 f"({agent.min_response_len} kept for the answer); send a shorter history",
                 prompt_tokens=len(prompt), limit=limit)
-        return Prepared(agent, history, tail, tuple(prompt))
+        return Prepared(salt, agent, history, tail, tuple(prompt))
 
-    def _agent(self, request: ChatCompletionRequest, instructions: str | None) -> Agent:
-        """The registered agent for this system prompt, tools and format (made once)."""
+    def _agent(self, request: ChatCompletionRequest, instructions: str | None, salt: str) -> Agent:
+        """The agent for this system prompt, tools and format (made once), its prefix registered
+        for tenant ``salt``."""
         choice = request.tool_choice_name()
         output = request.response_format if (request.response_format or {}).get("type") not in (None, "text") else None
         key_source = json.dumps([instructions, request.tools, choice, request.parallel_tool_calls, output],
@@ -99,11 +105,15 @@ class ChatCompletions:
             agent = Agent(name=f"api-{key}", instructions=instructions, tools=tuple(request.tools or ()),
                           tool_choice=choice, parallel_tool_calls=request.parallel_tool_calls is not False,
                           output_type=output, max_turns=2)
-            self.runtime.add_agent(agent)
             self._agents[key] = agent
             while len(self._agents) > KEPT_AGENTS:
                 self._agents.popitem(last=False)
         self._agents.move_to_end(key)
+        if (key, salt) not in self._registered:
+            self.runtime.register_agent_prefix(agent, salt=salt)
+            self._registered[(key, salt)] = None
+            while len(self._registered) > KEPT_AGENTS:
+                self._registered.popitem(last=False)
         return agent
 
     # ---- running ------------------------------------------------------------------------
@@ -111,7 +121,7 @@ class ChatCompletions:
         """Text as it is generated, then the run's result (the KV session is held throughout)."""
         self._admit()
         try:
-            async with self.live.checkout(prepared.prompt_ids, pin=pin) as kv:
+            async with self.live.checkout(prepared.prompt_ids, pin=pin, salt=prepared.salt) as kv:
                 conversation = Conversation(f"api-{uuid.uuid4().hex[:12]}", prepared.agent, self.runtime.engine, kv,
                                             self.runtime.renderer, window=[WindowEntry(m) for m in prepared.history])
                 async with aclosing(self.runtime.run_stream(conversation, prepared.tail)) as run:
@@ -132,9 +142,10 @@ class ChatCompletions:
                            "rate_limit_exceeded")
         self.running += 1
 
-    async def complete(self, request: ChatCompletionRequest, *, pin: str | None = None) -> dict[str, Any]:
+    async def complete(self, request: ChatCompletionRequest, *, pin: str | None = None,
+                       tenant: str = "") -> dict[str, Any]:
         """The ``chat.completion`` object for ``request``."""
-        prepared = self.prepare(request)
+        prepared = self.prepare(request, tenant=tenant)
         result = None
         async for event in self.events(prepared, pin):
             if isinstance(event, RunResult):

@@ -35,6 +35,7 @@ REMEMBERED_ANSWERS = 4096
 @dataclass
 class _Live:
     kv: KVSession
+    salt: str = ""
     pin: str | None = None
     busy: bool = False
     used_at: float = field(default_factory=time.monotonic)
@@ -53,10 +54,12 @@ class LiveSessions:
         self._lock = anyio.Lock()
 
     @asynccontextmanager
-    async def checkout(self, prompt_ids: Sequence[int], *, pin: str | None = None) -> AsyncIterator[KVSession]:
-        """The KV session to run ``prompt_ids`` on, held busy until the block exits.
-        ``SessionBusy`` when the pinned session is running another request."""
-        live = await self._take(prompt_ids, pin)
+    async def checkout(self, prompt_ids: Sequence[int], *, pin: str | None = None,
+                       salt: str = "") -> AsyncIterator[KVSession]:
+        """The KV session of tenant ``salt`` to run ``prompt_ids`` on, held busy until the block
+        exits (a tenant never gets another's session, nor its cached prefixes). ``SessionBusy``
+        when the pinned session is running another request."""
+        live = await self._take(prompt_ids, pin, salt)
         try:
             yield live.kv
         finally:
@@ -65,33 +68,33 @@ class LiveSessions:
                 with anyio.CancelScope(shield=True):
                     await self._close(live)
 
-    async def _take(self, prompt_ids: Sequence[int], pin: str | None) -> _Live:
+    async def _take(self, prompt_ids: Sequence[int], pin: str | None, salt: str) -> _Live:
         async with self._lock:
             if pin is not None:
-                pinned = next((live for live in self._live if live.pin == pin), None)
+                pinned = next((live for live in self._live if live.pin == pin and live.salt == salt), None)
                 if pinned is not None:
                     if pinned.busy:
                         raise SessionBusy(pin)
                     pinned.busy = True
                     return pinned
             elif self.reuse:
-                best = self._best_continued(prompt_ids)
+                best = self._best_continued(prompt_ids, salt)
                 if best is not None:
                     best.busy = True
                     return best
             await self._make_room()
-            live = _Live(await self.engine.open_session(), pin=pin, busy=True)
+            live = _Live(await self.engine.open_session(salt=salt), salt=salt, pin=pin, busy=True)
             self._live.append(live)
             return live
 
-    def _best_continued(self, prompt_ids: Sequence[int]) -> _Live | None:
+    def _best_continued(self, prompt_ids: Sequence[int], salt: str) -> _Live | None:
         """The idle unpinned session sharing the longest prefix with ``prompt_ids``, if that
         prefix is at least half of what it holds: a request continuing its conversation, not one
         that merely starts alike (a shared system prompt comes from the prefix cache instead,
         without trimming another conversation's KV away)."""
         best, best_len = None, 0
         for live in self._live:
-            if live.busy or live.pin is not None:
+            if live.busy or live.pin is not None or live.salt != salt:
                 continue
             shared = common_prefix_len(live.kv.tokens, prompt_ids)
             if shared > best_len and 2 * shared >= len(live.kv.tokens):

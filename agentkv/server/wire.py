@@ -50,6 +50,9 @@ class ChatCompletionRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    cache_salt: str | None = None
+    """Namespaces cached prefixes within an API key, as vLLM's ``cache_salt``: requests with
+    different salts never share KV."""
     n: int = 1
 
     @field_validator("n")

@@ -135,9 +135,9 @@ class ScriptedEngine(SlotEngine):
     def tokenizer(self) -> ScriptedTokenizer:
         return self._tokenizer  # type: ignore[no-any-return]
 
-    def register_prefix(self, tokens: Sequence[int]) -> None:
+    def register_prefix(self, tokens: Sequence[int], *, salt: str = "") -> None:
         """Register ``tokens`` as the engine does, and record them in ``registered_prefixes``."""
-        super().register_prefix(tokens)
+        super().register_prefix(tokens, salt=salt)
         self.registered_prefixes.append(tuple(int(t) for t in tokens))
 
     def make_constraint(self, grammar: str) -> None:
