@@ -93,3 +93,19 @@ def test_each_layer_imports_only_what_the_design_allows():
             if name == layer or name.startswith(layer + "."):
                 broken += [(name, m) for m in imports_of(path) if m.startswith(banned)]
     assert broken == []
+
+
+def test_only_the_serve_command_imports_the_server_and_the_server_imports_no_engine_internals():
+    """The server is the top layer (server → runtime → runner → policies → engine): nothing
+    below it imports it, and it reaches the engine only through its protocol."""
+    importers = []
+    for path in PACKAGE.rglob("*.py"):
+        name = module_name(path)
+        if name.startswith("agentkv.server") or name == "agentkv.cli_serve":
+            if name.startswith("agentkv.server"):
+                internals = [m for m in imports_of(path) if m.startswith("agentkv.engine.")
+                             and m not in ("agentkv.engine.base",) and not m.startswith("agentkv.engine.base.")]
+                assert internals == [], (name, internals)
+            continue
+        importers += [(name, m) for m in imports_of(path) if m.startswith("agentkv.server")]
+    assert importers == []
