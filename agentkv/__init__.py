@@ -52,7 +52,8 @@ from agentkv.events import (
     StepFinished,
 )
 from agentkv.result import RunResult
-from agentkv.runner import RunInput, Runner
+from agentkv.run_input import RunInput
+from agentkv.runner import Runner
 from agentkv.runtime import Runtime
 from agentkv.tools import Tool, ToolOutcome, calculator, clock, run_tool_calls, tool
 

@@ -106,6 +106,19 @@ class Agent:
         return self._output  # type: ignore[attr-defined, no-any-return]
 
     @property
+    def external_tool_names(self) -> frozenset[str]:
+        """Names of the tools the caller executes (made from raw schemas): a run stops at their calls."""
+        return frozenset(t.name for t in self.tools if t.is_external)
+
+    def max_prompt(self, context_len: int) -> int:
+        """The longest prompt a model call may have on a model of ``context_len`` tokens."""
+        return min(self.max_prompt_len or context_len, context_len)
+
+    def prompt_budget(self, context_len: int) -> int:
+        """What the prompt may use before an answer: ``max_prompt`` less ``min_response_len``."""
+        return self.max_prompt(context_len) - self.min_response_len
+
+    @property
     def tool_schemas(self) -> list[dict[str, Any]]:
         """The tools in OpenAI function format, for rendering and grammars."""
         return [t.schema_for_prompt() for t in self.tools]

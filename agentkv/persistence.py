@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from agentkv.chat.messages import Message
+from agentkv.chat.messages import Message, pending_tool_calls
 from agentkv.conversation import Conversation, WindowEntry
 from agentkv.engine.base import KVSession, common_prefix_len
 from agentkv.errors import SnapshotCorrupt, SnapshotIncompatible
@@ -79,15 +79,14 @@ INTERRUPTED_RESULT = "error: interrupted (the process stopped before the tool re
 async def record_interrupted_calls(session: Conversation) -> int:
     """Record an ``INTERRUPTED_RESULT`` for every call of the agent's own tools in the window
     that has no result (a process died mid-tool), so the history is a valid message sequence
-    again; returns how many. Calls of caller-executed tools wait for the caller's results. Idempotent: a call that has a result is left alone.
+    again; returns how many. Calls of caller-executed tools wait for the caller's results.
+    Idempotent: a call that has a result is left alone.
 
     NOTE: results are appended at the end, which is where a crash leaves its orphans (the
     last assistant turn); the caller holds the session's lease.
     """
-    answered = {m.tool_call_id for m in session.messages if m.role == "tool"}
-    external = {t.name for t in session.agent.tools if t.is_external}  # pending by design: the caller answers
-    orphans = [call for m in session.messages if m.role == "assistant" for call in m.tool_calls
-               if call.id not in answered and call.name not in external]
+    external = session.agent.external_tool_names  # pending by design: the caller answers them
+    orphans = [call for call in pending_tool_calls(session.messages).values() if call.name not in external]
     for call in orphans:
         await session.record(Message.tool(INTERRUPTED_RESULT, tool_call_id=call.id, name=call.name))
     if orphans:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +28,6 @@ import anyio
 
 from agentkv.agent import Agent
 from agentkv.chat.messages import Message, ToolCall
-from agentkv.chat.openai_messages import messages_from_openai
 from agentkv.chat.stream_filter import MarkupFilter
 from agentkv.chat.toolcalls import TOOL_CALL_OPEN, answer_grammar, parse_tool_calls, tool_call_grammar
 from agentkv.conversation import Conversation, WindowEntry
@@ -38,7 +37,7 @@ from agentkv.engine.base import (
     GenerationResult,
     TokenConstraint,
 )
-from agentkv.errors import ContextOverflowError, MaxTurnsExceeded, UserError
+from agentkv.errors import ContextOverflowError, MaxTurnsExceeded
 from agentkv.events import (
     RunEvent,
     RunFinished,
@@ -49,6 +48,7 @@ from agentkv.events import (
 )
 from agentkv.output import OutputInvalid
 from agentkv.result import FinishReason, RunResult
+from agentkv.run_input import RunInput, checked_input
 from agentkv.tools import run_tool_calls
 
 logger = logging.getLogger(__name__)
@@ -127,11 +127,6 @@ async def _guarded_turns(agent: Agent, session: Conversation, user_input: str) -
                 yield event
 
 
-RunInput = str | Sequence[Mapping[str, object] | Message]
-"""What a run starts from: a user message's text, or messages (OpenAI chat dicts or
-``Message``s) — e.g. the results of the calls a previous run left pending."""
-
-
 async def run_turns(agent: Agent, session: Conversation, user_input: RunInput) -> AsyncIterator[RunEvent]:
     """The turn loop of one run, without the one-run-per-session guard (the caller holds it)."""
     state = _RunState(agent, session)
@@ -157,7 +152,7 @@ async def run_turns(agent: Agent, session: Conversation, user_input: RunInput) -
         if reply.finish != "tool_calls":
             yield RunFinished(_final_result(state, reply))
             return
-        external = {t.name for t in agent.tools if t.is_external}
+        external = agent.external_tool_names
         ours = tuple(c for c in reply.calls if c.name not in external)
         theirs = tuple(c for c in reply.calls if c.name in external)
         if ours:
@@ -180,60 +175,7 @@ async def _record(state: _RunState, message: Message) -> WindowEntry:
 
 async def _record_input(state: _RunState, run_input: RunInput) -> list[WindowEntry]:
     """Record what the run starts from — checked first, so a refused input records nothing."""
-    if isinstance(run_input, str):
-        _refuse_while_calls_pend(state.session, "a user message")
-        return await _record_new(state, [Message.user(run_input)])
-    messages = _checked_messages(state, messages_from_openai(run_input))
-    return await _record_new(state, messages)
-
-
-def pending_tool_calls(messages: Sequence[Message]) -> dict[str, ToolCall]:
-    """Tool calls in ``messages`` that no tool message answers yet, by id, in call order."""
-    answered = {m.tool_call_id for m in messages if m.role == "tool"}
-    return {c.id: c for m in messages if m.role == "assistant" for c in m.tool_calls if c.id not in answered}
-
-
-def _refuse_while_calls_pend(session: Conversation, what: str) -> None:
-    pending = pending_tool_calls(session.messages)
-    if pending:
-        raise UserError(
-            f"{what} cannot come before the results of the pending tool calls {sorted(pending)}; continue "
-            "the run with a tool message for each: [{'role': 'tool', 'tool_call_id': ..., 'content': ...}]"
-        )
-
-
-def _checked_messages(state: _RunState, messages: list[Message]) -> list[Message]:
-    """``messages`` as they may follow the window: tool results answer pending calls (named after
-    them), no user or assistant turn jumps a pending call, a system message is the agent's own
-    instructions (left out), and the last message is one the model can answer."""
-    agent = state.agent
-    pending = pending_tool_calls(state.session.messages)
-    kept: list[Message] = []
-    for index, message in enumerate(messages):
-        if message.role == "system":
-            if message.content != agent.instructions:
-                raise UserError(f"message {index}: a system message must be the agent's instructions; set "
-                                f"Agent(instructions=...) to change them (agent {agent.name!r})")
-            continue
-        if message.role == "tool":
-            call = pending.pop(message.tool_call_id or "", None)
-            if call is None:
-                raise UserError(f"message {index}: tool_call_id {message.tool_call_id!r} answers no pending "
-                                f"tool call (pending: {sorted(pending) or 'none'})")
-            kept.append(message.model_copy(update={"name": call.name}))
-            continue
-        if pending:
-            raise UserError(f"message {index} ({message.role}) comes before the results of the pending tool "
-                            f"calls {sorted(pending)}; send a tool message for each first")
-        pending.update({c.id: c for c in message.tool_calls})
-        kept.append(message)
-    if not kept:
-        raise UserError("the run needs a user message or tool results to answer; got none")
-    if pending:
-        raise UserError(f"the tool calls {sorted(pending)} still need results: send a tool message for each")
-    if kept[-1].role == "assistant":
-        raise UserError("the last message is the assistant's: end with a user message or tool results to answer")
-    return kept
+    return await _record_new(state, checked_input(state.agent, state.session.messages, run_input))
 
 
 async def _record_new(state: _RunState, messages: list[Message]) -> list[WindowEntry]:
@@ -283,10 +225,7 @@ async def _fit_window(state: _RunState) -> AsyncIterator[RunEvent]:
 
 
 def _prompt_limit(state: _RunState) -> int:
-    agent = state.agent
-    context = state.session.context_len
-    max_prompt = min(agent.max_prompt_len or context, context)
-    return max_prompt - agent.min_response_len
+    return state.agent.prompt_budget(state.session.context_len)
 
 
 async def _generate_with_retry(state: _RunState, step: int) -> AsyncIterator[TextDelta]:
@@ -327,9 +266,7 @@ async def _generate(state: _RunState, step: int, *, max_new_tokens: int | None =
 
 def _room(state: _RunState, prompt_len: int) -> int:
     """Tokens the window leaves for an answer after a prompt of ``prompt_len``."""
-    agent = state.agent
-    max_prompt = min(agent.max_prompt_len or state.session.context_len, state.session.context_len)
-    return max(1, max_prompt - prompt_len)
+    return max(1, state.agent.max_prompt(state.session.context_len) - prompt_len)
 
 
 def _step_config(state: _RunState, prompt_len: int) -> GenerationConfig:

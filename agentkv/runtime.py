@@ -43,7 +43,8 @@ from agentkv.persistence import (
     save_snapshot,
 )
 from agentkv.result import RunResult
-from agentkv.runner import RunInput, run_turns
+from agentkv.run_input import RunInput
+from agentkv.runner import run_turns
 
 
 class Runtime:

@@ -8,6 +8,7 @@ exact ``token_ids`` the model generated, so re-rendering them never re-tokenises
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -97,3 +98,9 @@ class Message(BaseModel):
         if self.name is not None and self.role == "tool":
             out["name"] = self.name
         return out
+
+
+def pending_tool_calls(messages: Sequence[Message]) -> dict[str, ToolCall]:
+    """Tool calls in ``messages`` that no tool message answers yet, by id, in call order."""
+    answered = {m.tool_call_id for m in messages if m.role == "tool"}
+    return {c.id: c for m in messages if m.role == "assistant" for c in m.tool_calls if c.id not in answered}
