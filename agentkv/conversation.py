@@ -44,6 +44,15 @@ class WindowEntry:
     message cut to fit the window (empty for an ordinary message)."""
 
 
+def render_for(renderer: ChatRenderer, agent: Agent, messages: Sequence[Message], *,
+               add_generation_prompt: bool = True) -> RenderedPrompt:
+    """The prompt ``agent`` sends over ``messages``: its system turn (none for
+    ``instructions=None``) and its tools, then the messages."""
+    system = [] if agent.instructions is None else [Message.system(agent.instructions)]
+    tools = agent.tool_schemas if agent.tool_choice != "none" else []
+    return renderer.render([*system, *messages], tools=tools, add_generation_prompt=add_generation_prompt)
+
+
 MessageSink = Callable[["Conversation", Message, int, bool], Awaitable[int | None]]
 """``(session, message, token_count, in_window) -> seq``: persists a message (the store's hook)."""
 
@@ -146,9 +155,7 @@ class Conversation:
     ) -> RenderedPrompt:
         """The prompt for ``agent`` over ``messages`` instead of the window (e.g. to size a
         message before recording it): ``session.render_with(agent, [Message.user("hi")])``."""
-        system = [] if agent.instructions is None else [Message.system(agent.instructions)]
-        tools = agent.tool_schemas if agent.tool_choice != "none" else []
-        return self.renderer.render([*system, *messages], tools=tools, add_generation_prompt=add_generation_prompt)
+        return render_for(self.renderer, agent, messages, add_generation_prompt=add_generation_prompt)
 
     # ---- For context policies (``agentkv.policies.protocol.ConversationView``) ---------------------
 

@@ -27,7 +27,7 @@ import anyio
 from agentkv.agent import Agent
 from agentkv.chat.messages import Message
 from agentkv.chat.render import ChatRenderer
-from agentkv.conversation import Conversation
+from agentkv.conversation import Conversation, render_for
 from agentkv.engine.base import Engine
 from agentkv.errors import SessionBusy, UserError
 from agentkv.events import RunEvent, RunFinished
@@ -85,11 +85,10 @@ class Runtime:
     def register_agent_prefix(self, agent: Agent, *, salt: str = "") -> None:
         """Register the prompt prefix every conversation of ``agent`` starts with (system prompt
         and tools) as shared, for the sessions of tenant ``salt``."""
-        tools = agent.tool_schemas if agent.tool_choice != "none" else []
         # NOTE: without instructions the shared prefix is what the template puts before a first
         # user turn (its default system prompt, or the tools' system turn)
-        first = [Message.system(agent.instructions)] if agent.instructions is not None else [Message.user("")]
-        prefix = self.renderer.render(first, tools=tools, add_generation_prompt=False)
+        probe = [Message.user("")] if agent.instructions is None else []
+        prefix = render_for(self.renderer, agent, probe, add_generation_prompt=False)
         if prefix.prefix_len:
             self.engine.register_prefix(prefix.token_ids[: prefix.prefix_len], salt=salt)
 

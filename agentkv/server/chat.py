@@ -26,7 +26,7 @@ from typing import Any
 from agentkv.agent import Agent
 from agentkv.chat.messages import Message
 from agentkv.chat.openai_messages import messages_from_openai
-from agentkv.conversation import Conversation, WindowEntry
+from agentkv.conversation import Conversation, WindowEntry, render_for
 from agentkv.errors import ContextOverflowError, UserError
 from agentkv.events import RunFinished, TextDelta
 from agentkv.result import RunResult
@@ -82,9 +82,8 @@ class ChatCompletions:
         agent = dataclasses.replace(self._agent(request, "\n\n".join(system) if system else None, salt),
                                     generation=request.generation_config())
         history = self.live.with_token_ids(history)
-        probe = Conversation("probe", agent, self.runtime.engine, None, self.runtime.renderer)  # type: ignore[arg-type]
-        prompt = probe.render_with(agent, [*history, *tail]).token_ids
-        limit = self.runtime.engine.max_context_len - agent.min_response_len
+        prompt = render_for(self.runtime.renderer, agent, [*history, *tail]).token_ids
+        limit = agent.prompt_budget(self.runtime.engine.max_context_len)
         if len(prompt) > limit:
             raise ContextOverflowError(
                 f"the messages need {len(prompt)} tokens, over the {limit} this model's context leaves "

@@ -125,8 +125,9 @@ class LiveSessions:
     def remember(self, message: Message) -> None:
         """Keep an answer's token ids for when its history comes back."""
         if message.token_ids is not None:
-            self._answers[_answer_key(message)] = message.token_ids
-            self._answers.move_to_end(_answer_key(message))
+            key = _answer_key(message)
+            self._answers[key] = message.token_ids
+            self._answers.move_to_end(key)
             while len(self._answers) > REMEMBERED_ANSWERS:
                 self._answers.popitem(last=False)
 
