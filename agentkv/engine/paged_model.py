@@ -86,8 +86,10 @@ class PagedModel:
         self._compiled = compile_for_device(core, model, device, config)
         # NOTE: the plugin chooses a u8 cache's block shapes (its quantisation parameters live in
         # the blocks, by channel or by token): read them from the compiled model.
-        shapes = {port.get_any_name(): tuple(d.get_length() for d in list(port.get_partial_shape())[1:])
-                  for port in self._compiled.inputs if port.get_any_name().startswith(("key_cache.", "value_cache."))}
+        cache_ports = {port.get_any_name(): port for port in self._compiled.inputs
+                       if port.get_any_name().startswith(("key_cache.", "value_cache."))}
+        shapes = {name: tuple(d.get_length() for d in list(port.get_partial_shape())[1:])
+                  for name, port in cache_ports.items()}
         self.block_shapes = (shapes["key_cache.0"], shapes["value_cache.0"])
         """``[heads, rows, cols]`` of one key block and one value block (as the plugin laid them out)."""
         self.block_bytes = self.num_layers * element.size * sum(int(np.prod(s)) for s in self.block_shapes)
@@ -111,14 +113,11 @@ class PagedModel:
         self._request = self._compiled.create_infer_request()
         self.caches: dict[str, ov.Tensor] = {}
         """``key_cache.N`` / ``value_cache.N`` → the block storage (read and written through ``.data``)."""
-        for port in self._compiled.inputs:
-            name = port.get_any_name()
-            if name.startswith(("key_cache.", "value_cache.")):
-                dims = [d.get_length() for d in list(port.get_partial_shape())[1:]]
-                tensor = ov.Tensor(port.get_element_type(), [num_blocks, *dims])
-                tensor.data[...] = 0
-                self._request.set_tensor(name, tensor)
-                self.caches[name] = tensor
+        for name, port in cache_ports.items():
+            tensor = ov.Tensor(port.get_element_type(), [num_blocks, *shapes[name]])
+            tensor.data[...] = 0
+            self._request.set_tensor(name, tensor)
+            self.caches[name] = tensor
 
     def step(self, sequences: Sequence[SequenceStep]) -> np.ndarray:
         """Feed every sequence its ids; float32 logits ``[len(sequences), vocab]`` of each last

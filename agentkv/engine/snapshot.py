@@ -92,10 +92,6 @@ class WritableSlot(Protocol):
     def write(self, keys: np.ndarray, values: np.ndarray) -> None: ...
 
 
-class BlockWritableSlot(WritableSlot, Protocol):
-    def write_blocks(self, keys: np.ndarray, values: np.ndarray, length: int) -> None: ...
-
-
 @dataclass(frozen=True, eq=False)
 class KVSnapshot:
     """The KV of a token log, detached from any model request. Arrays are read-only views.

@@ -207,6 +207,7 @@ class StepBatcher:
             for row, p in enumerate(batch):
                 p.outcome, p.done = StepOutcome(logits[row], len(batch), started - p.queued_at), True
         ended = time.perf_counter()
+        tokens = sum(len(p.sequence.ids) for p in batch)
         with self._changed:
             self._last_step_s = ended - started
             self._steps += 1
@@ -215,9 +216,9 @@ class StepBatcher:
                     self._recent[p.caller] = self._steps
             self._recent = {c: step for c, step in self._recent.items() if step >= self._steps - 1}
             self._sequences += len(batch)
-            self._tokens += sum(len(p.sequence.ids) for p in batch)
+            self._tokens += tokens
             self._largest = max(self._largest, len(batch))
             self._queued_s += sum(started - p.queued_at for p in batch)
             self._busy_s += ended - started
-            self._records.append(StepRecord(len(batch), sum(len(p.sequence.ids) for p in batch), ended - started,
+            self._records.append(StepRecord(len(batch), tokens, ended - started,
                                             max(started - p.queued_at for p in batch)))
