@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from agentkv.chat.messages import Message, ToolCall
 from agentkv.errors import UserError
+from agentkv.validation_text import describe_problems
 
 
 class TextPart(BaseModel):
@@ -92,7 +93,7 @@ def messages_from_openai(items: Iterable[Mapping[str, Any] | Message]) -> list[M
         try:
             parsed = _ADAPTER.validate_python(dict(item))
         except ValidationError as error:
-            problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'message'}: {e['msg']}" for e in error.errors())
+            problems = describe_problems(error.errors(), root="message")
             raise UserError(f"message {index} is not an OpenAI chat message ({problems})") from error
         out.append(_to_message(index, parsed, names))
     return out

@@ -15,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from agentkv.errors import ConstraintError, ContextOverflowError, SessionBusy, UserError
+from agentkv.validation_text import describe_problems
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error"}
@@ -57,6 +58,6 @@ async def validation_error_handler(request: Request, error: Exception) -> JSONRe
     problems = error.errors()
     first = problems[0] if problems else {}
     location = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-    message = "; ".join(f"{'.'.join(str(p) for p in e['loc'] if p != 'body')}: {e['msg']}" for e in problems)
+    message = describe_problems(problems, root="", skip=("body",))
     return JSONResponse(error_body(400, message or "invalid request body", "invalid_request", location or None),
                         status_code=400)

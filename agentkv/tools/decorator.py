@@ -33,8 +33,8 @@ import anyio.to_thread
 from pydantic import BaseModel
 
 from agentkv.errors import UserError
-from agentkv.tools.results import serialize_result, truncate_text
 from agentkv.tools.external import external_schema
+from agentkv.tools.results import serialize_result, truncate_text
 from agentkv.tools.schema import FunctionSchema, function_schema
 
 DEFAULT_MAX_RESULT_CHARS = 8_000

@@ -16,7 +16,6 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import anyio
 from pydantic import ValidationError
@@ -25,10 +24,9 @@ from agentkv.chat.messages import Message, ToolCall
 from agentkv.errors import UserError
 from agentkv.tools.decorator import DEFAULT_MAX_RESULT_CHARS, Tool
 from agentkv.tools.results import truncate_text
+from agentkv.validation_text import describe_problems
 
 logger = logging.getLogger(__name__)
-
-_MAX_INPUT_REPR_CHARS = 60
 
 
 @dataclass(frozen=True)
@@ -122,20 +120,8 @@ def _unknown_tool_text(name: str, registry: dict[str, Tool]) -> str:
 
 def _invalid_arguments_text(tool_name: str, error: ValidationError) -> str:
     """``error: invalid arguments for 'add': b: Input should be a valid integer (got 'x')``."""
-    problems = [_describe_problem(problem) for problem in error.errors()]
-    return f"error: invalid arguments for {tool_name!r}: " + "; ".join(problems)
-
-
-def _describe_problem(problem: Any) -> str:
-    """One pydantic error as ``location: message (got input)``."""
-    location = ".".join(str(part) for part in problem.get("loc", ())) or "arguments"
-    text = f"{location}: {problem['msg']}"
-    if problem.get("type") not in ("missing", "extra_forbidden") and "input" in problem:
-        shown = repr(problem["input"])
-        if len(shown) > _MAX_INPUT_REPR_CHARS:
-            shown = shown[: _MAX_INPUT_REPR_CHARS - 1] + "…"
-        text += f" (got {shown})"
-    return text
+    problems = describe_problems(error.errors(), root="arguments", show_input=True)
+    return f"error: invalid arguments for {tool_name!r}: " + problems
 
 
 def _exception_text(tool_name: str, error: Exception) -> str:

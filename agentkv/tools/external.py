@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, create_model, field
 from agentkv.chat.toolcalls import TOOL_NAME_PATTERN
 from agentkv.errors import UserError
 from agentkv.tools.schema import FunctionSchema
+from agentkv.validation_text import describe_problems
 
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
@@ -77,7 +78,7 @@ def parse_tool_spec(schema: Mapping[str, Any]) -> FunctionSpec:
             raise UserError(f'only "function" tools are supported, got type {schema.get("type")!r}')
         return FunctionSpec.model_validate(flat)
     except ValidationError as error:
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'schema'}: {e['msg']}" for e in error.errors())
+        problems = describe_problems(error.errors(), root="schema")
         raise UserError(
             f"not a tool schema in OpenAI function format ({problems}); expected "
             '{"type": "function", "function": {"name": ..., "description": ..., "parameters": {...}}}'

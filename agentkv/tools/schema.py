@@ -29,11 +29,9 @@ from pydantic.errors import PydanticSchemaGenerationError
 from pydantic.fields import FieldInfo
 from pydantic.json_schema import GenerateJsonSchema, PydanticJsonSchemaWarning
 
-from agentkv.errors import UserError
 from agentkv.chat.toolcalls import TOOL_NAME_PATTERN
+from agentkv.errors import UserError
 from agentkv.tools.docstrings import parse_docstring
-
-"""Tool names the OpenAI tool format accepts: letters, digits, ``_`` and ``-``, at most 64."""
 
 
 class _ToolJsonSchema(GenerateJsonSchema):
