@@ -172,22 +172,42 @@ def serve(
     port: int = typer.Option(8000, "--port", min=1, max=65535, help="Port to listen on."),
     api_key: Optional[str] = typer.Option(
         None, "--api-key", help="Bearer token every request must send (default: $AGENTKV_API_KEY; none: open)."),
+    db: Optional[str] = typer.Option(
+        None, "--db", help=DB_HELP + " Stored responses and their conversations live here."),
     model: Optional[str] = typer.Option(None, "--model", help=MODEL_HELP),
     engine: Optional[str] = typer.Option(
         None, "--engine", help="paged or stateful (default: $AGENTKV_ENGINE, else paged on CPU/GPU)."),
-    max_sessions: int = typer.Option(64, "--max-sessions", min=1, help="KV sessions kept alive between requests."),
+    max_sessions: int = typer.Option(64, "--max-sessions", min=1,
+                                     help="KV sessions kept alive between requests (and as many stored conversations)."),
     max_running: int = typer.Option(64, "--max-running", min=1,
                                     help="Requests served at once; more are answered 429."),
     kv_reuse: bool = typer.Option(True, "--kv-reuse/--no-kv-reuse",
-                                  help="Match requests to live KV sessions (off: every request prefills it all)."),
+                                  help="Match chat requests to live KV sessions (off: every request prefills it all)."),
+    system: Optional[str] = typer.Option(
+        None, "--system", help="System prompt of requests that send none (default: the chat template's)."),
+    tools: Optional[bool] = typer.Option(
+        None, "--tools/--no-tools",
+        help="Offer the calculator and clock tools on every request, run by the server (default: none)."),
+    policy: Optional[PolicyName] = typer.Option(
+        None, "--policy", case_sensitive=False,
+        help="What leaves the window of a stored conversation that outgrows --max-prompt-len (default: 413)."),
+    max_prompt_len: Optional[int] = typer.Option(
+        None, "--max-prompt-len", min=1, help="Window in tokens: prompt plus answer (default: the model's context)."),
+    max_new_tokens: Optional[int] = typer.Option(
+        None, "--max-new-tokens", min=1, help="Answer length of requests that set no max_tokens (default 512)."),
+    temperature: Optional[float] = typer.Option(
+        None, "--temperature", min=0.0, help="Temperature of requests that set none (default 1, as OpenAI)."),
 ) -> None:
-    """Serve the model over the OpenAI API (/v1/chat/completions, /v1/models); prints the URL when ready."""
+    """Serve the model over the OpenAI API: /v1/chat/completions, /v1/responses (stored, chained by
+    previous_response_id across restarts), /v1/models. Prints the URL when ready; stops on SIGTERM."""
     from agentkv.cli_serve import ServeOptions
     from agentkv.cli_serve import serve as run_server
 
     if engine is not None and engine not in ("paged", "stateful"):
         raise typer.BadParameter("--engine must be paged or stateful")
-    options = ServeOptions(host, port, api_key, model, engine, max_sessions, max_running, kv_reuse)
+    agent = AgentOptions(system=system, tools=tools, policy=policy, max_prompt_len=max_prompt_len,
+                         max_new_tokens=max_new_tokens, temperature=temperature)
+    options = ServeOptions(host, port, api_key, db, model, engine, max_sessions, max_running, kv_reuse, agent)
     _guard(lambda: run_server(options))
 
 

@@ -2,10 +2,11 @@
 
 ::
 
-    agentkv serve --port 8000 --api-key sk-local
+    agentkv serve --port 8000 --api-key sk-local --db sqlite:///srv/agentkv.db --system "Be brief."
     # → agentkv serving SmolLM2-135M-Instruct at http://127.0.0.1:8000/v1
 
-uvicorn stops cleanly on SIGTERM and SIGINT (the app's shutdown closes every KV session).
+uvicorn stops cleanly on SIGTERM and SIGINT: runs still going are cancelled (each snapshots its
+conversation's KV as it ends) and every KV session is closed; stored responses resume after a restart.
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ import signal
 import sys
 from dataclasses import dataclass
 
+from agentkv.agent import Agent
+from agentkv.cli_agent import CLI_TOOLS, AgentOptions, apply_options, check_window
+from agentkv.server.request_agents import AgentDefaults
+
 API_KEY_ENV = "AGENTKV_API_KEY"
 
 
@@ -27,28 +32,50 @@ class ServeOptions:
     host: str
     port: int
     api_key: str | None
+    db: str | None
     model: str | None
     engine: str | None
     max_sessions: int
     max_running: int
     kv_reuse: bool
+    agent: AgentOptions
+
+
+def agent_defaults(options: AgentOptions, context_len: int | None = None) -> AgentDefaults:
+    """The server's agent defaults from the CLI's agent options (``CLIUsageError`` for a
+    combination no request could run under, e.g. a window over the model's context)."""
+    options.check()
+    probe = apply_options(Agent(name="serve", instructions=None), options)  # validates like `agentkv chat`
+    check_window(probe, context_len)
+    fallback = AgentDefaults()
+    return AgentDefaults(
+        instructions=options.system,
+        tools=CLI_TOOLS if options.tools else (),
+        policy=probe.policy,
+        max_prompt_len=options.max_prompt_len,
+        max_new_tokens=options.max_new_tokens or fallback.max_new_tokens,
+        temperature=fallback.temperature if options.temperature is None else options.temperature,
+    )
 
 
 def serve(options: ServeOptions) -> None:
     """Run the server until it is told to stop (blocking)."""
     import uvicorn
 
+    from agentkv.cli_config import model_choice, open_store
     from agentkv.engine.factory import open_engine
     from agentkv.server import create_app
 
+    agent_defaults(options.agent)  # a bad option fails before the model loads
     api_key = options.api_key or os.environ.get(API_KEY_ENV) or None
     if api_key is None and not _is_loopback(options.host):
         print(f"warning: serving on {options.host} without an API key: anyone who can reach it can use it "
               f"(pass --api-key or set {API_KEY_ENV})", file=sys.stderr)
-    engine = open_engine(options.model, backend=options.engine)  # type: ignore[arg-type]
+    engine = open_engine(model_choice(options.model), backend=options.engine)  # type: ignore[arg-type]
     model_id = _model_id(engine)
-    app = create_app(engine, api_key=api_key, model_id=model_id, max_sessions=options.max_sessions,
-                     max_running=options.max_running, reuse_kv=options.kv_reuse)
+    app = create_app(engine, store=open_store(options.db), api_key=api_key, model_id=model_id,
+                     max_sessions=options.max_sessions, max_running=options.max_running, reuse_kv=options.kv_reuse,
+                     defaults=agent_defaults(options.agent, engine.max_context_len))
     server = uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port, log_level="warning",
                                            timeout_graceful_shutdown=10))
 

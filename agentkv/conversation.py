@@ -212,6 +212,11 @@ class Conversation:
 
     # ---- Runs ---------------------------------------------------------------------------------
 
+    @property
+    def running(self) -> bool:
+        """True while a run holds the session (``run_guard``)."""
+        return self._running
+
     @asynccontextmanager
     async def run_guard(self) -> AsyncIterator[None]:
         """Mark the session as running for the block; a concurrent run raises ``SessionBusy``."""

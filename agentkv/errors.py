@@ -34,6 +34,17 @@ class ContextOverflowError(AgentKVError):
         self.limit = limit
 
 
+class ResponseNotFound(AgentKVError):
+    """No stored response has this id (for the caller: another tenant's is not found either)."""
+
+    def __init__(self, response_id: str) -> None:
+        super().__init__(
+            f"no stored response {response_id!r}: it was never stored (store=false), was deleted, "
+            "or belongs to another API key; start a new conversation without previous_response_id"
+        )
+        self.response_id = response_id
+
+
 class SessionClosed(UserError):
     """An operation was attempted on a session that has been closed."""
 

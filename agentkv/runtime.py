@@ -76,11 +76,19 @@ class Runtime:
 
     def add_agent(self, agent: Agent) -> None:
         """Make ``agent`` known (needed to resume its sessions) and register its shared prefix."""
+        self._know(agent, "")
+
+    def _know(self, agent: Agent, salt: str) -> None:
         known = self._agents.get(agent.name)
         if known is not None and known is not agent:
             raise UserError(f"another agent named {agent.name!r} is already registered; use a unique name")
         self._agents[agent.name] = agent
-        self.register_agent_prefix(agent)
+        self.register_agent_prefix(agent, salt=salt)
+
+    def forget_agent(self, name: str) -> None:
+        """Drop a registered agent (its open sessions keep running it; resuming its sessions
+        then needs the Agent again): ``runtime.forget_agent("helper")``."""
+        self._agents.pop(name, None)
 
     def register_agent_prefix(self, agent: Agent, *, salt: str = "") -> None:
         """Register the prompt prefix every conversation of ``agent`` starts with (system prompt
@@ -92,9 +100,10 @@ class Runtime:
         if prefix.prefix_len:
             self.engine.register_prefix(prefix.token_ids[: prefix.prefix_len], salt=salt)
 
-    async def open_session(self, agent: Agent, *, session_id: str | None = None) -> Conversation:
-        """A new conversation for ``agent`` (stored, if the runtime has a store)."""
-        self.add_agent(agent)
+    async def open_session(self, agent: Agent, *, session_id: str | None = None, salt: str = "") -> Conversation:
+        """A new conversation for ``agent`` (stored, if the runtime has a store). ``salt``: the
+        tenant whose cached prefixes the session may share (``open_session(agent, salt="team-a")``)."""
+        self._know(agent, salt)
         sid = session_id or uuid.uuid4().hex
         if sid in self._sessions:
             raise UserError(f"session {sid!r} is already open in this runtime")
@@ -103,20 +112,20 @@ class Runtime:
                 agent.name, agent.instructions, [t.name for t in agent.tools], _agent_settings(agent)
             )
             await self.store.create_session(agent.name, session_id=sid)
-        return await self._attach(sid, agent, [])
+        return await self._attach(sid, agent, [], salt)
 
-    async def resume(self, session_id: str, agent: Agent | None = None) -> Conversation:
+    async def resume(self, session_id: str, agent: Agent | None = None, *, salt: str = "") -> Conversation:
         """Reopen a stored session: its window of messages and, from the newest valid snapshot,
         its KV; ``session.resume_report`` says what came back. Raises ``SessionNotFound`` for an
-        unknown id."""
+        unknown id. ``salt``: the tenant, as for ``open_session``."""
         store = self._require_store("resume")
         if session_id in self._sessions:
             return self._sessions[session_id]
         record = await store.get_session(session_id)
         if agent is not None:
-            self.add_agent(agent)  # its shared prefix is registered like any other agent's
+            self._know(agent, salt)  # its shared prefix is registered like any other agent's
         agent = agent or await self._agent_for(record.agent_name)
-        session = await self._attach(session_id, agent, await load_window(store, session_id))
+        session = await self._attach(session_id, agent, await load_window(store, session_id), salt)
         repaired = await self._repair_if_free(session)
         prompt = session.render(agent, add_generation_prompt=False).token_ids
         restored, skipped = await restore_newest_snapshot(
@@ -146,8 +155,8 @@ class Runtime:
         await store.release_lease(session_id, self.holder)
         return None
 
-    async def _attach(self, sid: str, agent: Agent, window: list) -> Conversation:  # type: ignore[type-arg]
-        kv = await self.engine.open_session()
+    async def _attach(self, sid: str, agent: Agent, window: list, salt: str) -> Conversation:  # type: ignore[type-arg]
+        kv = await self.engine.open_session(salt=salt)
         session = Conversation(
             sid, agent, self.engine, kv, self.renderer, window=window,
             sink=StoreSink(self.store) if self.store is not None else None,
@@ -172,7 +181,8 @@ class Runtime:
             raise UserError(f"{action} needs a store: Runtime(engine, store=Store.from_env())")
         return self.store
 
-    async def run(self, session: Conversation, user_input: RunInput) -> RunResult:
+    async def run(self, session: Conversation, user_input: RunInput, *,
+                  continue_from: int | None = None) -> RunResult:
         """Run the session's agent on ``user_input`` to its final answer: a user message's text,
         or messages — OpenAI chat dicts or ``Message``s, e.g. the results of the calls a run
         left pending (``result.pending_tool_calls``)::
@@ -183,35 +193,43 @@ class Runtime:
                 result = await runtime.run(session, [{"role": "tool", "tool_call_id": call.id, "content": "18 C"}])
 
         A message that cannot follow the history (a user turn before pending results, a result
-        for no pending call) raises ``UserError`` and records nothing."""
+        for no pending call) raises ``UserError`` and records nothing. ``continue_from``: see
+        ``run_stream``."""
         result: RunResult | None = None
-        async for event in self.run_stream(session, user_input):
+        async for event in self.run_stream(session, user_input, continue_from=continue_from):
             if isinstance(event, RunFinished):
                 result = event.result
         assert result is not None
         return result
 
-    async def run_stream(self, session: Conversation, user_input: RunInput) -> AsyncIterator[RunEvent]:
+    async def run_stream(self, session: Conversation, user_input: RunInput, *,
+                         continue_from: int | None = None) -> AsyncIterator[RunEvent]:
         """The one way to run a conversation: yields typed events, the last ``RunFinished``.
 
         With a store the run holds the session's lease (a heartbeat renews it), first reloads a
         window another process changed and gives interrupted tool calls their result, and
-        snapshots the KV when it ends. Close the stream to stop early (``aclosing``)."""
+        snapshots the KV when it ends. Close the stream to stop early (``aclosing``).
+        ``continue_from=seq`` (stored sessions) continues from that message: later ones — e.g.
+        the input of a run that never finished — leave the window first (``Store.rewind``)."""
+        if continue_from is not None and self.store is None:
+            raise UserError("continue_from needs a store: Runtime(engine, store=Store.from_env())")
         # NOTE: the in-process guard comes first: a second run here must not touch (and then
         # release) the lease the first run holds.
-        async with session.run_guard(), self._stored_run(session):
+        async with session.run_guard(), self._stored_run(session, continue_from):
             async with aclosing(run_turns(session.agent, session, user_input)) as events:
                 async for event in events:
                     yield event
 
     @asynccontextmanager
-    async def _stored_run(self, session: Conversation) -> AsyncIterator[None]:
+    async def _stored_run(self, session: Conversation, continue_from: int | None) -> AsyncIterator[None]:
         """What a run does around its turns when there is a store (nothing without one)."""
         if self.store is None:
             yield
             return
         async with LeaseKeeper(self.store, session.id, self.holder, ttl_s=self.lease_ttl_s):
             try:
+                if continue_from is not None:
+                    await self.store.rewind(session.id, continue_from)
                 session.reload_window(await load_window(self.store, session.id))
                 await record_interrupted_calls(session)
                 yield

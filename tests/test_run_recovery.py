@@ -7,8 +7,9 @@ import json
 import pytest
 
 from agentkv import Agent, GenerationConfig, Runtime, tool
-from agentkv.errors import ContextOverflowError, MaxTurnsExceeded
+from agentkv.errors import ContextOverflowError, MaxTurnsExceeded, UserError
 from agentkv.events import RunFinished
+from agentkv.memory import Store
 from agentkv.policies import Truncation
 from agentkv.testing import ScriptedEngine
 
@@ -147,3 +148,21 @@ async def test_after_a_refused_input_a_new_process_resumes_and_answers(tmp_path)
     resumed = await later.resume("big")
     assert [m.content for m in resumed.messages] == ["hello", "fine"]
     assert (await later.run(resumed, "still there?")).final_text == "welcome back"
+
+
+# ---- continuing from a message --------------------------------------------------------------
+async def test_continue_from_leaves_a_failed_runs_input_out_of_the_window(tmp_path):
+    store = Store(f"sqlite:///{tmp_path / 'a.db'}")
+    engine = ScriptedEngine(["Hello!", RuntimeError("the model crashed"), "Welcome back."])
+    runtime = Runtime(engine, store)
+    session = await runtime.open_session(Agent(name="a"))
+    await runtime.run(session, "Hi")
+    last = await store.last_seq(session.id)
+    with pytest.raises(RuntimeError):
+        await runtime.run(session, "Lost words")
+    result = await runtime.run(session, "Retry", continue_from=last)
+    assert result.final_text == "Welcome back." and "Lost words" not in engine.calls[2].prompt_text
+    assert [m.content for m in session.messages] == ["Hi", "Hello!", "Retry", "Welcome back."]
+    assert len(await store.messages(session.id)) == 5  # the failed input is kept, out of the window
+    with pytest.raises(UserError, match="needs a store"):
+        await Runtime(engine).run(session, "x", continue_from=1)

@@ -31,27 +31,38 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+class RunningServer:
+    """``agentkv serve`` in a subprocess on a free loopback port, until ``stop`` (SIGTERM)."""
+
+    def __init__(self, db: str, *args: str) -> None:
+        port = free_port()
+        env = {**os.environ, "AGENTKV_API_KEY": KEY}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "agentkv.cli", "serve", "--port", str(port), "--db", db, *args],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        assert self.process.stdout is not None
+        deadline = time.monotonic() + 180
+        line = ""
+        while time.monotonic() < deadline:
+            line = self.process.stdout.readline()
+            if "serving" in line or self.process.poll() is not None:
+                break
+        if "serving" not in line:
+            self.process.kill()
+            pytest.fail(f"the server did not start: {line!r} {self.process.stderr.read() if self.process.stderr else ''}")
+        assert f"http://127.0.0.1:{port}/v1" in line
+        self.url = f"http://127.0.0.1:{port}"
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        assert self.process.wait(timeout=60) == 0  # stops cleanly on SIGTERM
+
+
 @pytest.fixture(scope="module")
-def server():
-    port = free_port()
-    env = {**os.environ, "AGENTKV_API_KEY": KEY}
-    process = subprocess.Popen([sys.executable, "-m", "agentkv.cli", "serve", "--port", str(port),
-                                "--max-sessions", "8"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, env=env)
-    assert process.stdout is not None
-    deadline = time.monotonic() + 180
-    line = ""
-    while time.monotonic() < deadline:
-        line = process.stdout.readline()
-        if "serving" in line or process.poll() is not None:
-            break
-    if "serving" not in line:
-        process.kill()
-        pytest.fail(f"the server did not start: {line!r} {process.stderr.read() if process.stderr else ''}")
-    assert f"http://127.0.0.1:{port}/v1" in line
-    yield f"http://127.0.0.1:{port}"
-    process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=60) == 0  # stops cleanly on SIGTERM
+def server(tmp_path_factory):
+    running = RunningServer(f"sqlite:///{tmp_path_factory.mktemp('serve') / 'agentkv.db'}", "--max-sessions", "8")
+    yield running.url
+    running.stop()
 
 
 @pytest.fixture
@@ -153,3 +164,73 @@ def test_a_client_hanging_up_mid_stream_cancels_the_run_and_the_server_goes_on(s
     assert httpx.get(server + "/health").json()["running"] == 0
     again = client.chat.completions.create(model="any", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
     assert again.choices[0].message.content is not None
+
+
+def test_responses_chain_by_previous_response_id_across_a_server_restart(tmp_path):
+    db = f"sqlite:///{tmp_path / 'responses.db'}"
+    running = RunningServer(db)
+    try:
+        client = openai.OpenAI(base_url=running.url + "/v1", api_key=KEY, max_retries=0)
+        first = client.responses.create(model="any", instructions="You answer in one short sentence.",
+                                        input="Name a fruit.", temperature=0, max_output_tokens=16)
+        assert first.status in ("completed", "incomplete") and first.output_text
+        second = client.responses.create(model="any", instructions="You answer in one short sentence.",
+                                         input="Name a colour.", previous_response_id=first.id, temperature=0,
+                                         max_output_tokens=16)
+        live_new = second.usage.input_tokens - second.usage.input_tokens_details.cached_tokens
+        assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens and live_new <= 40
+    finally:
+        running.stop()
+    restarted = RunningServer(db)
+    try:
+        client = openai.OpenAI(base_url=restarted.url + "/v1", api_key=KEY, max_retries=0)
+        assert client.responses.retrieve(first.id).output_text == first.output_text
+        third = client.responses.create(model="any", instructions="You answer in one short sentence.",
+                                        input="Name an animal.", previous_response_id=second.id, temperature=0,
+                                        max_output_tokens=16)
+        usage = third.usage
+        # the history's KV came back from the snapshot: only the new turn was prefilled
+        assert usage.input_tokens_details.cached_tokens >= second.usage.input_tokens
+        assert usage.input_tokens - usage.input_tokens_details.cached_tokens <= 40
+        with pytest.raises(openai.ConflictError):  # an older response: the conversation has moved on
+            client.responses.create(model="any", input="Again?", previous_response_id=first.id, max_output_tokens=4)
+        client.responses.delete(third.id)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(third.id)
+    finally:
+        restarted.stop()
+
+
+def test_a_streamed_response_with_a_client_executed_function(client):
+    tool = {"type": "function", "name": "get_weather", "description": "Current weather in a city.",
+            "parameters": WEATHER["function"]["parameters"]}
+    events = list(client.responses.create(model="any", input="What is the weather in Paris?", tools=[tool],
+                                          tool_choice="required", temperature=0, max_output_tokens=48, stream=True))
+    assert events[0].type == "response.created" and events[-1].type == "response.completed"
+    [call] = [item for item in events[-1].response.output if item.type == "function_call"]
+    assert call.name == "get_weather" and "city" in json.loads(call.arguments)
+    answer = client.responses.create(model="any", previous_response_id=events[-1].response.id, tools=[tool],
+                                     input=[{"type": "function_call_output", "call_id": call.call_id,
+                                             "output": '{"temperature_c": 18}'}],
+                                     temperature=0, max_output_tokens=24)
+    assert answer.status in ("completed", "incomplete")
+    assert answer.usage.input_tokens - answer.usage.input_tokens_details.cached_tokens <= 48  # the result only
+
+
+def test_hanging_up_on_a_chained_response_leaves_the_chain_continuable(server, client):
+    first = client.responses.create(model="any", input="Say hi.", temperature=0, max_output_tokens=8)
+    stream = client.responses.create(model="any", input="Write a long story about the sea.",
+                                     previous_response_id=first.id, temperature=0, max_output_tokens=300, stream=True)
+    for seen, _ in enumerate(stream):
+        if seen == 5:
+            break
+    stream.close()
+    deadline = time.monotonic() + 30
+    while httpx.get(server + "/health").json()["running"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    again = client.responses.create(model="any", input="Say bye.", previous_response_id=first.id, temperature=0,
+                                    max_output_tokens=8)
+    assert again.previous_response_id == first.id and again.output_text
+    # the story's prompt left the window; the first exchange's KV is still reused
+    assert again.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
+    assert again.usage.input_tokens <= first.usage.input_tokens + first.usage.output_tokens + 40

@@ -6,6 +6,7 @@
 
 from agentkv.memory.records import (
     AgentRecord,
+    ResponseRecord,
     SessionRecord,
     SessionSummary,
     SnapshotRecord,
@@ -16,6 +17,7 @@ from agentkv.memory.store import ENV_DB_URL, Store
 __all__ = [
     "ENV_DB_URL",
     "AgentRecord",
+    "ResponseRecord",
     "SessionRecord",
     "SessionSummary",
     "SnapshotRecord",

@@ -9,11 +9,12 @@ from agentkv.chat.messages import Message
 from agentkv.errors import UserError
 from agentkv.memory.records import (
     AgentRecord,
+    ResponseRecord,
     SessionRecord,
     SnapshotRecord,
     StoredMessage,
 )
-from agentkv.memory.schema import AgentRow, MessageRow, SessionRow, SnapshotRow
+from agentkv.memory.schema import AgentRow, MessageRow, ResponseRow, SessionRow, SnapshotRow
 from agentkv.memory.snapshots import SnapshotFiles
 
 
@@ -71,3 +72,8 @@ def snapshot_record(row: SnapshotRow, files: SnapshotFiles) -> SnapshotRecord:
                           precision=row.precision, path=files.resolve(row.path),
                           checksum=row.checksum, nbytes=row.nbytes, shifted=bool(row.shifted),
                           created_at=row.created_at)
+
+
+def response_record(row: ResponseRow) -> ResponseRecord:
+    return ResponseRecord(id=row.id, session_id=row.session_id, owner=row.owner, last_seq=row.last_seq,
+                          body=dict(row.body), created_at=row.created_at)

@@ -130,10 +130,29 @@ def _m003_agents_without_system_turn(conn: Connection) -> None:
     conn.execute(text("ALTER TABLE agents ADD COLUMN system_turn BOOLEAN NOT NULL DEFAULT TRUE"))
 
 
+def _m004_responses(conn: Connection) -> None:
+    """4: responses — API responses kept for retrieval and chaining (``previous_response_id``),
+    each pointing at the session it continued and the newest message it covered."""
+    md = MetaData()
+    Table("sessions", md, Column("id", String(255), primary_key=True))
+    Table(
+        "responses", md,
+        Column("id", String(64), primary_key=True),
+        Column("session_id", String(255), ForeignKey("sessions.id", ondelete="CASCADE"),
+               nullable=False, index=True),
+        Column("owner", String(64), nullable=False),
+        Column("last_seq", Integer, nullable=False),
+        Column("body", JSON, nullable=False),
+        Column("created_at", DateTime, nullable=False),
+    )
+    md.tables["responses"].create(conn)
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "initial", _m001_initial),
     Migration(2, "sessions_by_recency", _m002_sessions_by_recency),
     Migration(3, "agents_without_system_turn", _m003_agents_without_system_turn),
+    Migration(4, "responses", _m004_responses),
 )
 LATEST_VERSION = MIGRATIONS[-1].version
 

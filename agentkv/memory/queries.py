@@ -15,17 +15,18 @@ from sqlalchemy.orm import Session
 
 from agentkv.chat.messages import Message
 from agentkv.engine.snapshot import KVSnapshot, tokens_digest
-from agentkv.errors import AgentNotFound, SessionBusy, SessionNotFound, UserError
+from agentkv.errors import AgentNotFound, ResponseNotFound, SessionBusy, SessionNotFound, UserError
 from agentkv.memory import convert
 from agentkv.memory.holders import holder_is_dead_here
 from agentkv.memory.records import (
     AgentRecord,
+    ResponseRecord,
     SessionRecord,
     SessionSummary,
     SnapshotRecord,
     StoredMessage,
 )
-from agentkv.memory.schema import AgentRow, MessageRow, SessionRow, SnapshotRow, utcnow
+from agentkv.memory.schema import AgentRow, MessageRow, ResponseRow, SessionRow, SnapshotRow, utcnow
 from agentkv.memory.snapshots import SnapshotFiles
 
 
@@ -97,10 +98,8 @@ def append_message(s: Session, session_id: str, message: Message, token_count: i
     # NOTE: the row lock (PostgreSQL) or BEGIN IMMEDIATE (SQLite) serialises appends to one
     # session, so max(seq) + 1 is unique without a retry loop.
     session = session_row(s, session_id, for_update=True)
-    last = s.execute(select(func.max(MessageRow.seq))
-                     .where(MessageRow.session_id == session_id)).scalar()
     now = utcnow()
-    row = MessageRow(session_id=session_id, seq=(last or 0) + 1, token_count=token_count,
+    row = MessageRow(session_id=session_id, seq=last_seq(s, session_id) + 1, token_count=token_count,
                      in_window=in_window, replaced_by_seq=None, created_at=now,
                      **convert.message_fields(message))
     s.add(row)
@@ -141,9 +140,15 @@ def delete_session(s: Session, session_id: str) -> list[str]:
     session_row(s, session_id, for_update=True)
     names = list(s.scalars(select(SnapshotRow.path).where(SnapshotRow.session_id == session_id)))
     s.execute(delete(SnapshotRow).where(SnapshotRow.session_id == session_id))
+    s.execute(delete(ResponseRow).where(ResponseRow.session_id == session_id))
     s.execute(delete(MessageRow).where(MessageRow.session_id == session_id))
     s.execute(delete(SessionRow).where(SessionRow.id == session_id))
     return names
+
+
+def last_seq(s: Session, session_id: str) -> int:
+    """The seq of the session's newest message (0 for none)."""
+    return int(s.execute(select(func.max(MessageRow.seq)).where(MessageRow.session_id == session_id)).scalar() or 0)
 
 
 def acquire_lease(s: Session, session_id: str, holder: str, ttl_s: float) -> str | None:
@@ -256,3 +261,67 @@ def _newest_first(session_id: str) -> Any:
     return (select(SnapshotRow).where(SnapshotRow.session_id == session_id)
             .order_by(SnapshotRow.created_at.desc(), SnapshotRow.id.desc()))
 
+
+
+def add_response(s: Session, response_id: str, session_id: str, owner: str,
+                 body: dict[str, Any]) -> ResponseRecord:
+    """Insert a response that covers the session's messages so far; ``UserError`` for a taken id."""
+    session_row(s, session_id, for_update=True)
+    if s.get(ResponseRow, response_id) is not None:
+        raise UserError(f"a response {response_id!r} is already stored; use a new id")
+    row = ResponseRow(id=response_id, session_id=session_id, owner=owner,
+                      last_seq=last_seq(s, session_id), body=body, created_at=utcnow())
+    s.add(row)
+    s.flush()
+    return convert.response_record(row)
+
+
+def response_row(s: Session, response_id: str, owner: str) -> ResponseRow:
+    """The response of ``owner``; ``ResponseNotFound`` when absent or another owner's (the same
+    error, so an id tells nothing about other tenants)."""
+    row = s.get(ResponseRow, response_id)
+    if row is None or row.owner != owner:
+        raise ResponseNotFound(response_id)
+    return row
+
+
+def delete_response(s: Session, response_id: str, owner: str) -> tuple[bool, list[str]]:
+    """Delete a response; when it was its session's last, the session goes too. Returns whether
+    the session went, and the snapshot file names to remove after commit."""
+    row = response_row(s, response_id, owner)
+    session_id = row.session_id
+    s.delete(row)
+    s.flush()
+    remaining = s.execute(select(func.count()).select_from(ResponseRow)
+                          .where(ResponseRow.session_id == session_id)).scalar()
+    if remaining:
+        return False, []
+    return True, delete_session(s, session_id)
+
+
+def responses_of(s: Session, session_id: str) -> list[ResponseRecord]:
+    """The session's responses, newest (highest ``last_seq``) first."""
+    session_row(s, session_id)
+    rows = s.scalars(select(ResponseRow).where(ResponseRow.session_id == session_id)
+                     .order_by(ResponseRow.last_seq.desc(), ResponseRow.created_at.desc()))
+    return [convert.response_record(row) for row in rows]
+
+
+def rewind(s: Session, session_id: str, after_seq: int) -> int:
+    """Take the messages after ``after_seq`` out of the window, and put back those that only
+    they had replaced (a summary made after it); returns how many left. Rows stay stored."""
+    session = session_row(s, session_id, for_update=True)
+    s.execute(
+        update(MessageRow)
+        .where(MessageRow.session_id == session_id, MessageRow.replaced_by_seq > after_seq)
+        .values(in_window=True, replaced_by_seq=None)
+        .execution_options(synchronize_session=False)
+    )
+    left = s.execute(
+        update(MessageRow)
+        .where(MessageRow.session_id == session_id, MessageRow.seq > after_seq, MessageRow.in_window.is_(True))
+        .values(in_window=False)
+        .execution_options(synchronize_session=False)
+    )
+    session.updated_at = utcnow()
+    return int(left.rowcount)  # type: ignore[attr-defined]

@@ -101,3 +101,18 @@ class SnapshotRecord:
     nbytes: int
     shifted: bool
     created_at: datetime
+
+
+@dataclass(frozen=True)
+class ResponseRecord:
+    """A stored API response: the body as it was returned, and where it sits in its session."""
+
+    id: str
+    session_id: str
+    owner: str
+    """The namespace that may read it ("" for an open server)."""
+    last_seq: int
+    """The seq of the session's newest message when it was saved: a response continues its
+    session only while this is still the newest (otherwise it would branch)."""
+    body: dict[str, Any]
+    created_at: datetime

@@ -114,3 +114,20 @@ class SnapshotRow(Base):
     nbytes: Mapped[int] = mapped_column(BigInteger)
     shifted: Mapped[bool] = mapped_column(Boolean)
     created_at: Mapped[datetime]
+
+
+class ResponseRow(Base):
+    """An API response kept for retrieval and chaining; its messages are the session's."""
+
+    __tablename__ = "responses"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    session_id: Mapped[str] = mapped_column(
+        String(255), ForeignKey("sessions.id", ondelete="CASCADE"), index=True
+    )
+    owner: Mapped[str] = mapped_column(String(64))
+    """Who may read it (the server's tenant namespace; "" when the server has no key)."""
+    last_seq: Mapped[int] = mapped_column(Integer)
+    """The session's newest message when the response was saved."""
+    body: Mapped[dict[str, Any]] = mapped_column(JSON)
+    created_at: Mapped[datetime]

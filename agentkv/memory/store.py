@@ -46,6 +46,7 @@ from agentkv.memory.database import (
 from agentkv.memory.migrations import migrate
 from agentkv.memory.records import (
     AgentRecord,
+    ResponseRecord,
     SessionRecord,
     SessionSummary,
     SnapshotRecord,
@@ -228,6 +229,20 @@ class Store:
 
         return await self._call(self._write, replace)
 
+    async def last_seq(self, session_id: str) -> int:
+        """The seq of the session's newest message (0 for none); ``SessionNotFound`` if absent."""
+        def read(s: Session) -> int:
+            queries.session_row(s, session_id)
+            return queries.last_seq(s, session_id)
+        return await self._call(self._read, read)
+
+    async def rewind(self, session_id: str, after_seq: int) -> int:
+        """Take every message after ``after_seq`` out of the window (they stay stored) and put
+        back the ones a later summary had replaced, in one transaction; returns how many left:
+        ``await store.rewind(sid, 4)`` (e.g. the input of a run that never finished). Messages a
+        later truncation dropped stay out (the window would overflow again without them)."""
+        return await self._call(self._write, lambda s: queries.rewind(s, session_id, int(after_seq)))
+
     async def export_jsonl(self, session_id: str, *, in_window_only: bool = False) -> str:
         """The session as OpenAI chat messages, one JSON object per line (every message by default)."""
         stored = await self.messages(session_id, in_window_only=in_window_only)
@@ -321,3 +336,31 @@ class Store:
             self.files.remove([name or str(record.path)])
         await self._call(delete)
 
+
+    # -- API responses ----------------------------------------------------------------------
+
+    async def save_response(self, response_id: str, session_id: str, body: dict[str, Any], *,
+                            owner: str = "") -> ResponseRecord:
+        """Keep an API response of ``session_id`` (covering its messages so far), readable by
+        ``owner`` only: ``await store.save_response("resp_1", sid, body, owner="tenant-a")``."""
+        payload = convert.json_object(body, "response body")
+        return await self._call(self._write, lambda s: queries.add_response(s, response_id, session_id, owner,
+                                                                             payload))
+
+    async def get_response(self, response_id: str, *, owner: str = "") -> ResponseRecord:
+        """The stored response; ``ResponseNotFound`` if absent or another owner's."""
+        return await self._call(self._read, lambda s: convert.response_record(
+            queries.response_row(s, response_id, owner)))
+
+    async def responses(self, session_id: str) -> list[ResponseRecord]:
+        """The session's stored responses, newest first (every owner's)."""
+        return await self._call(self._read, lambda s: queries.responses_of(s, session_id))
+
+    async def delete_response(self, response_id: str, *, owner: str = "") -> bool:
+        """Delete a response (``ResponseNotFound`` if absent or another owner's). The session
+        goes with its last response — messages, snapshots and files; returns True then."""
+        def delete() -> bool:
+            gone, names = self._write(lambda s: queries.delete_response(s, response_id, owner))
+            self.files.remove(names)
+            return gone
+        return await self._call(delete)

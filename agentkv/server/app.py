@@ -5,8 +5,11 @@
     app = create_app(open_engine(), api_key="sk-local")
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
-Routes: ``GET /v1/models``, ``POST /v1/chat/completions`` (``stream`` as server-sent events),
-``GET /health``. ``X-Session-Id`` (or the body's ``user``) pins a request to one KV session.
+    app = create_app(engine, store=Store("sqlite:///responses.db"))   # /v1/responses kept and chained
+
+Routes: ``GET /v1/models``, ``POST /v1/chat/completions`` and ``POST /v1/responses`` (``stream`` as
+server-sent events), ``GET`` / ``DELETE /v1/responses/{id}``, ``GET /health``. ``X-Session-Id`` (or
+the body's ``user``) pins a chat request to one KV session.
 """
 
 from __future__ import annotations
@@ -25,38 +28,59 @@ from sse_starlette.sse import EventSourceResponse
 
 from agentkv.engine.base import Engine
 from agentkv.errors import AgentKVError
+from agentkv.memory import Store
 from agentkv.runtime import Runtime
 from agentkv.server.chat import ChatCompletions
 from agentkv.server.errors import ApiError, api_error_handler, as_api_error, error_body, validation_error_handler
 from agentkv.server.live_sessions import LiveSessions
+from agentkv.server.open_conversations import OpenConversations
+from agentkv.server.request_agents import AgentDefaults, RequestAgents
+from agentkv.server.response_wire import ResponseRequest
+from agentkv.server.responses import Responses
+from agentkv.server.runs import Runs
 from agentkv.server.wire import ChatCompletionRequest
 
 
 def create_app(
     engine: Engine,
     *,
+    store: Store | None = None,
     api_key: str | None = None,
     model_id: str = "agentkv",
     max_sessions: int = 64,
     max_running: int = 64,
     reuse_kv: bool = True,
+    defaults: AgentDefaults | None = None,
 ) -> FastAPI:
-    """The app serving ``engine``. ``api_key``: Bearer token every route but ``/health`` needs;
-    ``max_sessions``: KV sessions kept alive between requests; ``max_running``: requests at
-    once (more get 429); ``reuse_kv=False`` runs every request on a fresh session."""
+    """The app serving ``engine``. ``store``: where responses and their conversations are kept
+    (without one, ``/v1/responses`` serves ``store=false`` only); ``api_key``: Bearer token every
+    route but ``/health`` needs; ``max_sessions``: KV sessions kept alive between requests (chat
+    sessions and stored conversations, each); ``max_running``: requests at once (more get 429);
+    ``reuse_kv=False`` runs every chat request on a fresh session; ``defaults``: the agent
+    settings of requests that set none."""
     runtime = Runtime(engine)
+    stored = Runtime(engine, store) if store is not None else None
     live = LiveSessions(engine, max_sessions=max_sessions, reuse=reuse_kv)
-    chat = ChatCompletions(runtime, live, model_id=model_id, max_running=max_running)
+    runs = Runs(runtime, live, max_running=max_running)
+    agents = RequestAgents([r for r in (runtime, stored) if r is not None], defaults)
+    chat = ChatCompletions(runs, agents, model_id=model_id)
+    conversations = OpenConversations(stored, max_open=max_sessions) if stored is not None else None
+    responses = Responses(runs, agents, conversations, store, model_id=model_id)
     created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
+        # NOTE: runs still going were cancelled by the server's shutdown: each snapshotted its
+        # conversation's KV as it ended, so closing loses nothing a restart could resume
+        await responses.aclose()
         await live.aclose()
         await runtime.aclose()
+        if store is not None:
+            await store.close()
 
     app = FastAPI(title="agentkv", lifespan=lifespan)
-    app.state.chat = chat
+    app.state.chat, app.state.responses = chat, responses
     # NOTE: the errors a request can cause are handled by name (Starlette re-raises what only the
     # catch-all Exception handler answers, after sending the 500)
     for handled in (ApiError, AgentKVError, ValueError, Exception):
@@ -73,7 +97,8 @@ def create_app(
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "live_sessions": len(live), "running": chat.running}
+        return {"status": "ok", "live_sessions": len(live), "running": runs.running,
+                "open_conversations": len(conversations) if conversations is not None else 0}
 
     @app.get("/v1/models", dependencies=[Depends(authorised)])
     async def models() -> dict[str, Any]:
@@ -99,6 +124,31 @@ def create_app(
             yield {"data": "[DONE]"}
 
         return EventSourceResponse(events(), ping=15)
+
+    @app.post("/v1/responses", dependencies=[Depends(authorised)], response_model=None)
+    async def create_response(body: ResponseRequest, request: Request) -> Any:
+        plan = await responses.plan(body, tenant=_tenant(request))
+        if not body.stream:
+            return await responses.create(plan)
+
+        async def sse() -> AsyncIterator[dict[str, str]]:
+            try:
+                async for event in responses.stream(plan):
+                    yield {"event": str(event["type"]), "data": json.dumps(event)}
+            except Exception as error:  # after the headers: the error travels as an event
+                api = as_api_error(error)
+                yield {"event": "error", "data": json.dumps({"type": "error", "code": api.code,
+                                                             "message": api.message, "param": api.param})}
+
+        return EventSourceResponse(sse(), ping=15)
+
+    @app.get("/v1/responses/{response_id}", dependencies=[Depends(authorised)])
+    async def get_response(response_id: str, request: Request) -> dict[str, Any]:
+        return await responses.get(response_id, tenant=_tenant(request))
+
+    @app.delete("/v1/responses/{response_id}", dependencies=[Depends(authorised)])
+    async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
+        return await responses.delete(response_id, tenant=_tenant(request))
 
     return app
 

@@ -14,7 +14,7 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from agentkv.errors import ConstraintError, ContextOverflowError, SessionBusy, UserError
+from agentkv.errors import ConstraintError, ContextOverflowError, ResponseNotFound, SessionBusy, UserError
 from agentkv.validation_text import describe_problems
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -40,6 +40,8 @@ def as_api_error(error: BaseException) -> ApiError:
         return error
     if isinstance(error, ContextOverflowError):
         return ApiError(413, str(error), "context_length_exceeded", "messages")
+    if isinstance(error, ResponseNotFound):
+        return ApiError(404, str(error), "response_not_found")
     if isinstance(error, SessionBusy):
         return ApiError(409, str(error), "session_busy")
     if isinstance(error, (UserError, ConstraintError, ValueError)):

@@ -11,15 +11,15 @@ and stream chunks as plain dicts (exactly the fields the OpenAI spec names).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from agentkv.chat.messages import ToolCall
 from agentkv.engine.base import GenerationConfig, GenerationMetrics
-
-DEFAULT_MAX_TOKENS = 512
-"""Tokens an answer may take when the request sets no ``max_tokens``."""
+from agentkv.server.request_agents import AgentDefaults
 
 
 class StreamOptions(BaseModel):
@@ -69,32 +69,43 @@ class ChatCompletionRequest(BaseModel):
             raise ValueError("stop takes at most 4 sequences")
         return stop
 
-    def generation_config(self) -> GenerationConfig:
-        """The sampling settings of the request (OpenAI's defaults where it sets none)."""
+    def generation_config(self, defaults: AgentDefaults) -> GenerationConfig:
+        """The sampling settings of the request (the server's defaults where it sets none)."""
         stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        return GenerationConfig(
-            max_new_tokens=self.max_completion_tokens or self.max_tokens or DEFAULT_MAX_TOKENS,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            seed=self.seed,
-            stop_strings=stops,
-            presence_penalty=self.presence_penalty or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0,
-        )
+        return sampling(defaults, max_tokens=self.max_completion_tokens or self.max_tokens,
+                        temperature=self.temperature, top_p=self.top_p, seed=self.seed, stop_strings=stops,
+                        presence_penalty=self.presence_penalty or 0.0,
+                        frequency_penalty=self.frequency_penalty or 0.0)
 
     def tool_choice_name(self) -> str:
         """``tool_choice`` as an ``Agent`` takes it: auto / none / required / a tool's name."""
         choice = self.tool_choice
-        if choice is None:
-            return "auto"
-        if isinstance(choice, str):
-            if choice not in ("auto", "none", "required"):
-                raise ValueError(f'tool_choice must be "auto", "none", "required" or a function, got {choice!r}')
-            return choice
-        function = choice.get("function") if choice.get("type") == "function" else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise ValueError('tool_choice as an object is {"type": "function", "function": {"name": ...}}')
-        return str(function["name"])
+        if isinstance(choice, dict):
+            function = choice.get("function") if choice.get("type") == "function" else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise ValueError('tool_choice as an object is {"type": "function", "function": {"name": ...}}')
+            return str(function["name"])
+        return tool_choice_name(choice)
+
+
+def tool_choice_name(choice: str | None) -> str:
+    """A ``tool_choice`` string checked: auto (also for None) / none / required."""
+    if choice is None:
+        return "auto"
+    if choice not in ("auto", "none", "required"):
+        raise ValueError(f'tool_choice must be "auto", "none", "required" or a function, got {choice!r}')
+    return choice
+
+
+def sampling(defaults: AgentDefaults, *, max_tokens: int | None, temperature: float | None, top_p: float | None,
+             **fields: Any) -> GenerationConfig:
+    """A request's ``GenerationConfig``: its own values, else the server's defaults."""
+    return GenerationConfig(
+        max_new_tokens=max_tokens or defaults.max_new_tokens,
+        temperature=defaults.temperature if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p,
+        **fields,
+    )
 
 
 def tool_call_dicts(calls: tuple[ToolCall, ...], *, with_index: bool = False) -> list[dict[str, Any]]:
@@ -107,14 +118,29 @@ def tool_call_dicts(calls: tuple[ToolCall, ...], *, with_index: bool = False) ->
     return out
 
 
-def usage(first: GenerationMetrics | None, completion_tokens: int) -> dict[str, Any]:
-    """``usage`` with ``prompt_tokens_details.cached_tokens``: prompt tokens whose KV was reused
-    (held by the session or shared from the prefix cache) instead of computed."""
-    prompt = first.prompt_tokens if first is not None else 0
-    cached = (first.reused_tokens + first.prefix_cache_tokens) if first is not None else 0
-    return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
-            "total_tokens": prompt + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+@dataclass(frozen=True)
+class TokenCounts:
+    """A run's tokens over all its model calls: prompt, reused (KV the session held or the
+    prefix cache shared instead of computing it) and generated."""
+
+    prompt: int
+    cached: int
+    generated: int
+
+    @classmethod
+    def of(cls, steps: Sequence[GenerationMetrics]) -> TokenCounts:
+        return cls(prompt=sum(m.prompt_tokens for m in steps),
+                   cached=sum(m.reused_tokens + m.prefix_cache_tokens for m in steps),
+                   generated=sum(m.generated_tokens for m in steps))
+
+
+def usage(steps: Sequence[GenerationMetrics]) -> dict[str, Any]:
+    """Chat ``usage`` with ``prompt_tokens_details.cached_tokens``: prompt tokens whose KV was
+    reused instead of computed."""
+    counts = TokenCounts.of(steps)
+    return {"prompt_tokens": counts.prompt, "completion_tokens": counts.generated,
+            "total_tokens": counts.prompt + counts.generated,
+            "prompt_tokens_details": {"cached_tokens": counts.cached}}
 
 
 FinishReason = Literal["stop", "length", "tool_calls"]

@@ -1,0 +1,72 @@
+"""OpenConversations: the stored conversations the Responses API keeps open between requests, so
+a response chained by ``previous_response_id`` continues on KV that is still alive; at most
+``max_open`` (the idle one used longest ago is closed: its history and snapshot stay stored, and
+the next response resumes it from them).
+
+::
+
+    conversations = OpenConversations(Runtime(engine, store), max_open=64)
+    session = await conversations.new(agent, salt="")
+    session = await conversations.get(session_id, agent, salt="")   # open, or resumed
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from agentkv.agent import Agent
+from agentkv.conversation import Conversation
+from agentkv.runtime import Runtime
+
+
+class OpenConversations:
+    """Stored conversations with live KV, least recently used closed first."""
+
+    def __init__(self, runtime: Runtime, *, max_open: int = 64) -> None:
+        """``runtime`` has the store the conversations live in."""
+        self.runtime = runtime
+        self.max_open = max_open
+        self._open: OrderedDict[str, Conversation] = OrderedDict()
+
+    async def new(self, agent: Agent, *, salt: str) -> Conversation:
+        """A new stored conversation of tenant ``salt``."""
+        await self._make_room()
+        session = await self.runtime.open_session(agent, salt=salt)
+        self._open[session.id] = session
+        return session
+
+    async def get(self, session_id: str, agent: Agent, *, salt: str) -> Conversation:
+        """The open conversation, or the stored one resumed (its KV from the newest snapshot)."""
+        session = self._open.get(session_id)
+        if session is None:
+            await self._make_room()
+            session = await self.runtime.resume(session_id, agent, salt=salt)
+            self._open[session_id] = session
+        self._open.move_to_end(session_id)
+        return session
+
+    def is_running(self, session_id: str) -> bool:
+        """True while a run holds the conversation in this process."""
+        session = self._open.get(session_id)
+        return session is not None and session.running
+
+    async def close(self, session_id: str) -> None:
+        """Release the conversation's KV (what is stored stays)."""
+        session = self._open.pop(session_id, None)
+        if session is not None:
+            await self.runtime.close_session(session)
+
+    async def _make_room(self) -> None:
+        while len(self._open) >= self.max_open:
+            idle = next((sid for sid, session in self._open.items() if not session.running), None)
+            if idle is None:
+                return  # every one is running: the request limit bounds this
+            await self.close(idle)
+
+    async def aclose(self) -> None:
+        """Close every conversation."""
+        for session_id in list(self._open):
+            await self.close(session_id)
+
+    def __len__(self) -> int:
+        return len(self._open)

@@ -1,0 +1,101 @@
+"""RequestAgents: the ``Agent`` a request runs as — its system prompt, tools, tool choice and output
+format over the server's defaults — made once per distinct definition, its shared prefix
+registered per tenant.
+
+::
+
+    agents = RequestAgents([runtime], AgentDefaults(instructions="Be brief."))
+    agent = agents.agent(instructions=None, tools=[weather_schema], tool_choice="auto",
+                         parallel_tool_calls=True, output=None, salt="tenant-a")
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from agentkv.agent import Agent
+from agentkv.policies.protocol import ContextPolicy
+from agentkv.runtime import Runtime
+from agentkv.tools import Tool
+
+KEPT_AGENTS = 256
+"""Distinct request agents (system prompt + tools + format) kept, with their shared prefix registered."""
+DEFAULT_MAX_TOKENS = 512
+"""Tokens an answer may take when neither the request nor the server sets a limit."""
+CLIENT_TOOL_TURNS = 2
+"""Model calls a run may make when the client executes every tool (one answer, one retry of a cut call)."""
+
+
+@dataclass(frozen=True)
+class AgentDefaults:
+    """What the server sets for every request (``agentkv serve``'s agent options); a request's
+    own fields win: ``AgentDefaults(instructions="Be brief.", tools=(calculator,), temperature=0)``."""
+
+    instructions: str | None = None
+    """The system prompt of requests that bring none (None: the chat template's default)."""
+    tools: tuple[Tool, ...] = ()
+    """Tools the server executes itself, offered on every request next to the client's."""
+    policy: ContextPolicy | None = None
+    """What a stored conversation does when it outgrows the context (None: 413)."""
+    max_prompt_len: int | None = None
+    """Prompt budget in tokens (default: the model's context)."""
+    max_new_tokens: int = DEFAULT_MAX_TOKENS
+    """Answer length when the request sets no ``max_tokens``."""
+    temperature: float = 1.0
+    """Sampling temperature when the request sets none (OpenAI's default is 1)."""
+
+
+class RequestAgents:
+    """Agents made from requests, at most ``KEPT_AGENTS`` (least recently used dropped)."""
+
+    def __init__(self, runtimes: Sequence[Runtime], defaults: AgentDefaults | None = None) -> None:
+        """``runtimes`` share one engine; each forgets an agent this cache drops."""
+        self.runtimes = tuple(runtimes)
+        self.defaults = defaults or AgentDefaults()
+        self._agents: OrderedDict[str, Agent] = OrderedDict()
+        self._registered: OrderedDict[tuple[str, str], None] = OrderedDict()
+
+    def agent(self, *, instructions: str | None, tools: Sequence[Mapping[str, Any]], tool_choice: str,
+              parallel_tool_calls: bool, output: dict[str, Any] | None, salt: str) -> Agent:
+        """The agent for this definition (``instructions`` None: the server's default), its prefix
+        registered for tenant ``salt``. ``UserError`` (400) for tools or a format it cannot take."""
+        system = instructions if instructions is not None else self.defaults.instructions
+        key_source = json.dumps([system, list(tools), tool_choice, parallel_tool_calls, output],
+                                sort_keys=True, default=str)
+        key = hashlib.sha256(key_source.encode()).hexdigest()[:16]
+        agent = self._agents.get(key)
+        if agent is None:
+            defaults = self.defaults
+            agent = Agent(name=f"api-{key}", instructions=system, tools=(*defaults.tools, *tools),
+                          tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls, output_type=output,
+                          policy=defaults.policy, max_prompt_len=defaults.max_prompt_len,
+                          min_response_len=_reserved(defaults),
+                          max_turns=Agent.max_turns if defaults.tools else CLIENT_TOOL_TURNS)
+            self._agents[key] = agent
+            self._drop_oldest()
+        self._agents.move_to_end(key)
+        if (key, salt) not in self._registered:
+            self.runtimes[0].register_agent_prefix(agent, salt=salt)
+            self._registered[(key, salt)] = None
+            while len(self._registered) > KEPT_AGENTS:
+                self._registered.popitem(last=False)
+        return agent
+
+    def _drop_oldest(self) -> None:
+        while len(self._agents) > KEPT_AGENTS:
+            _, dropped = self._agents.popitem(last=False)
+            for runtime in self.runtimes:
+                runtime.forget_agent(dropped.name)
+
+
+def _reserved(defaults: AgentDefaults) -> int:
+    """Tokens kept free for the answer: the server's answer length, within the prompt budget."""
+    reserved = min(Agent.min_response_len, defaults.max_new_tokens)
+    if defaults.max_prompt_len is not None:
+        reserved = min(reserved, defaults.max_prompt_len // 2)
+    return reserved

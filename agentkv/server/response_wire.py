@@ -1,0 +1,204 @@
+"""The OpenAI Responses wire format: the request as pydantic validates it, its input items read
+into chat messages, and the output items, usage and ``response`` object as plain dicts.
+
+::
+
+    request = ResponseRequest.model_validate(body)
+    messages = request.input_messages()             # OpenAI chat dicts
+    body = response_object(request, "resp_1", "SmolLM2", created, output_items, counts)
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from agentkv.chat.messages import ToolCall
+from agentkv.engine.base import GenerationConfig
+from agentkv.server.request_agents import AgentDefaults
+from agentkv.server.wire import TokenCounts, sampling, tool_choice_name
+
+ResponseStatus = Literal["completed", "incomplete", "in_progress"]
+
+
+class ResponseRequest(BaseModel):
+    """``POST /v1/responses``. Fields that change nothing here (``metadata``, ``reasoning``,
+    ``include``…) are accepted and ignored; ones that would and are not supported
+    (``conversation``, ``background``, tools other than functions) are refused."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    store: bool = True
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    max_output_tokens: int | None = Field(None, ge=1)
+    truncation: Literal["auto", "disabled"] | None = None
+    stream: bool = False
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    cache_salt: str | None = None
+    """Namespaces cached prefixes within an API key, as on chat completions."""
+    conversation: Any = None
+    background: bool | None = None
+
+    @field_validator("conversation")
+    @classmethod
+    def _no_conversation_objects(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError("conversation objects are not supported: chain responses with previous_response_id")
+        return value
+
+    @field_validator("background")
+    @classmethod
+    def _not_in_background(cls, value: bool | None) -> bool | None:
+        if value:
+            raise ValueError("background responses are not supported: send stream=true to follow a long response")
+        return value
+
+    def function_tools(self) -> list[dict[str, Any]]:
+        """The request's tools in the chat format ``tool(dict)`` takes; ``ValueError`` for a
+        tool type other than ``function``."""
+        out = []
+        for index, item in enumerate(self.tools or ()):
+            if item.get("type") != "function":
+                raise ValueError(f"tools[{index}]: only function tools are supported here, got "
+                                 f"type {item.get('type')!r}")
+            function = {k: item[k] for k in ("name", "description", "parameters", "strict") if k in item}
+            out.append({"type": "function", "function": function})
+        return out
+
+    def tool_choice_name(self) -> str:
+        """``tool_choice`` as an ``Agent`` takes it (``{"type": "function", "name": ...}`` → the name)."""
+        choice = self.tool_choice
+        if isinstance(choice, dict):
+            if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+                raise ValueError('tool_choice as an object is {"type": "function", "name": ...}')
+            return str(choice["name"])
+        return tool_choice_name(choice)
+
+    def output_format(self) -> dict[str, Any] | None:
+        """``text.format`` as a chat ``response_format`` (None for plain text)."""
+        format_ = (self.text or {}).get("format") or {"type": "text"}
+        kind = format_.get("type")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return {"type": "json_object"}
+        if kind == "json_schema":
+            if not isinstance(format_.get("schema"), dict):
+                raise ValueError('text.format json_schema needs a "schema" object')
+            schema = {k: format_[k] for k in ("name", "schema", "strict", "description") if k in format_}
+            return {"type": "json_schema", "json_schema": schema}
+        raise ValueError(f'text.format.type must be "text", "json_object" or "json_schema", got {kind!r}')
+
+    def generation_config(self, defaults: AgentDefaults) -> GenerationConfig:
+        """The sampling settings of the request (the server's defaults where it sets none)."""
+        return sampling(defaults, max_tokens=self.max_output_tokens, temperature=self.temperature, top_p=self.top_p)
+
+    def input_messages(self) -> list[dict[str, Any]]:
+        """``input`` as OpenAI chat messages: a string is a user message; message items keep
+        their role, ``function_call`` items join the assistant turn before them and
+        ``function_call_output`` items become tool messages. ``ValueError`` names a bad item."""
+        if isinstance(self.input, str):
+            return [{"role": "user", "content": self.input}]
+        messages: list[dict[str, Any]] = []
+        for index, item in enumerate(self.input):
+            kind = item.get("type", "message")
+            if kind == "message":
+                messages.append({"role": item.get("role"), "content": _text_content(index, item.get("content"))})
+            elif kind == "function_call":
+                call = {"id": item.get("call_id"), "type": "function",
+                        "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"}}
+                last = messages[-1] if messages else None
+                if last is None or last["role"] != "assistant":
+                    last = {"role": "assistant", "content": None}
+                    messages.append(last)
+                last.setdefault("tool_calls", []).append(call)
+            elif kind == "function_call_output":
+                output = item.get("output")
+                messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                                 "content": output if isinstance(output, str) else json.dumps(output)})
+            else:
+                raise ValueError(f"input[{index}]: items of type {kind!r} are not supported (message, "
+                                 "function_call and function_call_output are)")
+        if not messages:
+            raise ValueError("input is empty: send a string or at least one message")
+        return messages
+
+
+def _text_content(index: int, content: Any) -> Any:
+    """A message item's content, with text parts only (``ValueError`` for images and files)."""
+    if isinstance(content, list):
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in ("input_text", "output_text", "text"):
+                raise ValueError(f"input[{index}]: content parts of type {kind!r} are not supported (text only)")
+    return content
+
+
+def new_id(prefix: str) -> str:
+    """A fresh item or response id: ``resp_…``, ``msg_…``, ``fc_…``."""
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def message_item(item_id: str, text: str, status: ResponseStatus = "completed") -> dict[str, Any]:
+    """An assistant ``message`` output item with one ``output_text`` part."""
+    content = [text_part(text)] if status != "in_progress" else []
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
+
+
+def text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def function_call_item(item_id: str, call: ToolCall, status: ResponseStatus = "completed") -> dict[str, Any]:
+    """A ``function_call`` output item (arguments as a JSON string)."""
+    return {"type": "function_call", "id": item_id, "call_id": call.id, "name": call.name,
+            "arguments": json.dumps(call.arguments), "status": status}
+
+
+def function_output_item(item_id: str, call_id: str, output: str) -> dict[str, Any]:
+    """A ``function_call_output`` item: the result of a tool the server ran."""
+    return {"type": "function_call_output", "id": item_id, "call_id": call_id, "output": output,
+            "status": "completed"}
+
+
+def response_usage(counts: TokenCounts) -> dict[str, Any]:
+    """Responses ``usage``: ``input_tokens_details.cached_tokens`` are input tokens whose KV was
+    reused; the rest were prefilled (written to the session's KV)."""
+    return {"input_tokens": counts.prompt,
+            "input_tokens_details": {"cached_tokens": counts.cached,
+                                     "cache_write_tokens": counts.prompt - counts.cached},
+            "output_tokens": counts.generated, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": counts.prompt + counts.generated}
+
+
+def response_object(request: ResponseRequest, response_id: str, model: str, created: int,
+                    output: list[dict[str, Any]], *, status: ResponseStatus = "completed",
+                    incomplete_reason: str | None = None, usage: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The ``response`` object (what ``GET /v1/responses/{id}`` returns later)."""
+    return {
+        "id": response_id, "object": "response", "created_at": created, "status": status,
+        "error": None,
+        "incomplete_details": {"reason": incomplete_reason} if incomplete_reason else None,
+        "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
+        "model": model, "output": output,
+        "parallel_tool_calls": request.parallel_tool_calls is not False,
+        "previous_response_id": request.previous_response_id,
+        "store": request.store, "temperature": request.temperature, "top_p": request.top_p,
+        "text": request.text or {"format": {"type": "text"}},
+        "tool_choice": request.tool_choice or "auto", "tools": request.tools or [],
+        "truncation": request.truncation or "disabled", "user": request.user,
+        "metadata": request.metadata or {}, "usage": usage,
+    }

@@ -1,0 +1,245 @@
+"""Responses: ``/v1/responses`` on the Python API. A stored response (``store``, the default) runs
+on a stored conversation: ``previous_response_id`` names the response to continue, whose
+conversation is still open with its KV — or is resumed from the store and its KV snapshot, after a
+restart too — so a turn sends, and prefills, only its new input. ``store=false`` runs like a chat
+completion, on the live KV session that shares the longest prefix, and is not kept::
+
+    service = Responses(runs, agents, OpenConversations(Runtime(engine, store)), store, model_id="SmolLM2")
+    first = await service.create(ResponseRequest.model_validate({"model": "m", "input": "Hi"}))
+    second = await service.create(ResponseRequest.model_validate(
+        {"model": "m", "input": "And then?", "previous_response_id": first["id"]}))
+
+A response continues only from the newest response of its conversation (an older one answers
+409); a run that did not finish (an error, a client that hung up, a crash) leaves no response,
+and its input leaves the window when the conversation next continues.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+
+from agentkv.agent import Agent
+from agentkv.chat.messages import Message
+from agentkv.chat.openai_messages import messages_from_openai
+from agentkv.conversation import Conversation
+from agentkv.errors import SessionBusy, UserError
+from agentkv.events import RunEvent, RunFinished
+from agentkv.memory import ResponseRecord, Store
+from agentkv.persistence import load_window
+from agentkv.policies import Truncation
+from agentkv.result import RunResult
+from agentkv.run_input import checked_input
+from agentkv.server.errors import ApiError
+from agentkv.server.open_conversations import OpenConversations
+from agentkv.server.request_agents import RequestAgents
+from agentkv.server.response_stream import ResponseOutput
+from agentkv.server.response_wire import ResponseRequest, new_id, response_object, response_usage
+from agentkv.server.runs import Prepared, Runs, leading_system
+from agentkv.server.wire import TokenCounts
+
+
+@dataclass
+class ResponsePlan:
+    """A request read and checked: who asks, the agent, the input, what it continues."""
+
+    request: ResponseRequest
+    owner: str
+    """The API key's namespace: who may read the response later."""
+    salt: str
+    """The KV namespace (the owner, with the request's ``cache_salt``)."""
+    base: Agent
+    """The agent as registered (the runtime knows it by name)."""
+    agent: Agent
+    """``base`` with this request's sampling and truncation."""
+    input: list[Message]
+    previous: ResponseRecord | None
+    prepared: Prepared | None = None
+    """``store=false``: the history and input, ready for a live KV session."""
+
+
+class Responses:
+    """Serves the Responses API. See the module docstring for a call."""
+
+    def __init__(self, runs: Runs, agents: RequestAgents, conversations: OpenConversations | None,
+                 store: Store | None, *, model_id: str) -> None:
+        """Without a store (``conversations`` and ``store`` None) only ``store=false`` is served."""
+        self.runs = runs
+        self.agents = agents
+        self.conversations = conversations
+        self.store = store
+        self.model_id = model_id
+
+    # ---- the request, read --------------------------------------------------------------
+    async def plan(self, request: ResponseRequest, *, tenant: str = "") -> ResponsePlan:
+        """``request`` checked for ``tenant``: 400 for what cannot run, 404 for an unknown
+        ``previous_response_id``, 409 when it is not the newest of its conversation."""
+        salt = tenant if request.cache_salt is None else f"{tenant}/{request.cache_salt}"
+        from_input, messages = leading_system(messages_from_openai(request.input_messages()))
+        instructions = "\n\n".join(t for t in (request.instructions, from_input) if t is not None) or None
+        base = self.agents.agent(instructions=instructions, tools=request.function_tools(),
+                                 tool_choice=request.tool_choice_name(),
+                                 parallel_tool_calls=request.parallel_tool_calls is not False,
+                                 output=request.output_format(), salt=salt)
+        policy = Truncation() if request.truncation == "auto" and base.policy is None else base.policy
+        agent = dataclasses.replace(base, generation=request.generation_config(self.agents.defaults),
+                                    policy=None if request.truncation == "disabled" else policy)
+        previous = None
+        if request.store or request.previous_response_id is not None:
+            store = self._require_store(request)
+            if request.previous_response_id is not None:
+                previous = await store.get_response(request.previous_response_id, owner=tenant)
+                await self._refuse_superseded(store, previous)
+        history = await self._history(previous)
+        if not request.store:
+            return ResponsePlan(request, tenant, salt, base, agent, messages, previous,
+                                self.runs.prepare(agent, [*history, *messages], salt=salt))
+        # NOTE: what the run would refuse is refused here, so a stream never starts on it
+        self.runs.refuse_if_full()
+        assert self.conversations is not None
+        if previous is not None and self.conversations.is_running(previous.session_id):
+            raise SessionBusy(previous.session_id, "another response is being generated in it")
+        checked_input(agent, history, messages)
+        if agent.policy is None:
+            self.runs.fitting_prompt(agent, [*history, *messages])
+        return ResponsePlan(request, tenant, salt, base, agent, messages, previous)
+
+    async def _history(self, previous: ResponseRecord | None) -> list[Message]:
+        """The window of the previous response's conversation, as that response left it."""
+        if previous is None:
+            return []
+        assert self.store is not None
+        window = await load_window(self.store, previous.session_id)
+        return [e.message for e in window if e.seq is None or e.seq <= previous.last_seq]
+
+    def _require_store(self, request: ResponseRequest) -> Store:
+        if self.store is None:
+            need = "previous_response_id" if request.previous_response_id else "store=true (the default)"
+            raise UserError(f"this server keeps no responses, so {need} cannot be served: send store=false "
+                            "with the whole conversation as input, or start the server with a store (--db)")
+        return self.store
+
+    async def _refuse_superseded(self, store: Store, previous: ResponseRecord) -> None:
+        newest = (await store.responses(previous.session_id))[0]
+        if newest.id != previous.id:
+            raise ApiError(409, f"response {previous.id!r} is not the newest of its conversation ({newest.id!r} "
+                           "followed it); continue from the newest, or start a new conversation with the "
+                           "history as input", "response_superseded", "previous_response_id")
+
+    # ---- running ------------------------------------------------------------------------
+    async def stream(self, plan: ResponsePlan) -> AsyncIterator[dict[str, Any]]:
+        """The stream events of the response: ``response.created`` once the input is accepted and
+        the run has begun, ``response.completed`` (or ``.incomplete``) last, once it is stored."""
+        response_id, created = new_id("resp"), int(time.time())
+        output = ResponseOutput()
+        body: dict[str, Any] | None = None
+        async with self.runs.admitted():
+            session = await self._conversation(plan) if plan.request.store else None
+            try:
+                events = self._stored_events(plan, session) if session else self._unstored_events(plan)
+                async with aclosing(events) as run:
+                    async for event in run:
+                        if output.sequence == 0:  # NOTE: the input was accepted: the response exists now
+                            pending = response_object(plan.request, response_id, self.model_id, created, [],
+                                                      status="in_progress")
+                            yield output.event("response.created", response=pending)
+                            yield output.event("response.in_progress", response=pending)
+                        if isinstance(event, RunFinished):
+                            body = self._body(plan, response_id, created, output, event.result)
+                        for item in output.feed(event):
+                            yield item
+                assert body is not None
+                if session is not None:
+                    assert self.store is not None
+                    await self.store.save_response(response_id, session.id, body, owner=plan.owner)
+            except BaseException:
+                if session is not None and plan.previous is None:  # a conversation no response refers to
+                    with anyio.CancelScope(shield=True):
+                        await self._drop(session.id)
+                raise
+        kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
+        yield output.event(kind, response=body)
+
+    async def create(self, plan: ResponsePlan) -> dict[str, Any]:
+        """The ``response`` object, once the run is over (and the response stored)."""
+        body: dict[str, Any] = {}
+        async for event in self.stream(plan):
+            if event["type"] in ("response.completed", "response.incomplete"):
+                body = event["response"]
+        return body
+
+    async def _conversation(self, plan: ResponsePlan) -> Conversation:
+        """The stored conversation the response continues (open, or resumed), or a new one."""
+        assert self.conversations is not None
+        if plan.previous is None:
+            session = await self.conversations.new(plan.base, salt=plan.salt)
+        else:
+            session = await self.conversations.get(plan.previous.session_id, plan.base, salt=plan.salt)
+        session.agent = plan.agent
+        return session
+
+    async def _stored_events(self, plan: ResponsePlan, session: Conversation) -> AsyncIterator[RunEvent]:
+        """The run on the stored conversation, from the previous response's last message (what a
+        run that never finished left after it leaves the window first)."""
+        assert self.conversations is not None
+        continue_from = None if plan.previous is None else plan.previous.last_seq
+        async with aclosing(self.conversations.runtime.run_stream(session, plan.input,
+                                                                  continue_from=continue_from)) as run:
+            async for event in run:
+                yield event
+
+    async def _unstored_events(self, plan: ResponsePlan) -> AsyncIterator[RunEvent]:
+        """``store=false``: the previous response's history (if any) and the input, run on the
+        live KV session sharing the longest prefix (as a chat completion)."""
+        assert plan.prepared is not None
+        async with aclosing(self.runs.on_live_session(plan.prepared, plan.request.user)) as run:
+            async for event in run:
+                yield event
+
+    async def _drop(self, session_id: str) -> None:
+        assert self.conversations is not None and self.store is not None
+        await self.conversations.close(session_id)
+        await self.store.delete_session(session_id)
+
+    def _body(self, plan: ResponsePlan, response_id: str, created: int, output: ResponseOutput,
+              result: RunResult) -> dict[str, Any]:
+        cut = result.finish_reason in ("length", "tool_call_cut")
+        return response_object(plan.request, response_id, self.model_id, created,
+                               output.items(result, len(plan.input)),
+                               status="incomplete" if cut else "completed",
+                               incomplete_reason="max_output_tokens" if cut else None,
+                               usage=response_usage(TokenCounts.of(result.step_metrics)))
+
+    # ---- stored responses ---------------------------------------------------------------
+    async def get(self, response_id: str, *, tenant: str = "") -> dict[str, Any]:
+        """The stored ``response`` object (``ResponseNotFound``: 404)."""
+        store = self._store_or_404(response_id)
+        return (await store.get_response(response_id, owner=tenant)).body
+
+    async def delete(self, response_id: str, *, tenant: str = "") -> dict[str, Any]:
+        """Delete a stored response; with its conversation's last response the conversation goes
+        too (its KV is released). 409 while a run continues the conversation."""
+        store = self._store_or_404(response_id)
+        record = await store.get_response(response_id, owner=tenant)
+        assert self.conversations is not None
+        if self.conversations.is_running(record.session_id):
+            raise SessionBusy(record.session_id, "a response is being generated in it")
+        if await store.delete_response(response_id, owner=tenant):
+            await self.conversations.close(record.session_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    def _store_or_404(self, response_id: str) -> Store:
+        if self.store is None:
+            raise ApiError(404, f"no stored response {response_id!r}: this server keeps none (start it with --db)",
+                           "response_not_found")
+        return self.store
+
+    async def aclose(self) -> None:
+        if self.conversations is not None:
+            await self.conversations.aclose()

@@ -1,0 +1,120 @@
+"""Runs: how the server admits a request and runs a history it was sent whole — split into what
+the KV may already hold and the new messages, checked against the context, then run on the live KV
+session that shares the longest prefix with it.
+
+::
+
+    runs = Runs(Runtime(engine), LiveSessions(engine), max_running=64)
+    prepared = runs.prepare(agent, messages, salt="")
+    async with runs.admitted():
+        async for event in runs.on_live_session(prepared, pin=None):
+            ...
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass
+
+from agentkv.agent import Agent
+from agentkv.chat.messages import Message
+from agentkv.conversation import Conversation, WindowEntry, render_for
+from agentkv.errors import ContextOverflowError, UserError
+from agentkv.events import RunEvent, RunFinished
+from agentkv.run_input import checked_input
+from agentkv.runtime import Runtime
+from agentkv.server.errors import ApiError
+from agentkv.server.live_sessions import LiveSessions
+
+
+@dataclass
+class Prepared:
+    """A history read into what a run needs."""
+
+    salt: str
+    """The tenant: cached prefixes and live sessions are shared within it only."""
+    agent: Agent
+    history: list[Message]
+    """What the KV may already hold: up to the last assistant turn."""
+    tail: list[Message]
+    """The new messages the model answers."""
+    prompt_ids: tuple[int, ...]
+
+
+def leading_system(messages: list[Message]) -> tuple[str | None, list[Message]]:
+    """The system (developer) messages that open ``messages``, joined as instructions (None if
+    none), and the rest; ``UserError`` for a system message inside the conversation."""
+    system = []
+    rest = list(messages)
+    while rest and rest[0].role == "system":
+        system.append(rest.pop(0).content)
+    if any(m.role == "system" for m in rest):
+        raise UserError("system (or developer) messages must come first, before the conversation")
+    return ("\n\n".join(system) if system else None), rest
+
+
+class Runs:
+    """Admission (at most ``max_running`` requests at once, more get 429) and runs on live KV."""
+
+    def __init__(self, runtime: Runtime, live: LiveSessions, *, max_running: int = 64) -> None:
+        self.runtime = runtime
+        self.live = live
+        self.max_running = max_running
+        self.running = 0
+
+    def refuse_if_full(self) -> None:
+        """``ApiError`` 429 when ``max_running`` requests are running (checked again on admission)."""
+        if self.running >= self.max_running:
+            raise ApiError(429, f"the server is busy: {self.running} requests are running; retry later",
+                           "rate_limit_exceeded")
+
+    @asynccontextmanager
+    async def admitted(self) -> AsyncIterator[None]:
+        """Count the request as running for the block; ``ApiError`` 429 when the server is full."""
+        self.refuse_if_full()
+        self.running += 1
+        try:
+            yield
+        finally:
+            self.running -= 1
+
+    def prepare(self, agent: Agent, messages: Sequence[Message], *, salt: str) -> Prepared:
+        """``messages`` (no system turn: the agent has it) split at the last assistant turn and
+        rendered; ``UserError`` (400) without new messages, ``ContextOverflowError`` (413) over
+        the context — before anything runs."""
+        last_answer = max((i for i, m in enumerate(messages) if m.role == "assistant"), default=-1)
+        history, tail = list(messages[: last_answer + 1]), list(messages[last_answer + 1:])
+        if not tail:
+            raise UserError("the last message must be a user message or tool results for the model to answer")
+        self.refuse_if_full()
+        checked_input(agent, history, tail)  # what the run would refuse is a 400 before a stream begins
+        history = self.live.with_token_ids(history)
+        return Prepared(salt, agent, history, tail, self.fitting_prompt(agent, [*history, *tail]))
+
+    def fitting_prompt(self, agent: Agent, messages: Sequence[Message]) -> tuple[int, ...]:
+        """The prompt ``agent`` renders over ``messages``; ``ContextOverflowError`` (413) when it
+        leaves no room for an answer in the model's context."""
+        prompt = render_for(self.runtime.renderer, agent, messages).token_ids
+        limit = agent.prompt_budget(self.runtime.engine.max_context_len)
+        if len(prompt) > limit:
+            raise ContextOverflowError(
+                f"the messages need {len(prompt)} tokens, over the {limit} this model's context leaves "
+                f"({agent.min_response_len} kept for the answer); send a shorter history",
+                prompt_tokens=len(prompt), limit=limit)
+        return tuple(prompt)
+
+    async def on_live_session(self, prepared: Prepared, pin: str | None) -> AsyncIterator[RunEvent]:
+        """The run's events on the live KV session that shares the longest prefix with it (or
+        the one ``pin`` names), held for the run; the answers it generates are remembered."""
+        async with self.live.checkout(prepared.prompt_ids, pin=pin, salt=prepared.salt) as kv:
+            conversation = Conversation(f"api-{uuid.uuid4().hex[:12]}", prepared.agent, self.runtime.engine, kv,
+                                        self.runtime.renderer, window=[WindowEntry(m) for m in prepared.history])
+            async with aclosing(self.runtime.run_stream(conversation, prepared.tail)) as run:
+                async for event in run:
+                    if isinstance(event, RunFinished):
+                        for message in event.result.new_messages:
+                            if message.role == "assistant":
+                                self.live.remember(message)
+                    yield event

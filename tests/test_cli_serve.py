@@ -1,0 +1,51 @@
+"""``agentkv serve``'s command line: every option documented in ``--help``, the agent options turned
+into the server's defaults, and bad ones refused (exit 2) before the model loads."""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+import pytest
+from typer.testing import CliRunner
+
+from agentkv.cli import app, serve
+from agentkv.cli_agent import CLI_TOOLS, AgentOptions, CLIUsageError, PolicyName
+from agentkv.cli_serve import agent_defaults
+from agentkv.policies import SlidingWindow
+
+
+def test_serve_help_documents_every_option():
+    result = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "200", "TERMINAL_WIDTH": "200"})
+    assert result.exit_code == 0
+    text = re.sub(r"\s+", " ", result.output)
+    for parameter in inspect.signature(serve).parameters.values():
+        flags = parameter.default.param_decls
+        for flag in flags:
+            for name in flag.split("/"):
+                assert name in text, f"{name} is missing from serve --help"
+        assert parameter.default.help and len(parameter.default.help) > 10
+
+
+def test_agent_options_become_the_servers_defaults():
+    defaults = agent_defaults(AgentOptions(system="Be brief.", tools=True, policy=PolicyName.sliding,
+                                           max_prompt_len=2048, max_new_tokens=64, temperature=0.0), 8192)
+    assert defaults.instructions == "Be brief." and defaults.tools == CLI_TOOLS
+    assert isinstance(defaults.policy, SlidingWindow) and defaults.max_prompt_len == 2048
+    assert (defaults.max_new_tokens, defaults.temperature) == (64, 0.0)
+    plain = agent_defaults(AgentOptions())
+    assert (plain.instructions, plain.tools, plain.policy, plain.max_new_tokens, plain.temperature) == (
+        None, (), None, 512, 1.0)
+
+
+def test_a_window_over_the_models_context_is_refused():
+    with pytest.raises(CLIUsageError, match="exceeds the model's context"):
+        agent_defaults(AgentOptions(max_prompt_len=100_000), 8192)
+
+
+@pytest.mark.parametrize("options", [["--temperature", "-1"], ["--max-prompt-len", "200"], ["--system", " "],
+                                     ["--policy", "lru"]])
+def test_bad_serve_options_exit_2_before_the_model_loads(monkeypatch, options):
+    monkeypatch.setattr("agentkv.engine.factory.open_engine", lambda *a, **k: pytest.fail("model loaded"))
+    result = CliRunner().invoke(app, ["serve", *options])
+    assert result.exit_code == 2, result.output
