@@ -44,6 +44,7 @@ from agentkv.errors import (
     UserError,
 )
 from agentkv.events import (
+    ApprovalRequired,
     ContextCompacted,
     RunEvent,
     RunFinished,
@@ -52,6 +53,7 @@ from agentkv.events import (
     ToolReturned,
     StepFinished,
 )
+from agentkv.approvals import Decisions
 from agentkv.result import RunResult
 from agentkv.run_input import RunInput
 from agentkv.runner import Runner
@@ -64,8 +66,8 @@ if TYPE_CHECKING:
     from agentkv.engine.stateful import StatefulEngine
 
 __all__ = [
-    "Agent", "AgentKVError", "ConstraintError", "ContextCompacted", "ContextOverflowError", "Conversation",
-    "Engine", "GenerationConfig", "GenerationMetrics", "GenerationResult", "GenerationStream", "KVSession",
+    "Agent", "AgentKVError", "ApprovalRequired", "ConstraintError", "ContextCompacted", "ContextOverflowError", "Conversation",
+    "Decisions", "Engine", "GenerationConfig", "GenerationMetrics", "GenerationResult", "GenerationStream", "KVSession",
     "KVSnapshot", "MaxTurnsExceeded", "Message", "ModelNotFound", "PagedEngine", "RunEvent", "RunFinished",
     "RunInput", "RunResult", "Runner", "Runtime", "ResponseNotFound", "SessionBusy", "SessionClosed", "SessionNotFound", "SnapshotCorrupt",
     "SnapshotIncompatible", "StatefulEngine", "open_engine", "StepFinished", "TextDelta", "Tool", "ToolCall", "ToolCalled",

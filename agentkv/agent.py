@@ -14,7 +14,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +26,7 @@ from agentkv.output import OutputSpec
 from agentkv.tools import Tool, tool
 
 if TYPE_CHECKING:
+    from agentkv.chat.messages import ToolCall
     from agentkv.policies.protocol import ContextPolicy
 
 TOOL_CHOICES = ("auto", "required", "none")
@@ -70,6 +71,10 @@ class Agent:
     order), as OpenAI's ``parallel_tool_calls``; False: at most one call per model step."""
     tool_timeout_s: float = 30.0
     """Timeout for tools that set none."""
+    needs_approval: Callable[[ToolCall], bool] | None = None
+    """Picks the calls that wait for a person's approval before they run, besides those of
+    ``@tool(requires_approval=True)`` tools: ``Agent(..., needs_approval=lambda call: call.name ==
+    "pay" and call.arguments["amount"] > 100)`` (``agentkv.approvals``)."""
     output_type: Any = None
     """Structured final output: a pydantic model class or a JSON schema dict (an OpenAI
     ``response_format`` works too). The answer is decoded under the schema and parsed into

@@ -32,7 +32,8 @@ from rich.table import Table
 from agentkv.cli_agent import AgentOptions, PolicyName
 from agentkv.cli_chat import EXIT_INTERRUPTED, ChatRequest, run_chat
 from agentkv.cli_config import ENVIRONMENT_HELP, open_store
-from agentkv.cli_display import show_message
+from agentkv.chat.messages import pending_tool_calls
+from agentkv.cli_display import format_call, show_message
 from agentkv.errors import AgentKVError, UserError
 
 app = typer.Typer(help="agentkv: agents whose conversations keep their KV cache alive.",
@@ -117,6 +118,27 @@ def sessions_show(session_id: str, db: Optional[str] = typer.Option(None, "--db"
             await store.get_session(session_id)
             for m in await store.messages(session_id):
                 show_message(out, m.message, in_window=m.in_window)
+
+    _guard(lambda: anyio.run(run))
+
+
+@sessions_app.command("pending")
+def sessions_pending(
+    session_id: Optional[str] = typer.Argument(None, help="Only this session (default: every one)."),
+    db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
+) -> None:
+    """Tool calls waiting in stored sessions: for a person's approval (``runtime.approve`` /
+    ``runtime.reject``) or for the results a caller executes."""
+
+    async def run() -> None:
+        async with open_store(db) as store:
+            ids = [session_id] if session_id else [s.id for s in await store.list_sessions()]
+            table = Table("session", "call id", "tool call")
+            for sid in ids:
+                window = [m.message for m in await store.messages(sid, in_window_only=True)]
+                for call in pending_tool_calls(window).values():
+                    table.add_row(sid, call.id, format_call(call))
+            out.print(table if table.row_count else "no tool call is waiting")
 
     _guard(lambda: anyio.run(run))
 

@@ -47,6 +47,14 @@ class ToolReturned:
 
 
 @dataclass(frozen=True)
+class ApprovalRequired:
+    """The run stops: these calls wait for a person's approval (``runtime.approve`` / ``reject``)."""
+
+    calls: tuple[ToolCall, ...]
+    type: Literal["approval_required"] = "approval_required"
+
+
+@dataclass(frozen=True)
 class StepFinished:
     """What one model call cost and reused."""
 
@@ -81,7 +89,7 @@ class RunFinished:
     type: Literal["run_finished"] = "run_finished"
 
 
-RunEvent = Union[TextDelta, ToolCalled, ToolReturned, StepFinished, ContextCompacted, RunFinished]
+RunEvent = Union[TextDelta, ToolCalled, ToolReturned, StepFinished, ContextCompacted, ApprovalRequired, RunFinished]
 
 ToolCallEvent = ToolCalled
 """Deprecated name of ``ToolCalled`` (kept for one release)."""

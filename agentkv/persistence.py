@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 
+from agentkv.approvals import needs_approval
 from agentkv.chat.messages import Message, pending_tool_calls
 from agentkv.conversation import Conversation, WindowEntry
 from agentkv.engine.base import KVSession, common_prefix_len
@@ -79,14 +80,16 @@ INTERRUPTED_RESULT = "error: interrupted (the process stopped before the tool re
 async def record_interrupted_calls(session: Conversation) -> int:
     """Record an ``INTERRUPTED_RESULT`` for every call of the agent's own tools in the window
     that has no result (a process died mid-tool), so the history is a valid message sequence
-    again; returns how many. Calls of caller-executed tools wait for the caller's results.
+    again; returns how many. Calls of caller-executed tools wait for the caller's results, and
+    calls waiting for approval for a decision (an approved call whose run died waits again).
     Idempotent: a call that has a result is left alone.
 
     NOTE: results are appended at the end, which is where a crash leaves its orphans (the
     last assistant turn); the caller holds the session's lease.
     """
-    external = session.agent.external_tool_names  # pending by design: the caller answers them
-    orphans = [call for call in pending_tool_calls(session.messages).values() if call.name not in external]
+    agent = session.agent  # calls the caller answers, or a person approves, are pending by design
+    orphans = [call for call in pending_tool_calls(session.messages).values()
+               if call.name not in agent.external_tool_names and not needs_approval(agent, call)]
     for call in orphans:
         await session.record(Message.tool(INTERRUPTED_RESULT, tool_call_id=call.id, name=call.name))
     if orphans:

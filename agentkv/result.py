@@ -10,11 +10,12 @@ from agentkv.chat.messages import Message, ToolCall
 from agentkv.engine.base import GenerationMetrics
 
 FinishReason = Literal["stop", "length", "tool_calls", "tool_call_cut", "tool_call_invalid", "output_invalid",
-                       "max_turns"]
+                       "max_turns", "approval_required"]
 """Why a run ended: "stop" (the model finished its answer), "length" (the answer was cut by
 ``max_new_tokens``), "tool_call_cut" (a tool call was still cut by the token limit after one
 retry with room for it), "tool_call_invalid" (the model wrote tool-call markup that does not
-parse), "max_turns" (``MaxTurnsExceeded.result``)."""
+parse), "max_turns" (``MaxTurnsExceeded.result``), "approval_required" (calls wait for a
+person's decision: ``RunResult.pending_approvals``)."""
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,9 @@ class RunResult:
     pending_tool_calls: tuple[ToolCall, ...] = ()
     """Calls of caller-executed tools (made from raw schemas) waiting for results: continue the
     run with ``runtime.run(session, [{"role": "tool", "tool_call_id": call.id, "content": ...}])``."""
+    pending_approvals: tuple[ToolCall, ...] = ()
+    """Calls waiting for a person's approval (``finish_reason="approval_required"``): continue
+    with ``runtime.approve(session, call.id)`` or ``runtime.reject(session, call.id, reason)``."""
 
     @property
     def prefilled_tokens(self) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from agentkv.agent import Agent
+from agentkv.approvals import describe_waiting, needs_approval
 from agentkv.chat.messages import Message, pending_tool_calls
 from agentkv.chat.openai_messages import messages_from_openai
 from agentkv.errors import UserError
@@ -44,6 +45,12 @@ def checked_input(agent: Agent, window: Sequence[Message], run_input: RunInput) 
                                 f"tool call (pending: {sorted(pending) or 'none'})")
             kept.append(message.model_copy(update={"name": call.name}))
             continue
+        waiting = [call for call in pending.values() if needs_approval(agent, call)]
+        if waiting:
+            raise UserError(
+                f"message {index} ({message.role}) cannot come before a decision on the calls waiting for "
+                f"approval: {describe_waiting(waiting)}; approve or reject each first: "
+                "runtime.approve(session, call_id) / runtime.reject(session, call_id, reason)")
         if pending:
             raise UserError(
                 f"message {index} ({message.role}) cannot come before the results of the pending tool calls "

@@ -27,7 +27,8 @@ from typing import Any
 import anyio
 
 from agentkv.agent import Agent
-from agentkv.chat.messages import Message, ToolCall
+from agentkv.approvals import Decisions, awaiting_approval, checked_decisions, needs_approval, rejected_result
+from agentkv.chat.messages import Message, ToolCall, pending_tool_calls
 from agentkv.chat.stream_filter import MarkupFilter
 from agentkv.chat.toolcalls import TOOL_CALL_OPEN, answer_grammar, parse_tool_calls, tool_call_grammar
 from agentkv.conversation import Conversation, WindowEntry
@@ -39,6 +40,7 @@ from agentkv.engine.base import (
 )
 from agentkv.errors import ContextOverflowError, MaxTurnsExceeded
 from agentkv.events import (
+    ApprovalRequired,
     RunEvent,
     RunFinished,
     TextDelta,
@@ -72,7 +74,8 @@ class _RunState:
     """The newest model call's result (set when its stream ends)."""
 
     def result(self, final_text: str, finish_reason: FinishReason = "stop",
-               pending: tuple[ToolCall, ...] = (), output: Any = None) -> RunResult:
+               pending: tuple[ToolCall, ...] = (), output: Any = None, *,
+               approvals: tuple[ToolCall, ...] = ()) -> RunResult:
         return RunResult(
             session_id=self.session.id,
             final_text=final_text,
@@ -81,6 +84,7 @@ class _RunState:
             step_metrics=tuple(self.metrics),
             finish_reason=finish_reason,
             pending_tool_calls=pending,
+            pending_approvals=approvals,
             output=output,
         )
 
@@ -127,10 +131,18 @@ async def _guarded_turns(agent: Agent, session: Conversation, user_input: str) -
                 yield event
 
 
-async def run_turns(agent: Agent, session: Conversation, user_input: RunInput) -> AsyncIterator[RunEvent]:
+async def run_turns(agent: Agent, session: Conversation, user_input: RunInput | Decisions) -> AsyncIterator[RunEvent]:
     """The turn loop of one run, without the one-run-per-session guard (the caller holds it)."""
     state = _RunState(agent, session)
-    recorded = await _record_input(state, user_input)
+    recorded: list[WindowEntry] = []
+    if isinstance(user_input, Decisions):
+        async with aclosing(_apply_decisions(state, user_input)) as applied:
+            async for event in applied:
+                yield event
+                if isinstance(event, RunFinished):
+                    return
+    else:
+        recorded = await _record_input(state, user_input)
     for step in range(agent.max_turns):
         async with aclosing(_fit_window(state)) as compactions:
             try:
@@ -153,18 +165,49 @@ async def run_turns(agent: Agent, session: Conversation, user_input: RunInput) -
             yield RunFinished(_final_result(state, reply))
             return
         external = agent.external_tool_names
-        ours = tuple(c for c in reply.calls if c.name not in external)
-        theirs = tuple(c for c in reply.calls if c.name in external)
+        ours = tuple(c for c in reply.calls if c.name not in external and not needs_approval(agent, c))
         if ours:
             async with aclosing(_run_tools(state, ours)) as tools:
                 async for event in tools:
                     yield event
-        if theirs:  # the caller runs these and continues the run with their results
-            for call in theirs:
+        for call in reply.calls:
+            if call.name in external:
                 yield ToolCalled(call)
-            yield RunFinished(state.result(reply.content, "tool_calls", theirs))
-            return
+        async with aclosing(_stop_if_waiting(state, reply.content)) as stop:
+            async for event in stop:
+                yield event
+                if isinstance(event, RunFinished):
+                    return
     raise MaxTurnsExceeded(agent.max_turns, state.result("", "max_turns"))
+
+
+async def _stop_if_waiting(state: _RunState, content: str) -> AsyncIterator[RunEvent]:
+    """End the run when calls wait: for a person's approval (``approval_required``), or for the
+    caller's results (``tool_calls``); otherwise yield nothing and the run goes on."""
+    agent, messages = state.agent, state.session.messages
+    approvals = awaiting_approval(agent, messages)
+    theirs = tuple(c for c in pending_tool_calls(messages).values() if c.name in agent.external_tool_names)
+    if approvals:
+        yield ApprovalRequired(approvals)
+        yield RunFinished(state.result(content, "approval_required", theirs, approvals=approvals))
+    elif theirs:  # the caller runs these and continues the run with their results
+        yield RunFinished(state.result(content, "tool_calls", theirs))
+
+
+async def _apply_decisions(state: _RunState, decisions: Decisions) -> AsyncIterator[RunEvent]:
+    """Record each rejection, run the approved calls; end the run if calls still wait."""
+    approved, rejected = checked_decisions(state.agent, state.session.messages, decisions)
+    for call, reason in rejected:
+        content = rejected_result(reason)
+        await _record(state, Message.tool(content, tool_call_id=call.id, name=call.name))
+        yield ToolReturned(call, content, True, 0.0)
+    if approved:
+        async with aclosing(_run_tools(state, approved)) as tools:
+            async for event in tools:
+                yield event
+    async with aclosing(_stop_if_waiting(state, "")) as stop:
+        async for event in stop:
+            yield event
 
 
 async def _record(state: _RunState, message: Message) -> WindowEntry:

@@ -25,7 +25,8 @@ from contextlib import aclosing, asynccontextmanager
 import anyio
 
 from agentkv.agent import Agent
-from agentkv.chat.messages import Message
+from agentkv.approvals import Decisions, awaiting_approval
+from agentkv.chat.messages import Message, ToolCall
 from agentkv.chat.render import ChatRenderer
 from agentkv.conversation import Conversation, render_for
 from agentkv.engine.base import Engine
@@ -181,7 +182,7 @@ class Runtime:
             raise UserError(f"{action} needs a store: Runtime(engine, store=Store.from_env())")
         return self.store
 
-    async def run(self, session: Conversation, user_input: RunInput, *,
+    async def run(self, session: Conversation, user_input: RunInput | Decisions, *,
                   continue_from: int | None = None) -> RunResult:
         """Run the session's agent on ``user_input`` to its final answer: a user message's text,
         or messages — OpenAI chat dicts or ``Message``s, e.g. the results of the calls a run
@@ -193,8 +194,9 @@ class Runtime:
                 result = await runtime.run(session, [{"role": "tool", "tool_call_id": call.id, "content": "18 C"}])
 
         A message that cannot follow the history (a user turn before pending results, a result
-        for no pending call) raises ``UserError`` and records nothing. ``continue_from``: see
-        ``run_stream``."""
+        for no pending call) raises ``UserError`` and records nothing. ``Decisions`` about calls
+        waiting for approval continue a run that stopped on them (``approve`` / ``reject``).
+        ``continue_from``: see ``run_stream``."""
         result: RunResult | None = None
         async for event in self.run_stream(session, user_input, continue_from=continue_from):
             if isinstance(event, RunFinished):
@@ -202,7 +204,22 @@ class Runtime:
         assert result is not None
         return result
 
-    async def run_stream(self, session: Conversation, user_input: RunInput, *,
+    async def approve(self, session: Conversation, call_id: str) -> RunResult:
+        """Run a call that waited for approval and continue the run: once no call waits, the
+        model goes on on the same KV (``finish_reason="approval_required"`` again while others
+        wait): ``result = await runtime.approve(session, result.pending_approvals[0].id)``."""
+        return await self.run(session, Decisions(approve=[call_id]))
+
+    async def reject(self, session: Conversation, call_id: str, reason: str = "") -> RunResult:
+        """Refuse a call that waited for approval: the model reads that it was rejected (and
+        ``reason``) and the run continues as with ``approve``."""
+        return await self.run(session, Decisions(reject={call_id: reason}))
+
+    def pending_approvals(self, session: Conversation) -> tuple[ToolCall, ...]:
+        """The session's calls waiting for approval (also after a resume in another process)."""
+        return awaiting_approval(session.agent, session.messages)
+
+    async def run_stream(self, session: Conversation, user_input: RunInput | Decisions, *,
                          continue_from: int | None = None) -> AsyncIterator[RunEvent]:
         """The one way to run a conversation: yields typed events, the last ``RunFinished``.
 

@@ -54,6 +54,9 @@ class Tool:
     """Seconds a call may take; ``None`` leaves it to ``run_tool_calls(default_timeout_s=...)``."""
     max_result_chars: int | None = DEFAULT_MAX_RESULT_CHARS
     """Results are cut to this many characters (plus a marker); ``None`` keeps them whole."""
+    requires_approval: bool = False
+    """A call waits for a person's approval before it runs (``agentkv.approvals``): the run stops
+    with ``finish_reason="approval_required"``."""
 
     def __post_init__(self) -> None:
         if self.timeout_s is not None and not self.timeout_s > 0:
@@ -154,6 +157,7 @@ def tool(
     description: str | None = None,
     timeout_s: float | None = None,
     max_result_chars: int | None = DEFAULT_MAX_RESULT_CHARS,
+    requires_approval: bool = False,
 ) -> Tool: ...
 
 
@@ -166,6 +170,7 @@ def tool(
     description: str | None = None,
     timeout_s: float | None = None,
     max_result_chars: int | None = DEFAULT_MAX_RESULT_CHARS,
+    requires_approval: bool = False,
 ) -> Tool: ...
 
 
@@ -178,6 +183,7 @@ def tool(
     description: str | None = None,
     timeout_s: float | None = None,
     max_result_chars: int | None = DEFAULT_MAX_RESULT_CHARS,
+    requires_approval: bool = False,
 ) -> Callable[[Callable[..., Any]], Tool]: ...
 
 
@@ -189,8 +195,10 @@ def tool(
     description: str | None = None,
     timeout_s: float | None = None,
     max_result_chars: int | None = DEFAULT_MAX_RESULT_CHARS,
+    requires_approval: bool = False,
 ) -> Tool | Callable[[Callable[..., Any]], Tool]:
-    """Make a :class:`Tool` of a function: ``@tool`` or ``@tool(name=..., timeout_s=...)``.
+    """Make a :class:`Tool` of a function: ``@tool`` or ``@tool(name=..., timeout_s=...)``;
+    ``@tool(requires_approval=True)``: each call waits for a person's approval (``agentkv.approvals``).
 
     Raises ``UserError`` at once when the function cannot be a tool (a parameter without a type
     annotation, ``*args``/``**kwargs``, a name the tool format refuses, a non-callable).
@@ -200,9 +208,10 @@ def tool(
         lookup = tool({"type": "function", "function": {"name": "lookup", "parameters": {...}}})
     """
     if isinstance(function, Mapping):
-        if name is not None or description is not None or timeout_s is not None:
+        if name is not None or description is not None or timeout_s is not None or requires_approval:
             raise UserError("a tool made from a schema takes its name and description from the schema; "
-                            "drop name=/description=/timeout_s= (the caller runs it, so no timeout applies)")
+                            "drop name=/description=/timeout_s=/requires_approval= (the caller runs it, so "
+                            "no timeout applies and the caller approves it)")
         return Tool(None, external_schema(function), max_result_chars=max_result_chars)
 
     def decorate(target: Callable[..., Any]) -> Tool:
@@ -212,7 +221,8 @@ def tool(
                 f"tool({target.name}.function, ...)"
             )
         spec = function_schema(target, name=name, description=description)
-        return Tool(target, spec, timeout_s=timeout_s, max_result_chars=max_result_chars)
+        return Tool(target, spec, timeout_s=timeout_s, max_result_chars=max_result_chars,
+                    requires_approval=requires_approval)
 
     if function is None:
         return decorate
