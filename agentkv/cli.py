@@ -95,15 +95,17 @@ def _run_chat(request: ChatRequest) -> None:
 
 @sessions_app.command("list")
 def sessions_list(db: Optional[str] = typer.Option(None, "--db", help=DB_HELP)) -> None:
-    """Every stored session, newest first."""
+    """Every stored session, newest first; a fork shows its parent and fork point (parent@seq)
+    and counts only its own messages."""
 
     async def run() -> None:
         async with open_store(db) as store:
-            table = Table("agent", "updated", "messages", "tokens")
+            table = Table("agent", "updated", "messages", "tokens", "fork of")
             table.add_column("id", no_wrap=True, min_width=32)
             for s in await store.list_sessions():
+                fork = f"{s.parent_id[:8]}@{s.fork_seq}" if s.parent_id else ""
                 table.add_row(s.agent_name, s.updated_at.strftime("%Y-%m-%d %H:%M"),
-                              str(s.message_count), str(s.total_tokens), s.id)
+                              str(s.message_count), str(s.total_tokens), fork, s.id)
             out.print(table)
 
     _guard(lambda: anyio.run(run))
@@ -139,6 +141,39 @@ def sessions_pending(
                 for call in pending_tool_calls(window).values():
                     table.add_row(sid, call.id, format_call(call))
             out.print(table if table.row_count else "no tool call is waiting")
+
+    _guard(lambda: anyio.run(run))
+
+
+@sessions_app.command("fork")
+def sessions_fork(
+    session_id: str,
+    at: Optional[int] = typer.Option(None, "--at", min=0, help="Share messages 1..AT (default: all)."),
+    db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
+) -> None:
+    """A new session sharing this one's messages up to --at (not copied); prints its id. Its KV
+    comes from the parent's snapshot when it is resumed."""
+
+    async def run() -> None:
+        async with open_store(db) as store:
+            fork = await store.fork_session(session_id, at=at)
+            out.print(f"forked {session_id} at {fork.fork_seq}: {fork.id}", highlight=False)
+
+    _guard(lambda: anyio.run(run))
+
+
+@sessions_app.command("rewind")
+def sessions_rewind(
+    session_id: str,
+    before: int = typer.Option(..., "--before", min=1, help="The first message (seq) to take out of the window."),
+    db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
+) -> None:
+    """Take message --before and every later one out of the session's window (they stay stored)."""
+
+    async def run() -> None:
+        async with open_store(db) as store:
+            left = await store.rewind(session_id, before - 1)
+            out.print(f"{left} messages left the window of {session_id}", highlight=False)
 
     _guard(lambda: anyio.run(run))
 

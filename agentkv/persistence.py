@@ -121,7 +121,8 @@ async def save_snapshot(store: Store, session: Conversation) -> None:
 async def restore_newest_snapshot(
     store: Store, session_id: str, kv: KVSession, prompt: tuple[int, ...], fingerprint: str
 ) -> tuple[int, tuple[str, ...]]:
-    """Restore into ``kv`` the newest valid snapshot whose tokens are a prefix of ``prompt``.
+    """Restore into ``kv`` the newest valid snapshot that shares a prefix with ``prompt`` — the
+    whole snapshot, or its part up to where they diverge (a rewound or forked history).
 
     Returns (tokens restored, reasons snapshots were skipped). A corrupt or missing file, or
     one from another model, is skipped and logged: the session then re-prefills, losing nothing.
@@ -137,9 +138,10 @@ async def restore_newest_snapshot(
             logger.warning("skipping snapshot %s of session %s: %s", record.path, session_id, error)
             skipped.append(f"{record.path.name}: {error}")
             continue
-        if tuple(prompt[: snapshot.num_tokens]) != tuple(snapshot.tokens):
-            skipped.append(f"{record.path.name}: its tokens are not a prefix of the rendered history")
+        shared = common_prefix_len(snapshot.tokens, prompt)
+        if shared == 0:
+            skipped.append(f"{record.path.name}: it shares no prefix with the rendered history")
             continue
-        await kv.restore(snapshot)
-        return snapshot.num_tokens, tuple(skipped)
+        await kv.restore(snapshot if shared == snapshot.num_tokens else snapshot.prefix(shared))
+        return shared, tuple(skipped)
     return 0, tuple(skipped)

@@ -29,7 +29,7 @@ from agentkv.approvals import Decisions, awaiting_approval
 from agentkv.chat.messages import Message, ToolCall
 from agentkv.chat.render import ChatRenderer
 from agentkv.conversation import Conversation, render_for
-from agentkv.engine.base import Engine
+from agentkv.engine.base import Engine, KVSession, common_prefix_len
 from agentkv.errors import SessionBusy, UserError
 from agentkv.events import RunEvent, RunFinished
 from agentkv.leases import DEFAULT_LEASE_TTL_S, LeaseKeeper, holder_id
@@ -156,8 +156,73 @@ class Runtime:
         await store.release_lease(session_id, self.holder)
         return None
 
-    async def _attach(self, sid: str, agent: Agent, window: list, salt: str) -> Conversation:  # type: ignore[type-arg]
-        kv = await self.engine.open_session(salt=salt)
+    async def fork(self, session: Conversation | str, *, at: int | None = None, session_id: str | None = None,
+                   agent: Agent | None = None, salt: str = "") -> Conversation:
+        """A new stored session sharing ``session``'s messages 1..``at`` (default: all) — rows are
+        shared, not copied — with their KV: the parent's live KV forked and trimmed when it is
+        open here, else the newest snapshot up its lineage that covers a prefix. Both go on
+        independently: ``branch = await runtime.fork(session, at=4)``; a fork of a fork works."""
+        store = self._require_store("fork")
+        parent_id = session if isinstance(session, str) else session.id
+        record = await store.fork_session(parent_id, at=at, new_id=session_id)
+        parent = self._sessions.get(parent_id)
+        agent = agent or (parent.agent if parent is not None else await self._agent_for(record.agent_name))
+        self._know(agent, salt)
+        live = parent is not None and not parent.running
+        kv = await parent.kv.fork() if live and parent is not None else None
+        branch = await self._attach(record.id, agent, await load_window(store, record.id), salt, kv=kv)
+        prompt = branch.render(agent, add_generation_prompt=False).token_ids
+        if kv is not None:
+            restored, skipped = common_prefix_len(kv.tokens, prompt), ()
+            await kv.trim(restored)
+        else:
+            restored, skipped = await self._restore_from_lineage(record.parent_id, branch, prompt)
+        branch.resume_report = ResumeReport(len(branch.window), restored, skipped)
+        return branch
+
+    async def _restore_from_lineage(self, session_id: str | None, branch: Conversation,
+                                    prompt: tuple[int, ...]) -> tuple[int, tuple[str, ...]]:
+        """Restore the newest snapshot of the nearest ancestor that has one sharing a prefix."""
+        store = self._require_store("fork")
+        skipped: list[str] = []
+        while session_id is not None:
+            restored, passed = await restore_newest_snapshot(store, session_id, branch.kv, prompt,
+                                                             self.engine.fingerprint)
+            skipped += passed
+            if restored:
+                return restored, tuple(skipped)
+            session_id = (await store.get_session(session_id)).parent_id
+        return 0, tuple(skipped)
+
+    async def rewind(self, session: Conversation, *, before: int) -> int:
+        """Take message ``before`` (a seq) and every later one out of the window — they stay
+        stored, as this session's history — and trim the KV to where the window now diverges
+        (never a re-prefill from zero); returns how many messages left. To keep them in the
+        window of the original instead, ``fork(session, at=before - 1)``."""
+        store = self._require_store("rewind")
+        if before < 1:
+            raise UserError(f"before must be a message seq >= 1, got {before}")
+        async with session.run_guard(), LeaseKeeper(store, session.id, self.holder, ttl_s=self.lease_ttl_s):
+            left = await store.rewind(session.id, before - 1)
+            session.reload_window(await load_window(store, session.id))
+            prompt = session.render(session.agent, add_generation_prompt=False).token_ids
+            await session.kv.trim(common_prefix_len(session.kv.tokens, prompt))
+        return left
+
+    async def edit(self, session: Conversation, seq: int, content: str) -> tuple[Conversation, RunResult]:
+        """Edit user message ``seq``: a fork at ``seq - 1`` answers ``content`` instead (the
+        original stays as it was): ``branch, result = await runtime.edit(session, 3, "Paris?")``."""
+        store = self._require_store("edit")
+        stored = {m.seq: m for m in await store.messages(session.id)}
+        if seq not in stored or stored[seq].message.role != "user":
+            users = sorted(n for n, m in stored.items() if m.message.role == "user")
+            raise UserError(f"message {seq} of session {session.id!r} is not a user message; user messages: {users}")
+        branch = await self.fork(session, at=seq - 1, agent=session.agent)
+        return branch, await self.run(branch, content)
+
+    async def _attach(self, sid: str, agent: Agent, window: list, salt: str,  # type: ignore[type-arg]
+                      kv: KVSession | None = None) -> Conversation:
+        kv = kv if kv is not None else await self.engine.open_session(salt=salt)
         session = Conversation(
             sid, agent, self.engine, kv, self.renderer, window=window,
             sink=StoreSink(self.store) if self.store is not None else None,

@@ -37,7 +37,8 @@ def agent_record(row: AgentRow) -> AgentRecord:
 def session_record(row: SessionRow) -> SessionRecord:
     return SessionRecord(id=row.id, agent_name=row.agent_name, created_at=row.created_at,
                          updated_at=row.updated_at, lease_holder=row.lease_holder,
-                         lease_expires_at=row.lease_expires_at, metadata=dict(row.metadata_))
+                         lease_expires_at=row.lease_expires_at, metadata=dict(row.metadata_),
+                         parent_id=row.parent_id, fork_seq=row.fork_seq)
 
 
 def message_fields(message: Message) -> dict[str, Any]:
@@ -52,7 +53,10 @@ def message_fields(message: Message) -> dict[str, Any]:
     }
 
 
-def stored_message(row: MessageRow) -> StoredMessage:
+def stored_message(row: MessageRow, *, in_window: bool | None = None, replaced_by_seq: int | None = None
+                   ) -> StoredMessage:
+    """The row as a record; ``in_window`` / ``replaced_by_seq`` as the reading session sees them
+    (a fork's view of a shared message), else the row's own."""
     message = Message.model_validate({
         "role": row.role,
         "content": row.content,
@@ -61,9 +65,10 @@ def stored_message(row: MessageRow) -> StoredMessage:
         "name": row.name,
         "token_ids": row.token_ids,
     })
+    own = in_window is None
     return StoredMessage(session_id=row.session_id, seq=row.seq, message=message,
-                         token_count=row.token_count, in_window=bool(row.in_window),
-                         replaced_by_seq=row.replaced_by_seq, created_at=row.created_at)
+                         token_count=row.token_count, in_window=bool(row.in_window if own else in_window),
+                         replaced_by_seq=row.replaced_by_seq if own else replaced_by_seq, created_at=row.created_at)
 
 
 def snapshot_record(row: SnapshotRow, files: SnapshotFiles) -> SnapshotRecord:

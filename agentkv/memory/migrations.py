@@ -148,11 +148,33 @@ def _m004_responses(conn: Connection) -> None:
     md.tables["responses"].create(conn)
 
 
+def _m005_branches(conn: Connection) -> None:
+    """5: branches — sessions.parent_id / fork_seq (a fork shares its parent's messages up to
+    fork_seq, without copying them), messages.out_since_seq (the session's newest seq when a
+    message left the window, so a fork sees the window as it was at its fork point) and
+    branch_marks (a fork's own window marks on the messages it shares)."""
+    conn.execute(text("ALTER TABLE sessions ADD COLUMN parent_id VARCHAR(255) REFERENCES sessions (id)"))
+    conn.execute(text("ALTER TABLE sessions ADD COLUMN fork_seq INTEGER"))
+    conn.execute(text("CREATE INDEX ix_sessions_parent_id ON sessions (parent_id)"))
+    conn.execute(text("ALTER TABLE messages ADD COLUMN out_since_seq INTEGER"))
+    md = MetaData()
+    Table("sessions", md, Column("id", String(255), primary_key=True))
+    Table(
+        "branch_marks", md,
+        Column("session_id", String(255), ForeignKey("sessions.id", ondelete="CASCADE"), primary_key=True),
+        Column("seq", Integer, primary_key=True, autoincrement=False),
+        Column("replaced_by_seq", Integer),
+        Column("out_since_seq", Integer, nullable=False),
+    )
+    md.tables["branch_marks"].create(conn)
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "initial", _m001_initial),
     Migration(2, "sessions_by_recency", _m002_sessions_by_recency),
     Migration(3, "agents_without_system_turn", _m003_agents_without_system_turn),
     Migration(4, "responses", _m004_responses),
+    Migration(5, "branches", _m005_branches),
 )
 LATEST_VERSION = MIGRATIONS[-1].version
 

@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 from agentkv.chat.messages import Message
 from agentkv.engine.snapshot import KVSnapshot, tokens_digest
 from agentkv.errors import AgentNotFound, ResponseNotFound, SessionBusy, SessionNotFound, UserError
-from agentkv.memory import convert
+from agentkv.memory import branches, convert
 from agentkv.memory.holders import holder_is_dead_here
 from agentkv.memory.records import (
     AgentRecord,
@@ -26,7 +26,7 @@ from agentkv.memory.records import (
     SnapshotRecord,
     StoredMessage,
 )
-from agentkv.memory.schema import AgentRow, MessageRow, ResponseRow, SessionRow, SnapshotRow, utcnow
+from agentkv.memory.schema import AgentRow, BranchMarkRow, MessageRow, ResponseRow, SessionRow, SnapshotRow, utcnow
 from agentkv.memory.snapshots import SnapshotFiles
 
 
@@ -88,7 +88,8 @@ def list_sessions(s: Session) -> list[SessionSummary]:
     return [
         SessionSummary(id=row.id, agent_name=row.agent_name, created_at=row.created_at,
                        updated_at=row.updated_at, message_count=int(count),
-                       total_tokens=int(total), in_window_tokens=int(in_window))
+                       total_tokens=int(total), in_window_tokens=int(in_window),
+                       parent_id=row.parent_id, fork_seq=row.fork_seq)
         for row, count, total, in_window in s.execute(query)
     ]
 
@@ -99,7 +100,7 @@ def append_message(s: Session, session_id: str, message: Message, token_count: i
     # session, so max(seq) + 1 is unique without a retry loop.
     session = session_row(s, session_id, for_update=True)
     now = utcnow()
-    row = MessageRow(session_id=session_id, seq=last_seq(s, session_id) + 1, token_count=token_count,
+    row = MessageRow(session_id=session_id, seq=branches.last_seq(s, session) + 1, token_count=token_count,
                      in_window=in_window, replaced_by_seq=None, created_at=now,
                      **convert.message_fields(message))
     s.add(row)
@@ -109,35 +110,44 @@ def append_message(s: Session, session_id: str, message: Message, token_count: i
 
 
 def messages(s: Session, session_id: str, in_window_only: bool) -> list[StoredMessage]:
-    session_row(s, session_id)
-    query = select(MessageRow).where(MessageRow.session_id == session_id)
-    if in_window_only:
-        query = query.where(MessageRow.in_window.is_(True))
-    return [convert.stored_message(row) for row in s.scalars(query.order_by(MessageRow.seq))]
+    """The messages the session sees (a fork: its parent's up to its fork point, then its own)."""
+    seen = branches.view(s, session_row(s, session_id))
+    return [convert.stored_message(item.row, in_window=item.in_window, replaced_by_seq=item.replaced_by_seq)
+            for item in seen if item.in_window or not in_window_only]
 
 
 def mark_out_of_window(s: Session, session_id: str, seqs: Sequence[int],
                        replaced_by_seq: int | None) -> None:
     session = session_row(s, session_id, for_update=True)
     wanted = set(seqs) | ({replaced_by_seq} if replaced_by_seq is not None else set())
-    found = set(s.scalars(select(MessageRow.seq).where(
-        MessageRow.session_id == session_id, MessageRow.seq.in_(wanted))))
+    found = {item.row.seq for item in branches.view(s, session)}
     if missing := sorted(wanted - found):
         raise UserError(f"session {session_id!r} has no messages with seq {missing}")
     if replaced_by_seq is not None and replaced_by_seq in seqs:
         raise UserError(f"message {replaced_by_seq} cannot replace itself")
-    s.execute(
-        update(MessageRow)
-        .where(MessageRow.session_id == session_id, MessageRow.seq.in_(set(seqs)))
-        .values(in_window=False, replaced_by_seq=replaced_by_seq)
-        .execution_options(synchronize_session=False)
-    )
-    session.updated_at = utcnow()
+    branches.move_out(s, session, seqs, replaced_by_seq)
+
+
+def rewind(s: Session, session_id: str, after_seq: int) -> int:
+    """Take the messages after ``after_seq`` out of the window, and put back those that only
+    they had replaced (a summary made after it); returns how many left. Rows stay stored."""
+    return branches.rewind(s, session_row(s, session_id, for_update=True), after_seq)
+
+
+def fork_session(s: Session, session_id: str, new_id: str, at: int | None,
+                 metadata: dict[str, Any]) -> SessionRecord:
+    parent = session_row(s, session_id, for_update=True)
+    return convert.session_record(branches.fork(s, parent, new_id, at, metadata))
 
 
 def delete_session(s: Session, session_id: str) -> list[str]:
-    """Delete the session's rows; return the snapshot file names to remove after commit."""
+    """Delete the session's rows; return the snapshot file names to remove after commit.
+    ``UserError`` while forks share its messages."""
     session_row(s, session_id, for_update=True)
+    if forks := branches.forks_of(s, session_id):
+        raise UserError(f"session {session_id!r} has forks that share its messages ({', '.join(forks)}); "
+                        "delete them first; nothing was deleted")
+    s.execute(delete(BranchMarkRow).where(BranchMarkRow.session_id == session_id))
     names = list(s.scalars(select(SnapshotRow.path).where(SnapshotRow.session_id == session_id)))
     s.execute(delete(SnapshotRow).where(SnapshotRow.session_id == session_id))
     s.execute(delete(ResponseRow).where(ResponseRow.session_id == session_id))
@@ -147,8 +157,8 @@ def delete_session(s: Session, session_id: str) -> list[str]:
 
 
 def last_seq(s: Session, session_id: str) -> int:
-    """The seq of the session's newest message (0 for none)."""
-    return int(s.execute(select(func.max(MessageRow.seq)).where(MessageRow.session_id == session_id)).scalar() or 0)
+    """The seq of the newest message the session sees (0 for none)."""
+    return branches.last_seq(s, session_row(s, session_id))
 
 
 def acquire_lease(s: Session, session_id: str, holder: str, ttl_s: float) -> str | None:
@@ -306,22 +316,3 @@ def responses_of(s: Session, session_id: str) -> list[ResponseRecord]:
                      .order_by(ResponseRow.last_seq.desc(), ResponseRow.created_at.desc()))
     return [convert.response_record(row) for row in rows]
 
-
-def rewind(s: Session, session_id: str, after_seq: int) -> int:
-    """Take the messages after ``after_seq`` out of the window, and put back those that only
-    they had replaced (a summary made after it); returns how many left. Rows stay stored."""
-    session = session_row(s, session_id, for_update=True)
-    s.execute(
-        update(MessageRow)
-        .where(MessageRow.session_id == session_id, MessageRow.replaced_by_seq > after_seq)
-        .values(in_window=True, replaced_by_seq=None)
-        .execution_options(synchronize_session=False)
-    )
-    left = s.execute(
-        update(MessageRow)
-        .where(MessageRow.session_id == session_id, MessageRow.seq > after_seq, MessageRow.in_window.is_(True))
-        .values(in_window=False)
-        .execution_options(synchronize_session=False)
-    )
-    session.updated_at = utcnow()
-    return int(left.rowcount)  # type: ignore[attr-defined]

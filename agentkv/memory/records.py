@@ -47,6 +47,10 @@ class SessionRecord:
     """When the current lease lapses (UTC); a lapsed lease can be taken over."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """Free-form JSON the caller attached at creation."""
+    parent_id: str | None = None
+    """The session this one was forked from (None: not a fork)."""
+    fork_seq: int | None = None
+    """A fork shares its parent's messages 1..fork_seq; its own continue after."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,9 @@ class SessionSummary:
     """Sum of ``token_count`` over every stored message."""
     in_window_tokens: int
     """Sum of ``token_count`` over the messages still in the context window."""
+    parent_id: str | None = None
+    """The session this one was forked from (its messages up to ``fork_seq`` are shared, not counted here)."""
+    fork_seq: int | None = None
 
 
 @dataclass(frozen=True)
@@ -70,8 +77,9 @@ class StoredMessage:
     """A message as stored: its position in the session and its window state."""
 
     session_id: str
+    """The session the row belongs to (a fork's parent, for a message the fork shares)."""
     seq: int
-    """1..n within the session, in append order."""
+    """1..n within the session, in append order (a fork's own continue after its fork point)."""
     message: Message
     token_count: int
     """Tokens the message took when rendered into the prompt."""

@@ -75,6 +75,9 @@ class SessionRow(Base):
     lease_expires_at: Mapped[datetime | None]
     # NOTE: "metadata" is reserved on declarative classes, so the attribute has another name.
     metadata_: Mapped[dict[str, Any]] = mapped_column("metadata", JSON)
+    parent_id: Mapped[str | None] = mapped_column(String(255), ForeignKey("sessions.id"), index=True)
+    """The session this one was forked from; it shares the parent's messages up to ``fork_seq``."""
+    fork_seq: Mapped[int | None] = mapped_column(Integer)
 
 
 class MessageRow(Base):
@@ -96,6 +99,23 @@ class MessageRow(Base):
     in_window: Mapped[bool] = mapped_column(Boolean)
     replaced_by_seq: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[datetime]
+    out_since_seq: Mapped[int | None] = mapped_column(Integer)
+    """The session's newest seq when the message left the window (None: in it, or marked before
+    schema 5); a fork at an earlier seq still sees it in its window."""
+
+
+class BranchMarkRow(Base):
+    """A fork's own window mark on a message it shares with its parent (the parent's row is
+    left as the parent has it)."""
+
+    __tablename__ = "branch_marks"
+
+    session_id: Mapped[str] = mapped_column(
+        String(255), ForeignKey("sessions.id", ondelete="CASCADE"), primary_key=True
+    )
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    replaced_by_seq: Mapped[int | None] = mapped_column(Integer)
+    out_since_seq: Mapped[int] = mapped_column(Integer)
 
 
 class SnapshotRow(Base):

@@ -171,6 +171,15 @@ class Store:
                 raise UserError(f"session {sid!r} already exists; pass another id or none") from e
         return await self._call(create)
 
+    async def fork_session(self, session_id: str, *, at: int | None = None, new_id: str | None = None,
+                           metadata: dict[str, Any] | None = None) -> SessionRecord:
+        """A new session sharing this one's messages 1..``at`` (default: all) without copying
+        them; both go on independently: ``fork = await store.fork_session(sid, at=4)``. A fork of
+        a fork works; the parent cannot be deleted while forks share its messages."""
+        sid = new_id or uuid.uuid4().hex
+        meta = convert.json_object(metadata, "session metadata")
+        return await self._call(self._write, lambda s: queries.fork_session(s, session_id, sid, at, meta))
+
     async def get_session(self, session_id: str) -> SessionRecord:
         """The session's row; ``SessionNotFound`` if absent."""
         return await self._call(
@@ -181,7 +190,8 @@ class Store:
         return await self._call(self._read, queries.list_sessions)
 
     async def delete_session(self, session_id: str) -> None:
-        """Delete the session, its messages, snapshot rows and snapshot files."""
+        """Delete the session, its messages, snapshot rows and snapshot files (``UserError``
+        while forks share its messages: delete them first)."""
         def delete() -> None:
             names = self._write(lambda s: queries.delete_session(s, session_id))
             self.files.remove(names)
