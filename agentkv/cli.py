@@ -31,7 +31,7 @@ from rich.table import Table
 
 from agentkv.cli_agent import AgentOptions, PolicyName
 from agentkv.cli_chat import EXIT_INTERRUPTED, ChatRequest, run_chat
-from agentkv.cli_config import ENVIRONMENT_HELP, open_store
+from agentkv.cli_config import ENVIRONMENT_HELP, open_store, parse_age
 from agentkv.chat.messages import pending_tool_calls
 from agentkv.cli_display import format_call, show_message
 from agentkv.errors import AgentKVError, UserError
@@ -174,6 +174,27 @@ def sessions_rewind(
         async with open_store(db) as store:
             left = await store.rewind(session_id, before - 1)
             out.print(f"{left} messages left the window of {session_id}", highlight=False)
+
+    _guard(lambda: anyio.run(run))
+
+
+@sessions_app.command("prune")
+def sessions_prune(
+    older_than: Optional[str] = typer.Option(
+        None, "--older-than", help="Delete sessions not updated for this long: 30d, 12h, 90m, 2w."),
+    keep_snapshots: Optional[int] = typer.Option(
+        None, "--keep-snapshots", min=1, help="Keep only this many newest snapshots of each session."),
+    db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
+) -> None:
+    """Delete old sessions and surplus snapshots, and snapshot files no row points to (left by a
+    crash). A parent whose forks stay is kept; a leased (running) session is never deleted."""
+
+    async def run() -> None:
+        age = parse_age(older_than) if older_than is not None else None
+        async with open_store(db) as store:
+            report = await store.prune(older_than=age, keep_snapshots=keep_snapshots)
+        out.print(f"deleted {len(report.sessions)} sessions and {report.snapshots} snapshot files "
+                  f"({report.orphan_files} orphaned), freed {report.bytes_freed / 1e6:.1f} MB", highlight=False)
 
     _guard(lambda: anyio.run(run))
 

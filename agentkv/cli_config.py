@@ -9,7 +9,10 @@ Read once, at the edge (the library itself reads only ``$AGENTKV_DB_URL`` in ``S
 from __future__ import annotations
 
 import os
+import re
+from datetime import timedelta
 
+from agentkv.cli_agent import CLIUsageError
 from agentkv.memory import Store
 from agentkv.memory.database import ENV_HOME
 from agentkv.memory.store import ENV_DB_URL
@@ -41,3 +44,14 @@ def open_store(db: str | None) -> Store:
 def model_choice(model: str | None) -> str | None:
     """``--model``, else ``$AGENTKV_MODEL``, else None (the default model)."""
     return model or os.environ.get(ENV_MODEL) or None
+
+
+_AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_age(text: str) -> timedelta:
+    """``30d``, ``12h``, ``90m``, ``45s``, ``2w`` as a timedelta; ``CLIUsageError`` otherwise."""
+    match = re.fullmatch(r"\s*(\d+)\s*([smhdw])\s*", text)
+    if match is None:
+        raise CLIUsageError(f"--older-than takes a number and a unit (s, m, h, d, w), e.g. 30d; got {text!r}")
+    return timedelta(seconds=int(match.group(1)) * _AGE_UNITS[match.group(2)])

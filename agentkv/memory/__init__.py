@@ -6,6 +6,7 @@
 
 from agentkv.memory.records import (
     AgentRecord,
+    PruneReport,
     ResponseRecord,
     SessionRecord,
     SessionSummary,
@@ -17,6 +18,7 @@ from agentkv.memory.store import ENV_DB_URL, Store
 __all__ = [
     "ENV_DB_URL",
     "AgentRecord",
+    "PruneReport",
     "ResponseRecord",
     "SessionRecord",
     "SessionSummary",

@@ -124,3 +124,16 @@ class ResponseRecord:
     session only while this is still the newest (otherwise it would branch)."""
     body: dict[str, Any]
     created_at: datetime
+
+
+@dataclass(frozen=True)
+class PruneReport:
+    """What ``Store.prune`` deleted."""
+
+    sessions: tuple[str, ...]
+    """Ids of the sessions deleted (rows, messages, responses, snapshots)."""
+    snapshots: int
+    """Snapshot files removed: of deleted sessions, beyond the kept newest, and orphans."""
+    orphan_files: int
+    """Files in the snapshot directory no row pointed to (left by a crash), removed."""
+    bytes_freed: int

@@ -10,8 +10,10 @@ The database keeps each file's name (relative to the snapshot directory) and che
 from __future__ import annotations
 
 import re
+import time
 import uuid
 from collections.abc import Iterable
+from datetime import timedelta
 from pathlib import Path
 
 from agentkv.engine.snapshot import KVSnapshot
@@ -55,10 +57,27 @@ class SnapshotFiles:
             )
         return snapshot
 
-    def remove(self, names: Iterable[str]) -> None:
-        """Delete files; already missing ones are fine."""
+    def remove(self, names: Iterable[str]) -> int:
+        """Delete files (already missing ones are fine); returns the bytes freed."""
+        freed = 0
         for name in names:
-            self.resolve(name).unlink(missing_ok=True)
+            path = self.resolve(name)
+            try:
+                freed += path.stat().st_size
+                path.unlink()
+            except FileNotFoundError:
+                continue
+        return freed
+
+    def unreferenced(self, referenced: set[str], *, older_than: timedelta) -> list[str]:
+        """Snapshot files in the directory that no name in ``referenced`` points to and that
+        were last written more than ``older_than`` ago."""
+        if not self.directory.is_dir():
+            return []
+        known = {str(self.resolve(name)) for name in referenced}
+        cutoff = time.time() - older_than.total_seconds()
+        return [path.name for path in self.directory.glob(f"*{SUFFIX}")
+                if str(path) not in known and path.stat().st_mtime < cutoff]
 
 
 def refuse_other_fingerprint(path: Path, found: str, expected: str) -> None:

@@ -20,6 +20,7 @@ import logging
 import os
 import threading
 import uuid
+from datetime import timedelta
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from functools import partial
@@ -34,7 +35,7 @@ from sqlalchemy.orm import Session
 from agentkv.chat.messages import Message
 from agentkv.engine.snapshot import KVSnapshot
 from agentkv.errors import UserError
-from agentkv.memory import convert, queries
+from agentkv.memory import convert, queries, retention
 from agentkv.memory.database import (
     WRITE_OPTION,
     create_db_engine,
@@ -46,12 +47,14 @@ from agentkv.memory.database import (
 from agentkv.memory.migrations import migrate
 from agentkv.memory.records import (
     AgentRecord,
+    PruneReport,
     ResponseRecord,
     SessionRecord,
     SessionSummary,
     SnapshotRecord,
     StoredMessage,
 )
+from agentkv.memory.schema import utcnow
 from agentkv.memory.snapshots import SnapshotFiles, refuse_other_fingerprint
 
 T = TypeVar("T")
@@ -61,6 +64,8 @@ ENV_DB_URL = "AGENTKV_DB_URL"
 """Environment variable read by ``Store.from_env`` (only there)."""
 SNAPSHOTS_KEPT = 2
 """Snapshots kept per session by default; older ones are pruned on save."""
+ORPHAN_GRACE = timedelta(minutes=10)
+"""An unreferenced snapshot file younger than this may be a save in progress: prune leaves it."""
 
 
 class Store:
@@ -71,7 +76,17 @@ class Store:
     a database from a newer agentkv raises ``SchemaVersionError`` then.
     """
 
-    def __init__(self, url: str | None = None, *, snapshot_dir: Path | None = None) -> None:
+    def __init__(self, url: str | None = None, *, snapshot_dir: Path | None = None,
+                 keep_snapshots: int = SNAPSHOTS_KEPT, snapshot_budget_bytes: int | None = None) -> None:
+        """``keep_snapshots``: the newest snapshots kept per session; ``snapshot_budget_bytes``:
+        the most all snapshots may take — saving past it deletes the snapshots of the sessions
+        used longest ago (they re-prefill when resumed)."""
+        if keep_snapshots < 1:
+            raise UserError(f"keep_snapshots must be >= 1, got {keep_snapshots}")
+        if snapshot_budget_bytes is not None and snapshot_budget_bytes < 0:
+            raise UserError(f"snapshot_budget_bytes must be >= 0 or None, got {snapshot_budget_bytes}")
+        self.keep_snapshots = keep_snapshots
+        self.snapshot_budget_bytes = snapshot_budget_bytes
         parsed = make_url(url or default_url())
         self.url = parsed.render_as_string(hide_password=True)
         """The database URL for display (password hidden)."""
@@ -304,8 +319,10 @@ class Store:
     # -- KV snapshots -----------------------------------------------------------------------
 
     async def save_snapshot(self, session_id: str, snapshot: KVSnapshot, *,
-                            keep: int = SNAPSHOTS_KEPT) -> SnapshotRecord:
-        """Write the snapshot file (temp + rename), then its row; prune beyond ``keep`` newest."""
+                            keep: int | None = None) -> SnapshotRecord:
+        """Write the snapshot file (temp + rename), then its row; prune beyond ``keep`` newest
+        (default: the store's ``keep_snapshots``) and past the store's byte budget."""
+        keep = self.keep_snapshots if keep is None else keep
         if keep < 1:
             raise UserError(f"keep must be >= 1, got {keep}")
         return await self._call(self._save_snapshot, session_id, snapshot, keep)
@@ -313,14 +330,48 @@ class Store:
     def _save_snapshot(self, session_id: str, snapshot: KVSnapshot, keep: int) -> SnapshotRecord:
         self._read(lambda s: queries.session_row(s, session_id))  # no file for a missing session
         name = self.files.write(session_id, snapshot)
+        budget = self.snapshot_budget_bytes
+
+        def add(s: Session) -> tuple[SnapshotRecord, list[str]]:
+            record, pruned = queries.add_snapshot(s, self.files, session_id, snapshot, name, keep)
+            if budget is not None:
+                s.flush()
+                pruned += retention.over_budget(s, budget, keep_session=session_id)
+            return record, pruned
+
         try:
-            record, pruned = self._write(
-                lambda s: queries.add_snapshot(s, self.files, session_id, snapshot, name, keep))
+            record, pruned = self._write(add)
         except BaseException:
             self.files.remove([name])
             raise
         self.files.remove(pruned)
         return record
+
+    async def prune(self, *, older_than: timedelta | None = None, keep_snapshots: int | None = None,
+                    orphans_older_than: timedelta = ORPHAN_GRACE) -> PruneReport:
+        """Delete sessions not updated for ``older_than`` (not leased; a parent whose forks stay
+        is kept), snapshots beyond the newest ``keep_snapshots`` of each session, and snapshot
+        files no row points to that are older than ``orphans_older_than`` (a save writes its
+        file just before its row). Rows go in one transaction, files after it commits: a crash
+        loses nothing kept. ``await store.prune(older_than=timedelta(days=30), keep_snapshots=1)``"""
+        if keep_snapshots is not None and keep_snapshots < 1:
+            raise UserError(f"keep_snapshots must be >= 1, got {keep_snapshots}")
+        cutoff = utcnow() - older_than if older_than is not None else None
+
+        def prune(s: Session) -> tuple[list[str], list[str]]:
+            deleted, names = retention.old_sessions(s, cutoff) if cutoff is not None else ([], [])
+            if keep_snapshots is not None:
+                names += retention.excess_snapshots(s, keep_snapshots)
+            return deleted, names
+
+        def run() -> PruneReport:
+            deleted, names = self._write(prune)
+            freed = self.files.remove(names)
+            orphans = self.files.unreferenced(self._read(retention.referenced_files), older_than=orphans_older_than)
+            freed += self.files.remove(orphans)
+            return PruneReport(tuple(deleted), len(names) + len(orphans), len(orphans), freed)
+
+        return await self._call(run)
 
     async def snapshots(self, session_id: str) -> list[SnapshotRecord]:
         """The session's snapshot records, newest first."""

@@ -1,0 +1,82 @@
+"""Retention in SQL: what pruning and the snapshot byte budget delete. Each function runs inside
+the caller's transaction and returns the snapshot file names to remove once it commits (so a crash
+before then deletes nothing, and one after leaves only unreferenced files, which the next prune
+removes).
+
+::
+
+    names = over_budget(s, budget_bytes=4 << 30, keep_session="abc")
+    deleted, names = old_sessions(s, cutoff)
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import delete, func, select
+from sqlalchemy.orm import Session
+
+from agentkv.memory import branches, queries
+from agentkv.memory.schema import SessionRow, SnapshotRow, utcnow
+
+
+def over_budget(s: Session, budget_bytes: int, keep_session: str) -> list[str]:
+    """Delete the snapshots of the sessions used longest ago (by their newest snapshot) until the
+    snapshots' bytes fit ``budget_bytes``; ``keep_session``'s are never chosen."""
+    total = int(s.execute(select(func.coalesce(func.sum(SnapshotRow.nbytes), 0))).scalar() or 0)
+    if total <= budget_bytes:
+        return []
+    newest = func.max(SnapshotRow.created_at)
+    by_age = s.execute(select(SnapshotRow.session_id, func.sum(SnapshotRow.nbytes))
+                       .where(SnapshotRow.session_id != keep_session)
+                       .group_by(SnapshotRow.session_id).order_by(newest, SnapshotRow.session_id)).all()
+    names: list[str] = []
+    for session_id, nbytes in by_age:
+        if total <= budget_bytes:
+            break
+        names += _drop_snapshots(s, session_id, keep=0)
+        total -= int(nbytes)
+    return names
+
+
+def excess_snapshots(s: Session, keep: int) -> list[str]:
+    """Delete every session's snapshots beyond its ``keep`` newest."""
+    names: list[str] = []
+    for session_id in s.scalars(select(SnapshotRow.session_id).distinct()):
+        names += _drop_snapshots(s, session_id, keep=keep)
+    return names
+
+
+def old_sessions(s: Session, cutoff: datetime) -> tuple[list[str], list[str]]:
+    """Delete the sessions not updated since ``cutoff`` and not leased, a fork before its parent
+    (a parent whose forks stay is kept); returns the ids deleted and their snapshot file names."""
+    now = utcnow()
+    candidates = {row.id: row for row in s.scalars(select(SessionRow).where(SessionRow.updated_at < cutoff))
+                  if row.lease_expires_at is None or row.lease_expires_at < now}
+    deleted: list[str] = []
+    names: list[str] = []
+    progress = True
+    while progress:
+        progress = False
+        for session_id in sorted(candidates):
+            if branches.forks_of(s, session_id):
+                continue
+            names += queries.delete_session(s, session_id)
+            s.flush()
+            deleted.append(session_id)
+            del candidates[session_id]
+            progress = True
+    return deleted, names
+
+
+def referenced_files(s: Session) -> set[str]:
+    """The file names snapshot rows point to."""
+    return set(s.scalars(select(SnapshotRow.path)))
+
+
+def _drop_snapshots(s: Session, session_id: str, *, keep: int) -> list[str]:
+    rows = list(s.scalars(select(SnapshotRow).where(SnapshotRow.session_id == session_id)
+                          .order_by(SnapshotRow.created_at.desc(), SnapshotRow.id.desc()).offset(keep)))
+    if rows:
+        s.execute(delete(SnapshotRow).where(SnapshotRow.id.in_([row.id for row in rows])))
+    return [row.path for row in rows]
