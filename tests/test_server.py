@@ -150,17 +150,23 @@ def test_errors_come_back_as_openai_errors_with_their_status(client):
     assert too_long.value.status_code == 413
 
 
-def test_a_client_hanging_up_mid_stream_cancels_the_run_and_the_server_goes_on(server, client):
-    stream = client.chat.completions.create(
-        model="any", messages=[{"role": "user", "content": "Write a long story about the sea."}],
-        temperature=0, max_tokens=400, stream=True)
+def hang_up_after(stream, events: int, server: str) -> None:
+    """Read ``events`` events of ``stream``, close it, and wait (30 s at most) until the server
+    runs nothing."""
     for seen, _ in enumerate(stream):
-        if seen == 3:
+        if seen == events:
             break
     stream.close()
     deadline = time.monotonic() + 30
     while httpx.get(server + "/health").json()["running"] and time.monotonic() < deadline:
         time.sleep(0.1)
+
+
+def test_a_client_hanging_up_mid_stream_cancels_the_run_and_the_server_goes_on(server, client):
+    stream = client.chat.completions.create(
+        model="any", messages=[{"role": "user", "content": "Write a long story about the sea."}],
+        temperature=0, max_tokens=400, stream=True)
+    hang_up_after(stream, 3, server)
     assert httpx.get(server + "/health").json()["running"] == 0
     again = client.chat.completions.create(model="any", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
     assert again.choices[0].message.content is not None
@@ -221,13 +227,7 @@ def test_hanging_up_on_a_chained_response_leaves_the_chain_continuable(server, c
     first = client.responses.create(model="any", input="Say hi.", temperature=0, max_output_tokens=8)
     stream = client.responses.create(model="any", input="Write a long story about the sea.",
                                      previous_response_id=first.id, temperature=0, max_output_tokens=300, stream=True)
-    for seen, _ in enumerate(stream):
-        if seen == 5:
-            break
-    stream.close()
-    deadline = time.monotonic() + 30
-    while httpx.get(server + "/health").json()["running"] and time.monotonic() < deadline:
-        time.sleep(0.1)
+    hang_up_after(stream, 5, server)
     again = client.responses.create(model="any", input="Say bye.", previous_response_id=first.id, temperature=0,
                                     max_output_tokens=8)
     assert again.previous_response_id == first.id and again.output_text
