@@ -43,8 +43,10 @@ from agentkv.errors import (
     SnapshotIncompatible,
     UserError,
 )
+from agentkv.cache_breaks import CacheBreak
 from agentkv.events import (
     ApprovalRequired,
+    CacheBroken,
     ContextCompacted,
     RunEvent,
     RunFinished,
@@ -66,7 +68,7 @@ if TYPE_CHECKING:
     from agentkv.engine.stateful import StatefulEngine
 
 __all__ = [
-    "Agent", "AgentKVError", "ApprovalRequired", "ConstraintError", "ContextCompacted", "ContextOverflowError", "Conversation",
+    "Agent", "AgentKVError", "ApprovalRequired", "CacheBreak", "CacheBroken", "ConstraintError", "ContextCompacted", "ContextOverflowError", "Conversation",
     "Decisions", "Engine", "GenerationConfig", "GenerationMetrics", "GenerationResult", "GenerationStream", "KVSession",
     "KVSnapshot", "MaxTurnsExceeded", "Message", "ModelNotFound", "PagedEngine", "RunEvent", "RunFinished",
     "RunInput", "RunResult", "Runner", "Runtime", "ResponseNotFound", "SessionBusy", "SessionClosed", "SessionNotFound", "SnapshotCorrupt",

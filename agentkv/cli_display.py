@@ -88,6 +88,9 @@ class TurnPrinter:
                 self._line(f"[dim]prompt {m.prompt_tokens} tok, reused {m.reused_tokens}, prefilled "
                            f"{m.prefilled_tokens}, generated {m.generated_tokens}, "
                            f"TTFT {m.ttft_s * 1000:.0f} ms[/dim]", console=self.err)
+        elif event.type == "cache_break":
+            if self.metrics:  # NOTE: before the call's text: it explains the TTFT about to come
+                self._line(f"[dim]{_escape(event.cache_break.describe())}[/dim]", console=self.err)
         elif event.type == "context_compacted":
             how = f"{event.policy} (fell back to {event.fallback})" if event.fallback else event.policy
             self._line(f"[dim]context compacted by {how}: {event.tokens_before} → "

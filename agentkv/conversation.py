@@ -21,6 +21,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from agentkv.cache_breaks import Cause, CacheBreak, find_break
 from agentkv.chat.messages import Message
 from agentkv.engine.base import Engine, KVSession
 from agentkv.errors import SessionBusy, UserError
@@ -92,6 +93,13 @@ class Conversation:
         """What ``Runtime.resume`` found for this conversation (None if it was opened, not resumed)."""
         self.on_window_change: WindowChange | None = on_window_change
         """Called by context policies before messages leave the window (the store marks them)."""
+        self.pending_break: CacheBreak | None = None
+        """KV dropped before the next model call (a rewind, a compaction's realign, a restore
+        that fell short), reported by that call (``agentkv.cache_breaks``)."""
+        self.next_break_cause: Cause | None = None
+        """What the runner knows will make the next call's prompt leave the KV."""
+        self.last_shape: tuple[str, str] | None = None
+        """``agent_shape`` of the last model call's agent (a change names the cause of a break)."""
 
     @property
     def context_len(self) -> int:
@@ -146,6 +154,15 @@ class Conversation:
         self.window[:] = entries
         return True
 
+    def note_break(self, agent: Agent, cause: Cause) -> CacheBreak | None:
+        """Record (for the next model call to report) where ``render(agent)`` leaves the KV, before
+        an operation drops what it held past there; returns it (None: nothing to drop)."""
+        found = find_break(self.kv.tokens, self.render(agent, add_generation_prompt=False), self.renderer.tokenizer,
+                           cause=cause)
+        if found is not None and self.pending_break is None:
+            self.pending_break = found
+        return found
+
     def render(self, agent: Agent, *, add_generation_prompt: bool = True) -> RenderedPrompt:
         """The prompt for ``agent`` over the current window (system prompt + tools first)."""
         return self.render_with(agent, self.messages, add_generation_prompt=add_generation_prompt)
@@ -198,6 +215,7 @@ class Conversation:
     async def realign(self, agent: Agent) -> None:
         """Bring the KV to ``render(agent)``: trim to the common prefix, prefill the rest, so the
         next model call prefills nothing."""
+        self.note_break(agent, "window compaction")
         await self.kv.prefill(self.render(agent).token_ids)
 
     @asynccontextmanager

@@ -16,6 +16,7 @@ from agentkv.chat.messages import ToolCall
 from agentkv.engine.base import GenerationMetrics
 
 if TYPE_CHECKING:
+    from agentkv.cache_breaks import CacheBreak
     from agentkv.result import RunResult
 
 
@@ -44,6 +45,16 @@ class ToolReturned:
     is_error: bool
     duration_s: float
     type: Literal["tool_result"] = "tool_result"
+
+
+@dataclass(frozen=True)
+class CacheBroken:
+    """A model call reuses less KV than its session held: where, in what, and why
+    (``agentkv.cache_breaks``). Comes before the call's text."""
+
+    step: int
+    cache_break: CacheBreak
+    type: Literal["cache_break"] = "cache_break"
 
 
 @dataclass(frozen=True)
@@ -89,7 +100,8 @@ class RunFinished:
     type: Literal["run_finished"] = "run_finished"
 
 
-RunEvent = Union[TextDelta, ToolCalled, ToolReturned, StepFinished, ContextCompacted, ApprovalRequired, RunFinished]
+RunEvent = Union[TextDelta, ToolCalled, ToolReturned, StepFinished, ContextCompacted, CacheBroken, ApprovalRequired,
+                 RunFinished]
 
 ToolCallEvent = ToolCalled
 """Deprecated name of ``ToolCalled`` (kept for one release)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from agentkv.cache_breaks import CacheBreak
 from agentkv.chat.messages import Message, ToolCall
 from agentkv.engine.base import GenerationMetrics
 
@@ -40,6 +41,9 @@ class RunResult:
     pending_tool_calls: tuple[ToolCall, ...] = ()
     """Calls of caller-executed tools (made from raw schemas) waiting for results: continue the
     run with ``runtime.run(session, [{"role": "tool", "tool_call_id": call.id, "content": ...}])``."""
+    cache_breaks: tuple[CacheBreak | None, ...] = ()
+    """Per model call (as ``step_metrics``): where and why it reused less KV than its session
+    held, None where it reused all of it."""
     pending_approvals: tuple[ToolCall, ...] = ()
     """Calls waiting for a person's approval (``finish_reason="approval_required"``): continue
     with ``runtime.approve(session, call.id)`` or ``runtime.reject(session, call.id, reason)``."""

@@ -28,7 +28,9 @@ import anyio
 
 from agentkv.agent import Agent
 from agentkv.approvals import Decisions, awaiting_approval, checked_decisions, needs_approval, rejected_result
+from agentkv.cache_breaks import CacheBreak, agent_shape, find_break
 from agentkv.chat.messages import Message, ToolCall, pending_tool_calls
+from agentkv.chat.render import RenderedPrompt
 from agentkv.chat.stream_filter import MarkupFilter
 from agentkv.chat.toolcalls import TOOL_CALL_OPEN, answer_grammar, parse_tool_calls, tool_call_grammar
 from agentkv.conversation import Conversation, WindowEntry
@@ -41,6 +43,7 @@ from agentkv.engine.base import (
 from agentkv.errors import ContextOverflowError, MaxTurnsExceeded
 from agentkv.events import (
     ApprovalRequired,
+    CacheBroken,
     RunEvent,
     RunFinished,
     TextDelta,
@@ -70,6 +73,7 @@ class _RunState:
     new_messages: list[Message] = field(default_factory=list)
     tool_calls: list[ToolCall] = field(default_factory=list)
     metrics: list[GenerationMetrics] = field(default_factory=list)
+    breaks: list[CacheBreak | None] = field(default_factory=list)
     last_result: GenerationResult | None = None
     """The newest model call's result (set when its stream ends)."""
 
@@ -82,6 +86,7 @@ class _RunState:
             new_messages=tuple(self.new_messages),
             tool_calls=tuple(self.tool_calls),
             step_metrics=tuple(self.metrics),
+            cache_breaks=tuple(self.breaks),
             finish_reason=finish_reason,
             pending_tool_calls=pending,
             pending_approvals=approvals,
@@ -147,6 +152,7 @@ async def run_turns(agent: Agent, session: Conversation, user_input: RunInput | 
         async with aclosing(_fit_window(state)) as compactions:
             try:
                 async for event in compactions:
+                    session.next_break_cause = "window compaction"
                     yield event
             except ContextOverflowError:
                 if step == 0:  # NOTE: out of the window (still stored): it must not block later turns
@@ -282,6 +288,7 @@ async def _generate_with_retry(state: _RunState, step: int) -> AsyncIterator[Tex
     room = _room(state, len(state.session.render(state.agent).token_ids))
     budget = min(room, max(2 * result.metrics.generated_tokens, CALL_RETRY_MIN_TOKENS))
     if _read_reply(state.agent, result).finish == "tool_call_cut" and budget > result.metrics.generated_tokens:
+        state.session.next_break_cause = "retry of a cut tool call"
         async with aclosing(_generate(state, step, max_new_tokens=budget)) as generation:
             async for _ in generation:
                 pass
@@ -295,6 +302,10 @@ async def _generate(state: _RunState, step: int, *, max_new_tokens: int | None =
     if max_new_tokens is not None:
         config = config.model_copy(update={"max_new_tokens": max_new_tokens})
     hide = MarkupFilter(TOOL_CALL_OPEN) if agent.tools and agent.tool_choice != "none" else None
+    found = _cache_break(state, prompt)
+    state.breaks.append(found)
+    if found is not None:
+        yield CacheBroken(step, found)
     async with session.kv.stream(prompt.token_ids, config, _constraint(state, step)) as stream:
         async for delta in stream:
             text = hide.feed(delta.text) if hide else delta.text
@@ -305,6 +316,23 @@ async def _generate(state: _RunState, step: int, *, max_new_tokens: int | None =
     assert stream.result is not None
     state.metrics.append(stream.result.metrics)
     state.last_result = stream.result
+
+
+def _cache_break(state: _RunState, prompt: RenderedPrompt) -> CacheBreak | None:
+    """Where this call's prompt leaves the KV its session holds, and why (what dropped KV before
+    the call — a rewind, a compaction — reports its own break first)."""
+    session = state.session
+    agent = state.agent
+    shape = agent_shape(agent.instructions, agent.tool_schemas if agent.tool_choice != "none" else [])
+    before = session.last_shape
+    session.last_shape = shape
+    found, session.pending_break = session.pending_break, None
+    cause, session.next_break_cause = session.next_break_cause, None
+    if found is not None:
+        return found
+    if cause is None and before is not None and before != shape:
+        cause = "instructions changed" if before[0] != shape[0] else "tool schemas changed"
+    return find_break(session.kv.tokens, prompt, session.renderer.tokenizer, cause=cause)
 
 
 def _room(state: _RunState, prompt_len: int) -> int:

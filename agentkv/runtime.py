@@ -18,6 +18,7 @@ call left without a result by a crash gets an "interrupted" result when the sess
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing, asynccontextmanager
@@ -26,6 +27,7 @@ import anyio
 
 from agentkv.agent import Agent
 from agentkv.approvals import Decisions, awaiting_approval
+from agentkv.cache_breaks import locate
 from agentkv.chat.messages import Message, ToolCall
 from agentkv.chat.render import ChatRenderer
 from agentkv.conversation import Conversation, render_for
@@ -132,6 +134,10 @@ class Runtime:
         restored, skipped = await restore_newest_snapshot(
             store, session_id, session.kv, prompt, self.engine.fingerprint
         )
+        if restored < len(prompt):  # the first call prefills the rest: say so
+            rendered = session.render(agent, add_generation_prompt=False)
+            session.pending_break = dataclasses.replace(
+                locate(restored, prompt, rendered, self.renderer.tokenizer, cause="partial restore"), kv_excerpt="")
         session.resume_report = ResumeReport(len(session.window), restored, skipped, repaired)
         self.last_resume = session.resume_report
         return session
@@ -157,11 +163,12 @@ class Runtime:
         return None
 
     async def fork(self, session: Conversation | str, *, at: int | None = None, session_id: str | None = None,
-                   agent: Agent | None = None, salt: str = "") -> Conversation:
+                   agent: Agent | None = None, salt: str = "", edit: bool = False) -> Conversation:
         """A new stored session sharing ``session``'s messages 1..``at`` (default: all) — rows are
         shared, not copied — with their KV: the parent's live KV forked and trimmed when it is
         open here, else the newest snapshot up its lineage that covers a prefix. Both go on
-        independently: ``branch = await runtime.fork(session, at=4)``; a fork of a fork works."""
+        independently: ``branch = await runtime.fork(session, at=4)``; a fork of a fork works.
+        ``edit=True``: the fork replaces what follows (its first call reports the KV it dropped)."""
         store = self._require_store("fork")
         parent_id = session if isinstance(session, str) else session.id
         record = await store.fork_session(parent_id, at=at, new_id=session_id)
@@ -173,6 +180,8 @@ class Runtime:
         branch = await self._attach(record.id, agent, await load_window(store, record.id), salt, kv=kv)
         prompt = branch.render(agent, add_generation_prompt=False).token_ids
         if kv is not None:
+            if edit:
+                branch.note_break(agent, "edit")
             restored, skipped = common_prefix_len(kv.tokens, prompt), ()
             await kv.trim(restored)
         else:
@@ -205,8 +214,9 @@ class Runtime:
         async with session.run_guard(), LeaseKeeper(store, session.id, self.holder, ttl_s=self.lease_ttl_s):
             left = await store.rewind(session.id, before - 1)
             session.reload_window(await load_window(store, session.id))
-            prompt = session.render(session.agent, add_generation_prompt=False).token_ids
-            await session.kv.trim(common_prefix_len(session.kv.tokens, prompt))
+            found = session.note_break(session.agent, "rewind")
+            if found is not None:
+                await session.kv.trim(found.position)
         return left
 
     async def edit(self, session: Conversation, seq: int, content: str) -> tuple[Conversation, RunResult]:
@@ -217,7 +227,7 @@ class Runtime:
         if seq not in stored or stored[seq].message.role != "user":
             users = sorted(n for n, m in stored.items() if m.message.role == "user")
             raise UserError(f"message {seq} of session {session.id!r} is not a user message; user messages: {users}")
-        branch = await self.fork(session, at=seq - 1, agent=session.agent)
+        branch = await self.fork(session, at=seq - 1, agent=session.agent, edit=True)
         return branch, await self.run(branch, content)
 
     async def _attach(self, sid: str, agent: Agent, window: list, salt: str,  # type: ignore[type-arg]

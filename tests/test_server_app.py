@@ -185,3 +185,17 @@ async def test_two_tenants_with_the_same_system_prompt_never_share_kv():
         assert await cached("tenant-a", "First question?") == 0
         assert await cached("tenant-a", "Another question entirely?") > 100  # its own system prompt's KV
         assert await cached("tenant-b", "First question?") == 0  # the same prompt, another tenant
+
+
+async def test_a_completion_says_where_and_why_its_prompt_left_the_kv():
+    engine = ScriptedEngine(["Hello!", "Again."])
+    async with client_for(engine) as client:
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+        first = (await client.post("/v1/chat/completions", json=body(messages, user="pinned"))).json()
+        assert first["agentkv"] == {"cache_break": None}
+        # the client edited its earlier turn: the pinned session holds the old one
+        edited = [messages[0], {"role": "user", "content": "Hello there"}, {"role": "assistant", "content": "Hello!"},
+                  {"role": "user", "content": "More"}]
+        found = (await client.post("/v1/chat/completions", json=body(edited, user="pinned"))).json()["agentkv"]["cache_break"]
+        assert (found["message_index"], found["role"], found["part"]) == (1, "user", "content")
+        assert "Hi" in found["kv_excerpt"] and "Hello" in found["prompt_excerpt"] and "cause" in found["summary"]

@@ -24,7 +24,15 @@ from agentkv.events import RunFinished, TextDelta
 from agentkv.result import RunResult
 from agentkv.server.request_agents import RequestAgents
 from agentkv.server.runs import Prepared, Runs, leading_system
-from agentkv.server.wire import ChatCompletionRequest, FinishReason, chunk, completion, tool_call_dicts, usage
+from agentkv.server.wire import (
+    ChatCompletionRequest,
+    FinishReason,
+    cache_break_field,
+    chunk,
+    completion,
+    tool_call_dicts,
+    usage,
+)
 
 
 class ChatCompletions:
@@ -67,7 +75,7 @@ class ChatCompletions:
                 result = event
         assert result is not None
         return completion(_request_id(), self.model_id, int(time.time()), _message(result), _finish(result),
-                          usage(result.step_metrics))
+                          usage(result.step_metrics), cache_break_field(result.cache_breaks))
 
     async def stream(self, request: ChatCompletionRequest, prepared: Prepared, *,
                      pin: str | None = None) -> AsyncIterator[dict[str, Any]]:

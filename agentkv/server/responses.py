@@ -42,7 +42,7 @@ from agentkv.server.request_agents import RequestAgents
 from agentkv.server.response_stream import ResponseOutput
 from agentkv.server.response_wire import ResponseRequest, new_id, response_object, response_usage
 from agentkv.server.runs import Prepared, Runs, leading_system
-from agentkv.server.wire import TokenCounts
+from agentkv.server.wire import TokenCounts, cache_break_field
 
 
 @dataclass
@@ -210,11 +210,12 @@ class Responses:
     def _body(self, plan: ResponsePlan, response_id: str, created: int, output: ResponseOutput,
               result: RunResult) -> dict[str, Any]:
         cut = result.finish_reason in ("length", "tool_call_cut")
-        return response_object(plan.request, response_id, self.model_id, created,
+        body = response_object(plan.request, response_id, self.model_id, created,
                                output.items(result, len(plan.input)),
                                status="incomplete" if cut else "completed",
                                incomplete_reason="max_output_tokens" if cut else None,
                                usage=response_usage(TokenCounts.of(result.step_metrics)))
+        return {**body, "agentkv": cache_break_field(result.cache_breaks)}
 
     # ---- stored responses ---------------------------------------------------------------
     async def get(self, response_id: str, *, tenant: str = "") -> dict[str, Any]:

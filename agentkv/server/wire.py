@@ -10,6 +10,7 @@ and stream chunks as plain dicts (exactly the fields the OpenAI spec names).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from agentkv.cache_breaks import CacheBreak
 from agentkv.chat.messages import ToolCall
 from agentkv.engine.base import GenerationConfig, GenerationMetrics
 from agentkv.server.request_agents import AgentDefaults
@@ -143,15 +145,25 @@ def usage(steps: Sequence[GenerationMetrics]) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": counts.cached}}
 
 
+def cache_break_field(breaks: Sequence[CacheBreak | None]) -> dict[str, Any]:
+    """The ``agentkv`` extension field: the first model call that reused less KV than its
+    session held — where, in what and why (``agentkv.cache_breaks``) — or None."""
+    found = next((b for b in breaks if b is not None), None)
+    if found is None:
+        return {"cache_break": None}
+    return {"cache_break": {**dataclasses.asdict(found), "discarded": found.discarded, "summary": found.describe()}}
+
+
 FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 def completion(request_id: str, model: str, created: int, message: dict[str, Any], finish: FinishReason,
-               usage_: dict[str, Any]) -> dict[str, Any]:
-    """A ``chat.completion`` object with one choice."""
-    return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
+               usage_: dict[str, Any], extension: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A ``chat.completion`` object with one choice (and agentkv's ``extension`` field)."""
+    body = {"id": request_id, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
             "usage": usage_}
+    return {**body, "agentkv": extension} if extension is not None else body
 
 
 def chunk(request_id: str, model: str, created: int, delta: dict[str, Any], finish: FinishReason | None = None,
