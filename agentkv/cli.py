@@ -35,6 +35,7 @@ from agentkv.cli_config import ENVIRONMENT_HELP, open_store, parse_age
 from agentkv.chat.messages import pending_tool_calls
 from agentkv.cli_display import format_call, show_message
 from agentkv.errors import AgentKVError, UserError
+from agentkv.session_stats import session_stats
 
 app = typer.Typer(help="agentkv: agents whose conversations keep their KV cache alive.",
                   epilog=ENVIRONMENT_HELP, no_args_is_help=True)
@@ -112,7 +113,12 @@ def sessions_list(db: Optional[str] = typer.Option(None, "--db", help=DB_HELP)) 
 
 
 @sessions_app.command("show")
-def sessions_show(session_id: str, db: Optional[str] = typer.Option(None, "--db", help=DB_HELP)) -> None:
+def sessions_show(
+    session_id: str,
+    kv: bool = typer.Option(False, "--kv", help="Also its KV: tokens, bytes, snapshots, reuse and what it "
+                            "saved, compactions and cache breaks (with their causes)."),
+    db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
+) -> None:
     """A session's history: tool calls as name(arguments), messages out of the window marked."""
 
     async def run() -> None:
@@ -120,6 +126,10 @@ def sessions_show(session_id: str, db: Optional[str] = typer.Option(None, "--db"
             await store.get_session(session_id)
             for m in await store.messages(session_id):
                 show_message(out, m.message, in_window=m.in_window)
+            if kv:
+                out.print()
+                for line in (await session_stats(store, session_id)).lines():
+                    out.print(line, markup=False, highlight=False)
 
     _guard(lambda: anyio.run(run))
 

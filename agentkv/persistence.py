@@ -9,6 +9,7 @@ engine nor the runner). Used by ``Runtime`` when it is given a store::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from agentkv.approvals import needs_approval
@@ -16,12 +17,14 @@ from agentkv.chat.messages import Message, pending_tool_calls
 from agentkv.conversation import Conversation, WindowEntry
 from agentkv.engine.base import KVSession, common_prefix_len
 from agentkv.errors import SnapshotCorrupt, SnapshotIncompatible
-from agentkv.memory import Store
+from agentkv.cache_breaks import CacheBreak
+from agentkv.events import CacheBroken, ContextCompacted, RunEvent, StepFinished
+from agentkv.memory import CallRecord, Store
 from agentkv.result import ResumeReport
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ResumeReport", "StoreSink", "StoreWindowHook", "load_window", "record_interrupted_calls",
+__all__ = ["CallLog", "ResumeReport", "StoreSink", "StoreWindowHook", "load_window", "record_interrupted_calls",
            "restore_newest_snapshot", "save_snapshot"]
 
 
@@ -145,3 +148,41 @@ async def restore_newest_snapshot(
         await kv.restore(snapshot if shared == snapshot.num_tokens else snapshot.prefix(shared))
         return shared, tuple(skipped)
     return 0, tuple(skipped)
+
+
+class CallLog:
+    """Records each model call of a stored run (``calls`` table) from the run's events: its
+    metrics, the cache break and the compaction before it. A failed write is logged, never
+    raised (figures are not worth a run)::
+
+        log = CallLog(store, session.id)
+        async for event in events:
+            await log.see(event)
+    """
+
+    def __init__(self, store: Store, session_id: str) -> None:
+        self.store, self.session_id = store, session_id
+        self._break: CacheBreak | None = None
+        self._compaction: dict[str, object] | None = None
+
+    async def see(self, event: RunEvent) -> None:
+        if isinstance(event, CacheBroken):
+            self._break = self._break or event.cache_break
+        elif isinstance(event, ContextCompacted):
+            self._compaction = {"policy": event.policy, "tokens_before": event.tokens_before,
+                                "tokens_after": event.tokens_after, "messages_removed": event.messages_removed,
+                                "fallback": event.fallback}
+        elif isinstance(event, StepFinished):
+            m = event.metrics
+            found, self._break = self._break, None
+            compaction, self._compaction = self._compaction, None
+            record = CallRecord(
+                session_id=self.session_id, prompt_tokens=m.prompt_tokens, reused_tokens=m.reused_tokens,
+                prefix_cache_tokens=m.prefix_cache_tokens, prefilled_tokens=m.prefilled_tokens,
+                generated_tokens=m.generated_tokens, ttft_s=m.ttft_s, tpot_s=m.tpot_s, kv_tokens=m.kv_tokens,
+                kv_bytes=m.kv_bytes, compaction=compaction,
+                cache_break={**dataclasses.asdict(found), "summary": found.describe()} if found else None)
+            try:
+                await self.store.record_call(record)
+            except Exception:
+                logger.warning("could not record a model call of session %s", self.session_id, exc_info=True)

@@ -37,6 +37,7 @@ from agentkv.events import RunEvent, RunFinished
 from agentkv.leases import DEFAULT_LEASE_TTL_S, LeaseKeeper, holder_id
 from agentkv.memory import Store
 from agentkv.persistence import (
+    CallLog,
     ResumeReport,
     StoreSink,
     StoreWindowHook,
@@ -308,8 +309,11 @@ class Runtime:
         # NOTE: the in-process guard comes first: a second run here must not touch (and then
         # release) the lease the first run holds.
         async with session.run_guard(), self._stored_run(session, continue_from):
+            calls = CallLog(self.store, session.id) if self.store is not None else None
             async with aclosing(run_turns(session.agent, session, user_input)) as events:
                 async for event in events:
+                    if calls is not None:
+                        await calls.see(event)
                     yield event
 
     @asynccontextmanager

@@ -6,6 +6,7 @@
 
 from agentkv.memory.records import (
     AgentRecord,
+    CallRecord,
     PruneReport,
     ResponseRecord,
     SessionRecord,
@@ -18,6 +19,7 @@ from agentkv.memory.store import ENV_DB_URL, Store
 __all__ = [
     "ENV_DB_URL",
     "AgentRecord",
+    "CallRecord",
     "PruneReport",
     "ResponseRecord",
     "SessionRecord",

@@ -9,12 +9,13 @@ from agentkv.chat.messages import Message
 from agentkv.errors import UserError
 from agentkv.memory.records import (
     AgentRecord,
+    CallRecord,
     ResponseRecord,
     SessionRecord,
     SnapshotRecord,
     StoredMessage,
 )
-from agentkv.memory.schema import AgentRow, MessageRow, ResponseRow, SessionRow, SnapshotRow
+from agentkv.memory.schema import AgentRow, CallRow, MessageRow, ResponseRow, SessionRow, SnapshotRow
 from agentkv.memory.snapshots import SnapshotFiles
 
 
@@ -82,3 +83,16 @@ def snapshot_record(row: SnapshotRow, files: SnapshotFiles) -> SnapshotRecord:
 def response_record(row: ResponseRow) -> ResponseRecord:
     return ResponseRecord(id=row.id, session_id=row.session_id, owner=row.owner, last_seq=row.last_seq,
                           body=dict(row.body), created_at=row.created_at)
+
+
+CALL_FIELDS = ("prompt_tokens", "reused_tokens", "prefix_cache_tokens", "prefilled_tokens", "generated_tokens",
+               "ttft_s", "tpot_s", "kv_tokens", "kv_bytes", "cache_break", "compaction")
+
+
+def call_row(record: CallRecord) -> CallRow:
+    return CallRow(session_id=record.session_id, **{name: getattr(record, name) for name in CALL_FIELDS})
+
+
+def call_record(row: CallRow) -> CallRecord:
+    return CallRecord(session_id=row.session_id, id=row.id, created_at=row.created_at,
+                      **{name: getattr(row, name) for name in CALL_FIELDS})

@@ -18,6 +18,7 @@ from sqlalchemy import (
     Boolean,
     Column,
     DateTime,
+    Float,
     ForeignKey,
     Index,
     Integer,
@@ -169,12 +170,39 @@ def _m005_branches(conn: Connection) -> None:
     md.tables["branch_marks"].create(conn)
 
 
+def _m006_calls(conn: Connection) -> None:
+    """6: calls — one row per model call of a stored session: its token counts, timings, KV size,
+    and the cache break and compaction before it (``agentkv sessions show ID --kv``)."""
+    md = MetaData()
+    Table("sessions", md, Column("id", String(255), primary_key=True))
+    Table(
+        "calls", md,
+        Column("id", Integer, primary_key=True, autoincrement=True),
+        Column("session_id", String(255), ForeignKey("sessions.id", ondelete="CASCADE"),
+               nullable=False, index=True),
+        Column("prompt_tokens", Integer, nullable=False),
+        Column("reused_tokens", Integer, nullable=False),
+        Column("prefix_cache_tokens", Integer, nullable=False),
+        Column("prefilled_tokens", Integer, nullable=False),
+        Column("generated_tokens", Integer, nullable=False),
+        Column("ttft_s", Float, nullable=False),
+        Column("tpot_s", Float, nullable=False),
+        Column("kv_tokens", Integer, nullable=False),
+        Column("kv_bytes", BigInteger, nullable=False),
+        Column("cache_break", JSON),
+        Column("compaction", JSON),
+        Column("created_at", DateTime, nullable=False),
+    )
+    md.tables["calls"].create(conn)
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "initial", _m001_initial),
     Migration(2, "sessions_by_recency", _m002_sessions_by_recency),
     Migration(3, "agents_without_system_turn", _m003_agents_without_system_turn),
     Migration(4, "responses", _m004_responses),
     Migration(5, "branches", _m005_branches),
+    Migration(6, "calls", _m006_calls),
 )
 LATEST_VERSION = MIGRATIONS[-1].version
 

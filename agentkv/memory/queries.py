@@ -20,13 +20,14 @@ from agentkv.memory import branches, convert
 from agentkv.memory.holders import holder_is_dead_here
 from agentkv.memory.records import (
     AgentRecord,
+    CallRecord,
     ResponseRecord,
     SessionRecord,
     SessionSummary,
     SnapshotRecord,
     StoredMessage,
 )
-from agentkv.memory.schema import AgentRow, BranchMarkRow, MessageRow, ResponseRow, SessionRow, SnapshotRow, utcnow
+from agentkv.memory.schema import AgentRow, BranchMarkRow, CallRow, MessageRow, ResponseRow, SessionRow, SnapshotRow, utcnow
 from agentkv.memory.snapshots import SnapshotFiles
 
 
@@ -148,6 +149,7 @@ def delete_session(s: Session, session_id: str) -> list[str]:
         raise UserError(f"session {session_id!r} has forks that share its messages ({', '.join(forks)}); "
                         "delete them first; nothing was deleted")
     s.execute(delete(BranchMarkRow).where(BranchMarkRow.session_id == session_id))
+    s.execute(delete(CallRow).where(CallRow.session_id == session_id))
     names = list(s.scalars(select(SnapshotRow.path).where(SnapshotRow.session_id == session_id)))
     s.execute(delete(SnapshotRow).where(SnapshotRow.session_id == session_id))
     s.execute(delete(ResponseRow).where(ResponseRow.session_id == session_id))
@@ -316,3 +318,18 @@ def responses_of(s: Session, session_id: str) -> list[ResponseRecord]:
                      .order_by(ResponseRow.last_seq.desc(), ResponseRow.created_at.desc()))
     return [convert.response_record(row) for row in rows]
 
+
+
+def add_call(s: Session, record: CallRecord) -> CallRecord:
+    session_row(s, record.session_id)
+    row = convert.call_row(record)
+    row.created_at = utcnow()
+    s.add(row)
+    s.flush()
+    return convert.call_record(row)
+
+
+def calls(s: Session, session_id: str) -> list[CallRecord]:
+    session_row(s, session_id)
+    rows = s.scalars(select(CallRow).where(CallRow.session_id == session_id).order_by(CallRow.id))
+    return [convert.call_record(row) for row in rows]

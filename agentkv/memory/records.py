@@ -137,3 +137,27 @@ class PruneReport:
     orphan_files: int
     """Files in the snapshot directory no row pointed to (left by a crash), removed."""
     bytes_freed: int
+
+
+@dataclass(frozen=True)
+class CallRecord:
+    """One model call of a stored session (``Store.record_call`` / ``Store.calls``)."""
+
+    session_id: str
+    prompt_tokens: int
+    reused_tokens: int
+    """Held by the session's KV (or restored), not computed."""
+    prefix_cache_tokens: int
+    """Shared from the prefix cache, not computed."""
+    prefilled_tokens: int
+    generated_tokens: int
+    ttft_s: float
+    tpot_s: float
+    kv_tokens: int
+    kv_bytes: int
+    cache_break: dict[str, Any] | None = None
+    """Where and why the call reused less than its session held (``CacheBreak`` as JSON)."""
+    compaction: dict[str, Any] | None = None
+    """The context compaction just before the call (policy, tokens before and after)."""
+    id: int = 0
+    created_at: datetime | None = None

@@ -13,6 +13,7 @@ from sqlalchemy import (
     BigInteger,
     Boolean,
     DateTime,
+    Float,
     ForeignKey,
     Integer,
     String,
@@ -150,4 +151,27 @@ class ResponseRow(Base):
     last_seq: Mapped[int] = mapped_column(Integer)
     """The session's newest message when the response was saved."""
     body: Mapped[dict[str, Any]] = mapped_column(JSON)
+    created_at: Mapped[datetime]
+
+
+class CallRow(Base):
+    """One model call of a stored session: what it reused, computed and cost."""
+
+    __tablename__ = "calls"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    session_id: Mapped[str] = mapped_column(
+        String(255), ForeignKey("sessions.id", ondelete="CASCADE"), index=True
+    )
+    prompt_tokens: Mapped[int] = mapped_column(Integer)
+    reused_tokens: Mapped[int] = mapped_column(Integer)
+    prefix_cache_tokens: Mapped[int] = mapped_column(Integer)
+    prefilled_tokens: Mapped[int] = mapped_column(Integer)
+    generated_tokens: Mapped[int] = mapped_column(Integer)
+    ttft_s: Mapped[float] = mapped_column(Float)
+    tpot_s: Mapped[float] = mapped_column(Float)
+    kv_tokens: Mapped[int] = mapped_column(Integer)
+    kv_bytes: Mapped[int] = mapped_column(BigInteger)
+    cache_break: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    compaction: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     created_at: Mapped[datetime]

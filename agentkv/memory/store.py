@@ -47,6 +47,7 @@ from agentkv.memory.database import (
 from agentkv.memory.migrations import migrate
 from agentkv.memory.records import (
     AgentRecord,
+    CallRecord,
     PruneReport,
     ResponseRecord,
     SessionRecord,
@@ -397,6 +398,16 @@ class Store:
             self.files.remove([name or str(record.path)])
         await self._call(delete)
 
+
+    # -- model calls ------------------------------------------------------------------------
+
+    async def record_call(self, record: CallRecord) -> CallRecord:
+        """Keep one model call's figures (``SessionNotFound`` for an unknown session)."""
+        return await self._call(self._write, lambda s: queries.add_call(s, record))
+
+    async def calls(self, session_id: str) -> list[CallRecord]:
+        """The session's model calls, oldest first."""
+        return await self._call(self._read, lambda s: queries.calls(s, session_id))
 
     # -- API responses ----------------------------------------------------------------------
 
