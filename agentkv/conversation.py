@@ -26,6 +26,7 @@ from agentkv.chat.messages import Message
 from agentkv.engine.base import Engine, KVSession
 from agentkv.errors import SessionBusy, UserError
 from agentkv.result import ResumeReport
+from agentkv.tracing import Span
 
 if TYPE_CHECKING:
     from agentkv.agent import Agent
@@ -98,6 +99,8 @@ class Conversation:
         that fell short), reported by that call (``agentkv.cache_breaks``)."""
         self.next_break_cause: Cause | None = None
         """What the runner knows will make the next call's prompt leave the KV."""
+        self.trace_span: Span | None = None
+        """The span of the run in progress (``agentkv.tracing``): the parent of its calls' spans."""
         self.last_shape: tuple[str, str] | None = None
         """``agent_shape`` of the last model call's agent (a change names the cause of a break)."""
 

@@ -17,6 +17,7 @@ from agentkv.chat.messages import Message, pending_tool_calls
 from agentkv.conversation import Conversation, WindowEntry
 from agentkv.engine.base import KVSession, common_prefix_len
 from agentkv.errors import SnapshotCorrupt, SnapshotIncompatible
+from agentkv import tracing
 from agentkv.cache_breaks import CacheBreak
 from agentkv.events import CacheBroken, ContextCompacted, RunEvent, StepFinished
 from agentkv.memory import CallRecord, Store
@@ -113,10 +114,12 @@ async def save_snapshot(store: Store, session: Conversation) -> None:
         usable = common_prefix_len(session.kv.tokens, history)
         if usable == 0:
             return
-        snapshot = await session.kv.snapshot()
-        if usable < snapshot.num_tokens:
-            snapshot = snapshot.prefix(usable)
-        await store.save_snapshot(session.id, snapshot)
+        with tracing.span("agentkv.snapshot.save", session.trace_span, session_id=session.id) as span:
+            snapshot = await session.kv.snapshot()
+            if usable < snapshot.num_tokens:
+                snapshot = snapshot.prefix(usable)
+            await store.save_snapshot(session.id, snapshot)
+            span.set(tokens=snapshot.num_tokens, bytes=snapshot.nbytes, precision=snapshot.precision)
     except Exception:  # a failed snapshot only costs a re-prefill later
         logger.warning("could not snapshot session %s; it will re-prefill on resume", session.id, exc_info=True)
 
@@ -145,7 +148,9 @@ async def restore_newest_snapshot(
         if shared == 0:
             skipped.append(f"{record.path.name}: it shares no prefix with the rendered history")
             continue
-        await kv.restore(snapshot if shared == snapshot.num_tokens else snapshot.prefix(shared))
+        with tracing.span("agentkv.snapshot.restore", session_id=session_id, tokens=shared, bytes=record.nbytes,
+                          precision=record.precision):
+            await kv.restore(snapshot if shared == snapshot.num_tokens else snapshot.prefix(shared))
         return shared, tuple(skipped)
     return 0, tuple(skipped)
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import anyio
 
+from agentkv import tracing
 from agentkv.agent import Agent
 from agentkv.approvals import Decisions, awaiting_approval, checked_decisions, needs_approval, rejected_result
 from agentkv.cache_breaks import CacheBreak, agent_shape, find_break
@@ -44,6 +45,7 @@ from agentkv.errors import ContextOverflowError, MaxTurnsExceeded
 from agentkv.events import (
     ApprovalRequired,
     CacheBroken,
+    ContextCompacted,
     RunEvent,
     RunFinished,
     TextDelta,
@@ -153,6 +155,10 @@ async def run_turns(agent: Agent, session: Conversation, user_input: RunInput | 
             try:
                 async for event in compactions:
                     session.next_break_cause = "window compaction"
+                    if isinstance(event, ContextCompacted):
+                        tracing.finished("agentkv.compaction", session.trace_span, event.cost_ms / 1000,
+                                         policy=event.policy, tokens_before=event.tokens_before,
+                                         tokens_after=event.tokens_after, fallback=event.fallback)
                     yield event
             except ContextOverflowError:
                 if step == 0:  # NOTE: out of the window (still stored): it must not block later turns
@@ -306,16 +312,26 @@ async def _generate(state: _RunState, step: int, *, max_new_tokens: int | None =
     state.breaks.append(found)
     if found is not None:
         yield CacheBroken(step, found)
-    async with session.kv.stream(prompt.token_ids, config, _constraint(state, step)) as stream:
-        async for delta in stream:
-            text = hide.feed(delta.text) if hide else delta.text
-            if text:
-                yield TextDelta(text)
+    with tracing.span("agentkv.model_call", session.trace_span, session_id=session.id, step=step) as call_span:
+        async with session.kv.stream(prompt.token_ids, config, _constraint(state, step)) as stream:
+            async for delta in stream:
+                text = hide.feed(delta.text) if hide else delta.text
+                if text:
+                    yield TextDelta(text)
+        assert stream.result is not None
+        _describe_call(call_span, stream.result.metrics, found)
     if hide is not None and (tail := hide.flush()):
         yield TextDelta(tail)
-    assert stream.result is not None
     state.metrics.append(stream.result.metrics)
     state.last_result = stream.result
+
+
+def _describe_call(span: tracing.Span, m: GenerationMetrics, found: CacheBreak | None) -> None:
+    span.set(prompt_tokens=m.prompt_tokens, reused_tokens=m.reused_tokens, prefix_cache_tokens=m.prefix_cache_tokens,
+             prefilled_tokens=m.prefilled_tokens, generated_tokens=m.generated_tokens, ttft_s=m.ttft_s,
+             tpot_s=m.tpot_s, kv_tokens=m.kv_tokens, kv_bytes=m.kv_bytes,
+             cache_break=found.describe() if found is not None else None,
+             cache_break_cause=found.cause if found is not None else None)
 
 
 def _cache_break(state: _RunState, prompt: RenderedPrompt) -> CacheBreak | None:
@@ -420,4 +436,6 @@ async def _run_tools(state: _RunState, calls: tuple[ToolCall, ...]) -> AsyncIter
         raise
     for outcome in outcomes:
         await _record(state, outcome.to_message())
+        tracing.finished("agentkv.tool_call", state.session.trace_span, outcome.duration_s, tool=outcome.call.name,
+                         call_id=outcome.call.id, is_error=outcome.is_error)
         yield ToolReturned(outcome.call, outcome.content, outcome.is_error, outcome.duration_s)

@@ -25,6 +25,7 @@ from contextlib import aclosing, asynccontextmanager
 
 import anyio
 
+from agentkv import tracing
 from agentkv.agent import Agent
 from agentkv.approvals import Decisions, awaiting_approval
 from agentkv.cache_breaks import locate
@@ -308,13 +309,26 @@ class Runtime:
             raise UserError("continue_from needs a store: Runtime(engine, store=Store.from_env())")
         # NOTE: the in-process guard comes first: a second run here must not touch (and then
         # release) the lease the first run holds.
-        async with session.run_guard(), self._stored_run(session, continue_from):
-            calls = CallLog(self.store, session.id) if self.store is not None else None
-            async with aclosing(run_turns(session.agent, session, user_input)) as events:
-                async for event in events:
-                    if calls is not None:
-                        await calls.see(event)
-                    yield event
+        async with session.run_guard():
+            run_span = session.trace_span = tracing.start("agentkv.run", session_id=session.id,
+                                                          agent=session.agent.name)
+            try:
+                async with self._stored_run(session, continue_from):
+                    calls = CallLog(self.store, session.id) if self.store is not None else None
+                    async with aclosing(run_turns(session.agent, session, user_input)) as events:
+                        async for event in events:
+                            if calls is not None:
+                                await calls.see(event)
+                            if isinstance(event, RunFinished):
+                                run_span.set(finish_reason=event.result.finish_reason,
+                                             model_calls=len(event.result.step_metrics))
+                            yield event
+            except BaseException as error:
+                run_span.fail(error)
+                raise
+            finally:
+                session.trace_span = None
+                run_span.end()
 
     @asynccontextmanager
     async def _stored_run(self, session: Conversation, continue_from: int | None) -> AsyncIterator[None]:
