@@ -99,6 +99,10 @@ class Conversation:
         that fell short), reported by that call (``agentkv.cache_breaks``)."""
         self.next_break_cause: Cause | None = None
         """What the runner knows will make the next call's prompt leave the KV."""
+        self.self_check = 0.0
+        """Fraction of this conversation's model calls that self-check mode checks."""
+        self.operations: list[str] = []
+        """What happened to the KV since the last self-check (reported with a violation)."""
         self.trace_span: Span | None = None
         """The span of the run in progress (``agentkv.tracing``): the parent of its calls' spans."""
         self.last_shape: tuple[str, str] | None = None

@@ -18,6 +18,7 @@ from agentkv.engine.base import GenerationMetrics
 if TYPE_CHECKING:
     from agentkv.cache_breaks import CacheBreak
     from agentkv.result import RunResult
+    from agentkv.self_check import SelfCheckResult
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,17 @@ class CacheBroken:
     step: int
     cache_break: CacheBreak
     type: Literal["cache_break"] = "cache_break"
+
+
+@dataclass(frozen=True)
+class SelfCheckFailed:
+    """A checked call's cached KV gave logits a fresh prefill does not (``agentkv.self_check``):
+    the session, the figures, and the operations on it since the last check, to reproduce it."""
+
+    session_id: str
+    result: SelfCheckResult
+    operations: tuple[str, ...]
+    type: Literal["self_check_failed"] = "self_check_failed"
 
 
 @dataclass(frozen=True)
@@ -100,8 +112,8 @@ class RunFinished:
     type: Literal["run_finished"] = "run_finished"
 
 
-RunEvent = Union[TextDelta, ToolCalled, ToolReturned, StepFinished, ContextCompacted, CacheBroken, ApprovalRequired,
-                 RunFinished]
+RunEvent = Union[TextDelta, ToolCalled, ToolReturned, StepFinished, ContextCompacted, CacheBroken, SelfCheckFailed,
+                 ApprovalRequired, RunFinished]
 
 ToolCallEvent = ToolCalled
 """Deprecated name of ``ToolCalled`` (kept for one release)."""

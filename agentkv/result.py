@@ -9,6 +9,7 @@ from typing import Any, Literal
 from agentkv.cache_breaks import CacheBreak
 from agentkv.chat.messages import Message, ToolCall
 from agentkv.engine.base import GenerationMetrics
+from agentkv.self_check import SelfCheckResult
 
 FinishReason = Literal["stop", "length", "tool_calls", "tool_call_cut", "tool_call_invalid", "output_invalid",
                        "max_turns", "approval_required"]
@@ -44,6 +45,8 @@ class RunResult:
     cache_breaks: tuple[CacheBreak | None, ...] = ()
     """Per model call (as ``step_metrics``): where and why it reused less KV than its session
     held, None where it reused all of it."""
+    self_checks: tuple[SelfCheckResult, ...] = ()
+    """The calls of this run that self-check mode checked (``Runtime(self_check=...)``)."""
     pending_approvals: tuple[ToolCall, ...] = ()
     """Calls waiting for a person's approval (``finish_reason="approval_required"``): continue
     with ``runtime.approve(session, call.id)`` or ``runtime.reject(session, call.id, reason)``."""

@@ -18,6 +18,7 @@ with room for it; tool-call markup never reaches ``RunResult.final_text``.
 from __future__ import annotations
 
 import logging
+import random
 import warnings
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -46,6 +47,7 @@ from agentkv.events import (
     ApprovalRequired,
     CacheBroken,
     ContextCompacted,
+    SelfCheckFailed,
     RunEvent,
     RunFinished,
     TextDelta,
@@ -56,6 +58,7 @@ from agentkv.events import (
 from agentkv.output import OutputInvalid
 from agentkv.result import FinishReason, RunResult
 from agentkv.run_input import RunInput, checked_input
+from agentkv.self_check import SelfCheckResult, check_call
 from agentkv.tools import run_tool_calls
 
 logger = logging.getLogger(__name__)
@@ -76,6 +79,7 @@ class _RunState:
     tool_calls: list[ToolCall] = field(default_factory=list)
     metrics: list[GenerationMetrics] = field(default_factory=list)
     breaks: list[CacheBreak | None] = field(default_factory=list)
+    checks: list[SelfCheckResult] = field(default_factory=list)
     last_result: GenerationResult | None = None
     """The newest model call's result (set when its stream ends)."""
 
@@ -89,6 +93,7 @@ class _RunState:
             tool_calls=tuple(self.tool_calls),
             step_metrics=tuple(self.metrics),
             cache_breaks=tuple(self.breaks),
+            self_checks=tuple(self.checks),
             finish_reason=finish_reason,
             pending_tool_calls=pending,
             pending_approvals=approvals,
@@ -156,6 +161,8 @@ async def run_turns(agent: Agent, session: Conversation, user_input: RunInput | 
                 async for event in compactions:
                     session.next_break_cause = "window compaction"
                     if isinstance(event, ContextCompacted):
+                        session.operations.append(f"compaction by {event.policy}: {event.tokens_before} → "
+                                                  f"{event.tokens_after} tokens")
                         tracing.finished("agentkv.compaction", session.trace_span, event.cost_ms / 1000,
                                          policy=event.policy, tokens_before=event.tokens_before,
                                          tokens_after=event.tokens_after, fallback=event.fallback)
@@ -322,6 +329,20 @@ async def _generate(state: _RunState, step: int, *, max_new_tokens: int | None =
         _describe_call(call_span, stream.result.metrics, found)
     if hide is not None and (tail := hide.flush()):
         yield TextDelta(tail)
+    m = stream.result.metrics
+    session.operations.append(f"call {step}: prompt {m.prompt_tokens} tokens, reused {m.reused_tokens}, prefix cache "
+                              f"{m.prefix_cache_tokens}, prefilled {m.prefilled_tokens}, generated {m.generated_tokens}"
+                              + (f"; {found.describe()}" if found is not None else ""))
+    if session.self_check and random.random() < session.self_check:
+        checked = await check_call(session.engine, session.kv, prompt.token_ids, step)
+        state.checks.append(checked)
+        if checked.passed:
+            logger.info("session %s: %s", session.id, checked.describe())
+        else:
+            logger.warning("session %s: %s; operations since the last check: %s", session.id, checked.describe(),
+                           "; ".join(session.operations))
+            yield SelfCheckFailed(session.id, checked, tuple(session.operations))
+        session.operations.clear()
     state.metrics.append(stream.result.metrics)
     state.last_result = stream.result
 

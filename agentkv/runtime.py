@@ -50,6 +50,7 @@ from agentkv.persistence import (
 from agentkv.result import RunResult
 from agentkv.run_input import RunInput
 from agentkv.runner import run_turns
+from agentkv.self_check import fraction_from
 
 
 class Runtime:
@@ -63,7 +64,10 @@ class Runtime:
         agents: Sequence[Agent] = (),
         holder: str | None = None,
         lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
+        self_check: float | None = None,
     ) -> None:
+        """``self_check``: the fraction of model calls whose cached KV is checked against a
+        fresh prefill (``agentkv.self_check``; default ``$AGENTKV_SELF_CHECK``, else 0)."""
         if lease_ttl_s <= 0:
             raise UserError(f"lease_ttl_s must be > 0 seconds, got {lease_ttl_s}")
         self.engine = engine
@@ -71,6 +75,7 @@ class Runtime:
         self.renderer = ChatRenderer(engine.tokenizer)
         self.holder = holder or holder_id()
         self.lease_ttl_s = lease_ttl_s
+        self.self_check = fraction_from(self_check)
         """How long a run's lease lasts without renewal (renewed every third of it while it runs)."""
         self.last_resume: ResumeReport | None = None
         """Deprecated: the newest resume's report; read ``session.resume_report`` instead."""
@@ -141,6 +146,7 @@ class Runtime:
             session.pending_break = dataclasses.replace(
                 locate(restored, prompt, rendered, self.renderer.tokenizer, cause="partial restore"), kv_excerpt="")
         session.resume_report = ResumeReport(len(session.window), restored, skipped, repaired)
+        session.operations.append(f"resumed: {restored} of {len(prompt)} history tokens restored from a snapshot")
         self.last_resume = session.resume_report
         return session
 
@@ -189,6 +195,8 @@ class Runtime:
         else:
             restored, skipped = await self._restore_from_lineage(record.parent_id, branch, prompt)
         branch.resume_report = ResumeReport(len(branch.window), restored, skipped)
+        branch.operations.append(f"fork of {parent_id} at message {record.fork_seq}: {restored} tokens of KV "
+                                 f"{'from its live KV' if kv is not None else 'from a snapshot'}")
         return branch
 
     async def _restore_from_lineage(self, session_id: str | None, branch: Conversation,
@@ -216,6 +224,7 @@ class Runtime:
         async with session.run_guard(), LeaseKeeper(store, session.id, self.holder, ttl_s=self.lease_ttl_s):
             left = await store.rewind(session.id, before - 1)
             session.reload_window(await load_window(store, session.id))
+            session.operations.append(f"rewind before message {before}")
             found = session.note_break(session.agent, "rewind")
             if found is not None:
                 await session.kv.trim(found.position)
@@ -240,6 +249,7 @@ class Runtime:
             sink=StoreSink(self.store) if self.store is not None else None,
             on_window_change=StoreWindowHook(self.store) if self.store is not None else None,
         )
+        session.self_check = self.self_check
         self._sessions[sid] = session
         return session
 

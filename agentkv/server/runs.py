@@ -111,6 +111,7 @@ class Runs:
         async with self.live.checkout(prepared.prompt_ids, pin=pin, salt=prepared.salt) as kv:
             conversation = Conversation(f"api-{uuid.uuid4().hex[:12]}", prepared.agent, self.runtime.engine, kv,
                                         self.runtime.renderer, window=[WindowEntry(m) for m in prepared.history])
+            conversation.self_check = self.runtime.self_check
             async with aclosing(self.runtime.run_stream(conversation, prepared.tail)) as run:
                 async for event in run:
                     if isinstance(event, RunFinished):
