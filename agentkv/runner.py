@@ -18,7 +18,6 @@ with room for it; tool-call markup never reaches ``RunResult.final_text``.
 from __future__ import annotations
 
 import logging
-import random
 import warnings
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -30,9 +29,9 @@ import anyio
 from agentkv import tracing
 from agentkv.agent import Agent
 from agentkv.approvals import Decisions, awaiting_approval, checked_decisions, needs_approval, rejected_result
-from agentkv.cache_breaks import CacheBreak, agent_shape, find_break
+from agentkv.cache_breaks import CacheBreak
+from agentkv.call_watch import after_call, cache_break_before, describe_call
 from agentkv.chat.messages import Message, ToolCall, pending_tool_calls
-from agentkv.chat.render import RenderedPrompt
 from agentkv.chat.stream_filter import MarkupFilter
 from agentkv.chat.toolcalls import TOOL_CALL_OPEN, answer_grammar, parse_tool_calls, tool_call_grammar
 from agentkv.conversation import Conversation, WindowEntry
@@ -58,7 +57,7 @@ from agentkv.events import (
 from agentkv.output import OutputInvalid
 from agentkv.result import FinishReason, RunResult
 from agentkv.run_input import RunInput, checked_input
-from agentkv.self_check import SelfCheckResult, check_call
+from agentkv.self_check import SelfCheckResult
 from agentkv.tools import run_tool_calls
 
 logger = logging.getLogger(__name__)
@@ -315,7 +314,7 @@ async def _generate(state: _RunState, step: int, *, max_new_tokens: int | None =
     if max_new_tokens is not None:
         config = config.model_copy(update={"max_new_tokens": max_new_tokens})
     hide = MarkupFilter(TOOL_CALL_OPEN) if agent.tools and agent.tool_choice != "none" else None
-    found = _cache_break(state, prompt)
+    found = cache_break_before(session, agent, prompt)
     state.breaks.append(found)
     if found is not None:
         yield CacheBroken(step, found)
@@ -326,50 +325,17 @@ async def _generate(state: _RunState, step: int, *, max_new_tokens: int | None =
                 if text:
                     yield TextDelta(text)
         assert stream.result is not None
-        _describe_call(call_span, stream.result.metrics, found)
+        describe_call(call_span, stream.result.metrics, found)
     if hide is not None and (tail := hide.flush()):
         yield TextDelta(tail)
-    m = stream.result.metrics
-    session.operations.append(f"call {step}: prompt {m.prompt_tokens} tokens, reused {m.reused_tokens}, prefix cache "
-                              f"{m.prefix_cache_tokens}, prefilled {m.prefilled_tokens}, generated {m.generated_tokens}"
-                              + (f"; {found.describe()}" if found is not None else ""))
-    if session.self_check and random.random() < session.self_check:
-        checked = await check_call(session.engine, session.kv, prompt.token_ids, step)
+    checked = await after_call(session, prompt, step, stream.result.metrics, found)
+    if checked is not None:
         state.checks.append(checked)
-        if checked.passed:
-            logger.info("session %s: %s", session.id, checked.describe())
-        else:
-            logger.warning("session %s: %s; operations since the last check: %s", session.id, checked.describe(),
-                           "; ".join(session.operations))
+        if not checked.passed:
             yield SelfCheckFailed(session.id, checked, tuple(session.operations))
-        session.operations.clear()
+            session.operations.clear()
     state.metrics.append(stream.result.metrics)
     state.last_result = stream.result
-
-
-def _describe_call(span: tracing.Span, m: GenerationMetrics, found: CacheBreak | None) -> None:
-    span.set(prompt_tokens=m.prompt_tokens, reused_tokens=m.reused_tokens, prefix_cache_tokens=m.prefix_cache_tokens,
-             prefilled_tokens=m.prefilled_tokens, generated_tokens=m.generated_tokens, ttft_s=m.ttft_s,
-             tpot_s=m.tpot_s, kv_tokens=m.kv_tokens, kv_bytes=m.kv_bytes,
-             cache_break=found.describe() if found is not None else None,
-             cache_break_cause=found.cause if found is not None else None)
-
-
-def _cache_break(state: _RunState, prompt: RenderedPrompt) -> CacheBreak | None:
-    """Where this call's prompt leaves the KV its session holds, and why (what dropped KV before
-    the call — a rewind, a compaction — reports its own break first)."""
-    session = state.session
-    agent = state.agent
-    shape = agent_shape(agent.instructions, agent.tool_schemas if agent.tool_choice != "none" else [])
-    before = session.last_shape
-    session.last_shape = shape
-    found, session.pending_break = session.pending_break, None
-    cause, session.next_break_cause = session.next_break_cause, None
-    if found is not None:
-        return found
-    if cause is None and before is not None and before != shape:
-        cause = "instructions changed" if before[0] != shape[0] else "tool schemas changed"
-    return find_break(session.kv.tokens, prompt, session.renderer.tokenizer, cause=cause)
 
 
 def _room(state: _RunState, prompt_len: int) -> int:
