@@ -178,12 +178,20 @@ async def run_turns(agent: Agent, session: Conversation, user_input: RunInput | 
         assert result is not None
         reply = _read_reply(agent, result)
         await _record_assistant(state, result, reply)
-        yield StepFinished(step, result.metrics)
-        if reply.finish != "tool_calls":
-            yield RunFinished(_final_result(state, reply))
-            return
         external = agent.external_tool_names
         ours = tuple(c for c in reply.calls if c.name not in external and not needs_approval(agent, c))
+        try:
+            yield StepFinished(step, result.metrics)
+            if reply.finish != "tool_calls":
+                yield RunFinished(_final_result(state, reply))
+                return
+        except BaseException:
+            # NOTE: stopped (cancelled, or the consumer closed the stream) after recording our calls
+            # and before all their results: each gets one — an orphaned call would be rendered into
+            # every later prompt (orphaned results broke LangChain's trimming, #33245)
+            with anyio.CancelScope(shield=True):
+                await _answer_cancelled(state, ours)
+            raise
         if ours:
             async with aclosing(_run_tools(state, ours)) as tools:
                 async for event in tools:
@@ -197,6 +205,14 @@ async def run_turns(agent: Agent, session: Conversation, user_input: RunInput | 
                 if isinstance(event, RunFinished):
                     return
     raise MaxTurnsExceeded(agent.max_turns, state.result("", "max_turns"))
+
+
+async def _answer_cancelled(state: _RunState, calls: tuple[ToolCall, ...]) -> None:
+    """Record ``CANCELLED_RESULT`` for each of ``calls`` still without a result."""
+    pending = pending_tool_calls(state.session.messages)
+    for call in calls:
+        if call.id in pending:
+            await _record(state, Message.tool(CANCELLED_RESULT, tool_call_id=call.id, name=call.name))
 
 
 async def _stop_if_waiting(state: _RunState, content: str) -> AsyncIterator[RunEvent]:
@@ -409,20 +425,18 @@ async def _record_assistant(state: _RunState, result: GenerationResult, reply: _
 
 
 async def _run_tools(state: _RunState, calls: tuple[ToolCall, ...]) -> AsyncIterator[RunEvent]:
-    """Run the calls concurrently; record and announce each result in call order."""
-    for call in calls:
-        yield ToolCalled(call)
+    """Run the calls concurrently; record and announce each result in call order. Stopped
+    before that, each call still without a result gets ``CANCELLED_RESULT``."""
     try:
+        for call in calls:
+            yield ToolCalled(call)
         outcomes = await run_tool_calls(state.agent.tools, calls, default_timeout_s=state.agent.tool_timeout_s)
-    except anyio.get_cancelled_exc_class():
-        # NOTE: every recorded call gets a result, even on cancel: an orphaned call would be
-        # rendered into every later prompt (orphaned results broke LangChain's trimming, #33245).
+        for outcome in outcomes:
+            await _record(state, outcome.to_message())
+            tracing.finished("agentkv.tool_call", state.session.trace_span, outcome.duration_s,
+                             tool=outcome.call.name, call_id=outcome.call.id, is_error=outcome.is_error)
+            yield ToolReturned(outcome.call, outcome.content, outcome.is_error, outcome.duration_s)
+    except BaseException:
         with anyio.CancelScope(shield=True):
-            for call in calls:
-                await _record(state, Message.tool(CANCELLED_RESULT, tool_call_id=call.id, name=call.name))
+            await _answer_cancelled(state, calls)
         raise
-    for outcome in outcomes:
-        await _record(state, outcome.to_message())
-        tracing.finished("agentkv.tool_call", state.session.trace_span, outcome.duration_s, tool=outcome.call.name,
-                         call_id=outcome.call.id, is_error=outcome.is_error)
-        yield ToolReturned(outcome.call, outcome.content, outcome.is_error, outcome.duration_s)
