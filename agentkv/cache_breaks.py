@@ -14,6 +14,7 @@ the CLI's ``--metrics`` line::
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Sequence
@@ -56,6 +57,10 @@ class CacheBreak:
     def discarded(self) -> int:
         """Tokens the KV held past the position, computed again by this call."""
         return max(0, self.held - self.position)
+
+    def as_json(self) -> dict[str, object]:
+        """The break as JSON: its fields, ``discarded`` and the ``describe`` line as ``summary``."""
+        return {**dataclasses.asdict(self), "discarded": self.discarded, "summary": self.describe()}
 
     def describe(self) -> str:
         """One line for logs and the CLI."""

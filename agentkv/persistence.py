@@ -9,7 +9,6 @@ engine nor the runner). Used by ``Runtime`` when it is given a store::
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 from agentkv.approvals import needs_approval
@@ -186,7 +185,7 @@ class CallLog:
                 prefix_cache_tokens=m.prefix_cache_tokens, prefilled_tokens=m.prefilled_tokens,
                 generated_tokens=m.generated_tokens, ttft_s=m.ttft_s, tpot_s=m.tpot_s, kv_tokens=m.kv_tokens,
                 kv_bytes=m.kv_bytes, compaction=compaction,
-                cache_break={**dataclasses.asdict(found), "summary": found.describe()} if found else None)
+                cache_break=found.as_json() if found else None)
             try:
                 await self.store.record_call(record)
             except Exception:

@@ -75,8 +75,8 @@ class Runtime:
         self.renderer = ChatRenderer(engine.tokenizer)
         self.holder = holder or holder_id()
         self.lease_ttl_s = lease_ttl_s
-        self.self_check = fraction_from(self_check)
         """How long a run's lease lasts without renewal (renewed every third of it while it runs)."""
+        self.self_check = fraction_from(self_check)
         self.last_resume: ResumeReport | None = None
         """Deprecated: the newest resume's report; read ``session.resume_report`` instead."""
         self._agents: dict[str, Agent] = {}
@@ -137,12 +137,12 @@ class Runtime:
         agent = agent or await self._agent_for(record.agent_name)
         session = await self._attach(session_id, agent, await load_window(store, session_id), salt)
         repaired = await self._repair_if_free(session)
-        prompt = session.render(agent, add_generation_prompt=False).token_ids
+        rendered = session.render(agent, add_generation_prompt=False)
+        prompt = rendered.token_ids
         restored, skipped = await restore_newest_snapshot(
             store, session_id, session.kv, prompt, self.engine.fingerprint
         )
         if restored < len(prompt):  # the first call prefills the rest: say so
-            rendered = session.render(agent, add_generation_prompt=False)
             session.pending_break = dataclasses.replace(
                 locate(restored, prompt, rendered, self.renderer.tokenizer, cause="partial restore"), kv_excerpt="")
         session.resume_report = ResumeReport(len(session.window), restored, skipped, repaired)

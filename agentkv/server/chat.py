@@ -23,7 +23,7 @@ from agentkv.chat.openai_messages import messages_from_openai
 from agentkv.events import RunFinished, TextDelta
 from agentkv.result import RunResult
 from agentkv.server.request_agents import RequestAgents
-from agentkv.server.runs import Prepared, Runs, leading_system
+from agentkv.server.runs import Prepared, Runs, kv_namespace, leading_system
 from agentkv.server.wire import (
     ChatCompletionRequest,
     FinishReason,
@@ -47,7 +47,7 @@ class ChatCompletions:
         """The agent, history and new messages of ``request`` for ``tenant`` (the API key's
         namespace); ``UserError`` / ``ValueError`` (400) or ``ContextOverflowError`` (413) before
         anything runs."""
-        salt = tenant if request.cache_salt is None else f"{tenant}/{request.cache_salt}"
+        salt = kv_namespace(tenant, request.cache_salt)
         instructions, messages = leading_system(messages_from_openai(request.messages))
         output = request.response_format if (request.response_format or {}).get("type") not in (None, "text") else None
         agent = self.agents.agent(instructions=instructions, tools=request.tools or (),

@@ -41,7 +41,7 @@ from agentkv.server.open_conversations import OpenConversations
 from agentkv.server.request_agents import RequestAgents
 from agentkv.server.response_stream import ResponseOutput
 from agentkv.server.response_wire import ResponseRequest, new_id, response_object, response_usage
-from agentkv.server.runs import Prepared, Runs, leading_system
+from agentkv.server.runs import Prepared, Runs, kv_namespace, leading_system
 from agentkv.server.wire import TokenCounts, cache_break_field
 
 
@@ -80,7 +80,7 @@ class Responses:
     async def plan(self, request: ResponseRequest, *, tenant: str = "") -> ResponsePlan:
         """``request`` checked for ``tenant``: 400 for what cannot run, 404 for an unknown
         ``previous_response_id``, 409 when it is not the newest of its conversation."""
-        salt = tenant if request.cache_salt is None else f"{tenant}/{request.cache_salt}"
+        salt = kv_namespace(tenant, request.cache_salt)
         from_input, messages = leading_system(messages_from_openai(request.input_messages()))
         instructions = "\n\n".join(t for t in (request.instructions, from_input) if t is not None) or None
         base = self.agents.agent(instructions=instructions, tools=request.function_tools(),

@@ -43,6 +43,12 @@ class Prepared:
     prompt_ids: tuple[int, ...]
 
 
+def kv_namespace(tenant: str, cache_salt: str | None) -> str:
+    """The salt a request's KV is shared under: its API key's tenant, narrowed by its
+    ``cache_salt`` (as vLLM's) when it sends one."""
+    return tenant if cache_salt is None else f"{tenant}/{cache_salt}"
+
+
 def leading_system(messages: list[Message]) -> tuple[str | None, list[Message]]:
     """The system (developer) messages that open ``messages``, joined as instructions (None if
     none), and the rest; ``UserError`` for a system message inside the conversation."""

@@ -10,7 +10,6 @@ and stream chunks as plain dicts (exactly the fields the OpenAI spec names).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -151,7 +150,7 @@ def cache_break_field(breaks: Sequence[CacheBreak | None]) -> dict[str, Any]:
     found = next((b for b in breaks if b is not None), None)
     if found is None:
         return {"cache_break": None}
-    return {"cache_break": {**dataclasses.asdict(found), "discarded": found.discarded, "summary": found.describe()}}
+    return {"cache_break": found.as_json()}
 
 
 FinishReason = Literal["stop", "length", "tool_calls"]
