@@ -33,7 +33,11 @@ from agentkv.errors import (
     AgentKVError,
     ConstraintError,
     ContextOverflowError,
+    KVLogCorrupt,
+    KVPoolCorrupt,
+    KVPoolExhausted,
     MaxTurnsExceeded,
+    ModelCompileFailed,
     ModelNotFound,
     ResponseNotFound,
     SessionBusy,
@@ -41,8 +45,12 @@ from agentkv.errors import (
     SessionNotFound,
     SnapshotCorrupt,
     SnapshotIncompatible,
+    ToolResultNotText,
+    UnknownStateLayout,
     UserError,
 )
+from agentkv.errors import LeaseLost, StoreUnavailable
+from agentkv.engine.base import TokenLogprob, TopLogprob
 from agentkv.cache_breaks import CacheBreak
 from agentkv.events import (
     ApprovalRequired,
@@ -75,6 +83,10 @@ __all__ = [
     "SnapshotIncompatible", "StatefulEngine", "open_engine", "StepFinished", "TextDelta", "Tool", "ToolCall", "ToolCalled",
     "ToolOutcome", "ToolReturned", "UserError", "calculator", "clock", "messages_from_openai", "run_tool_calls",
     "tool",
+    "KVLogCorrupt", "KVPoolCorrupt", "KVPoolExhausted", "ModelCompileFailed", "ToolResultNotText",
+    "UnknownStateLayout",
+    "LeaseLost", "StoreUnavailable",
+    "TokenLogprob", "TopLogprob",
 ]
 
 

@@ -41,7 +41,8 @@ class CacheBreak:
     position: int
     """The first token of the prompt the KV did not hold (everything before it was reused)."""
     held: int
-    """Tokens the KV held before the call (or the history's tokens, for a restore that fell short)."""
+    """Tokens the KV held before the call (for a restore that fell short: the tokens the newest
+    snapshot held, or the history's when there was none)."""
     message_index: int | None
     """The rendered message the position falls in — 0 is the system message when the agent has
     instructions, then the window's messages (None: before the first, or after the last)."""

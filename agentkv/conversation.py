@@ -79,15 +79,22 @@ class Conversation:
         sink: MessageSink | None = None,
         on_window_change: WindowChange | None = None,
         window: list[WindowEntry] | None = None,
+        salt: str = "",
     ) -> None:
         """``sink`` persists each recorded message and ``on_window_change`` each compaction (the
-        runtime passes the store's; both None keeps the conversation in memory only)."""
+        runtime passes the store's; both None keeps the conversation in memory only); ``salt``:
+        the tenant whose cached prefixes its KV session shares."""
         self.id = session_id
         self.agent = agent
         self.engine = engine
         self.kv = kv
         self.renderer = renderer
         self.window: list[WindowEntry] = window or []
+        self.salt = salt
+        """The tenant salt its KV session was opened with (``Runtime.open_session(salt=)``)."""
+        self.lease_token: int | None = None
+        """The fencing token of the store lease its newest run took (None: writes unfenced): the
+        store refuses its writes (``LeaseLost``) once another holder has taken the lease since."""
         self._sink = sink
         self._running = False
         self.resume_report: ResumeReport | None = None

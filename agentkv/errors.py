@@ -120,3 +120,92 @@ class KVShiftUnsupported(AgentKVError):
     """A session cannot drop a span from its KV by RoPE shift (no rotation fits the model's keys,
     or the engine has no KV-level drop); drop the messages and re-prefill instead
     (``policies.Truncation``)."""
+
+
+class KVPoolExhausted(AgentKVError):
+    """Not enough free KV blocks even after the pool's ``reclaim`` hook ran (the paged engine lets
+    cached prefixes go and offloads idle sessions to host): shorten prompts, close sessions that
+    are running, or give the engine more ``kv_cache_bytes``."""
+
+
+class KVPoolCorrupt(AgentKVError):
+    """A paged engine's block pool broke its own bookkeeping (a block both free and held, or on
+    the free list twice): a bug in agentkv, report it with the operations that led there."""
+
+    def __init__(self, message: str, *, block: int | None = None) -> None:
+        super().__init__(message)
+        self.block = block
+        """The first block found inconsistent (None: the free list itself)."""
+
+
+class KVLogCorrupt(AgentKVError):
+    """The slot holds a different number of positions than the log has tokens (a bug: report it)."""
+
+
+class UnknownStateLayout(AgentKVError):
+    """The model's variable states do not follow the ``past_key_values.N.key|value`` naming."""
+
+
+class ModelCompileFailed(AgentKVError):
+    """OpenVINO could not compile the model for a reason other than the device (the message
+    carries OpenVINO's own cause: an unsupported property, a broken model file, ...)."""
+
+    def __init__(self, message: str, *, device: str, cause: str) -> None:
+        super().__init__(message)
+        self.device = device
+        self.cause = cause
+        """OpenVINO's first line that says what went wrong."""
+
+
+class ToolResultNotText(UserError):
+    """A tool returned a value that cannot be turned into the text the model reads (e.g. bytes
+    that are not UTF-8): return ``str`` or JSON-able values (encode binary data, e.g. base64)."""
+
+    def __init__(self, message: str, *, type_name: str) -> None:
+        super().__init__(message)
+        self.type_name = type_name
+        """The type of the value that could not be serialised."""
+
+
+class StoreUnavailable(AgentKVError):
+    """The database could not be read or written: read-only, disk full, an I/O error, a server
+    that cannot be reached. The message names the database and what to do."""
+
+    def __init__(self, url: str, cause: BaseException) -> None:
+        text = str(getattr(cause, "orig", None) or cause).strip()
+        reason = text.splitlines()[0] if text else type(cause).__name__
+        super().__init__(f"the database {url} failed: {reason}; {_store_hint(reason)}")
+        self.url = url
+        """The database URL (password hidden)."""
+        self.cause = reason
+        """The database driver's own first line (e.g. "attempt to write a readonly database")."""
+
+
+def _store_hint(reason: str) -> str:
+    """What to do about a database failure, from the driver's message."""
+    text = reason.lower()
+    if "readonly" in text or "read-only" in text or "permission" in text:
+        return ("make the database file and its directory writable by this user, or pass another "
+                "--db / AGENTKV_DB_URL")
+    if "full" in text or "i/o error" in text or "no space" in text:
+        return "free space on the database's disk (and check the disk), then retry"
+    if "unable to open" in text:
+        return ("check that the database file and its directory exist and are writable by this user, or pass "
+                "another --db / AGENTKV_DB_URL")
+    return "check that the database is reachable and writable, or pass another --db / AGENTKV_DB_URL"
+
+
+class LeaseLost(AgentKVError):
+    """This run's lease of a session was taken by another holder (an operator's ``sessions unlock
+    --force``, or a stall past the lease's ttl): it stopped before writing, so the new holder's
+    history stays valid. Resume the session to continue from what is stored."""
+
+    def __init__(self, session_id: str, holder: str | None) -> None:
+        who = f" by {holder}" if holder else ""
+        super().__init__(
+            f"this run lost the lease of session {session_id!r} (taken{who}); it stopped without "
+            "writing more; resume the session to continue from what is stored"
+        )
+        self.session_id = session_id
+        self.holder = holder
+        """Who holds the lease now (None: nobody, it was released)."""

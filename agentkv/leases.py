@@ -6,10 +6,15 @@
         ...                        # renewed every ttl_s / 3 while this block runs
         if lease.lost:
             ...                    # another holder took it over (we stalled past the ttl)
+        await store.append_message(session_id, message, token_count=n, fence=lease.token)
 
 A holder id is ``host:pid:tag``. ``Store.acquire_lease`` takes over at once a lease whose
 holder ran on this host in a process that no longer exists (``holder_is_dead_here``); a holder
 on another host, or one whose id does not parse, keeps its lease until it expires.
+
+``lease.token`` is the lease's fencing token: writes that carry it (``fence=``) are refused
+with ``LeaseLost`` once the lease has passed to another holder (or was force-released), so a
+holder that lost its lease while it stalled cannot write after the next holder did.
 """
 
 from __future__ import annotations
@@ -21,15 +26,16 @@ from typing import TYPE_CHECKING
 import anyio
 from anyio.abc import TaskGroup
 
-from agentkv.errors import SessionBusy, SessionNotFound, UserError
-from agentkv.memory.holders import holder_id, holder_is_dead_here, parse_holder, pid_is_alive
+from agentkv.errors import LeaseLost, SessionNotFound, UserError
+from agentkv.memory.holders import holder_id, holder_is_dead_here, live_pid_here, parse_holder, pid_is_alive
 
 if TYPE_CHECKING:
     from agentkv.memory.store import Store
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_LEASE_TTL_S", "LeaseKeeper", "holder_id", "holder_is_dead_here", "parse_holder", "pid_is_alive"]
+__all__ = ["DEFAULT_LEASE_TTL_S", "LeaseKeeper", "holder_id", "holder_is_dead_here", "live_pid_here", "parse_holder",
+           "pid_is_alive"]
 
 DEFAULT_LEASE_TTL_S = 30.0
 """Lease length used by ``LeaseKeeper``: a crashed holder on another host blocks this long."""
@@ -55,6 +61,8 @@ class LeaseKeeper:
         """True once a renewal found the lease taken by another holder (or the session gone)."""
         self.released = False
         """True once ``release`` ran (on leaving the block at the latest)."""
+        self.token: int | None = None
+        """The lease's fencing token, once entered (pass it as ``fence=`` to the store's writes)."""
         self._entered = False
         # Made on entering: anyio primitives need a running event loop.
         self._renewals: anyio.CancelScope | None = None
@@ -73,14 +81,20 @@ class LeaseKeeper:
         self._renewals = anyio.CancelScope()
         self._lock = anyio.Lock()
         try:
-            await self.store.acquire_lease(self.session_id, self.holder, self.ttl_s)
+            self.token = await self.store.acquire_lease(self.session_id, self.holder, self.ttl_s)
+        except Exception:  # busy, or the acquiring transaction failed: nothing is held
+            self.released = True
+            raise
+        except BaseException as error:  # cancelled: the acquiring transaction may have committed
+            with anyio.CancelScope(shield=True):
+                await self._release_after_error(error)
+            raise
+        try:
             self._tasks = anyio.create_task_group()
             await self._tasks.__aenter__()
-        except SessionBusy:
-            raise
-        except BaseException:  # e.g. cancelled after the acquiring transaction committed
+        except BaseException as error:
             with anyio.CancelScope(shield=True):
-                await self.release()
+                await self._release_after_error(error)
             raise
         self._tasks.start_soon(self._renew_forever)
         return self
@@ -96,7 +110,18 @@ class LeaseKeeper:
                 await self._tasks.__aexit__(None, None, None)
         finally:
             with anyio.CancelScope(shield=True):
-                await self.release()
+                await self._release_after_error(exc)
+
+    async def _release_after_error(self, ending: BaseException | None) -> None:
+        """``release``, but a failure is logged, never raised: clean-up must not hide the error
+        that ended the block (``ending``, reported by whoever catches it: then only a debug line).
+        The lease lapses after ``ttl_s``."""
+        try:
+            await self.release()
+        except Exception as error:
+            logger.log(logging.DEBUG if ending is not None else logging.WARNING,
+                       "could not release the lease of session %r (it lapses in %.0f s): %s",
+                       self.session_id, self.ttl_s, error)
 
     async def release(self) -> None:
         """Stop renewing and give the lease back (a no-op if another holder has it). Idempotent."""
@@ -123,10 +148,11 @@ class LeaseKeeper:
         async with self._lock:
             if self.released:
                 return False
+            assert self.token is not None
             try:
-                await self.store.acquire_lease(self.session_id, self.holder, self.ttl_s)
-            except SessionBusy as e:
-                return self._lose(f"{e.holder or 'another holder'} took it over")
+                await self.store.renew_lease(self.session_id, self.holder, self.token, self.ttl_s)
+            except LeaseLost as e:
+                return self._lose(f"{e.holder} took it over" if e.holder else "it was released (sessions unlock)")
             except SessionNotFound:
                 return self._lose("the session was deleted")
             except Exception:  # a database hiccup: the lease is still ours until it expires
@@ -136,7 +162,6 @@ class LeaseKeeper:
 
     def _lose(self, why: str) -> bool:
         self.lost = True
-        logger.warning("lost the lease of session %r: %s (was this process stalled for over "
-                       "%.1f s?); this run no longer holds the session alone",
-                       self.session_id, why, self.ttl_s)
+        logger.warning("lost the lease of session %r: %s (or this process stalled for over %.1f s); "
+                       "its writes to the session are refused from now on", self.session_id, why, self.ttl_s)
         return False

@@ -10,6 +10,7 @@ engine nor the runner). Used by ``Runtime`` when it is given a store::
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from agentkv.approvals import needs_approval
 from agentkv.chat.messages import Message, pending_tool_calls
@@ -24,7 +25,7 @@ from agentkv.result import ResumeReport
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CallLog", "ResumeReport", "StoreSink", "StoreWindowHook", "load_window", "record_interrupted_calls",
+__all__ = ["CallLog", "Restored", "ResumeReport", "StoreSink", "StoreWindowHook", "load_window", "record_interrupted_calls",
            "restore_newest_snapshot", "save_snapshot"]
 
 
@@ -35,7 +36,8 @@ class StoreSink:
         self.store = store
 
     async def __call__(self, session: Conversation, message: Message, token_count: int, in_window: bool) -> int:
-        stored = await self.store.append_message(session.id, message, token_count=token_count, in_window=in_window)
+        stored = await self.store.append_message(session.id, message, token_count=token_count, in_window=in_window,
+                                                 fence=session.lease_token)
         return stored.seq
 
 
@@ -51,11 +53,11 @@ class StoreWindowHook:
         seqs = [entry.seq for entry in removed if entry.seq is not None]
         if replacement is not None:
             stored = await self.store.replace_in_window(
-                session.id, seqs, replacement.message, token_count=replacement.token_count
+                session.id, seqs, replacement.message, token_count=replacement.token_count, fence=session.lease_token
             )
             replacement.seq = stored.seq
         elif seqs:
-            await self.store.mark_out_of_window(session.id, seqs)
+            await self.store.mark_out_of_window(session.id, seqs, fence=session.lease_token)
 
 
 async def load_window(store: Store, session_id: str) -> list[WindowEntry]:
@@ -102,7 +104,8 @@ async def record_interrupted_calls(session: Conversation) -> int:
 
 
 async def save_snapshot(store: Store, session: Conversation) -> None:
-    """Snapshot the session's KV to a file and reference it (failures are logged, never raised).
+    """Snapshot the session's KV to a file and reference it (a failure is one warning line,
+    never raised: it only costs a longer prefill on resume).
 
     Only the part of the KV that the stored history renders to is kept: after a failed or
     cancelled run the KV also holds a partial answer that no later prompt starts with, and a
@@ -117,26 +120,57 @@ async def save_snapshot(store: Store, session: Conversation) -> None:
             snapshot = await session.kv.snapshot()
             if usable < snapshot.num_tokens:
                 snapshot = snapshot.prefix(usable)
-            await store.save_snapshot(session.id, snapshot)
+            await store.save_snapshot(session.id, snapshot, fence=session.lease_token)
             span.set(tokens=snapshot.num_tokens, bytes=snapshot.nbytes, precision=snapshot.precision)
-    except Exception:  # a failed snapshot only costs a re-prefill later
-        logger.warning("could not snapshot session %s; it will re-prefill on resume", session.id, exc_info=True)
+    except Exception as error:  # NOTE: no traceback: a full disk would print one every turn
+        logger.warning("could not save a KV snapshot of session %s (%s: %s); %s", session.id,
+                       type(error).__name__, error, await _what_resume_uses(store, session))
+
+
+async def _what_resume_uses(store: Store, session: Conversation) -> str:
+    """What a resume of ``session`` would restore now, as the end of a warning line."""
+    try:
+        records = await store.snapshots(session.id)
+    except Exception as error:
+        return f"the store cannot say which older snapshot a resume would use ({error})"
+    fingerprint = session.engine.fingerprint
+    usable = [r for r in records if r.fingerprint == fingerprint and store.files.looks_whole(str(r.path), r.nbytes)]
+    if not usable:
+        return "no older snapshot exists: a resume will prefill its history from the start"
+    newest = usable[0]
+    return (f"a resume will use the older snapshot of {newest.num_tokens} tokens from "
+            f"{newest.created_at:%Y-%m-%d %H:%M:%S} UTC and prefill the rest")
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What ``restore_newest_snapshot`` brought back."""
+
+    tokens: int
+    """Tokens of KV restored (a prefix of the prompt; 0: none)."""
+    held: int
+    """Tokens the newest stored snapshot of this model held: the KV the session had when it
+    was last saved (0: no snapshot). Restoring fewer than this lost KV: a cache break."""
+    skipped: tuple[str, ...]
+    """Why snapshots were passed over."""
 
 
 async def restore_newest_snapshot(
     store: Store, session_id: str, kv: KVSession, prompt: tuple[int, ...], fingerprint: str
-) -> tuple[int, tuple[str, ...]]:
+) -> Restored:
     """Restore into ``kv`` the newest valid snapshot that shares a prefix with ``prompt`` — the
     whole snapshot, or its part up to where they diverge (a rewound or forked history).
 
-    Returns (tokens restored, reasons snapshots were skipped). A corrupt or missing file, or
-    one from another model, is skipped and logged: the session then re-prefills, losing nothing.
+    A corrupt or missing file, or one from another model, is skipped and logged: the session
+    then re-prefills, losing nothing.
     """
     skipped: list[str] = []
+    held = 0
     for record in await store.snapshots(session_id):
         if record.fingerprint != fingerprint:
             skipped.append(f"{record.path.name}: made by another model ({record.fingerprint})")
             continue
+        held = held or record.num_tokens
         try:
             snapshot = await store.load_snapshot(record, expected_fingerprint=fingerprint)
         except (SnapshotCorrupt, SnapshotIncompatible) as error:
@@ -150,8 +184,8 @@ async def restore_newest_snapshot(
         with tracing.span("agentkv.snapshot.restore", session_id=session_id, tokens=shared, bytes=record.nbytes,
                           precision=record.precision):
             await kv.restore(snapshot if shared == snapshot.num_tokens else snapshot.prefix(shared))
-        return shared, tuple(skipped)
-    return 0, tuple(skipped)
+        return Restored(shared, held, tuple(skipped))
+    return Restored(0, held, tuple(skipped))
 
 
 class CallLog:

@@ -127,10 +127,11 @@ class Runtime:
     async def resume(self, session_id: str, agent: Agent | None = None, *, salt: str = "") -> Conversation:
         """Reopen a stored session: its window of messages and, from the newest valid snapshot,
         its KV; ``session.resume_report`` says what came back. Raises ``SessionNotFound`` for an
-        unknown id. ``salt``: the tenant, as for ``open_session``."""
+        unknown id. ``salt``: the tenant, as for ``open_session``. A session already open in this
+        runtime is returned as it is; asking for it with another agent or salt raises ``UserError``."""
         store = self._require_store("resume")
         if session_id in self._sessions:
-            return self._sessions[session_id]
+            return self._open_as(self._sessions[session_id], agent, salt)
         record = await store.get_session(session_id)
         if agent is not None:
             self._know(agent, salt)  # its shared prefix is registered like any other agent's
@@ -139,22 +140,40 @@ class Runtime:
         repaired = await self._repair_if_free(session)
         rendered = session.render(agent, add_generation_prompt=False)
         prompt = rendered.token_ids
-        restored, skipped = await restore_newest_snapshot(
-            store, session_id, session.kv, prompt, self.engine.fingerprint
-        )
-        if restored < len(prompt):  # the first call prefills the rest: say so
-            session.pending_break = dataclasses.replace(
-                locate(restored, prompt, rendered, self.renderer.tokenizer, cause="partial restore"), kv_excerpt="")
-        session.resume_report = ResumeReport(len(session.window), restored, skipped, repaired)
-        session.operations.append(f"resumed: {restored} of {len(prompt)} history tokens restored from a snapshot")
+        restored = await restore_newest_snapshot(store, session_id, session.kv, prompt, self.engine.fingerprint)
+        # NOTE: a break is KV lost: less restored than the newest snapshot held (without one,
+        # than the history). The tokens a snapshot never held (the unfed last token of a cut
+        # answer, the end-of-turn markup) are prefilled by the next call, but nothing is lost.
+        # after a rewind the newest snapshot may hold more than the history now renders
+        held = min(restored.held, len(prompt)) if restored.held else len(prompt)
+        if restored.tokens < held:
+            found = locate(restored.tokens, prompt, rendered, self.renderer.tokenizer, cause="partial restore")
+            session.pending_break = dataclasses.replace(found, held=held, kv_excerpt="")
+        session.resume_report = ResumeReport(len(session.window), restored.tokens, restored.skipped, repaired)
+        session.operations.append(f"resumed: {restored.tokens} of {len(prompt)} history tokens restored "
+                                  "from a snapshot")
         self.last_resume = session.resume_report
+        return session
+
+    def _open_as(self, session: Conversation, agent: Agent | None, salt: str) -> Conversation:
+        """``session`` (open here), now run by ``agent`` if one is given (as a resume of a closed
+        session would be: its KV aligns with the new rendering by prefix); ``UserError`` for
+        another salt, whose tenant the open KV cannot move to."""
+        if salt != session.salt:
+            raise UserError(
+                f"session {session.id!r} is already open in this runtime for tenant salt {session.salt!r}, not "
+                f"{salt!r}; its KV cannot change tenant: close_session it and resume it with the salt you want")
+        if agent is not None:
+            session.agent = agent
         return session
 
     async def _repair_if_free(self, session: Conversation) -> int:
         """Give orphaned tool calls their "interrupted" result, unless a live run holds the
         session (its calls are not orphans: that run will record their results)."""
         try:
-            async with LeaseKeeper(self._require_store("resume"), session.id, self.holder, ttl_s=self.lease_ttl_s):
+            async with LeaseKeeper(self._require_store("resume"), session.id, self.holder,
+                                   ttl_s=self.lease_ttl_s) as lease:
+                session.lease_token = lease.token
                 return await record_interrupted_calls(session)
         except SessionBusy:
             return 0
@@ -163,7 +182,8 @@ class Runtime:
         """Release a session's run lease. Without ``force`` only this runtime's own; with
         ``force=True`` whoever holds it (an operator's unlock, e.g. after a crash on another
         host): ``await runtime.release_lease("abc", force=True)``. Returns the previous holder
-        when forced. Never use force while that holder may still be running."""
+        when forced. A holder still running loses the session: its next write raises ``LeaseLost``
+        (nothing of it is recorded after that), and a tool call it was running gets no result from it."""
         store = self._require_store("release_lease")
         if force:
             return await store.release_lease(session_id, force=True)
@@ -205,11 +225,10 @@ class Runtime:
         store = self._require_store("fork")
         skipped: list[str] = []
         while session_id is not None:
-            restored, passed = await restore_newest_snapshot(store, session_id, branch.kv, prompt,
-                                                             self.engine.fingerprint)
-            skipped += passed
-            if restored:
-                return restored, tuple(skipped)
+            restored = await restore_newest_snapshot(store, session_id, branch.kv, prompt, self.engine.fingerprint)
+            skipped += restored.skipped
+            if restored.tokens:
+                return restored.tokens, tuple(skipped)
             session_id = (await store.get_session(session_id)).parent_id
         return 0, tuple(skipped)
 
@@ -221,7 +240,8 @@ class Runtime:
         store = self._require_store("rewind")
         if before < 1:
             raise UserError(f"before must be a message seq >= 1, got {before}")
-        async with session.run_guard(), LeaseKeeper(store, session.id, self.holder, ttl_s=self.lease_ttl_s):
+        async with session.run_guard(), LeaseKeeper(store, session.id, self.holder, ttl_s=self.lease_ttl_s) as lease:
+            session.lease_token = lease.token
             left = await store.rewind(session.id, before - 1)
             session.reload_window(await load_window(store, session.id))
             session.operations.append(f"rewind before message {before}")
@@ -247,7 +267,7 @@ class Runtime:
         session = Conversation(
             sid, agent, self.engine, kv, self.renderer, window=window,
             sink=StoreSink(self.store) if self.store is not None else None,
-            on_window_change=StoreWindowHook(self.store) if self.store is not None else None,
+            on_window_change=StoreWindowHook(self.store) if self.store is not None else None, salt=salt,
         )
         session.self_check = self.self_check
         self._sessions[sid] = session
@@ -346,7 +366,8 @@ class Runtime:
         if self.store is None:
             yield
             return
-        async with LeaseKeeper(self.store, session.id, self.holder, ttl_s=self.lease_ttl_s):
+        async with LeaseKeeper(self.store, session.id, self.holder, ttl_s=self.lease_ttl_s) as lease:
+            session.lease_token = lease.token
             try:
                 if continue_from is not None:
                     await self.store.rewind(session.id, continue_from)

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from agentkv import Agent, CacheBroken, Runtime, TextDelta, tool
+from agentkv import Agent, CacheBroken, GenerationConfig, Runtime, TextDelta, tool
 from agentkv.cli_display import TurnPrinter
 from agentkv.memory import Store
 from agentkv.policies import Truncation
+from agentkv.session_stats import session_stats
 from agentkv.testing import ScriptedEngine
 
 
@@ -138,3 +139,47 @@ async def test_the_cli_metrics_line_shows_the_break(capsys):
     async for event in runtime.run_stream(session, "Second?"):
         printer.show(event)
     assert "cause: instructions changed" in capsys.readouterr().err
+
+
+CUT = Agent(name="cut", instructions="Be brief.", generation=GenerationConfig(max_new_tokens=3))
+
+
+async def test_a_resume_after_an_answer_cut_by_max_new_tokens_reports_no_break(db):
+    first = Runtime(ScriptedEngine(["One two three four five six."]), Store(db))
+    session = await first.open_session(CUT)
+    assert (await first.run(session, "First?")).finish_reason == "length"
+    store = Store(db)
+    later = Runtime(ScriptedEngine(["Two."]), store, agents=[CUT])
+    resumed = await later.resume(session.id)
+    [held] = [r.num_tokens for r in await store.snapshots(session.id)][:1]
+    result = await later.run(resumed, "Second?")
+    assert result.step_metrics[0].reused_tokens == held  # every token of KV the snapshot held was reused
+    assert result.cache_breaks == (None,)
+    assert (await session_stats(store, session.id)).cache_breaks == ()  # `sessions show --kv` counts none
+
+
+async def test_a_restore_of_an_older_snapshot_than_the_newest_is_a_break(db):
+    store = Store(db, keep_snapshots=2)
+    first = Runtime(ScriptedEngine(["One.", "Two."]), store)
+    session = await two_turns(first, AGENT)
+    await first.run(session, "Second question?")
+    newest, older = await store.snapshots(session.id)
+    newest.path.write_bytes(newest.path.read_bytes()[:100])  # the newest is damaged: the older comes back
+    later = Runtime(ScriptedEngine(["Three."]), Store(db), agents=[AGENT])
+    resumed = await later.resume(session.id)
+    assert resumed.resume_report.restored_tokens == older.num_tokens
+    found = (await later.run(resumed, "Third?")).cache_breaks[0]
+    assert found.cause == "partial restore" and (found.position, found.held) == (older.num_tokens, newest.num_tokens)
+
+
+async def test_a_resume_after_a_rewind_reports_no_break_for_the_kv_the_rewind_let_go(db):
+    store = Store(db)
+    first = Runtime(ScriptedEngine(["One.", "Two."]), store)
+    session = await two_turns(first, AGENT)
+    await first.run(session, "Second question?")
+    assert await first.rewind(session, before=3) == 2  # the second exchange leaves; no new snapshot
+    later = Runtime(ScriptedEngine(["Three."]), Store(db), agents=[AGENT])
+    resumed = await later.resume(session.id)
+    assert resumed.resume_report.restored_tokens > 0
+    assert (await later.run(resumed, "Another question?")).cache_breaks == (None,)
+    assert (await session_stats(store, session.id)).cache_breaks == ()

@@ -18,7 +18,7 @@ import anyio
 import pytest
 from test_store import REPO, new_session, race_for_lease
 
-from agentkv.errors import SessionBusy, SessionNotFound, UserError
+from agentkv.errors import LeaseLost, SessionBusy, SessionNotFound, UserError
 from agentkv.leases import (
     DEFAULT_LEASE_TTL_S,
     LeaseKeeper,
@@ -244,3 +244,103 @@ async def test_a_sigkilled_keeper_does_not_block_the_next_process(store: Store, 
     async with LeaseKeeper(store, sid, mine, ttl_s=600):
         assert await store.lease_holder(sid) == mine
     assert time.monotonic() - started < 2
+
+
+# -- fencing: a holder that lost its lease cannot write ------------------------------------------
+
+async def test_a_write_fenced_by_a_lost_lease_is_refused_and_leaves_nothing(store: Store) -> None:
+    from agentkv.chat.messages import Message
+
+    sid = await new_session(store)
+    old = await store.acquire_lease(sid, "old-holder", ttl_s=600)
+    await store.append_message(sid, Message.user("hi"), token_count=2, fence=old)
+    assert await store.release_lease(sid, force=True) == "old-holder"  # an operator's unlock
+    with pytest.raises(LeaseLost, match="resume the session"):
+        await store.renew_lease(sid, "old-holder", old, ttl_s=600)  # released: not renewed back
+    new = await store.acquire_lease(sid, "new-holder", ttl_s=600)
+    assert new != old
+    await store.append_message(sid, Message.user("from the new holder"), token_count=2, fence=new)
+    with pytest.raises(LeaseLost, match="new-holder"):
+        await store.append_message(sid, Message.user("late"), token_count=2, fence=old)
+    with pytest.raises(LeaseLost):
+        await store.replace_in_window(sid, [1], Message.user("late summary"), token_count=2, fence=old)
+    assert [m.message.content for m in await store.messages(sid)] == ["hi", "from the new holder"]
+    assert await store.renew_lease(sid, "new-holder", new, ttl_s=600) is None  # the holder's own renewal
+    assert await store.acquire_lease(sid, "new-holder", ttl_s=600) == new  # re-taking its own keeps the token
+
+
+async def test_a_run_whose_lease_was_taken_mid_tool_never_records_a_second_result(store_url: str) -> None:
+    """Two holders: A's tool is still running when an operator force-unlocks and B resumes
+    (recording the call's "interrupted" result); A's late result is refused."""
+    from test_run_recovery import call
+
+    from agentkv import Agent, Runtime, tool
+    from agentkv.persistence import INTERRUPTED_RESULT
+    from agentkv.testing import ScriptedEngine
+
+    started, finish = anyio.Event(), anyio.Event()
+
+    @tool
+    async def slow(city: str) -> str:
+        """Look a city up slowly."""
+        started.set()
+        await finish.wait()
+        return "late result"
+
+    agent = Agent(name="slow-agent", instructions="Use slow.", tools=[slow])
+    first = Runtime(ScriptedEngine([call("slow", city="Oslo"), "never"]), Store(store_url), holder="holder-a")
+    session = await first.open_session(agent)
+    outcome: list[BaseException] = []
+
+    async def run_a() -> None:
+        try:
+            await first.run(session, "Oslo?")
+        except LeaseLost as error:
+            outcome.append(error)
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(run_a)
+        await started.wait()
+        store = Store(store_url)
+        assert await store.release_lease(session.id, force=True) == "holder-a"
+        second = Runtime(ScriptedEngine([]), store, agents=[agent], holder="holder-b")
+        resumed = await second.resume(session.id)
+        assert resumed.resume_report.interrupted_calls == 1
+        finish.set()
+    assert len(outcome) == 1 and "resume the session" in str(outcome[0])
+    results = [m.message for m in await store.messages(session.id) if m.message.role == "tool"]
+    assert [r.content for r in results] == [INTERRUPTED_RESULT]  # one call id, one result
+    await store.close()
+    await first.store.close()
+
+
+def test_cli_unlock_refuses_a_holder_still_running_here_unless_forced(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from agentkv.cli import app
+
+    url = f"sqlite:///{tmp_path / 'a.db'}"
+    live = f"{HOST}:{os.getpid()}:cafe01"  # this very process: alive on this host
+    gone = f"{HOST}:{dead_pid()}:cafe02"
+
+    async def lease_to(holder: str) -> str:
+        async with Store(url) as store:
+            sid = await new_session(store) if not await store.list_sessions() else (await store.list_sessions())[0].id
+            await store.release_lease(sid, force=True)
+            await store.acquire_lease(sid, holder, ttl_s=600)
+            return sid
+
+    async def holder_of(sid: str) -> str | None:
+        async with Store(url) as store:
+            return await store.lease_holder(sid)
+
+    sid = anyio.run(lease_to, live)
+    refused = CliRunner().invoke(app, ["sessions", "unlock", sid, "--db", url])
+    assert refused.exit_code == 1 and f"process {os.getpid()} still running on this host" in refused.output
+    assert "--force" in refused.output and anyio.run(holder_of, sid) == live  # untouched
+    forced = CliRunner().invoke(app, ["sessions", "unlock", sid, "--force", "--db", url])
+    assert forced.exit_code == 0 and "next write to the session will be refused" in forced.output
+    assert anyio.run(holder_of, sid) is None
+    anyio.run(lease_to, gone)
+    released = CliRunner().invoke(app, ["sessions", "unlock", sid, "--db", url])  # a dead holder needs no --force
+    assert released.exit_code == 0 and gone in released.output and anyio.run(holder_of, sid) is None

@@ -3,6 +3,7 @@ snapshots, cross-process leases, and the CLI."""
 
 from __future__ import annotations
 
+import errno
 import json
 import shutil
 import signal
@@ -15,7 +16,8 @@ import anyio
 import pytest
 
 from agentkv import Agent, Runtime
-from agentkv.errors import SessionBusy, SessionNotFound
+from agentkv.errors import SessionBusy, SessionNotFound, UserError
+from agentkv.engine.snapshot import KVSnapshot
 from agentkv.memory import Store
 from agentkv.testing import ScriptedEngine
 
@@ -174,7 +176,7 @@ def test_cli_chat_then_sessions_list_then_resume(tmp_path):
     assert "resumed session" in again.output
     exported = runner.invoke(app, ["sessions", "export", session_id, "--db", db])
     roles = [json.loads(line)["role"] for line in exported.output.splitlines() if line.strip()]
-    assert roles == ["user", "assistant", "user", "assistant"]
+    assert roles == ["system", "user", "assistant", "user", "assistant"]  # the agent's system prompt first
     gone = runner.invoke(app, ["sessions", "rm", session_id, "--db", db])
     assert gone.exit_code == 0
     missing = runner.invoke(app, ["sessions", "show", session_id, "--db", db])
@@ -227,3 +229,50 @@ async def test_a_session_open_in_two_runtimes_sees_the_turns_the_other_ran(tmp_p
         contents = [m.content for m in a.messages]
         assert contents == ["hello one", "from one", "hello two", "from two", "back to one", "one again"]
         assert [m.message.content for m in await store.messages("shared")] == contents
+
+
+async def test_resume_of_an_open_session_applies_the_agent_it_is_given_and_refuses_another_salt(tmp_path):
+    runtime = Runtime(ScriptedEngine(["One."]), Store(f"sqlite:///{tmp_path / 'a.db'}"))
+    session = await runtime.open_session(AGENT, salt="team-a")
+    assert await runtime.resume(session.id, salt="team-a") is session
+    assert session.agent is AGENT  # no agent given: the one it runs with stays
+    other = Agent(name="other", instructions="Be verbose.")
+    assert await runtime.resume(session.id, other, salt="team-a") is session
+    assert session.agent is other  # as a resume of the closed session would run it
+    with pytest.raises(UserError, match="tenant salt 'team-a', not 'team-b'.*close_session"):
+        await runtime.resume(session.id, salt="team-b")
+    assert session.agent is other and session.salt == "team-a"
+    await runtime.close_session(session)
+    reopened = await runtime.resume(session.id, other, salt="team-b")  # closed first: both apply
+    assert reopened.agent is other and reopened.salt == "team-b"
+
+
+def disk_full(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+async def test_a_snapshot_save_on_a_full_disk_is_one_true_warning_line_per_turn(tmp_path, monkeypatch, caplog):
+    url = f"sqlite:///{tmp_path / 'a.db'}"
+    runtime = Runtime(ScriptedEngine(["One.", "Two.", "Three."]), Store(url))
+    session = await runtime.open_session(AGENT)
+    await runtime.run(session, "First?")
+    [saved] = await runtime.store.snapshots(session.id)
+    monkeypatch.setattr(KVSnapshot, "to_file", disk_full)
+    for question in ("Second?", "Third?"):
+        caplog.clear()
+        await runtime.run(session, question)
+        [line] = [r for r in caplog.records if r.name == "agentkv.persistence"]
+        assert line.exc_info is None and "\n" not in line.getMessage()
+        assert "No space left on device" in line.getMessage()
+        assert f"a resume will use the older snapshot of {saved.num_tokens} tokens" in line.getMessage()
+    later = Runtime(ScriptedEngine([]), Store(url), agents=[AGENT])
+    assert (await later.resume(session.id)).resume_report.restored_tokens == saved.num_tokens  # it was true
+
+
+async def test_a_failed_first_snapshot_says_no_older_snapshot_exists(tmp_path, monkeypatch, caplog):
+    runtime = Runtime(ScriptedEngine(["One."]), Store(f"sqlite:///{tmp_path / 'a.db'}"))
+    session = await runtime.open_session(AGENT)
+    monkeypatch.setattr(KVSnapshot, "to_file", disk_full)
+    await runtime.run(session, "First?")
+    [line] = [r for r in caplog.records if r.name == "agentkv.persistence"]
+    assert line.exc_info is None and "no older snapshot exists" in line.getMessage()

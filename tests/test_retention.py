@@ -127,7 +127,7 @@ async def test_a_crash_during_prune_loses_nothing_that_was_kept(make_store, monk
     [record] = [await store.save_snapshot(kept, snapshot(5))]
     age(store, old, days=40)
     # a crash inside the transaction: nothing is deleted
-    monkeypatch.setattr("agentkv.memory.retention.excess_snapshots", lambda s, keep: 1 / 0)
+    monkeypatch.setattr("agentkv.memory.retention.excess_snapshots", lambda *args, **kwargs: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         await store.prune(older_than=timedelta(days=30), keep_snapshots=1)
     await store.get_session(old)
@@ -149,3 +149,45 @@ def test_cli_prune_reports_what_it_deleted(tmp_path: Path):
     assert result.exit_code == 0 and "deleted 0 sessions" in result.output
     bad = CliRunner().invoke(app, ["sessions", "prune", "--older-than", "soon", "--db", db])
     assert bad.exit_code == 2 and "30d" in bad.output
+
+
+class RecordingKV:
+    """Stands in for a KV session: records the snapshots restored into it."""
+
+    def __init__(self) -> None:
+        self.restored: list[int] = []
+
+    async def restore(self, snapshot: KVSnapshot) -> None:
+        self.restored.append(snapshot.num_tokens)
+
+
+def cut_short(path: Path) -> None:
+    """What a full disk or a crash can leave: the file's first bytes only."""
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 3])
+
+
+async def test_retention_keeps_a_whole_older_snapshot_over_a_newer_one_known_to_be_cut_short(make_store):
+    from agentkv.persistence import restore_newest_snapshot
+
+    store = make_store(keep_snapshots=2)
+    sid = await session(store)
+    good = await store.save_snapshot(sid, snapshot(6, seed=1))
+    damaged = await store.save_snapshot(sid, snapshot(7, seed=2))
+    cut_short(damaged.path)
+    newest = await store.save_snapshot(sid, snapshot(8, seed=3))
+    assert [r.id for r in await store.snapshots(sid)] == [newest.id, good.id]  # the damaged one went
+    assert files_in(store) == {newest.path.name, good.path.name}
+    newest.path.write_bytes(b"\0" * newest.path.stat().st_size)  # later, the newest is corrupted too
+    kv = RecordingKV()
+    restored = await restore_newest_snapshot(store, sid, kv, tuple(range(8)), FP)  # type: ignore[arg-type]
+    assert restored.tokens == 6 and kv.restored == [6]  # the good older one comes back, not a prefill from zero
+
+
+async def test_prune_keeps_whole_snapshots_before_missing_ones(make_store):
+    store = make_store(keep_snapshots=3)
+    sid = await session(store)
+    good = await store.save_snapshot(sid, snapshot(4, seed=1))
+    gone = await store.save_snapshot(sid, snapshot(5, seed=2))
+    gone.path.unlink()
+    await store.prune(keep_snapshots=1)
+    assert [r.id for r in await store.snapshots(sid)] == [good.id]

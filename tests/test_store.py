@@ -157,9 +157,10 @@ async def test_export_jsonl_writes_openai_chat_messages_one_per_line(store: Stor
     await append_all(store, sid, CONVERSATION)
     exported = await store.export_jsonl(sid)
     lines = exported.splitlines()
-    assert exported.endswith("\n") and len(lines) == len(CONVERSATION)
+    assert exported.endswith("\n") and len(lines) == len(CONVERSATION) + 1
     rows = [json.loads(line) for line in lines]
-    assert rows == [m.to_openai() for m in CONVERSATION]
+    assert rows == [{"role": "system", "content": "Be brief."}, *(m.to_openai() for m in CONVERSATION)]
+    rows = rows[1:]
     assert rows[2]["tool_calls"][0]["function"] == {"name": "calc", "arguments": '{"expr": "1+1"}'}
     assert rows[3] == {"role": "tool", "content": "2", "tool_call_id": "call_1", "name": "calc"}
 

@@ -119,7 +119,7 @@ def fork(s: Session, parent: SessionRow, new_id: str, at: int | None, metadata: 
         raise UserError(f"session {new_id!r} already exists; pass another id or none")
     now = utcnow()
     row = SessionRow(id=new_id, agent_name=parent.agent_name, created_at=now, updated_at=now, lease_holder=None,
-                     lease_expires_at=None, metadata_=metadata, parent_id=parent.id, fork_seq=point)
+                     lease_expires_at=None, lease_epoch=0, metadata_=metadata, parent_id=parent.id, fork_seq=point)
     s.add(row)
     s.flush()
     return row

@@ -63,6 +63,18 @@ def _is_zombie(pid: int) -> bool:
     return stat.rpartition(")")[2].split()[:1] == ["Z"]
 
 
+def live_pid_here(holder: str) -> int | None:
+    """The pid of ``holder`` when it runs on this host in a process that still exists, else None
+    (another host, an id that does not parse, or a process that is gone).
+
+    ``live_pid_here(holder_id())`` → ``os.getpid()``.
+    """
+    parsed = parse_holder(holder)
+    if parsed is None or parsed[0] != socket.gethostname() or not pid_is_alive(parsed[1]):
+        return None
+    return parsed[1]
+
+
 def holder_is_dead_here(holder: str) -> bool:
     """True only if ``holder`` ran on this host in a process that no longer exists.
 

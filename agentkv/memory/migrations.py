@@ -196,6 +196,13 @@ def _m006_calls(conn: Connection) -> None:
     md.tables["calls"].create(conn)
 
 
+def _m007_lease_epoch(conn: Connection) -> None:
+    """7: sessions.lease_epoch — the fencing token of the session's lease, counted up each time
+    the lease passes to another holder; a write carrying an older one is refused, so a holder
+    that lost its lease cannot write after the next one did."""
+    conn.execute(text("ALTER TABLE sessions ADD COLUMN lease_epoch INTEGER NOT NULL DEFAULT 0"))
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "initial", _m001_initial),
     Migration(2, "sessions_by_recency", _m002_sessions_by_recency),
@@ -203,6 +210,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(4, "responses", _m004_responses),
     Migration(5, "branches", _m005_branches),
     Migration(6, "calls", _m006_calls),
+    Migration(7, "lease_epoch", _m007_lease_epoch),
 )
 LATEST_VERSION = MIGRATIONS[-1].version
 

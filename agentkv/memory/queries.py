@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 
 from agentkv.chat.messages import Message
 from agentkv.engine.snapshot import KVSnapshot, tokens_digest
-from agentkv.errors import AgentNotFound, ResponseNotFound, SessionBusy, SessionNotFound, UserError
+from agentkv.errors import AgentNotFound, LeaseLost, ResponseNotFound, SessionBusy, SessionNotFound, UserError
 from agentkv.memory import branches, convert
 from agentkv.memory.holders import holder_is_dead_here
 from agentkv.memory.records import (
@@ -59,7 +59,7 @@ def create_session(s: Session, agent_name: str, session_id: str,
         raise UserError(f"session {session_id!r} already exists; pass another id or none")
     now = utcnow()
     row = SessionRow(id=session_id, agent_name=agent_name, created_at=now, updated_at=now,
-                     lease_holder=None, lease_expires_at=None, metadata_=metadata)
+                     lease_holder=None, lease_expires_at=None, lease_epoch=0, metadata_=metadata)
     s.add(row)
     s.flush()
     return convert.session_record(row)
@@ -73,6 +73,16 @@ def session_row(s: Session, session_id: str, *, for_update: bool = False) -> Ses
     row = s.execute(query).scalar_one_or_none()
     if row is None:
         raise SessionNotFound(session_id)
+    return row
+
+
+def fenced_row(s: Session, session_id: str, fence: int | None) -> SessionRow:
+    """The session's row, locked for a write by the holder of lease ``fence`` (its fencing
+    token; None: an unfenced write); ``LeaseLost`` once the lease has passed to another holder
+    since — checked in the write's own transaction, so no write of a past holder lands after."""
+    row = session_row(s, session_id, for_update=True)
+    if fence is not None and row.lease_epoch != fence:
+        raise LeaseLost(session_id, row.lease_holder)
     return row
 
 
@@ -96,10 +106,10 @@ def list_sessions(s: Session) -> list[SessionSummary]:
 
 
 def append_message(s: Session, session_id: str, message: Message, token_count: int,
-                   in_window: bool) -> StoredMessage:
+                   in_window: bool, fence: int | None = None) -> StoredMessage:
     # NOTE: the row lock (PostgreSQL) or BEGIN IMMEDIATE (SQLite) serialises appends to one
     # session, so max(seq) + 1 is unique without a retry loop.
-    session = session_row(s, session_id, for_update=True)
+    session = fenced_row(s, session_id, fence)
     now = utcnow()
     row = MessageRow(session_id=session_id, seq=branches.last_seq(s, session) + 1, token_count=token_count,
                      in_window=in_window, replaced_by_seq=None, created_at=now,
@@ -118,8 +128,8 @@ def messages(s: Session, session_id: str, in_window_only: bool) -> list[StoredMe
 
 
 def mark_out_of_window(s: Session, session_id: str, seqs: Sequence[int],
-                       replaced_by_seq: int | None) -> None:
-    session = session_row(s, session_id, for_update=True)
+                       replaced_by_seq: int | None, fence: int | None = None) -> None:
+    session = fenced_row(s, session_id, fence)
     wanted = set(seqs) | ({replaced_by_seq} if replaced_by_seq is not None else set())
     found = {item.row.seq for item in branches.view(s, session)}
     if missing := sorted(wanted - found):
@@ -163,15 +173,16 @@ def last_seq(s: Session, session_id: str) -> int:
     return branches.last_seq(s, session_row(s, session_id))
 
 
-def acquire_lease(s: Session, session_id: str, holder: str, ttl_s: float) -> str | None:
+def acquire_lease(s: Session, session_id: str, holder: str, ttl_s: float) -> tuple[int, str | None]:
     """Take or renew the lease; ``SessionBusy`` while another live holder has it.
 
-    Returns the holder id of a dead process on this host whose lease was taken over, else None.
+    Returns the lease's fencing token, and the holder id of a dead process on this host whose
+    lease was taken over (else None).
     """
     expires = utcnow() + timedelta(seconds=ttl_s)
     for _ in range(3):  # a holder may release between our UPDATE and our read: try again
         if _claim_lease(s, session_id, holder, expires, _free_or_ours(holder)):
-            return None
+            return _epoch(s, session_id), None
         current = lease_holder(s, session_id, live_only=False)
         if current is None:
             continue
@@ -180,8 +191,21 @@ def acquire_lease(s: Session, session_id: str, holder: str, ttl_s: float) -> str
         # NOTE: the takeover names the exact dead holder we read, so of two processes racing
         # to take it over only one UPDATE matches; the other sees the winner and is busy.
         if _claim_lease(s, session_id, holder, expires, SessionRow.lease_holder == current):
-            return current
+            return _epoch(s, session_id), current
     raise SessionBusy(session_id, lease_holder(s, session_id, live_only=False))
+
+
+def renew_lease(s: Session, session_id: str, holder: str, fence: int, ttl_s: float) -> None:
+    """Extend the lease ``holder`` took with token ``fence`` (also once expired, while nobody
+    took it); ``LeaseLost`` when it was released or passed to another holder since."""
+    expires = utcnow() + timedelta(seconds=ttl_s)
+    ours = (SessionRow.lease_holder == holder) & (SessionRow.lease_epoch == fence)
+    if not _claim_lease(s, session_id, holder, expires, ours):
+        raise LeaseLost(session_id, lease_holder(s, session_id, live_only=False))
+
+
+def _epoch(s: Session, session_id: str) -> int:
+    return int(s.execute(select(SessionRow.lease_epoch).where(SessionRow.id == session_id)).scalar_one())
 
 
 def _free_or_ours(holder: str) -> ColumnElement[bool]:
@@ -191,11 +215,13 @@ def _free_or_ours(holder: str) -> ColumnElement[bool]:
 
 def _claim_lease(s: Session, session_id: str, holder: str, expires: datetime,
                  condition: ColumnElement[bool]) -> bool:
-    """One conditional UPDATE: atomic on SQLite and PostgreSQL alike, whoever races us."""
+    """One conditional UPDATE: atomic on SQLite and PostgreSQL alike, whoever races us. The
+    fencing token counts up when the lease passes to another holder (a renewal keeps it)."""
+    passes = case((SessionRow.lease_holder == holder, SessionRow.lease_epoch), else_=SessionRow.lease_epoch + 1)
     result = s.execute(
         update(SessionRow)
         .where(SessionRow.id == session_id, condition)
-        .values(lease_holder=holder, lease_expires_at=expires)
+        .values(lease_holder=holder, lease_expires_at=expires, lease_epoch=passes)
         .execution_options(synchronize_session=False)
     )
     return result.rowcount == 1  # type: ignore[attr-defined, no-any-return]
@@ -228,31 +254,28 @@ def release_lease(s: Session, session_id: str, holder: str) -> None:
 
 
 def force_release_lease(s: Session, session_id: str) -> str | None:
-    """Free the lease whoever holds it; return the holder recorded before (maybe expired)."""
+    """Free the lease whoever holds it; return the holder recorded before (maybe expired). The
+    fencing token moves on: that holder's later writes are refused."""
     row = session_row(s, session_id, for_update=True)
     previous = row.lease_holder
     row.lease_holder = None
     row.lease_expires_at = None
+    if previous is not None:
+        row.lease_epoch += 1
     return previous
 
 
 def add_snapshot(s: Session, files: SnapshotFiles, session_id: str, snapshot: KVSnapshot,
-                 name: str, keep: int) -> tuple[SnapshotRecord, list[str]]:
-    """Insert the row of a written file; drop rows beyond the ``keep`` newest.
-
-    Returns the record and the file names of the dropped rows (removed after commit).
-    """
-    session_row(s, session_id, for_update=True)
+                 name: str, fence: int | None = None) -> SnapshotRecord:
+    """Insert the row of a written file (retention then decides what else stays)."""
+    fenced_row(s, session_id, fence)
     row = SnapshotRow(session_id=session_id, num_tokens=snapshot.num_tokens,
                       token_hash=tokens_digest(snapshot.tokens), fingerprint=snapshot.fingerprint,
                       precision=snapshot.precision, path=name, checksum=snapshot.checksum(),
                       nbytes=snapshot.nbytes, shifted=snapshot.shifted, created_at=utcnow())
     s.add(row)
     s.flush()
-    older = list(s.scalars(_newest_first(session_id).offset(keep)))
-    for old in older:
-        s.delete(old)
-    return convert.snapshot_record(row, files), [old.path for old in older]
+    return convert.snapshot_record(row, files)
 
 
 def snapshots(s: Session, files: SnapshotFiles, session_id: str) -> list[SnapshotRecord]:

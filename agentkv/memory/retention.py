@@ -7,6 +7,10 @@ removes).
 
     names = over_budget(s, budget_bytes=4 << 30, keep_session="abc")
     deleted, names = old_sessions(s, cutoff)
+
+Which snapshots of a session stay: whole files before known-damaged ones (missing, or cut
+shorter than their arrays), newest first within each — a damaged newest snapshot never pushes
+out the good older one that a resume would fall back on.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from sqlalchemy.orm import Session
 
 from agentkv.memory import branches, queries
 from agentkv.memory.schema import SessionRow, SnapshotRow, utcnow
+from agentkv.memory.snapshots import SnapshotFiles
 
 
 def over_budget(s: Session, budget_bytes: int, keep_session: str) -> list[str]:
@@ -39,11 +44,13 @@ def over_budget(s: Session, budget_bytes: int, keep_session: str) -> list[str]:
     return names
 
 
-def excess_snapshots(s: Session, keep: int) -> list[str]:
-    """Delete every session's snapshots beyond its ``keep`` newest."""
+def excess_snapshots(s: Session, files: SnapshotFiles, keep: int, *, session_id: str | None = None) -> list[str]:
+    """Delete each session's snapshots (only ``session_id``'s, if given) beyond the ``keep`` it
+    keeps (see the module docstring for which)."""
+    chosen = [session_id] if session_id is not None else list(s.scalars(select(SnapshotRow.session_id).distinct()))
     names: list[str] = []
-    for session_id in s.scalars(select(SnapshotRow.session_id).distinct()):
-        names += _drop_snapshots(s, session_id, keep=keep)
+    for each in chosen:
+        names += _drop_snapshots(s, each, keep=keep, files=files)
     return names
 
 
@@ -74,9 +81,12 @@ def referenced_files(s: Session) -> set[str]:
     return set(s.scalars(select(SnapshotRow.path)))
 
 
-def _drop_snapshots(s: Session, session_id: str, *, keep: int) -> list[str]:
-    rows = list(s.scalars(select(SnapshotRow).where(SnapshotRow.session_id == session_id)
-                          .order_by(SnapshotRow.created_at.desc(), SnapshotRow.id.desc()).offset(keep)))
+def _drop_snapshots(s: Session, session_id: str, *, keep: int, files: SnapshotFiles | None = None) -> list[str]:
+    newest_first = list(s.scalars(select(SnapshotRow).where(SnapshotRow.session_id == session_id)
+                                  .order_by(SnapshotRow.created_at.desc(), SnapshotRow.id.desc())))
+    if files is not None and len(newest_first) > keep:  # NOTE: a stable sort keeps newest first in each group
+        newest_first.sort(key=lambda row: not files.looks_whole(row.path, row.nbytes))
+    rows = newest_first[keep:]
     if rows:
         s.execute(delete(SnapshotRow).where(SnapshotRow.id.in_([row.id for row in rows])))
     return [row.path for row in rows]

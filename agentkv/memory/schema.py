@@ -74,6 +74,8 @@ class SessionRow(Base):
     updated_at: Mapped[datetime] = mapped_column(index=True)
     lease_holder: Mapped[str | None] = mapped_column(String(255))
     lease_expires_at: Mapped[datetime | None]
+    lease_epoch: Mapped[int] = mapped_column(Integer, server_default="0")
+    """The lease's fencing token: counted up each time the lease passes to another holder."""
     # NOTE: "metadata" is reserved on declarative classes, so the attribute has another name.
     metadata_: Mapped[dict[str, Any]] = mapped_column("metadata", JSON)
     parent_id: Mapped[str | None] = mapped_column(String(255), ForeignKey("sessions.id"), index=True)

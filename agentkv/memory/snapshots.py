@@ -16,10 +16,9 @@ from collections.abc import Iterable
 from datetime import timedelta
 from pathlib import Path
 
-from agentkv.engine.snapshot import KVSnapshot
+from agentkv.engine.snapshot import SUFFIX, KVSnapshot
 from agentkv.errors import SnapshotCorrupt, SnapshotIncompatible
 
-SUFFIX = ".agkv"
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
 
 
@@ -56,6 +55,14 @@ class SnapshotFiles:
                 "differs); delete the snapshot, the session will re-prefill from its history"
             )
         return snapshot
+
+    def looks_whole(self, name: str, nbytes: int) -> bool:
+        """False when the file is known to be damaged without reading it: missing, or smaller
+        than the ``nbytes`` of arrays its row says it holds (cut short, e.g. by a full disk)."""
+        try:
+            return self.resolve(name).stat().st_size >= nbytes
+        except OSError:
+            return False
 
     def remove(self, names: Iterable[str]) -> int:
         """Delete files (already missing ones are fine); returns the bytes freed."""

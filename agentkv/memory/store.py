@@ -15,7 +15,6 @@ abort a transaction already running: the thread finishes it, then the cancellati
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -29,12 +28,12 @@ from typing import Any, TypeVar
 
 import anyio.to_thread
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import ArgumentError, IntegrityError, OperationalError
 from sqlalchemy.orm import Session
 
 from agentkv.chat.messages import Message
 from agentkv.engine.snapshot import KVSnapshot
-from agentkv.errors import UserError
+from agentkv.errors import StoreUnavailable, UserError
 from agentkv.memory import convert, queries, retention
 from agentkv.memory.database import (
     WRITE_OPTION,
@@ -44,6 +43,7 @@ from agentkv.memory.database import (
     is_memory_sqlite,
     retry_locked,
 )
+from agentkv.memory.export import conversation_jsonl
 from agentkv.memory.migrations import migrate
 from agentkv.memory.records import (
     AgentRecord,
@@ -88,10 +88,20 @@ class Store:
             raise UserError(f"snapshot_budget_bytes must be >= 0 or None, got {snapshot_budget_bytes}")
         self.keep_snapshots = keep_snapshots
         self.snapshot_budget_bytes = snapshot_budget_bytes
-        parsed = make_url(url or default_url())
+        try:
+            parsed = make_url(url or default_url())
+        except ArgumentError as error:
+            raise UserError(f"{url!r} is not a database URL: pass a SQLAlchemy URL such as "
+                            "sqlite:////path/to/agentkv.db or postgresql://user@host/db") from error
         self.url = parsed.render_as_string(hide_password=True)
         """The database URL for display (password hidden)."""
-        self._engine = create_db_engine(parsed)
+        try:
+            self._engine = create_db_engine(parsed)
+        except OSError as error:  # the SQLite file's directory cannot be created
+            raise StoreUnavailable(self.url, error) from error
+        except (ArgumentError, ImportError) as error:  # a dialect or its driver not installed
+            raise UserError(f"cannot open {self.url}: {error}; use sqlite:// or postgresql:// (with "
+                            "psycopg2 installed), or install the driver this URL names") from error
         self._write_engine = self._engine.execution_options(**{WRITE_OPTION: True})
         self.files = SnapshotFiles(snapshot_dir or default_snapshot_dir(parsed))
         self._schema_lock = threading.Lock()
@@ -124,8 +134,11 @@ class Store:
         return await anyio.to_thread.run_sync(partial(self._in_thread, fn, *args))
 
     def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
-        self._ensure_schema()
-        return fn(*args)
+        try:
+            self._ensure_schema()
+            return fn(*args)
+        except OperationalError as error:  # read-only, disk full, I/O error, unreachable
+            raise StoreUnavailable(self.url, error) from error
 
     def _ensure_schema(self) -> None:
         if self._schema_ready:
@@ -216,12 +229,14 @@ class Store:
     # -- messages ---------------------------------------------------------------------------
 
     async def append_message(self, session_id: str, message: Message, *, token_count: int,
-                             in_window: bool = True) -> StoredMessage:
-        """Append ``message`` as the session's next seq; committed when this returns."""
+                             in_window: bool = True, fence: int | None = None) -> StoredMessage:
+        """Append ``message`` as the session's next seq; committed when this returns. ``fence``:
+        the writer's lease token (``acquire_lease``): ``LeaseLost``, and nothing written, once
+        the lease has passed to another holder since."""
         if token_count < 0:
             raise UserError(f"token_count must be >= 0, got {token_count}")
         return await self._call(self._write, lambda s: queries.append_message(
-            s, session_id, message, token_count, in_window))
+            s, session_id, message, token_count, in_window, fence))
 
     async def messages(self, session_id: str, *, in_window_only: bool = False
                        ) -> list[StoredMessage]:
@@ -230,25 +245,27 @@ class Store:
             self._read, lambda s: queries.messages(s, session_id, in_window_only))
 
     async def mark_out_of_window(self, session_id: str, seqs: Sequence[int], *,
-                                 replaced_by_seq: int | None = None) -> None:
+                                 replaced_by_seq: int | None = None, fence: int | None = None) -> None:
         """Flag messages as out of the context window (they stay stored), optionally
-        recording the summary message that replaced them. ``UserError`` for unknown seqs."""
+        recording the summary message that replaced them. ``UserError`` for unknown seqs;
+        ``fence`` as for ``append_message``."""
         chosen = [int(seq) for seq in seqs]
         if not chosen:
             return
         await self._call(self._write, lambda s: queries.mark_out_of_window(
-            s, session_id, chosen, replaced_by_seq))
+            s, session_id, chosen, replaced_by_seq, fence))
 
     async def replace_in_window(self, session_id: str, seqs: Sequence[int], replacement: Message,
-                                *, token_count: int) -> StoredMessage:
+                                *, token_count: int, fence: int | None = None) -> StoredMessage:
         """Append ``replacement`` (a summary, a message cut to fit) and mark ``seqs`` out of the
-        window, replaced by it — one transaction: a crash leaves both or neither."""
+        window, replaced by it — one transaction: a crash leaves both or neither. ``fence`` as
+        for ``append_message``."""
         chosen = [int(seq) for seq in seqs]
         if token_count < 0:
             raise UserError(f"token_count must be >= 0, got {token_count}")
 
         def replace(s: Any) -> StoredMessage:
-            stored = queries.append_message(s, session_id, replacement, token_count, True)
+            stored = queries.append_message(s, session_id, replacement, token_count, True, fence)
             if chosen:
                 queries.mark_out_of_window(s, session_id, chosen, stored.seq)
             return stored
@@ -270,28 +287,39 @@ class Store:
         return await self._call(self._write, lambda s: queries.rewind(s, session_id, int(after_seq)))
 
     async def export_jsonl(self, session_id: str, *, in_window_only: bool = False) -> str:
-        """The session as OpenAI chat messages, one JSON object per line (every message by default)."""
+        """The session as OpenAI chat messages, one JSON object per line: its agent's system
+        prompt, then every message (only the window's with ``in_window_only``), those out of
+        the window marked (``agentkv.memory.export``): ``print(await store.export_jsonl(sid))``."""
+        agent = await self.get_agent((await self.get_session(session_id)).agent_name)
         stored = await self.messages(session_id, in_window_only=in_window_only)
-        return "".join(json.dumps(m.message.to_openai(), ensure_ascii=False) + "\n"
-                       for m in stored)
+        return conversation_jsonl(agent.instructions, stored)
 
     # -- leases -----------------------------------------------------------------------------
 
-    async def acquire_lease(self, session_id: str, holder: str, ttl_s: float = 60) -> None:
-        """Take (or renew) the session's lease for ``ttl_s`` seconds.
+    async def acquire_lease(self, session_id: str, holder: str, ttl_s: float = 60) -> int:
+        """Take (or renew) the session's lease for ``ttl_s`` seconds; returns its fencing token.
 
         Raises ``SessionBusy`` while another holder's lease is live; an expired lease is
         taken over, and so at once is one held by a dead process on this host (a
         ``host:pid:tag`` holder, see ``agentkv.leases``). Atomic across processes (conditional
-        UPDATEs). ``await store.acquire_lease(sid, holder_id(), ttl_s=30)``
+        UPDATEs). ``token = await store.acquire_lease(sid, holder_id(), ttl_s=30)``; pass the
+        token as ``fence=`` to writes so none lands once another holder took the lease.
         """
         if ttl_s <= 0:
             raise UserError(f"ttl_s must be > 0, got {ttl_s}")
-        dead = await self._call(
+        token, dead = await self._call(
             self._write, lambda s: queries.acquire_lease(s, session_id, holder, ttl_s))
         if dead is not None:
             logger.warning("took over the lease of session %r from %s, whose process is gone",
                            session_id, dead)
+        return token
+
+    async def renew_lease(self, session_id: str, holder: str, fence: int, ttl_s: float = 60) -> None:
+        """Extend the lease ``holder`` took with token ``fence`` by ``ttl_s`` seconds;
+        ``LeaseLost`` once it was released (``force=True``) or passed to another holder."""
+        if ttl_s <= 0:
+            raise UserError(f"ttl_s must be > 0, got {ttl_s}")
+        await self._call(self._write, lambda s: queries.renew_lease(s, session_id, holder, fence, ttl_s))
 
     async def release_lease(self, session_id: str, holder: str | None = None, *,
                             force: bool = False) -> str | None:
@@ -320,21 +348,23 @@ class Store:
     # -- KV snapshots -----------------------------------------------------------------------
 
     async def save_snapshot(self, session_id: str, snapshot: KVSnapshot, *,
-                            keep: int | None = None) -> SnapshotRecord:
+                            keep: int | None = None, fence: int | None = None) -> SnapshotRecord:
         """Write the snapshot file (temp + rename), then its row; prune beyond ``keep`` newest
-        (default: the store's ``keep_snapshots``) and past the store's byte budget."""
+        (default: the store's ``keep_snapshots``) and past the store's byte budget. ``fence`` as
+        for ``append_message``."""
         keep = self.keep_snapshots if keep is None else keep
         if keep < 1:
             raise UserError(f"keep must be >= 1, got {keep}")
-        return await self._call(self._save_snapshot, session_id, snapshot, keep)
+        return await self._call(self._save_snapshot, session_id, snapshot, keep, fence)
 
-    def _save_snapshot(self, session_id: str, snapshot: KVSnapshot, keep: int) -> SnapshotRecord:
+    def _save_snapshot(self, session_id: str, snapshot: KVSnapshot, keep: int, fence: int | None) -> SnapshotRecord:
         self._read(lambda s: queries.session_row(s, session_id))  # no file for a missing session
         name = self.files.write(session_id, snapshot)
         budget = self.snapshot_budget_bytes
 
         def add(s: Session) -> tuple[SnapshotRecord, list[str]]:
-            record, pruned = queries.add_snapshot(s, self.files, session_id, snapshot, name, keep)
+            record = queries.add_snapshot(s, self.files, session_id, snapshot, name, fence)
+            pruned = retention.excess_snapshots(s, self.files, keep, session_id=session_id)
             if budget is not None:
                 s.flush()
                 pruned += retention.over_budget(s, budget, keep_session=session_id)
@@ -362,7 +392,7 @@ class Store:
         def prune(s: Session) -> tuple[list[str], list[str]]:
             deleted, names = retention.old_sessions(s, cutoff) if cutoff is not None else ([], [])
             if keep_snapshots is not None:
-                names += retention.excess_snapshots(s, keep_snapshots)
+                names += retention.excess_snapshots(s, self.files, keep_snapshots)
             return deleted, names
 
         def run() -> PruneReport:
