@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -90,7 +91,8 @@ class Agent:
                             f"(the chat template's default), got {type(self.instructions).__name__}")
         # NOTE: frozen dataclass: coerced values are set through object.__setattr__
         object.__setattr__(self, "generation", _generation_config(self.name, self.generation))
-        object.__setattr__(self, "tools", tuple(_as_tool(self.name, t) for t in self.tools))
+        object.__setattr__(self, "tools", tuple(_as_tool(self.name, t) for t in _tool_list(self.name, self.tools)))
+        _check_types(self)
         _check_numbers(self)
         names = [t.name for t in self.tools]
         duplicates = sorted({n for n in names if names.count(n) > 1})
@@ -162,8 +164,53 @@ def _as_tool(agent: str, value: Any) -> Tool:
     )
 
 
+def _tool_list(agent: str, value: Any) -> Sequence[Any]:
+    """``value`` if it is a list (or tuple) of tools; one tool alone or anything else is refused."""
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        return value
+    raise UserError(f"agent {agent!r}: tools must be a list, e.g. Agent(..., tools=[add]), got {type(value).__name__}")
+
+
+_FLAGS = ("truncate_oversized_messages", "constrain_tool_calls", "parallel_tool_calls")
+
+
+def _check_types(agent: Agent) -> None:
+    """Fields of the wrong kind, which would otherwise fail (or be read wrongly) mid-run."""
+    from agentkv.policies.protocol import ContextPolicy
+
+    where = f"agent {agent.name!r}"
+    for name in _FLAGS:
+        if not isinstance(getattr(agent, name), bool):
+            raise UserError(f"{where}: {name} must be True or False, got {getattr(agent, name)!r}")
+    if agent.policy is not None and (isinstance(agent.policy, type) or not isinstance(agent.policy, ContextPolicy)):
+        raise UserError(f"{where}: policy must be a context policy object, e.g. policy=SlidingWindow() "
+                        f"(from agentkv.policies import SlidingWindow, Truncation, SummarizeAndReprefill), "
+                        f"or None; got {agent.policy!r}")
+    if agent.needs_approval is not None and not callable(agent.needs_approval):
+        raise UserError(f"{where}: needs_approval must be a function of a ToolCall returning True for the calls "
+                        f"that wait for approval, e.g. needs_approval=lambda call: call.name == 'pay'; or None; "
+                        f"got {agent.needs_approval!r}")
+    if not isinstance(agent.settings, Mapping):
+        raise UserError(f"{where}: settings must be a dict, got {type(agent.settings).__name__}")
+    if not isinstance(agent.tool_choice, str):
+        raise UserError(f"{where}: tool_choice must be 'auto', 'required', 'none' or a tool's name, "
+                        f"got {agent.tool_choice!r}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _check_numbers(agent: Agent) -> None:
     """Budgets and limits that would only fail later, at run time."""
+    for name in ("max_turns", "min_response_len"):
+        if not _is_int(getattr(agent, name)):
+            raise UserError(f"{name} must be a whole number, got {getattr(agent, name)!r}")
+    if agent.max_prompt_len is not None and not _is_int(agent.max_prompt_len):
+        raise UserError(f"max_prompt_len must be a whole number of tokens or None, got {agent.max_prompt_len!r}")
+    timeout = agent.tool_timeout_s
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout):
+        raise UserError(f"tool_timeout_s must be a finite number of seconds > 0 (e.g. 30.0), got {timeout!r}")
     if agent.max_turns < 1:
         raise UserError(f"max_turns must be >= 1, got {agent.max_turns}")
     if agent.min_response_len < 0:

@@ -29,7 +29,7 @@ def checked_input(agent: Agent, window: Sequence[Message], run_input: RunInput) 
     (named after them), no user or assistant turn jumps a pending call, a system message is the
     agent's own instructions (left out), and the last message is one the model can answer.
     ``UserError`` names the message that breaks a rule."""
-    messages = [Message.user(run_input)] if isinstance(run_input, str) else messages_from_openai(run_input)
+    messages = [Message.user(run_input)] if isinstance(run_input, str) else messages_from_openai(_sequence(run_input))
     pending = pending_tool_calls(window)
     kept: list[Message] = []
     for index, message in enumerate(messages):
@@ -65,3 +65,15 @@ def checked_input(agent: Agent, window: Sequence[Message], run_input: RunInput) 
     if kept[-1].role == "assistant":
         raise UserError("the last message is the assistant's: end with a user message or tool results to answer")
     return kept
+
+
+def _sequence(run_input: object) -> Sequence[Mapping[str, object] | Message]:
+    """``run_input`` if it is a sequence of messages (a list, a tuple); ``UserError`` saying what to
+    pass otherwise (bytes too: decode them first)."""
+    if isinstance(run_input, Sequence) and not isinstance(run_input, (bytes, bytearray)):
+        return run_input
+    raise UserError(
+        f"a run takes a user message's text (str) or a list of messages (OpenAI chat dicts or Messages), "
+        f"got {type(run_input).__name__}: e.g. runtime.run(session, \"Hello\") or "
+        "runtime.run(session, [{'role': 'tool', 'tool_call_id': ..., 'content': ...}])"
+    )

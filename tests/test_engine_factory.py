@@ -54,3 +54,70 @@ def test_an_npu_gets_the_stateful_engine(monkeypatch):
     monkeypatch.delenv("AGENTKV_ENGINE", raising=False)
     with pytest.raises(UserError, match="could not compile the model for device 'NPU'"):
         open_engine(device="NPU", num_slots=1)  # this machine has none: the stateful engine says so
+
+
+def tiny_model():
+    """A one-op OpenVINO model: compiles in milliseconds, no model files needed."""
+    import numpy as np
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    x = ops.parameter([1, 4], np.float32, name="x")
+    return ov.Model([ops.relu(x)], [x], "tiny")
+
+
+def test_a_cache_dir_that_cannot_be_created_compiles_without_the_cache_and_warns_once(tmp_path, caplog):
+    import openvino as ov
+
+    from agentkv.engine.compile import compile_for_device
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with caplog.at_level(logging.WARNING, logger="agentkv.engine.compile"):
+        compiled = compile_for_device(ov.Core(), tiny_model(), "CPU", {"CACHE_DIR": str(blocker / "sub")})
+    assert compiled.outputs
+    [record] = caplog.records
+    assert "compiling without it" in record.getMessage() and str(blocker / "sub") in record.getMessage()
+
+
+def test_a_cache_write_failure_inside_openvino_is_named_and_the_model_compiles_without_the_cache(
+        tmp_path, monkeypatch, caplog):
+    import openvino as ov
+
+    from agentkv.engine.compile import compile_for_device
+
+    core = ov.Core()
+    real = core.compile_model
+
+    def cache_fails(model, device, config):
+        if "CACHE_DIR" in config:  # what was seen while several processes shared one cache dir
+            raise RuntimeError("Exception from src/inference/src/cpp/core.cpp:117:\n"
+                               "filesystem error: cannot set permissions: Operation not permitted\n")
+        return real(model, device, config)
+
+    monkeypatch.setattr(core, "compile_model", cache_fails)
+    with caplog.at_level(logging.WARNING, logger="agentkv.engine.compile"):
+        compiled = compile_for_device(core, tiny_model(), "CPU", {"CACHE_DIR": str(tmp_path)})
+    assert compiled.outputs
+    assert "cannot set permissions" in caplog.text and "device" not in caplog.text
+
+
+def test_a_failure_that_is_not_about_the_device_names_its_cause_not_the_devices(tmp_path):
+    import openvino as ov
+
+    from agentkv.errors import ModelCompileFailed
+
+    from agentkv.engine.compile import compile_for_device
+
+    with pytest.raises(ModelCompileFailed, match="Unsupported property NOT_A_KEY") as caught:
+        compile_for_device(ov.Core(), tiny_model(), "CPU", {"CACHE_DIR": str(tmp_path), "NOT_A_KEY": "1"})
+    assert "pass one of those" not in str(caught.value) and caught.value.device == "CPU"
+
+
+def test_naming_the_compiled_cache_dir_never_fails_even_under_a_file(tmp_path, monkeypatch):
+    from agentkv.engine.models import CACHE_ENV, compiled_cache_dir
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv(CACHE_ENV, str(blocker / "cache"))
+    assert compiled_cache_dir() == blocker / "cache" / "compiled"  # compile_for_device then warns and goes on

@@ -126,3 +126,21 @@ def test_the_slot_always_holds_exactly_the_kv_of_the_log(ops):
             log.load(slot, snapshot, exact=True)
         log.check_integrity(slot)
         assert slot.rows[0] == log.tokens
+
+
+def test_the_module_docstrings_name_only_classes_that_exist():
+    import ast
+    import importlib
+    import pkgutil
+    import re
+
+    import agentkv.engine
+    import agentkv.engine.kv_log as kv_log
+
+    tree = ast.parse(open(kv_log.__file__).read())
+    texts = [ast.get_docstring(node) or "" for node in ast.walk(tree)
+             if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef))]
+    named = {m for text in texts for m in re.findall(r"``([A-Z][A-Za-z]+)``", text)}
+    modules = [importlib.import_module(i.name) for i in pkgutil.iter_modules(agentkv.engine.__path__, "agentkv.engine.")]
+    missing = sorted(n for n in named if not any(hasattr(m, n) for m in modules))
+    assert named and missing == []

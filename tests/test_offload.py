@@ -85,6 +85,17 @@ def test_host_store_spills_the_least_recently_offloaded_first_and_stays_in_budge
     assert len(list(tmp_path.iterdir())) == 1 and store.stats().disk_loads == 1
 
 
+def test_spill_files_and_stored_snapshots_share_one_suffix_from_the_engine_side(tmp_path):
+    from agentkv.engine import snapshot
+    from agentkv.memory import snapshots as stored
+
+    store = HostKVStore(budget_bytes=0, spill_dir=tmp_path)
+    assert store.put(tiny_snapshot(2)).where == "disk"
+    assert [p.suffix for p in tmp_path.iterdir()] == [snapshot.SUFFIX]
+    assert stored.SUFFIX is snapshot.SUFFIX
+    assert stored.SnapshotFiles(tmp_path).write("s", tiny_snapshot(2)).endswith(snapshot.SUFFIX)
+
+
 def test_host_store_without_a_spill_dir_drops_and_counts_the_re_prefill():
     store = HostKVStore(budget_bytes=0)
     entry = store.put(tiny_snapshot(3))

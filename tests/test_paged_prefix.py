@@ -56,6 +56,7 @@ class Session:
     def __init__(self) -> None:
         self.tokens: tuple[int, ...] = ()
         self.shifted = False
+        self.kv_exact = True
 
 
 PREFIXES = [tuple(range(1000, 1000 + n)) for n in (20, 45, 70)]
@@ -65,6 +66,20 @@ OPERATIONS = st.lists(
               st.integers(0, 3), st.integers(0, 80)),
     min_size=1, max_size=25,
 )
+
+
+async def test_a_session_whose_kv_came_back_inexact_never_shares_its_blocks():
+    pool = BlockPool(8)
+    boundaries = PrefixBoundaries()
+    boundaries.register(PREFIXES[0])
+    cache = PagedPrefixCache(pool, boundaries=boundaries, max_blocks=None, block_bytes=1)
+    slot = PagedSlot(FakePagedModel(pool), pool)  # type: ignore[arg-type]
+    slot.feed(np.array([[*PREFIXES[0], 1]]), past_len=0)
+    session = Session()
+    session.tokens, session.kv_exact = (*PREFIXES[0], 1), False  # e.g. restored through a lossy snapshot
+    assert await cache.capture(session, slot) == 0 and cache.lookup([*PREFIXES[0], 2]) is None
+    session.kv_exact = True
+    assert await cache.capture(session, slot) == len(PREFIXES[0])
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -28,3 +28,28 @@ def test_importing_agentkv_loads_no_openvino():
     code = "import sys, agentkv; print('openvino' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+@pytest.mark.parametrize("name", ["KVPoolExhausted", "KVPoolCorrupt", "KVLogCorrupt", "UnknownStateLayout",
+                                  "ModelCompileFailed", "ToolResultNotText"])
+def test_every_error_lives_in_agentkv_errors_and_is_exported_under_the_root(name):
+    import agentkv.errors
+
+    error = getattr(agentkv, name)
+    assert error is getattr(agentkv.errors, name) and error.__module__ == "agentkv.errors"
+    assert issubclass(error, agentkv.AgentKVError)
+
+
+def test_no_engine_module_defines_an_error_of_its_own_outside_agentkv_errors():
+    import importlib
+    import inspect
+    import pkgutil
+
+    import agentkv.engine
+
+    elsewhere = []
+    for info in pkgutil.walk_packages(agentkv.engine.__path__, "agentkv.engine."):
+        module = importlib.import_module(info.name)
+        elsewhere += [f"{info.name}.{n}" for n, obj in vars(module).items() if inspect.isclass(obj)
+                      and issubclass(obj, Exception) and obj.__module__ == info.name]
+    assert elsewhere == []

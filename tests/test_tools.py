@@ -1,6 +1,10 @@
 """Tests of agentkv.tools: schemas from signatures, execution (errors, timeouts, concurrency), built-ins."""
 
+import contextvars
 import enum
+import json
+import subprocess
+import sys
 import threading
 import time
 from datetime import datetime, timezone
@@ -13,10 +17,10 @@ from hypothesis import strategies as st
 from pydantic import BaseModel, Field, ValidationError
 
 from agentkv.chat.messages import ToolCall
-from agentkv.errors import UserError
+from agentkv.errors import ToolResultNotText, UserError
 from agentkv.tools import Tool, ToolOutcome, clock, run_tool_calls, tool
 from agentkv.tools.docstrings import parse_docstring
-from agentkv.tools.results import truncate_text
+from agentkv.tools.results import serialize_result, truncate_text
 
 
 class Color(enum.Enum):
@@ -299,6 +303,9 @@ def _var_kwargs(**options: int) -> int:  # pragma: no cover - only decorated
         (add.function, {"name": "has space"}, "tool name 'has space' is not allowed"),
         (add.function, {"timeout_s": 0}, "timeout_s must be > 0"),
         (add.function, {"max_result_chars": 0}, "max_result_chars must be >= 1"),
+        (add.function, {"timeout_s": "5"}, "timeout_s must be > 0"),
+        (add.function, {"timeout_s": float("nan")}, "timeout_s must be > 0"),
+        (add.function, {"max_result_chars": 1.5}, "max_result_chars must be >= 1"),
         (add, {}, "is already a Tool"),
     ],
 )
@@ -407,6 +414,62 @@ async def test_a_blocked_sync_tool_times_out_without_waiting_for_its_thread():
         release.set()
     assert time.perf_counter() - started < 1.0
     assert outcome.content == "error: tool 'blocked' timed out after 0.2 s"
+
+
+def test_a_sync_tool_hung_past_its_timeout_does_not_keep_the_process_alive():
+    code = (
+        "import threading, anyio\n"
+        "from agentkv.chat.messages import ToolCall\n"
+        "from agentkv.tools import run_tool_calls, tool\n"
+        "@tool(timeout_s=0.2)\n"
+        "def hung() -> str:\n"
+        "    'Block forever.'\n"
+        "    threading.Event().wait()\n"
+        "[outcome] = anyio.run(run_tool_calls, [hung], [ToolCall(name='hung')])\n"
+        "print(outcome.content)\n"
+    )
+    # NOTE: the tool never returns: before, the interpreter waited for its thread at exit forever
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "error: tool 'hung' timed out after 0.2 s"
+
+
+async def test_sync_tools_run_on_daemon_threads_in_the_callers_context():
+    tag = contextvars.ContextVar("tag", default="unset")
+    tag.set("caller")
+
+    @tool
+    def where() -> dict:
+        """Say which thread runs the tool."""
+        return {"daemon": threading.current_thread().daemon, "tag": tag.get()}
+
+    [outcome] = await run_tool_calls([where], [call("where")])
+    assert json.loads(outcome.content) == {"daemon": True, "tag": "caller"}
+
+
+async def test_a_tool_returning_utf8_bytes_gives_their_text():
+    @tool
+    def data() -> bytes:
+        """Return bytes."""
+        return "café".encode()
+
+    [outcome] = await run_tool_calls([data], [call("data")])
+    assert (outcome.is_error, outcome.content) == (False, "café")
+
+
+async def test_a_result_with_no_text_form_is_reported_as_a_serialisation_failure_not_a_tool_error():
+    @tool
+    def blob() -> dict:
+        """Return raw bytes inside a dict."""
+        return {"png": b"\x89PNG\xff"}
+
+    [outcome] = await run_tool_calls([blob], [call("blob")])
+    assert outcome.is_error
+    assert outcome.content.startswith("error: tool 'blob' ran, but its result could not be turned into text")
+    assert "raised" not in outcome.content and "base64" in outcome.content
+    with pytest.raises(ToolResultNotText) as caught:
+        serialize_result(b"\xff")
+    assert caught.value.type_name == "bytes"
 
 
 async def test_a_timeout_error_raised_by_the_tool_is_not_reported_as_our_timeout():

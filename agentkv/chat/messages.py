@@ -11,7 +11,9 @@ import uuid
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from agentkv.chat.surrogates import replace_lone_surrogates
 
 Role = Literal["system", "user", "assistant", "tool"]
 
@@ -33,6 +35,8 @@ class ToolCall(BaseModel):
     arguments: dict[str, Any] = Field(default_factory=dict)
     """Arguments as parsed JSON (validated later against the tool's schema)."""
 
+    _utf8_only = field_validator("name", "arguments")(replace_lone_surrogates)  # NOTE: UTF-8 can hold the text
+
 
 class Message(BaseModel):
     """One chat message."""
@@ -49,6 +53,8 @@ class Message(BaseModel):
     """For a tool result: the tool's name."""
     token_ids: tuple[int, ...] | None = None
     """For an assistant message: the ids the model generated (rendered verbatim)."""
+
+    _utf8_only = field_validator("content", "name")(replace_lone_surrogates)  # NOTE: UTF-8 can hold the text
 
     @classmethod
     def system(cls, content: str) -> Message:

@@ -15,13 +15,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from agentkv.errors import AgentKVError, UserError
-
-
-class KVPoolExhausted(AgentKVError):
-    """Not enough free KV blocks even after the pool's ``reclaim`` hook ran (the paged engine lets
-    cached prefixes go and offloads idle sessions to host): shorten prompts, close sessions that
-    are running, or give the engine more ``kv_cache_bytes``."""
+from agentkv.errors import KVPoolCorrupt, KVPoolExhausted, UserError
 
 
 class BlockPool:
@@ -82,9 +76,14 @@ class BlockPool:
         return self._refs[block]
 
     def check_integrity(self) -> None:
-        """Raise ``AssertionError`` unless every block is either free (0 holders) or held."""
+        """Raise ``KVPoolCorrupt`` unless every block is either free (0 holders) or held, and on
+        the free list at most once (checked under ``python -O`` too)."""
         with self._lock:
             free = set(self._free)
-            assert len(free) == len(self._free), "a block is on the free list twice"
+            if len(free) != len(self._free):
+                raise KVPoolCorrupt(f"a block is on the free list twice ({len(self._free)} entries, "
+                                    f"{len(free)} blocks); a bug in agentkv: report it")
             for block, refs in enumerate(self._refs):
-                assert (refs == 0) == (block in free), f"block {block}: {refs} holders, free={block in free}"
+                if (refs == 0) != (block in free):
+                    raise KVPoolCorrupt(f"block {block} has {refs} holders but free={block in free}; "
+                                        "a bug in agentkv: report it", block=block)

@@ -3,9 +3,10 @@
 Invariant (DESIGN.md): the slot's KV is exactly the KV of ``tokens`` at positions
 ``0..len-1``. Every method that changes the KV changes ``tokens`` in the same step, and on
 failure leaves both empty rather than out of step. Decode and beam search work through a
-KVLog; a ``KVSession`` adds locking, leases and alignment on top. The backend is a slot
-(today one ``InferRequest`` of the stateful model); every method blocks and the caller holds
-the slot's lease::
+KVLog; a ``KVSession`` adds locking, leases and alignment on top. The KV lives in a slot
+(anything with ``KVSlot``'s methods: a stateful model's InferRequest, ``engine/slot.py``, or a
+paged block table, ``engine/paged_slot.py``); every method blocks and the caller holds the
+slot's lease::
 
     log = KVLog(boundaries=engine.boundaries)
     logits = log.feed(slot, prompt_ids)          # canonical chunks; logits after the last id
@@ -22,11 +23,11 @@ import numpy as np
 
 from agentkv.engine.chunking import PrefixBoundaries, chunk_spans
 from agentkv.engine.rope import RopeConvention, drop_span
-from agentkv.errors import AgentKVError
+from agentkv.errors import KVLogCorrupt
 
 
 class KVSlot(Protocol):
-    """What a KVLog needs of a KV backend (``engine/slot.py``'s ``Slot``)."""
+    """What a KVLog needs of a slot (``engine/slot.py``'s ``Slot``, ``engine/paged_slot.py``'s ``PagedSlot``)."""
 
     def feed(self, input_ids: np.ndarray, past_len: int, beam_idx: np.ndarray | None = None) -> np.ndarray: ...
     def length(self) -> int: ...
@@ -38,7 +39,8 @@ class KVSlot(Protocol):
 
 
 class KVSource(Protocol):
-    """KV a log can be loaded from: a ``KVSnapshot`` (host copy) or a paged ``SharedPrefix``."""
+    """KV a log can be loaded from: a ``KVSnapshot`` (host copy) or ``SharedBlocks`` (paged blocks
+    held by reference: a prefix-cache hit or a fork)."""
 
     @property
     def tokens(self) -> tuple[int, ...]: ...
@@ -50,10 +52,6 @@ class KVSource(Protocol):
     def lossless(self) -> bool: ...
     def write_into(self, slot: KVSlot) -> None: ...
     def release(self) -> None: ...
-
-
-class KVLogCorrupt(AgentKVError):
-    """The slot holds a different number of positions than the log has tokens (a bug: report it)."""
 
 
 class KVLog:
@@ -110,9 +108,9 @@ class KVLog:
         self.last_logits = None
 
     def load(self, slot: KVSlot, source: KVSource, *, exact: bool) -> None:
-        """Replace KV and log by ``source``'s — a ``KVSnapshot`` (copied in) or a paged
-        ``SharedPrefix`` (its blocks pointed at) — (``exact``: the KV is the very values it was
-        read as). On failure the slot and the log are empty: never partial KV."""
+        """Replace KV and log by ``source``'s — a ``KVSnapshot`` (copied in) or ``SharedBlocks``
+        (its blocks pointed at) — (``exact``: the KV is the very values it was read as). On
+        failure the slot and the log are empty: never partial KV."""
         try:
             source.write_into(slot)
         except BaseException:

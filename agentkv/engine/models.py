@@ -84,19 +84,23 @@ def _read_gguf_metadata(path: Path) -> dict[str, Any]:
     return meta
 
 
+def _cache_root_path() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or platformdirs.user_cache_dir("agentkv"))
+
+
 def cache_root() -> Path:
-    """The user cache dir for converted models and compiled blobs (``$AGENTKV_CACHE_DIR`` wins)."""
-    root = os.environ.get(CACHE_ENV) or platformdirs.user_cache_dir("agentkv")
-    path = Path(root)
+    """The user cache dir for converted models and compiled blobs (``$AGENTKV_CACHE_DIR`` wins),
+    created if missing."""
+    path = _cache_root_path()
     path.mkdir(parents=True, exist_ok=True)
     return path
 
 
 def compiled_cache_dir() -> Path:
-    """Directory passed to OpenVINO as ``CACHE_DIR`` so a second start skips compilation."""
-    path = cache_root() / "compiled"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    """Directory passed to OpenVINO as ``CACHE_DIR`` so a second start skips compilation. Not
+    created here: ``compile_for_device`` creates it, or compiles without it (and warns) when it
+    cannot be written."""
+    return _cache_root_path() / "compiled"
 
 
 def default_gguf_path() -> Path:

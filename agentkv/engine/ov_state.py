@@ -19,13 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 import openvino as ov
 
-from agentkv.errors import AgentKVError
+from agentkv.errors import UnknownStateLayout
 
 _STATE_NAME = re.compile(r"past_key_values\.(\d+)\.(key|value)")
-
-
-class UnknownStateLayout(AgentKVError):
-    """The model's variable states do not follow the ``past_key_values.N.key|value`` naming."""
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ import anyio
 import anyio.from_thread
 
 from agentkv.engine.block_pool import BlockPool
-from agentkv.engine.kv_log import KVLog, KVLogCorrupt, KVSlot, KVSource
+from agentkv.engine.kv_log import KVLog, KVSlot, KVSource
 from agentkv.engine.paged_model import BLOCK_SIZE, PagedModel
 from agentkv.engine.paged_prefix import PagedPrefixCache
 from agentkv.engine.paged_slot import PagedSlot, blocks_for, read_raw_blocks, read_table
@@ -41,7 +41,7 @@ from agentkv.engine.shared_blocks import SharedBlocks
 from agentkv.engine.snapshot import RAW_BLOCKS, KVSnapshot, PrecisionChoice
 from agentkv.engine.stateful import Backend, StatefulEngine
 from agentkv.engine.step_batcher import DEFAULT_MAX_TOKENS, StepBatcher
-from agentkv.errors import UserError
+from agentkv.errors import KVLogCorrupt, UserError
 
 DEFAULT_KV_CACHE_BYTES = 512 << 20
 """KV block storage of a ``PagedEngine`` (f16, default model: ~23,000 tokens)."""

@@ -57,7 +57,7 @@ class PagedPrefixCache:
     async def capture(self, session: CapturableSession, slot: KVSlot, *, salt: str = "") -> int:
         """Share the blocks of every registered prefix ``session`` now holds and the cache lacks
         (the caller holds the session's lease on ``slot``). Returns the tokens newly cached."""
-        if session.shifted or not isinstance(slot, PagedSlot):
+        if session.shifted or not session.kv_exact or not isinstance(slot, PagedSlot):
             return 0
         tokens = session.tokens
         added = 0

@@ -83,6 +83,9 @@ class CapturableSession(Protocol):
     @property
     def shifted(self) -> bool: ...
 
+    @property
+    def kv_exact(self) -> bool: ...
+
 
 class ReadableSlot(Protocol):
     """What ``capture`` reads from a slot (blocking)."""
@@ -190,7 +193,7 @@ class PrefixCache:
         The caller holds the session's lock and slot lease. Reads the slot in a worker thread
         only when something is missing. Returns the tokens newly stored.
         """
-        if session.shifted:  # its KV is close to, not equal to, a fresh prefill: never share it
+        if session.shifted or not session.kv_exact:  # close to, not equal to, a fresh prefill: never share it
             return 0
         wanted = self._uncached_marks(session.tokens, salt)
         if not wanted:
@@ -372,18 +375,20 @@ class PrefixCache:
 
 
 def _slice(chunk: KVSnapshot, start: int, stop: int) -> KVSnapshot:
-    """Tokens ``start:stop`` of ``chunk`` as a snapshot owning its arrays (frees the rest)."""
+    """Tokens ``start:stop`` of ``chunk`` as a snapshot owning its arrays (frees the rest); it
+    keeps ``chunk``'s ``shifted`` and ``lossless`` flags."""
     params = {name: None if getattr(chunk, name) is None else getattr(chunk, name)[:, :, :, start:stop].copy()
               for name in _QUANT_PARAMS}
     return KVSnapshot(
         tokens=chunk.tokens[start:stop], keys=chunk.keys[:, :, :, start:stop].copy(),
         values=chunk.values[:, :, :, start:stop].copy(), precision=chunk.precision,
-        fingerprint=chunk.fingerprint, **params,
+        fingerprint=chunk.fingerprint, shifted=chunk.shifted, lossless=chunk.lossless, **params,
     )
 
 
 def _join(chunks: list[KVSnapshot]) -> KVSnapshot:
-    """Consecutive chunks as one snapshot (the single chunk itself when there is one)."""
+    """Consecutive chunks as one snapshot (the single chunk itself when there is one): shifted
+    if any chunk is, lossless only if every chunk is."""
     if len(chunks) == 1:
         return chunks[0]
     first = chunks[0]
@@ -393,5 +398,6 @@ def _join(chunks: list[KVSnapshot]) -> KVSnapshot:
         tokens=tuple(t for c in chunks for t in c.tokens),
         keys=np.concatenate([c.keys for c in chunks], axis=3),
         values=np.concatenate([c.values for c in chunks], axis=3),
-        precision=first.precision, fingerprint=first.fingerprint, **params,
+        precision=first.precision, fingerprint=first.fingerprint,
+        shifted=any(c.shifted for c in chunks), lossless=all(c.lossless for c in chunks), **params,
     )

@@ -32,12 +32,13 @@ from agentkv.engine.base import (
     common_prefix_len,
 )
 from agentkv.engine.decode import DecodeEngine, DecodeLoop, step_counts, with_steps
-from agentkv.engine.kv_log import KVLog, KVLogCorrupt, KVSlot, KVSource
+from agentkv.engine.kv_log import KVLog, KVSlot, KVSource
 from agentkv.engine.rope import RopeConvention
 from agentkv.engine.session_common import SessionCommon
 from agentkv.engine.slot_pool import HeldKV, SlotPool
 from agentkv.engine.snapshot import KVSnapshot
 from agentkv.errors import (
+    KVLogCorrupt,
     KVShiftUnsupported,
     SnapshotIncompatible,
     UserError,

@@ -29,7 +29,7 @@ from typing import Literal, Protocol
 import anyio
 
 from agentkv.engine.kv_log import KVSlot, KVSource
-from agentkv.engine.snapshot import KVSnapshot
+from agentkv.engine.snapshot import SUFFIX, KVSnapshot
 from agentkv.errors import SnapshotCorrupt, SnapshotIncompatible, UserError
 
 
@@ -257,7 +257,7 @@ class HostKVStore:
         """Write ``snapshot`` to a new file in ``spill_dir``; None (drop) without one or on failure."""
         if self.spill_dir is None:
             return None
-        path = self.spill_dir / f"{uuid.uuid4().hex}.kvsnap"
+        path = self.spill_dir / f"{uuid.uuid4().hex}{SUFFIX}"
         try:
             snapshot.to_file(path)
         except OSError:

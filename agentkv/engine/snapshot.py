@@ -53,10 +53,12 @@ from agentkv.engine.kv_precision import (
 from agentkv.engine.u8_blocks import BlockLayout
 from agentkv.errors import SnapshotCorrupt, SnapshotIncompatible, UserError
 
-__all__ = ["FORMAT_VERSION", "KVSnapshot", "Precision", "PrecisionChoice", "dequantize_u8", "from_bf16_bits",
+__all__ = ["FORMAT_VERSION", "SUFFIX", "KVSnapshot", "Precision", "PrecisionChoice", "dequantize_u8", "from_bf16_bits",
            "holds_exactly", "lossless_precision", "quantize_u8", "to_bf16_bits", "tokens_digest"]
 
 MAGIC = b"AGKVSNAP"
+SUFFIX = ".agkv"
+"""The file suffix of every KV snapshot file (the store's, and the engine's spill files)."""
 FORMAT_VERSION = 2
 """The newest file format this code reads. Files are written as 1 unless they hold raw u8 paged
 blocks (2), so an older agentkv says "upgrade" for those and still reads the rest."""

@@ -36,8 +36,8 @@ def low_water_tokens(limit: int, ratio: float) -> int:
 
 
 def check_low_water(ratio: float) -> float:
-    """``ratio`` if it is in (0, 1]; ``UserError`` otherwise."""
-    if not 0.0 < ratio <= 1.0:
+    """``ratio`` if it is a number in (0, 1]; ``UserError`` otherwise (NaN, a string, a bool)."""
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 < ratio <= 1.0:
         raise UserError(f"low_water must be a fraction of the budget in (0, 1], got {ratio}")
     return ratio
 

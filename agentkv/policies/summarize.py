@@ -56,8 +56,11 @@ class SummarizeAndReprefill(WindowPolicy):
         role: Literal["system", "user"] = "system",
     ) -> None:
         super().__init__(low_water=low_water)
-        if max_summary_tokens < 1 or chunk_tokens < 1 or max_attempts < 1:
-            raise UserError("max_summary_tokens, chunk_tokens and max_attempts must all be >= 1")
+        counts = {"max_summary_tokens": max_summary_tokens, "chunk_tokens": chunk_tokens, "max_attempts": max_attempts}
+        for name, value in counts.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UserError(f"{name} must be a whole number >= 1, got {value!r} "
+                                "(max_summary_tokens, chunk_tokens and max_attempts all are)")
         if role not in ("system", "user"):
             raise UserError(f"the summary's role must be 'system' or 'user', got {role!r}")
         self.max_summary_tokens = max_summary_tokens

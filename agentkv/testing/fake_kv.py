@@ -23,8 +23,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from agentkv.engine.kv_log import KVLogCorrupt
-from agentkv.errors import SnapshotIncompatible, UserError
+from agentkv.errors import KVLogCorrupt, SnapshotIncompatible, UserError
 
 HEAD_DIM = 2
 """Dimensions of a fake key or value: one rotated pair."""

@@ -29,13 +29,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, overload
 
-import anyio.to_thread
 from pydantic import BaseModel
 
 from agentkv.errors import UserError
 from agentkv.tools.external import external_schema
 from agentkv.tools.results import serialize_result, truncate_text
 from agentkv.tools.schema import FunctionSchema, function_schema
+from agentkv.tools.threads import run_on_daemon_thread
 
 DEFAULT_MAX_RESULT_CHARS = 8_000
 """Results longer than this many characters are cut (with a marker) unless a tool says otherwise."""
@@ -59,9 +59,12 @@ class Tool:
     with ``finish_reason="approval_required"``."""
 
     def __post_init__(self) -> None:
-        if self.timeout_s is not None and not self.timeout_s > 0:
-            raise UserError(f"tool {self.name!r}: timeout_s must be > 0 or None, got {self.timeout_s!r}")
-        if self.max_result_chars is not None and self.max_result_chars < 1:
+        timeout = self.timeout_s
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not timeout > 0):
+            raise UserError(f"tool {self.name!r}: timeout_s must be > 0 (a number of seconds) or None, got {timeout!r}")
+        cap = self.max_result_chars
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
             raise UserError(
                 f"tool {self.name!r}: max_result_chars must be >= 1 or None, got {self.max_result_chars!r}"
             )
@@ -94,7 +97,7 @@ class Tool:
 
     @property
     def is_async(self) -> bool:
-        """True for ``async def`` tools; sync tools run in a worker thread."""
+        """True for ``async def`` tools; sync tools run on a daemon thread."""
         return self.function is not None and _is_async_callable(self.function)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -125,8 +128,9 @@ class Tool:
     async def call_validated(self, validated: BaseModel) -> str:
         """Run the function on validated arguments and return its result as capped text.
 
-        Sync functions run in a worker thread. No timeout here: ``run_tool_calls`` applies it.
-        Whatever the function raises propagates.
+        Sync functions run on a daemon thread (one that hangs past its timeout never delays the
+        process's exit). No timeout here: ``run_tool_calls`` applies it. Whatever the function
+        raises propagates; a result that cannot become text raises ``ToolResultNotText``.
         """
         function = self._function()
         args, kwargs = self.spec.call_arguments(validated)
@@ -134,7 +138,7 @@ class Tool:
             result = await function(*args, **kwargs)
         else:
             call = functools.partial(function, *args, **kwargs)
-            result = await anyio.to_thread.run_sync(call, abandon_on_cancel=True)
+            result = await run_on_daemon_thread(call, name=f"agentkv-tool-{self.name}")
             if inspect.isawaitable(result):
                 result = await result
         return truncate_text(serialize_result(result), self.max_result_chars)

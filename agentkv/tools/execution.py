@@ -6,8 +6,9 @@
     history += [outcome.to_message() for outcome in outcomes]
 
 A failure the model can act on (unknown tool, invalid arguments, the tool raised, the tool timed
-out) is an outcome with ``is_error=True`` whose text says what went wrong; nothing is raised. The
-caller's cancellation is not a failure: it propagates.
+out, its result has no text form) is an outcome with ``is_error=True`` whose text says what went
+wrong; nothing is raised. The caller's cancellation is not a failure: it propagates. A sync tool
+that times out is abandoned on its daemon thread (``tools/threads.py``): it never delays exit.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import anyio
 from pydantic import ValidationError
 
 from agentkv.chat.messages import Message, ToolCall
-from agentkv.errors import UserError
+from agentkv.errors import ToolResultNotText, UserError
 from agentkv.tools.decorator import DEFAULT_MAX_RESULT_CHARS, Tool
 from agentkv.tools.results import truncate_text
 from agentkv.validation_text import describe_problems
@@ -103,6 +104,10 @@ async def _run_one(registry: dict[str, Tool], call: ToolCall, default_timeout_s:
     with anyio.move_on_after(timeout_s) as deadline:
         try:
             content = await tool.call_validated(validated)
+        except ToolResultNotText as error:  # the tool ran; its result could not be sent
+            logger.warning("tool %r returned a result with no text form: %s", tool.name, error)
+            return outcome(f"error: tool {tool.name!r} ran, but its result could not be turned into text: {error}",
+                           True, tool.max_result_chars)
         except Exception as error:  # a tool failure is a result for the model, not our crash
             logger.info("tool %r raised %s", tool.name, type(error).__name__, exc_info=error)
             return outcome(_exception_text(tool.name, error), True, tool.max_result_chars)

@@ -38,7 +38,9 @@ class FunctionSpec(BaseModel):
     description: str = ""
     parameters: dict[str, Any] = EMPTY_PARAMETERS
     strict: bool | None = None
-    """Accepted for compatibility; calls are always decoded under the schema's grammar."""
+    """Accepted for compatibility; calls are always decoded under the schema's grammar, as strict
+    mode would: objects take only their declared keys unless the schema allows more, and strings,
+    arrays and maps are bounded (``agentkv.chat.grammar_schema``)."""
 
     @field_validator("name")
     @classmethod
