@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Union
 
 from agentkv.chat.messages import ToolCall
-from agentkv.engine.base import GenerationMetrics
+from agentkv.engine.base import GenerationMetrics, TokenLogprob
 
 if TYPE_CHECKING:
     from agentkv.cache_breaks import CacheBreak
@@ -26,6 +26,8 @@ class TextDelta:
     """Assistant text as it is generated (tool-call markup is not streamed)."""
 
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+    """With ``GenerationConfig.logprobs``: the tokens behind ``text`` (those of hidden text left out)."""
     type: Literal["text_delta"] = "text_delta"
 
 

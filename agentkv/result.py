@@ -15,7 +15,8 @@ FinishReason = Literal["stop", "length", "tool_calls", "tool_call_cut", "tool_ca
                        "max_turns", "approval_required"]
 """Why a run ended: "stop" (the model finished its answer), "length" (the answer was cut by
 ``max_new_tokens``), "tool_call_cut" (a tool call was still cut by the token limit after one
-retry with room for it), "tool_call_invalid" (the model wrote tool-call markup that does not
+retry with room for it; the complete calls before it are not run either: the model call is
+reported whole, never partly), "tool_call_invalid" (the model wrote tool-call markup that does not
 parse), "max_turns" (``MaxTurnsExceeded.result``), "approval_required" (calls wait for a
 person's decision: ``RunResult.pending_approvals``)."""
 

@@ -11,8 +11,12 @@ The user message is recorded (committed) before the first model call; each assis
 and tool result as it happens. Cancellation leaves the KV session consistent (the engine
 guarantees it per step) and the recorded messages intact. A user message that cannot fit the
 window is refused before it is recorded, or (when only the policy could tell) taken out of the
-window again, so it never blocks later turns. A tool call cut by the token limit is retried once
-with room for it; tool-call markup never reaches ``RunResult.final_text``.
+window again, so it never blocks later turns. A tool call cut by the token limit (a parallel one
+after complete calls too) is retried once with room for it; tool-call markup, a cut opening tag
+included, never reaches ``RunResult.final_text``, the recorded messages or the streamed text.
+Identical calls (same name and arguments) in one model call run once: the parser drops the
+repeats; the assistant message keeps the generated tokens verbatim (the KV is what the model
+wrote) and lists each distinct call once, each with one result.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from agentkv.approvals import Decisions, awaiting_approval, checked_decisions, n
 from agentkv.cache_breaks import CacheBreak
 from agentkv.call_watch import after_call, cache_break_before, describe_call
 from agentkv.chat.messages import Message, ToolCall, pending_tool_calls
-from agentkv.chat.stream_filter import MarkupFilter
+from agentkv.chat.stream_filter import MarkupFilter, VisibleTokens
 from agentkv.chat.toolcalls import TOOL_CALL_OPEN, answer_grammar, parse_tool_calls, tool_call_grammar
 from agentkv.conversation import Conversation, WindowEntry
 from agentkv.engine.base import (
@@ -329,7 +333,7 @@ async def _generate(state: _RunState, step: int, *, max_new_tokens: int | None =
     config = _step_config(state, len(prompt.token_ids))
     if max_new_tokens is not None:
         config = config.model_copy(update={"max_new_tokens": max_new_tokens})
-    hide = MarkupFilter(TOOL_CALL_OPEN) if agent.tools and agent.tool_choice != "none" else None
+    visible = VisibleTokens(MarkupFilter(TOOL_CALL_OPEN) if agent.tools and agent.tool_choice != "none" else None)
     found = cache_break_before(session, agent, prompt)
     state.breaks.append(found)
     if found is not None:
@@ -337,13 +341,14 @@ async def _generate(state: _RunState, step: int, *, max_new_tokens: int | None =
     with tracing.span("agentkv.model_call", session.trace_span, session_id=session.id, step=step) as call_span:
         async with session.kv.stream(prompt.token_ids, config, _constraint(state, step)) as stream:
             async for delta in stream:
-                text = hide.feed(delta.text) if hide else delta.text
+                text, logprobs = visible.feed(delta)
                 if text:
-                    yield TextDelta(text)
+                    yield TextDelta(text, logprobs)
         assert stream.result is not None
         describe_call(call_span, stream.result.metrics, found)
-    if hide is not None and (tail := hide.flush()):
-        yield TextDelta(tail)
+    tail, logprobs = visible.flush()
+    if tail:
+        yield TextDelta(tail, logprobs)
     checked = await after_call(session, prompt, step, stream.result.metrics, found)
     if checked is not None:
         state.checks.append(checked)
@@ -406,6 +411,8 @@ def _read_reply(agent: Agent, result: GenerationResult) -> _Reply:
     if not agent.tools or agent.tool_choice == "none":
         return _Reply("length" if cut else "stop", result.text)
     parsed = parse_tool_calls(result.text)
+    if parsed.truncated:  # NOTE: with calls before it too: the cut call is retried, never dropped
+        return _Reply("tool_call_cut" if cut else "tool_call_invalid", parsed.content)
     if parsed.tool_calls:
         return _Reply("tool_calls", parsed.content, parsed.tool_calls)
     if parsed.errors:
@@ -418,6 +425,8 @@ async def _record_assistant(state: _RunState, result: GenerationResult, reply: _
     whose markup is dropped (only the text around it stays in the history)."""
     broken = reply.finish in ("tool_call_cut", "tool_call_invalid")
     token_ids = None if broken else result.token_ids
+    if broken:  # NOTE: the discarded markup leaves the KV too, so the KV stays a prefix of the history
+        await state.session.kv.trim(result.metrics.prompt_tokens)
     message = Message.assistant(reply.content, tool_calls=reply.calls, token_ids=token_ids)
     await _record(state, message)
     state.tool_calls.extend(reply.calls)

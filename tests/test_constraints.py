@@ -189,10 +189,11 @@ def test_refs_to_defs_in_a_tool_schema_are_followed(factory, tokenizer):
 
 
 @settings(max_examples=30, deadline=None)
-@given(st.text(alphabet="abc ,.!?0123456789\n", min_size=1, max_size=40))
+@given(st.text(alphabet="abc ,.?0123456789\n", min_size=1, max_size=40))
 def test_eos_is_allowed_exactly_when_the_grammar_accepts(factory, tokenizer, text):
-    constraint = factory('start: "A" /[a-c ,.!?0-9\\n]*/ "!"')
-    walk(constraint, tokenizer.encode("A" + text))
+    constraint = factory('start: "A" /[a-c ,.?0-9\\n]*/ "!"')
+    assert walk(constraint, tokenizer.encode("A" + text + "!"))  # every step checks EOS ⇔ accepting
+    assert constraint.allowed_mask()[EOS] and constraint.is_accepting()
 
 
 def test_a_disallowed_token_raises_constraint_error_and_names_the_token(factory, tokenizer):

@@ -120,7 +120,9 @@ async def test_a_long_prefill_runs_in_chunks_and_a_decoding_session_steps_betwee
         [{"role": "user", "content": long_text}], add_generation_prompt=True))
     assert len(long_ids) > 1100
     decoder, reader = await engine.open_session(), await engine.open_session()
-    before = len(engine.batcher.recent_steps())
+    # the record keeps the last RECENT_STEPS steps only: note which ones came before by identity
+    earlier = engine.batcher.recent_steps()  # kept alive, so no new record can reuse an id
+    before = {id(s) for s in earlier}
     first_token = anyio.Event()
     results: dict = {}
 
@@ -137,7 +139,7 @@ async def test_a_long_prefill_runs_in_chunks_and_a_decoding_session_steps_betwee
     async with anyio.create_task_group() as tg:
         tg.start_soon(decode)
         tg.start_soon(read)
-    steps = engine.batcher.recent_steps()[before:]
+    steps = [s for s in engine.batcher.recent_steps() if id(s) not in before]
     reader_metrics = results["reader"]
     fed = reader_metrics.prefilled_tokens  # a registered prefix may come from the prefix cache
     assert fed + reader_metrics.prefix_cache_tokens == len(long_ids) and fed > 1024

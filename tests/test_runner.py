@@ -269,3 +269,59 @@ async def test_the_deprecated_runner_still_runs_but_says_to_use_the_runtime():
         assert (await Runner.run(agent, session, "hello")).final_text == "hi"
     with pytest.warns(DeprecationWarning, match="Runtime.run"):
         assert [e.type async for e in Runner.run_stream(agent, session, "again")][-1] == "run_finished"
+
+
+def cut_after_first_block(engine: ScriptedEngine, reply: str) -> int:
+    """max_new_tokens that cut ``reply`` (two blocks) just after the "\\n<" that opens the second."""
+    ids = engine.tokenizer.encode(reply)
+    return next(n for n in range(1, len(ids)) if engine.tokenizer.decode(ids[:n]).endswith(">\n<"))
+
+
+async def test_a_parallel_call_cut_after_a_complete_one_is_retried_and_both_run_without_markup_in_text():
+    reply = call("add", a=1, b=2) + "\n" + call("add", a=3, b=4)
+    engine = ScriptedEngine([reply, reply, "3 and 7."])
+    agent = Agent(name="math", tools=[add], tool_choice="required",
+                  generation={"max_new_tokens": cut_after_first_block(engine, reply)})
+    runtime, session = await open_session(engine, agent)
+    events = [event async for event in runtime.run_stream(session, "1+2 and 3+4?")]
+    result = events[-1].result
+    assert engine.calls[1].config.max_new_tokens > engine.calls[0].config.max_new_tokens  # the retry
+    assert [c.arguments for c in result.tool_calls] == [{"a": 1, "b": 2}, {"a": 3, "b": 4}]
+    assert [m.content for m in session.messages if m.role == "tool"] == ["3", "7"]
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "3 and 7."
+    assert all("<" not in m.content for m in session.messages if m.role == "assistant")
+    engine.assert_complete()
+
+
+async def test_a_parallel_call_still_cut_after_the_retry_is_reported_as_cut_and_no_markup_is_text():
+    reply = call("add", a=1, b=2) + "\n" + call("explode", reason="x" * 3000)
+    engine = ScriptedEngine([reply, reply])
+    agent = Agent(name="math", tools=[add, explode], generation={"max_new_tokens": cut_after_first_block(engine, reply)},
+                  max_prompt_len=900, min_response_len=32)
+    runtime, session = await open_session(engine, agent)
+    events = [event async for event in runtime.run_stream(session, "1+2?")]
+    result = events[-1].result
+    assert result.finish_reason == "tool_call_cut" and result.final_text == ""
+    assert not any(isinstance(e, TextDelta) and "<" in e.text for e in events)
+    assert session.messages[-1].role == "assistant" and "<" not in session.messages[-1].content
+    engine.assert_complete()
+
+
+async def test_identical_calls_in_one_model_call_run_once():
+    ran: list[int] = []
+
+    @tool
+    def double(n: int) -> int:
+        """Double a number."""
+        ran.append(n)
+        return 2 * n
+
+    same = call("double", n=4)
+    engine = ScriptedEngine(["\n".join([same, same, call("double", n=5), same]), "8 and 10."])
+    agent = Agent(name="math", tools=[double])
+    runtime, session = await open_session(engine, agent)
+    result = await runtime.run(session, "Double 4 and 5.")
+    assert sorted(ran) == [4, 5] and [c.arguments for c in result.tool_calls] == [{"n": 4}, {"n": 5}]
+    assert [m.content for m in session.messages if m.role == "tool"] == ["8", "10"]
+    assert result.final_text == "8 and 10."
+    engine.assert_complete()

@@ -15,6 +15,7 @@ from agentkv.engine.sampling import (
     log_softmax,
     make_rng,
     sample_next,
+    token_logprobs,
 )
 from agentkv.errors import ConstraintError, UserError
 
@@ -269,3 +270,49 @@ def test_streamed_output_equals_cutting_the_whole_text(
     expected = text[: hits[0][1]] if hits else text
     assert emitted == expected
     assert stopped == bool(hits)
+
+
+# ---- token_logprobs ---------------------------------------------------------------------------
+
+
+def reference_log_softmax(logits: np.ndarray) -> np.ndarray:
+    """log p = x - log(sum(exp(x))) in float64: an independent reference."""
+    x = logits.astype(np.float64)
+    return x - (x.max() + np.log(np.exp(x - x.max()).sum()))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_token_logprobs_are_the_raw_logits_log_softmax_and_the_top_k_sorted_most_likely_first(seed):
+    logits = random_logits(seed)
+    reference = reference_log_softmax(logits)
+    sampled = sample_next(logits, GenerationConfig(temperature=0.8, top_p=0.9), make_rng(seed))
+    logprob, top_ids, top_values = token_logprobs(logits, sampled, 5)
+    assert logprob == pytest.approx(reference[sampled], abs=1e-5)
+    np.testing.assert_allclose(top_values, reference[top_ids], atol=1e-5)
+    np.testing.assert_array_equal(top_ids, np.argsort(-reference, kind="stable")[:5])
+    assert np.all(np.diff(top_values) <= 0) and np.exp(top_values).sum() <= 1.0
+
+
+def test_the_greedy_token_is_the_first_alternative_and_zero_alternatives_give_none():
+    logits = random_logits(3)
+    greedy = sample_next(logits, GenerationConfig(), make_rng(0))
+    logprob, top_ids, top_values = token_logprobs(logits, greedy, 3)
+    assert top_ids[0] == greedy and top_values[0] == logprob
+    _, no_ids, no_values = token_logprobs(logits, greedy, 0)
+    assert no_ids.size == 0 and no_values.size == 0
+    all_ids = token_logprobs(logits[:4], 0, 20)[1]
+    assert sorted(all_ids.tolist()) == [0, 1, 2, 3]  # top beyond the vocabulary: every token once
+
+
+def test_token_logprobs_does_not_modify_the_logits():
+    logits = random_logits(4)
+    before = logits.copy()
+    token_logprobs(logits, 1, 20)
+    np.testing.assert_array_equal(logits, before)
+
+
+def test_logprobs_are_refused_with_beam_search_and_past_twenty_alternatives():
+    with pytest.raises(ValueError, match="num_beams=1"):
+        GenerationConfig(num_beams=2, logprobs=1)
+    with pytest.raises(ValueError, match="less than or equal to 20"):
+        GenerationConfig(logprobs=21)

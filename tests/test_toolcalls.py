@@ -9,14 +9,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentkv.chat.messages import ToolCall
+from agentkv.chat.stream_filter import MarkupFilter
 from agentkv.chat.toolcalls import (
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
-    bounded_schema,
     format_tool_calls,
     parse_tool_calls,
+    partial_open_tag,
     tool_call_grammar,
 )
+from agentkv.chat.grammar_schema import MAX_KEY_LENGTH, bounded_schema
 from agentkv.engine.constraints import ConstraintFactory
 from agentkv.engine.models import resolve_model
 from agentkv.tools import calculator, clock
@@ -59,8 +61,13 @@ tool_calls = st.builds(
 @given(st.lists(tool_calls, max_size=3), st.text(st.characters(blacklist_characters="<"), max_size=30))
 def test_parse_of_formatted_calls_gives_back_their_names_and_arguments(calls, prose):
     parsed = parse_tool_calls(prose + "\n" + format_tool_calls(calls))
-    assert [(c.name, c.arguments) for c in parsed.tool_calls] == [(c.name, c.arguments) for c in calls]
-    assert parsed.errors == ()
+    def key(call: ToolCall) -> str:
+        return json.dumps([call.name, call.arguments], sort_keys=True)
+
+    distinct = [(c.name, c.arguments) for i, c in enumerate(calls)
+                if all(key(c) != key(e) for e in calls[:i])]
+    assert [(c.name, c.arguments) for c in parsed.tool_calls] == distinct  # repeats dropped
+    assert parsed.repeats == len(calls) - len(distinct) and parsed.errors == ()
     assert parsed.content == prose.strip()
 
 
@@ -129,8 +136,8 @@ def test_missing_close_tag_at_the_end_of_text_is_tolerated():
 
 
 def test_missing_close_tag_before_the_next_open_tag_ends_the_block_there():
-    block = '{"name": "clock", "arguments": {}}'
-    parsed = parse_tool_calls(f"<tool_call>{block}\n<tool_call>{block}</tool_call>")
+    block, other = '{"name": "clock", "arguments": {}}', '{"name": "clock", "arguments": {"timezone": "UTC"}}'
+    parsed = parse_tool_calls(f"<tool_call>{block}\n<tool_call>{other}</tool_call>")
     assert len(parsed.tool_calls) == 2 and parsed.errors == ()
 
 
@@ -149,6 +156,80 @@ def test_text_after_the_json_inside_a_block_is_an_error():
 def test_truncated_block_at_the_end_of_text_is_an_error():
     parsed = parse_tool_calls('<tool_call>\n{"name": "calculator", "arguments": {"expression": "2')
     assert parsed.tool_calls == () and len(parsed.errors) == 1
+
+
+BLOCK_F = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("cut", ["<", "<tool", "<tool_call"])
+def test_an_opening_tag_cut_after_a_complete_call_is_a_truncated_call_not_content(cut):
+    parsed = parse_tool_calls(f"{BLOCK_F}\n{cut}")
+    assert parsed.content == "" and parsed.truncated
+    assert [c.arguments for c in parsed.tool_calls] == [{"a": 1}] and "cut off" in parsed.errors[0]
+
+
+@pytest.mark.parametrize("text", ["<", "<tool_c", "Let me check.\n<tool", "Sure.\n  <"])
+def test_an_opening_tag_cut_at_a_line_start_never_reaches_the_content(text):
+    parsed = parse_tool_calls(text)
+    assert parsed.truncated and "<" not in parsed.content
+
+
+@pytest.mark.parametrize("text", ["if x <", "a <t", "3 < 4"])
+def test_a_less_than_sign_inside_a_line_of_prose_stays_content(text):
+    parsed = parse_tool_calls(text)
+    assert parsed.content == text and not parsed.truncated and parsed.errors == ()
+    assert partial_open_tag(text) == 0
+
+
+def test_a_block_cut_in_its_json_after_a_complete_call_is_truncated():
+    parsed = parse_tool_calls(BLOCK_F + '\n<tool_call>\n{"name": "f", "argu')
+    assert parsed.truncated and len(parsed.tool_calls) == 1 and parsed.content == ""
+
+
+def test_a_closed_malformed_block_is_invalid_not_truncated():
+    parsed = parse_tool_calls('<tool_call>\n{"name": 1}\n</tool_call>')
+    assert not parsed.truncated and len(parsed.errors) == 1
+
+
+def test_identical_calls_in_one_output_are_kept_once_in_order():
+    calls = [ToolCall(name="f", arguments={"a": 1, "b": 2}), ToolCall(name="f", arguments={"a": 1, "b": 2}),
+             ToolCall(name="g", arguments={"a": 1, "b": 2}), ToolCall(name="f", arguments={"b": 2, "a": 1}),
+             ToolCall(name="f", arguments={"a": 2, "b": 2})]
+    parsed = parse_tool_calls(format_tool_calls(calls))
+    assert [(c.name, c.arguments) for c in parsed.tool_calls] == [
+        ("f", {"a": 1, "b": 2}), ("g", {"a": 1, "b": 2}), ("f", {"a": 2, "b": 2})]
+    assert parsed.repeats == 2 and parsed.errors == () and not parsed.truncated
+
+
+def test_bounded_schema_closes_objects_with_declared_properties_at_every_depth():
+    schema = {"type": "object", "properties": {
+        "start": {"type": "string"},
+        "options": {"type": "object", "properties": {"unit": {"enum": ["km", "mi"]}}},
+        "stops": {"type": "array", "items": {"properties": {"city": {"type": "string"}}}},
+        "open": {"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": True},
+    }}
+    bounded = bounded_schema(schema)
+    props = bounded["properties"]
+    assert bounded["additionalProperties"] is False
+    assert props["options"]["additionalProperties"] is False
+    assert props["stops"]["items"]["additionalProperties"] is False
+    assert props["open"]["additionalProperties"] != True  # noqa: E712 (allowed by the schema, but bounded)
+    assert props["open"]["additionalProperties"]["anyOf"][0]["maxLength"] == 200
+
+
+def test_bounded_schema_bounds_the_keys_and_values_of_free_form_maps():
+    bounded = bounded_schema({"type": "object", "properties": {
+        "tags": {"type": "object", "additionalProperties": {"type": "string"}},
+        "meta": {"type": "object"},
+        "anything": {"description": "any value"},
+    }}, max_items=5)
+    tags, meta = bounded["properties"]["tags"], bounded["properties"]["meta"]
+    for free in (tags, meta):
+        assert free["additionalProperties"] is False and free["maxProperties"] == 5
+        [(pattern, value)] = free["patternProperties"].items()
+        assert pattern == f"^.{{1,{MAX_KEY_LENGTH}}}$"
+    assert tags["patternProperties"][f"^.{{1,{MAX_KEY_LENGTH}}}$"] == {"type": "string", "maxLength": 200}
+    assert {"type": "string", "maxLength": 200} in bounded["properties"]["anything"]["anyOf"]
 
 
 def test_bounded_schema_bounds_every_string_and_array_and_keeps_existing_bounds():
@@ -215,3 +296,24 @@ def test_named_tool_choice_offers_only_that_tool():
 def test_grammar_refuses_what_it_cannot_express(tools, tool_choice, message):
     with pytest.raises(ValueError, match=message):
         tool_call_grammar(tools, tool_choice)
+
+
+@pytest.mark.parametrize(("chunks", "shown"), [
+    (["Sure.\n<to"], "Sure.\n"),           # a tag cut at a line start: held back, then dropped
+    (["<"], ""),
+    (["a", "\n", "<tool_c"], "a\n"),
+    (["if x <"], "if x <"),               # a "<" inside prose is shown at the end
+    (["Sure. <tool", "_call>\n{}"], "Sure. "),
+])
+def test_the_stream_filter_never_shows_markup_nor_a_tag_cut_at_a_line_start(chunks, shown):
+    markup = MarkupFilter(TOOL_CALL_OPEN)
+    assert "".join(markup.feed(chunk) for chunk in chunks) + markup.flush() == shown
+
+
+def test_bounded_schema_leaves_the_members_of_an_all_of_open_to_each_others_keys():
+    schema = {"type": "object", "allOf": [{"properties": {"a": {"type": "integer"}}},
+                                          {"properties": {"b": {"type": "object", "properties": {}}}}]}
+    bounded = bounded_schema(schema)
+    assert all("additionalProperties" not in member for member in bounded["allOf"])
+    assert "additionalProperties" not in bounded
+    assert bounded["allOf"][1]["properties"]["b"]["additionalProperties"] is False  # deeper objects close

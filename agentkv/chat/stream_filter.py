@@ -5,9 +5,12 @@
     f = MarkupFilter("<tool_call>")
     f.feed("Sure. <tool")   # -> "Sure. "
     f.feed("_call>{...")    # -> ""   (everything after the tag is withheld)
+    f.flush()               # -> ""   (held text that starts a line, "\\n<tool", was a tag cut off: dropped)
 """
 
 from __future__ import annotations
+
+from agentkv.engine.base import TokenDelta, TokenLogprob
 
 
 class MarkupFilter:
@@ -16,6 +19,7 @@ class MarkupFilter:
     def __init__(self, tag: str) -> None:
         self._tag = tag
         self._held = ""
+        self._line = ""  # what was shown since the last newline
         self.hit = False
 
     def feed(self, text: str) -> str:
@@ -34,9 +38,48 @@ class MarkupFilter:
                 keep = n
                 break
         self._held = buffer[len(buffer) - keep :] if keep else ""
-        return buffer[: len(buffer) - keep]
+        shown = buffer[: len(buffer) - keep]
+        self._line = (self._line + shown).rpartition("\n")[2]
+        return shown
 
     def flush(self) -> str:
-        """Text held back at the end (it never became the tag)."""
+        """Text held back at the end: shown unless it starts a line (then it is a tag the
+        stream's end cut off, e.g. ``"\\n<tool"``)."""
         held, self._held = ("" if self.hit else self._held), ""
-        return held
+        return "" if self._line.strip(" \t") == "" else held
+
+
+class VisibleTokens:
+    """Streamed token deltas → the text to show and the log-probabilities of the tokens behind it.
+
+    A token's log-probability goes out with the first shown text at or after it; the tokens of
+    hidden text (tool-call markup, held-back text the end drops) are hidden with it::
+
+        visible = VisibleTokens(MarkupFilter("<tool_call>"))
+        text, logprobs = visible.feed(delta)   # ("Sure. ", (TokenLogprob(...),))
+        text, logprobs = visible.flush()
+    """
+
+    def __init__(self, hide: MarkupFilter | None) -> None:
+        self._hide = hide
+        self._pending: list[TokenLogprob] = []
+
+    def feed(self, delta: TokenDelta) -> tuple[str, tuple[TokenLogprob, ...]]:
+        """The text of ``delta`` safe to show now, and the log-probabilities that go with it."""
+        if delta.logprob is not None:
+            self._pending.append(delta.logprob)
+        text = self._hide.feed(delta.text) if self._hide is not None else delta.text
+        return text, self._release(text)
+
+    def flush(self) -> tuple[str, tuple[TokenLogprob, ...]]:
+        """Text held back at the end (``MarkupFilter.flush``), and its tokens' log-probabilities."""
+        text = self._hide.flush() if self._hide is not None else ""
+        return text, self._release(text)
+
+    def _release(self, text: str) -> tuple[TokenLogprob, ...]:
+        if not text:
+            if self._hide is not None and self._hide.hit:
+                self._pending.clear()
+            return ()
+        out, self._pending = tuple(self._pending), []
+        return out

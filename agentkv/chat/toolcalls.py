@@ -12,13 +12,13 @@ exceptions), and writes the llguidance grammar that forces the model to produce 
 
 from __future__ import annotations
 
-import copy
 import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from agentkv.chat.grammar_schema import bounded_schema
 from agentkv.chat.messages import ToolCall
 
 TOOL_CALL_OPEN = "<tool_call>"
@@ -36,25 +36,21 @@ _FIX = (
 )
 _NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 
-# Schema keywords whose value is one subschema, a {name: subschema} map, or a list of subschemas.
-_ONE_SCHEMA = (
-    "items", "additionalProperties", "additionalItems", "contains", "not", "if", "then", "else",
-    "propertyNames", "unevaluatedItems", "unevaluatedProperties",
-)  # fmt: skip
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf", "items")
-
-
 @dataclass(frozen=True)
 class ParsedOutput:
     """A model's output split into prose and tool calls."""
 
     content: str
-    """The text outside the tool-call blocks, stripped."""
+    """The text outside the tool-call blocks, stripped; never holds markup, not even a cut
+    opening tag."""
     tool_calls: tuple[ToolCall, ...] = ()
-    """The well-formed calls, in order."""
+    """The well-formed calls, in order, each distinct call once."""
     errors: tuple[str, ...] = ()
     """One text per malformed block, written for the model to read and correct."""
+    truncated: bool = False
+    """The text ends inside a call: in its opening tag, or in a block that never closed."""
+    repeats: int = 0
+    """Calls dropped because an earlier call of the same text had the same name and arguments."""
 
 
 def format_tool_call(call: ToolCall) -> str:
@@ -76,23 +72,50 @@ def parse_tool_calls(text: str) -> ParsedOutput:
 
     A block's JSON object decides where the block ends (so a ``</tool_call>`` inside a JSON
     string does not cut it); a block whose close tag is missing ends at the next
-    ``<tool_call>`` or at the end of text.
+    ``<tool_call>`` or at the end of text. A call identical to an earlier one (same name, same
+    arguments) is dropped: one model call never runs the same call twice. Text that ends in
+    part of an opening tag at the start of a line (``"<"``, ``"<tool"``) is a cut call, not
+    content.
     ``parse_tool_calls('Sure.\\n<tool_call>\\n{"name": "clock", "arguments": {}}\\n</tool_call>')``
     """
     pieces: list[str] = []
-    calls: list[ToolCall] = []
+    calls: dict[str, ToolCall] = {}
     errors: list[str] = []
-    position = 0
+    position = blocks = repeats = 0
+    truncated = False
     while (start := text.find(TOOL_CALL_OPEN, position)) >= 0:
         pieces.append(text[position:start])
-        parsed, position = _read_block(text, start + len(TOOL_CALL_OPEN), len(calls) + len(errors) + 1)
-        if isinstance(parsed, ToolCall):
-            calls.append(parsed)
-        else:
+        blocks += 1
+        parsed, position = _read_block(text, start + len(TOOL_CALL_OPEN), blocks)
+        if isinstance(parsed, str):
             errors.append(parsed)
-    pieces.append(text[position:])
+            truncated = position == len(text) and not text.endswith(TOOL_CALL_CLOSE)
+        elif (key := _call_key(parsed)) in calls:
+            repeats += 1
+        else:
+            calls[key] = parsed
+    tail = text[position:]
+    if cut := partial_open_tag(tail):
+        tail, truncated = tail[:-cut], True
+        errors.append(f"tool call {blocks + 1}: cut off in its opening tag {text[-cut:]!r}; {_FIX}")
+    pieces.append(tail)
     content = "\n".join(piece.strip() for piece in pieces if piece.strip())
-    return ParsedOutput(content=content, tool_calls=tuple(calls), errors=tuple(errors))
+    return ParsedOutput(content, tuple(calls.values()), tuple(errors), truncated, repeats)
+
+
+def partial_open_tag(text: str) -> int:
+    """Length of the start of an opening tag that ``text`` ends in, 0 if none: a proper prefix
+    of ``<tool_call>`` alone on its line (``partial_open_tag("Sure.\\n<tool") == 5``)."""
+    for length in range(min(len(TOOL_CALL_OPEN) - 1, len(text)), 0, -1):
+        if text.endswith(TOOL_CALL_OPEN[:length]):
+            before = text[: len(text) - length].rstrip(" \t")
+            return length if not before or before.endswith("\n") else 0
+    return 0
+
+
+def _call_key(call: ToolCall) -> str:
+    """What makes two calls the same: the name and the arguments (key order aside)."""
+    return json.dumps([call.name, call.arguments], sort_keys=True, ensure_ascii=False)
 
 
 def _read_block(text: str, body_start: int, index: int) -> tuple[ToolCall | str, int]:
@@ -145,45 +168,6 @@ def _call_from(payload: Any, index: int) -> ToolCall | str:
     return ToolCall(name=name.strip(), arguments=arguments)
 
 
-def bounded_schema(
-    schema: dict[str, Any], *, max_string_length: int = 200, max_items: int = 16
-) -> dict[str, Any]:
-    """A copy of ``schema`` where every string has a ``maxLength`` and every array a ``maxItems``.
-
-    Existing bounds are kept. A small model under a grammar otherwise fills an unbounded string
-    until ``max_new_tokens``.
-    ``bounded_schema({"type": "string"})`` → ``{"type": "string", "maxLength": 200}``
-    """
-    if max_string_length < 1 or max_items < 1:
-        raise ValueError("max_string_length and max_items must be at least 1")
-    bounded = copy.deepcopy(schema)
-    _bound_in_place(bounded, max_string_length, max_items)
-    return bounded
-
-
-def _bound_in_place(schema: Any, max_string_length: int, max_items: int) -> None:
-    """Add the bounds to ``schema`` and each subschema (only schema keywords are walked, never
-    ``const``/``enum``/``default`` values, whose dicts are data)."""
-    if not isinstance(schema, dict):
-        return
-    types = schema.get("type")
-    types = {types} if isinstance(types, str) else set(types) if isinstance(types, list) else set()
-    if "string" in types and not {"maxLength", "enum", "const"} & schema.keys():
-        schema["maxLength"] = max_string_length
-    if "array" in types and "maxItems" not in schema:
-        schema["maxItems"] = max(max_items, schema.get("minItems", 0))
-    for key in _ONE_SCHEMA:
-        _bound_in_place(schema.get(key), max_string_length, max_items)
-    for key in _SCHEMA_MAPS:
-        if isinstance(schema.get(key), dict):
-            for subschema in schema[key].values():
-                _bound_in_place(subschema, max_string_length, max_items)
-    for key in _SCHEMA_LISTS:
-        if isinstance(schema.get(key), list):
-            for subschema in schema[key]:
-                _bound_in_place(subschema, max_string_length, max_items)
-
-
 def tool_call_grammar(
     tools: Sequence[dict[str, Any]],
     tool_choice: str,
@@ -202,9 +186,10 @@ def tool_call_grammar(
     ``max_calls`` blocks, one per line as ``format_tool_calls`` writes them; without, exactly
     one. (The bound keeps a weak model from repeating calls until its token budget cuts the
     last one: measured on the default model, unbounded answers ran to ``max_new_tokens``.) The
-    arguments follow the tool's (bounded) JSON schema in ``json.dumps`` layout. ``"none"`` needs
-    no grammar (pass no constraint) and raises ``ValueError``, as do unknown names and malformed
-    tools.
+    arguments follow the tool's JSON schema closed and bounded by ``bounded_schema`` (one rule
+    for ``@tool``s and raw schemas: no call invents keys), in ``json.dumps`` layout. ``"none"``
+    needs no grammar (pass no constraint) and raises ``ValueError``, as do unknown names and
+    malformed tools.
 
     ``answer_schema`` (structured output): under ``"auto"`` the answer that is not a call is
     JSON under that schema instead of free text.

@@ -55,12 +55,14 @@ def validate_prompt(prompt: Sequence[int], config: GenerationConfig, max_context
 
 
 class GenerationConfig(BaseModel):
-    """How to pick tokens. Invalid values raise ``pydantic.ValidationError``.
+    """How to pick tokens. Invalid values (NaN and infinities included) raise
+    ``pydantic.ValidationError`` at construction, naming the field and the range it takes;
+    ``Agent(generation={...})`` turns them into a ``UserError``.
 
     ``GenerationConfig(max_new_tokens=64)`` is greedy; ``temperature>0`` samples.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     max_new_tokens: int = Field(256, ge=0)
     """Upper bound on generated tokens (the stop token included)."""
@@ -78,8 +80,8 @@ class GenerationConfig(BaseModel):
     """Subtracted once from the logit of every token already generated."""
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     """Subtracted per occurrence from the logit of every token already generated."""
-    seed: int | None = None
-    """Seed for sampling; the same seed gives the same tokens."""
+    seed: int | None = Field(None, ge=0)
+    """Seed for sampling (>= 0); the same seed gives the same tokens."""
     stop_token_ids: frozenset[int] = frozenset()
     """Extra token ids that end generation (the model's EOS always does unless ignore_eos)."""
     stop_strings: tuple[str, ...] = ()
@@ -92,6 +94,9 @@ class GenerationConfig(BaseModel):
     """Beam score = sum logprob / len ** length_penalty."""
     num_return_sequences: int = Field(1, ge=1)
     """How many finished beams to return (≤ num_beams)."""
+    logprobs: int | None = Field(None, ge=0, le=20)
+    """Report each generated token's log-probability and this many most likely alternatives
+    (0..20) on its ``TokenDelta.logprob``; None (the default) computes nothing."""
 
     @model_validator(mode="after")
     def _check_beams(self) -> GenerationConfig:
@@ -102,6 +107,12 @@ class GenerationConfig(BaseModel):
             )
         if self.num_beams > 1 and self.temperature > 0:
             raise ValueError("beam search is deterministic: use temperature=0 with num_beams>1")
+        if "" in self.stop_strings:
+            raise ValueError("an empty stop string would end generation at once: drop it from stop_strings")
+        if self.logprobs is not None and self.num_beams > 1:
+            raise ValueError("log-probabilities are reported per sampled token: use num_beams=1 with logprobs")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids are token ids (>= 0), got {sorted(self.stop_token_ids)}")
         return self
 
     @property
@@ -203,11 +214,35 @@ class GenerationResult:
 
 
 @dataclass(frozen=True)
+class TopLogprob:
+    """One likely token at a position: its id, its text alone, and its log-probability."""
+
+    token_id: int
+    token: str
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model's distribution at its position (the
+    log-softmax of the raw logits: before penalties, masks, temperature, top-k/top-p), and the
+    ``GenerationConfig.logprobs`` most likely tokens there, most likely first."""
+
+    token_id: int
+    token: str
+    """The token's text alone (``tokenizer.decode([token_id])``)."""
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
 class TokenDelta:
-    """One streamed step: the new token and the text it completes (may be empty)."""
+    """One streamed step: the new token and the text it completes (may be empty); ``logprob``
+    when ``GenerationConfig.logprobs`` asks for it (None on the tail of held-back text)."""
 
     token_id: int
     text: str
+    logprob: TokenLogprob | None = None
 
 
 @dataclass

@@ -22,10 +22,17 @@ from agentkv.engine.base import (
     TokenConstraint,
     TokenDelta,
     Tokenizer,
+    TokenLogprob,
+    TopLogprob,
 )
 from agentkv.engine.beam_decode import run_beam_search
 from agentkv.engine.detokenize import IncrementalDecoder
-from agentkv.engine.sampling import StopStringMatcher, make_rng, sample_next
+from agentkv.engine.sampling import (
+    StopStringMatcher,
+    make_rng,
+    sample_next,
+    token_logprobs,
+)
 from agentkv.engine.step_counts import StepCounts
 
 if TYPE_CHECKING:
@@ -87,10 +94,13 @@ async def decode_tokens(
     stop_ids: frozenset[int],
     max_new: int,
     constraint: TokenConstraint | None,
+    score: Callable[[int], TokenLogprob] | None = None,
 ) -> AsyncIterator[TokenDelta | DecodeOutcome]:
     """Yield a ``TokenDelta`` per token (text never splits a UTF-8 character), then the outcome.
 
-    ``choose(generated)`` picks the next id; ``feed(id)`` runs it through the model.
+    ``choose(generated)`` picks the next id; ``feed(id)`` runs it through the model;
+    ``score(id)`` (when log-probabilities are asked for) reads the chosen id's log-probability
+    from the same logits, before the feed.
     """
     decoder = IncrementalDecoder(decode_text)
     stopper = StopStringMatcher(list(config.stop_strings))
@@ -108,9 +118,10 @@ async def decode_tokens(
         if token in stop_ids:
             finish = "stop"
             break
+        logprob = score(token) if score is not None else None
         text, stopped = stopper.feed(decoder.push(token))
         pieces.append(text)
-        yield TokenDelta(token, text)
+        yield TokenDelta(token, text, logprob)
         if stopped:
             finish = "stop_string"
             break
@@ -186,7 +197,7 @@ class DecodeLoop:
 
         events = decode_tokens(
             self.chooser(), feed, config=self.config, decode_text=self.engine.tokenizer.decode,
-            stop_ids=self.stop_ids, max_new=self.max_new, constraint=self.constraint,
+            stop_ids=self.stop_ids, max_new=self.max_new, constraint=self.constraint, score=self.scorer(),
         )
         async for event in events:
             if isinstance(event, DecodeOutcome):
@@ -208,6 +219,22 @@ class DecodeLoop:
             )
 
         return choose
+
+    def scorer(self) -> Callable[[int], TokenLogprob] | None:
+        """``score(token)``: the token's log-probability and the config's number of alternatives,
+        from the log's last logits (``sampling.token_logprobs``); None when not asked for."""
+        top = self.config.logprobs
+        if top is None:
+            return None
+        log, decode = self.log, self.engine.tokenizer.decode
+
+        def score(token: int) -> TokenLogprob:
+            assert log.last_logits is not None
+            logprob, ids, values = token_logprobs(log.last_logits, token, top)
+            alternatives = tuple(TopLogprob(int(i), decode([int(i)]), float(v)) for i, v in zip(ids, values))
+            return TokenLogprob(token, decode([token]), logprob, alternatives)
+
+        return score
 
     def finish(
         self,

@@ -19,7 +19,7 @@ import numpy as np
 from agentkv.engine.base import GenerationConfig
 from agentkv.errors import ConstraintError, UserError
 
-__all__ = ["StopStringMatcher", "apply_penalties", "log_softmax", "make_rng", "sample_next"]
+__all__ = ["StopStringMatcher", "apply_penalties", "log_softmax", "make_rng", "sample_next", "token_logprobs"]
 
 # NOTE: the nucleus is usually a few dozen tokens; argsorting all 49k probabilities costs ~3 ms,
 # so top-p first sorts only the best _NUCLEUS_FIRST_TRY tokens and falls back to a full sort.
@@ -46,6 +46,24 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     with np.errstate(divide="ignore"):
         log_total = np.where(total > 0, np.log(total), np.float32(0.0))
     return (shifted - log_total).astype(np.float32, copy=False)
+
+
+def token_logprobs(logits: np.ndarray, token_id: int, top: int) -> tuple[float, np.ndarray, np.ndarray]:
+    """(log-probability of ``token_id``, the ``top`` most likely ids, their log-probabilities)
+    under the model's distribution: the log-softmax of the raw ``float32 [vocab]`` logits, before
+    penalties, masks, temperature and top-k/top-p (what OpenAI reports). Most likely first (ties:
+    lower id first), so under greedy sampling the chosen token is the first.
+
+    ``token_logprobs(logits, 7, 3)`` → ``(-0.4, array([7, 2, 9]), array([-0.4, -1.6, -2.2]))``
+    """
+    scores = log_softmax(np.asarray(logits, dtype=np.float32).reshape(-1))  # [vocab]
+    k = max(0, min(int(top), scores.shape[0]))
+    if k == 0:
+        return float(scores[token_id]), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32)
+    cut = scores.shape[0] - k
+    best = np.argpartition(scores, cut)[cut:] if cut > 0 else np.arange(scores.shape[0])  # [k], unordered
+    best = best[np.lexsort((best, -scores[best]))]  # most likely first, then lower id
+    return float(scores[token_id]), best.astype(np.int64), scores[best]
 
 
 def _penalties_active(config: GenerationConfig) -> bool:
