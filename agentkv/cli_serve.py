@@ -5,14 +5,17 @@
     agentkv serve --port 8000 --api-key sk-local --db sqlite:///srv/agentkv.db --system "Be brief."
     # → agentkv serving SmolLM2-135M-Instruct at http://127.0.0.1:8000/v1
 
-uvicorn stops cleanly on SIGTERM and SIGINT: runs still going are cancelled (each snapshots its
-conversation's KV as it ends) and every KV session is closed; stored responses resume after a restart.
+uvicorn stops cleanly on SIGTERM and SIGINT: streams still going end with a last event (a chunk
+with a finish reason and ``[DONE]``, ``response.failed``) within ``SHUTDOWN_GRACE_S``, runs still going
+are cancelled (each snapshots its conversation's KV as it ends) and every KV session is closed; stored
+responses resume after a restart. One access log line per request goes to stderr.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ipaddress
+import logging
 import os
 import signal
 import sys
@@ -78,6 +81,7 @@ def serve(options: ServeOptions) -> None:
                      defaults=agent_defaults(options.agent, engine.max_context_len))
     server = uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port, log_level="warning",
                                            timeout_graceful_shutdown=10))
+    _log_access_to_stderr()
 
     # NOTE: uvicorn shuts down gracefully on SIGTERM, then raises the signal again under the
     # handler it found: make that one a clean exit (0), not the default kill (-15)
@@ -93,6 +97,16 @@ def serve(options: ServeOptions) -> None:
         await task
 
     asyncio.run(run())
+
+
+def _log_access_to_stderr() -> None:
+    """The server's access log (one line per request) on stderr, uvicorn's own access log being off."""
+    from agentkv.server.access_log import ACCESS_LOGGER
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    ACCESS_LOGGER.addHandler(handler)
+    ACCESS_LOGGER.setLevel(logging.INFO)
 
 
 def _exit_cleanly(signum: int, frame: object) -> None:

@@ -50,3 +50,23 @@ async def test_a_cut_tool_call_is_retried_with_room_and_never_becomes_the_answer
     finally:
         await runtime.aclose()
     assert ran == len(QUESTIONS), reasons  # the bounded grammar always fits the retry's room
+
+
+async def test_a_resume_after_an_answer_cut_by_max_new_tokens_reuses_all_held_kv_without_a_break(engine, tmp_path):
+    from agentkv.memory import Store
+
+    agent = Agent(name="cut", instructions="You are a helpful assistant.",
+                  generation=GenerationConfig(max_new_tokens=8))
+    url = f"sqlite:///{tmp_path / 'a.db'}"
+    first = Runtime(engine, Store(url))
+    session = await first.open_session(agent)
+    assert (await first.run(session, "Tell me a long story about a lighthouse.")).finish_reason == "length"
+    await first.aclose()
+    later = Runtime(engine, Store(url), agents=[agent])
+    resumed = await later.resume(session.id)
+    held = resumed.resume_report.restored_tokens
+    assert held > 0
+    result = await later.run(resumed, "Go on.")
+    assert result.step_metrics[0].reused_tokens >= held  # all the KV the snapshot held was used
+    assert result.cache_breaks[0] is None
+    await later.aclose()

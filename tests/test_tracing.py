@@ -4,7 +4,6 @@ restores, each with the session id; without opentelemetry every span is a no-op.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 

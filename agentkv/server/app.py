@@ -9,29 +9,41 @@
 
 Routes: ``GET /v1/models``, ``POST /v1/chat/completions`` and ``POST /v1/responses`` (``stream`` as
 server-sent events), ``GET`` / ``DELETE /v1/responses/{id}``, ``GET /health``. ``X-Session-Id`` (or
-the body's ``user``) pins a chat request to one KV session.
+the body's ``user``) pins a chat request to one KV session. The key is checked before the body is
+read; every error is an OpenAI error object; each request leaves one line on the access log
+(``agentkv.server.access``); on shutdown, open streams end with a last event.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import secrets
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+import anyio
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from sse_starlette.sse import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agentkv.engine.base import Engine
 from agentkv.errors import AgentKVError
 from agentkv.memory import Store
 from agentkv.runtime import Runtime
+from agentkv.server.access_log import AccessLog, AccessNote
+from agentkv.server.auth import BearerAuth
 from agentkv.server.chat import ChatCompletions
-from agentkv.server.errors import ApiError, api_error_handler, as_api_error, error_body, validation_error_handler
+from agentkv.server.errors import (
+    ApiError,
+    api_error_handler,
+    as_api_error,
+    error_body,
+    http_error_handler,
+    validation_error_handler,
+)
 from agentkv.server.live_sessions import LiveSessions
 from agentkv.server.open_conversations import OpenConversations
 from agentkv.server.request_agents import AgentDefaults, RequestAgents
@@ -39,6 +51,10 @@ from agentkv.server.response_wire import ResponseRequest
 from agentkv.server.responses import Responses
 from agentkv.server.runs import Runs
 from agentkv.server.wire import ChatCompletionRequest
+
+SHUTDOWN_GRACE_S = 5.0
+"""Seconds a stream has to end itself once the server shuts down (below uvicorn's
+``timeout_graceful_shutdown``, after which connections are cut)."""
 
 
 def create_app(
@@ -86,36 +102,34 @@ def create_app(
     for handled in (ApiError, AgentKVError, ValueError, Exception):
         app.add_exception_handler(handled, api_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
-
-    def authorised(request: Request) -> None:
-        if api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), api_key):
-            raise ApiError(401, "missing or wrong API key: send Authorization: Bearer <key>", "invalid_api_key")
+    app.add_exception_handler(StarletteHTTPException, http_error_handler)
+    # NOTE: the key is checked before the body is read (an unauthenticated request is a 401 whatever
+    # it sends); the access log is outermost, so refused requests are logged too
+    app.add_middleware(BearerAuth, api_key=api_key)
+    app.add_middleware(AccessLog)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
         return {"status": "ok", "live_sessions": len(live), "running": runs.running,
                 "open_conversations": len(conversations) if conversations is not None else 0}
 
-    @app.get("/v1/models", dependencies=[Depends(authorised)])
+    @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
                                             "owned_by": "agentkv"}]}
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorised)], response_model=None)
+    @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         pin = request.headers.get("x-session-id") or body.user
-        tenant = _tenant(request)
+        tenant, note = _tenant(request), AccessNote.of(request)
         if not body.stream:
-            return await chat.complete(body, pin=pin, tenant=tenant)
+            return await chat.complete(body, pin=pin, tenant=tenant, note=note)
         prepared = chat.prepare(body, tenant=tenant)  # bad input is an HTTP error, before the stream starts
+        stop = anyio.Event()
 
         async def events() -> AsyncIterator[dict[str, str]]:
             try:
-                async for item in chat.stream(body, prepared, pin=pin):
+                async for item in chat.stream(body, prepared, pin=pin, note=note, stop=stop):
                     yield {"data": json.dumps(item)}
             except Exception as error:  # after the headers: the error travels as an event
                 api = as_api_error(error)
@@ -123,34 +137,42 @@ def create_app(
                 return
             yield {"data": "[DONE]"}
 
-        return EventSourceResponse(events(), ping=15)
+        return _event_stream(events(), stop)
 
-    @app.post("/v1/responses", dependencies=[Depends(authorised)], response_model=None)
+    @app.post("/v1/responses", response_model=None)
     async def create_response(body: ResponseRequest, request: Request) -> Any:
         plan = await responses.plan(body, tenant=_tenant(request))
+        note = AccessNote.of(request)
         if not body.stream:
-            return await responses.create(plan)
+            return await responses.create(plan, note=note)
+        stop = anyio.Event()
 
         async def sse() -> AsyncIterator[dict[str, str]]:
             try:
-                async for event in responses.stream(plan):
+                async for event in responses.stream(plan, note=note, stop=stop):
                     yield {"event": str(event["type"]), "data": json.dumps(event)}
             except Exception as error:  # after the headers: the error travels as an event
                 api = as_api_error(error)
                 yield {"event": "error", "data": json.dumps({"type": "error", "code": api.code,
                                                              "message": api.message, "param": api.param})}
 
-        return EventSourceResponse(sse(), ping=15)
+        return _event_stream(sse(), stop)
 
-    @app.get("/v1/responses/{response_id}", dependencies=[Depends(authorised)])
+    @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str, request: Request) -> dict[str, Any]:
         return await responses.get(response_id, tenant=_tenant(request))
 
-    @app.delete("/v1/responses/{response_id}", dependencies=[Depends(authorised)])
+    @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
         return await responses.delete(response_id, tenant=_tenant(request))
 
     return app
+
+
+def _event_stream(events: AsyncIterator[dict[str, str]], stop: anyio.Event) -> EventSourceResponse:
+    """Server-sent ``events``; on the server's shutdown ``stop`` is set and the stream has
+    ``SHUTDOWN_GRACE_S`` to end itself (a last event, then the end of the body) before it is cut."""
+    return EventSourceResponse(events, ping=15, shutdown_event=stop, shutdown_grace_period=SHUTDOWN_GRACE_S)
 
 
 def _tenant(request: Request) -> str:

@@ -17,12 +17,18 @@ import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
+import anyio
+
 from agentkv.chat.openai_messages import messages_from_openai
+from agentkv.engine.base import TokenLogprob
 from agentkv.events import RunFinished, TextDelta
 from agentkv.result import RunResult
-from agentkv.server.request_agents import RequestAgents
+from agentkv.server.access_log import AccessNote
+from agentkv.server.logprobs_wire import logprob_entries
+from agentkv.server.request_agents import RequestAgents, reserving_answer
 from agentkv.server.runs import Prepared, Runs, kv_namespace, leading_system
 from agentkv.server.wire import (
     ChatCompletionRequest,
@@ -54,6 +60,9 @@ class ChatCompletions:
                                   tool_choice=request.tool_choice_name(),
                                   parallel_tool_calls=request.parallel_tool_calls is not False, output=output, salt=salt)
         agent = dataclasses.replace(agent, generation=request.generation_config(self.agents.defaults))
+        agent = reserving_answer(agent, request.max_completion_tokens or request.max_tokens,
+                                 self.runs.runtime.engine.max_context_len,
+                                 param="max_completion_tokens" if request.max_completion_tokens else "max_tokens")
         return self.runs.prepare(agent, messages, salt=salt)
 
     async def _result(self, prepared: Prepared, pin: str | None) -> AsyncIterator[TextDelta | RunResult]:
@@ -66,29 +75,49 @@ class ChatCompletions:
                     yield event.result
 
     async def complete(self, request: ChatCompletionRequest, *, pin: str | None = None,
-                       tenant: str = "") -> dict[str, Any]:
-        """The ``chat.completion`` object for ``request``."""
+                       tenant: str = "", note: AccessNote | None = None) -> dict[str, Any]:
+        """The ``chat.completion`` object for ``request`` (``note``: what the access log says)."""
         prepared = self.prepare(request, tenant=tenant)
+        request_id, note = _request_id(), note or AccessNote()
+        note.update(id=request_id, session=pin)
         result = None
+        logprobs: list[TokenLogprob] = []
         async for event in self._result(prepared, pin):
             if isinstance(event, RunResult):
                 result = event
+            else:
+                logprobs.extend(event.logprobs)
         assert result is not None
-        return completion(_request_id(), self.model_id, int(time.time()), _message(result), _finish(result),
-                          usage(result.step_metrics), cache_break_field(result.cache_breaks))
+        entries = logprob_entries(logprobs) if request.logprobs else None
+        body = completion(request_id, self.model_id, int(time.time()), _message(result), _finish(result),
+                          usage(result.step_metrics), cache_break_field(result.cache_breaks), entries)
+        note.update(cached_tokens=body["usage"]["prompt_tokens_details"]["cached_tokens"])
+        return body
 
-    async def stream(self, request: ChatCompletionRequest, prepared: Prepared, *,
-                     pin: str | None = None) -> AsyncIterator[dict[str, Any]]:
-        """The ``chat.completion.chunk`` objects of ``request`` (run already ``prepare``d)."""
+    async def stream(self, request: ChatCompletionRequest, prepared: Prepared, *, pin: str | None = None,
+                     note: AccessNote | None = None,
+                     stop: anyio.Event | None = None) -> AsyncIterator[dict[str, Any]]:
+        """The ``chat.completion.chunk`` objects of ``request`` (run already ``prepare``d). Once
+        ``stop`` is set (the server is shutting down) the run is stopped at its next event and the
+        stream ends with ``finish_reason="length"``: the answer was cut short."""
         request_id, created = _request_id(), int(time.time())
+        note = note or AccessNote()
+        note.update(id=request_id, session=pin)
         yield chunk(request_id, self.model_id, created, {"role": "assistant", "content": ""})
         result = None
-        async for event in self._result(prepared, pin):
-            if isinstance(event, TextDelta):
-                yield chunk(request_id, self.model_id, created, {"content": event.text})
-            else:
-                result = event
-        assert result is not None
+        async with aclosing(self._result(prepared, pin)) as run:
+            async for event in run:
+                if stop is not None and stop.is_set():
+                    break
+                if isinstance(event, TextDelta):
+                    entries = logprob_entries(event.logprobs) if request.logprobs else None
+                    yield chunk(request_id, self.model_id, created, {"content": event.text}, logprobs=entries)
+                else:
+                    result = event
+        if result is None:  # stopped: the server is shutting down
+            yield chunk(request_id, self.model_id, created, {}, "length")
+            return
+        note.update(cached_tokens=usage(result.step_metrics)["prompt_tokens_details"]["cached_tokens"])
         if result.pending_tool_calls:
             yield chunk(request_id, self.model_id, created,
                         {"tool_calls": tool_call_dicts(result.pending_tool_calls, with_index=True)})

@@ -8,17 +8,20 @@ OpenAI client expects (``{"error": {"message", "type", "param", "code"}}``).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agentkv.errors import ConstraintError, ContextOverflowError, ResponseNotFound, SessionBusy, UserError
 from agentkv.validation_text import describe_problems
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error"}
+          405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error",
+          500: "server_error"}
 
 
 class ApiError(Exception):
@@ -55,11 +58,42 @@ async def api_error_handler(request: Request, error: Exception) -> JSONResponse:
 
 
 async def validation_error_handler(request: Request, error: Exception) -> JSONResponse:
-    """A body that does not validate: 400 (OpenAI's status), naming the first bad field."""
+    """A body that does not validate: 400 (OpenAI's status), naming the first bad field; a body
+    that is not JSON, or none, says so."""
     assert isinstance(error, RequestValidationError)
     problems = error.errors()
     first = problems[0] if problems else {}
+    if first.get("type") == "json_invalid":
+        position = first.get("loc", ("body", "?"))[-1]
+        reason = (first.get("ctx") or {}).get("error", "JSON decode error")
+        return _answer(400, f"the request body is not valid JSON ({reason} at character {position}): send one "
+                            "JSON object with Content-Type: application/json", "invalid_json")
     location = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+    if not location:  # the body as a whole: none, or not an object
+        what = "empty" if first.get("type") == "missing" else "not a JSON object"
+        return _answer(400, f"the request body is {what}: send one JSON object with Content-Type: application/json",
+                       "invalid_json")
     message = describe_problems(problems, root="", skip=("body",))
-    return JSONResponse(error_body(400, message or "invalid request body", "invalid_request", location or None),
-                        status_code=400)
+    return _answer(400, message or "invalid request body", "invalid_request", location or None)
+
+
+async def http_error_handler(request: Request, error: Exception) -> JSONResponse:
+    """Starlette's own HTTP errors (no such route, wrong method, a body it cannot read) as
+    OpenAI error objects."""
+    assert isinstance(error, StarletteHTTPException)
+    route = f"{request.method} {request.url.path}"
+    if error.status_code == 404:
+        return _answer(404, f"no route {route}: the routes are /v1/models, /v1/chat/completions, /v1/responses "
+                            "and /health", "not_found")
+    if error.status_code == 405:
+        return _answer(405, f"{route} is not allowed: see the Allow header for the methods this route takes",
+                       "method_not_allowed", headers=error.headers)
+    if error.status_code == 400:
+        return _answer(400, "the request body could not be read (is it UTF-8 JSON?): send one JSON object "
+                            "encoded as UTF-8 with Content-Type: application/json", "invalid_json")
+    return _answer(error.status_code, str(error.detail), None, headers=error.headers)
+
+
+def _answer(status: int, message: str, code: str | None, param: str | None = None,
+            headers: Mapping[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, code, param), status_code=status, headers=headers)

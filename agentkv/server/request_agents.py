@@ -11,6 +11,7 @@ registered per tenant.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections import OrderedDict
@@ -21,6 +22,7 @@ from typing import Any
 from agentkv.agent import Agent
 from agentkv.policies.protocol import ContextPolicy
 from agentkv.runtime import Runtime
+from agentkv.server.errors import ApiError
 from agentkv.tools import Tool
 
 KEPT_AGENTS = 256
@@ -99,3 +101,16 @@ def _reserved(defaults: AgentDefaults) -> int:
     if defaults.max_prompt_len is not None:
         reserved = min(reserved, defaults.max_prompt_len // 2)
     return reserved
+
+
+def reserving_answer(agent: Agent, max_tokens: int | None, context_len: int, *, param: str = "max_tokens") -> Agent:
+    """``agent`` keeping ``max_tokens`` (what a request asked for, in its field ``param``) free for
+    the answer instead of the server's default reserve; ``agent`` itself when the request asked
+    for no length. A 400 naming ``param`` when that leaves no room for a prompt."""
+    if max_tokens is None:
+        return agent
+    room = agent.max_prompt(context_len)
+    if max_tokens >= room:
+        raise ApiError(400, f"{param}={max_tokens} leaves no room for a prompt: this server's prompts may use "
+                       f"{room} tokens, answer included; ask for fewer tokens", param=param)
+    return dataclasses.replace(agent, min_response_len=max_tokens)

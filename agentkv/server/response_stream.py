@@ -17,6 +17,7 @@ from typing import Any
 
 from agentkv.events import RunEvent, StepFinished, TextDelta, ToolCalled, ToolReturned
 from agentkv.result import RunResult
+from agentkv.server.logprobs_wire import logprob_entries
 from agentkv.server.response_wire import (
     function_call_item,
     function_output_item,
@@ -52,8 +53,10 @@ class ResponseOutput:
         if isinstance(run_event, TextDelta):
             events = [] if self._open is not None else self._open_message()
             self._open_text().append(run_event.text)
+            entries = logprob_entries(run_event.logprobs)
+            self._open_logprobs().extend(entries)
             return [*events, self.event("response.output_text.delta", item_id=self._open_id(), output_index=self._index(),
-                                        content_index=0, delta=run_event.text, logprobs=[])]
+                                        content_index=0, delta=run_event.text, logprobs=entries)]
         if isinstance(run_event, StepFinished):
             self._step_items.append(self._open)
             return self._close_message()
@@ -83,7 +86,8 @@ class ResponseOutput:
         for step, message in enumerate(answers):
             item = self._step_items[step] if step < len(self._step_items) else None
             if item is not None:
-                item["content"] = [text_part(message.content)]
+                streamed = item["content"][0]["logprobs"] if item["content"] else []
+                item["content"] = [text_part(message.content, streamed)]
             elif message.content:
                 self._items.append(message_item(new_id("msg"), message.content))
         return self._items
@@ -91,7 +95,7 @@ class ResponseOutput:
     # ---- the message item being streamed --------------------------------------------------------
     def _open_message(self) -> list[dict[str, Any]]:
         item = message_item(new_id("msg"), "", status="in_progress")
-        self._open = {**item, "_text": []}
+        self._open = {**item, "_text": [], "_logprobs": []}
         self._items.append(self._open)
         index = self._index()
         return [self.event("response.output_item.added", output_index=index, item=item),
@@ -102,18 +106,22 @@ class ResponseOutput:
         if self._open is None:
             return []
         item, index = self._open, self._index()
-        text = "".join(item.pop("_text"))
-        item.update(status="completed", content=[text_part(text)])
+        text, logprobs = "".join(item.pop("_text")), item.pop("_logprobs")
+        item.update(status="completed", content=[text_part(text, logprobs)])
         self._open = None
         return [self.event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                           text=text, logprobs=[]),
+                           text=text, logprobs=logprobs),
                 self.event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
-                           part=text_part(text)),
+                           part=text_part(text, logprobs)),
                 self.event("response.output_item.done", output_index=index, item=dict(item))]
 
     def _open_text(self) -> list[str]:
         assert self._open is not None
         return self._open["_text"]  # type: ignore[no-any-return]
+
+    def _open_logprobs(self) -> list[dict[str, Any]]:
+        assert self._open is not None
+        return self._open["_logprobs"]  # type: ignore[no-any-return]
 
     def _open_id(self) -> str:
         assert self._open is not None

@@ -14,20 +14,24 @@ import json
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from agentkv.chat.messages import ToolCall
 from agentkv.engine.base import GenerationConfig
+from agentkv.server.logprobs_wire import MAX_TOP_LOGPROBS
 from agentkv.server.request_agents import AgentDefaults
 from agentkv.server.wire import TokenCounts, sampling, tool_choice_name
 
-ResponseStatus = Literal["completed", "incomplete", "in_progress"]
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+"""The ``include`` entry that asks for log-probabilities."""
+
+ResponseStatus = Literal["completed", "incomplete", "in_progress", "failed"]
 
 
 class ResponseRequest(BaseModel):
-    """``POST /v1/responses``. Fields that change nothing here (``metadata``, ``reasoning``,
-    ``include``…) are accepted and ignored; ones that would and are not supported
-    (``conversation``, ``background``, tools other than functions) are refused."""
+    """``POST /v1/responses``. Fields that change nothing here (``metadata``, ``reasoning``…) are
+    accepted and ignored; ones that would and are not supported (``conversation``,
+    ``background``, tools other than functions) are refused."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -51,6 +55,23 @@ class ResponseRequest(BaseModel):
     """Namespaces cached prefixes within an API key, as on chat completions."""
     conversation: Any = None
     background: bool | None = None
+    include: list[str] | None = None
+    """``["message.output_text.logprobs"]`` returns each answer token's log-probability."""
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    """With the logprobs ``include``: this many most likely alternatives per token (0..20)."""
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_the_include(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and LOGPROBS_INCLUDE not in (info.data.get("include") or ()):
+            raise ValueError(f'top_logprobs needs include: ["{LOGPROBS_INCLUDE}"] to return log-probabilities; '
+                             "add it (or drop top_logprobs)")
+        return value
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """True when ``include`` asks for the answer's log-probabilities."""
+        return LOGPROBS_INCLUDE in (self.include or ())
 
     @field_validator("conversation")
     @classmethod
@@ -104,19 +125,26 @@ class ResponseRequest(BaseModel):
 
     def generation_config(self, defaults: AgentDefaults) -> GenerationConfig:
         """The sampling settings of the request (the server's defaults where it sets none)."""
-        return sampling(defaults, max_tokens=self.max_output_tokens, temperature=self.temperature, top_p=self.top_p)
+        return sampling(defaults, max_tokens=self.max_output_tokens, temperature=self.temperature, top_p=self.top_p,
+                        logprobs=(self.top_logprobs or 0) if self.wants_logprobs else None)
 
     def input_messages(self) -> list[dict[str, Any]]:
         """``input`` as OpenAI chat messages: a string is a user message; message items keep
-        their role, ``function_call`` items join the assistant turn before them and
-        ``function_call_output`` items become tool messages. ``ValueError`` names a bad item."""
+        their role, ``function_call`` items join the assistant turn before them (an assistant message
+        between them and their outputs is that turn's text, as the server emits and clients replay
+        it) and ``function_call_output`` items become tool messages. ``ValueError`` names a bad item."""
         if isinstance(self.input, str):
             return [{"role": "user", "content": self.input}]
         messages: list[dict[str, Any]] = []
         for index, item in enumerate(self.input):
             kind = item.get("type", "message")
             if kind == "message":
-                messages.append({"role": item.get("role"), "content": _text_content(index, item.get("content"))})
+                content = _text_content(index, item.get("content"))
+                last = messages[-1] if messages else None
+                if item.get("role") == "assistant" and last is not None and _calls_without_text(last):
+                    last["content"] = content  # NOTE: the text of the step that made those calls (any order)
+                else:
+                    messages.append({"role": item.get("role"), "content": content})
             elif kind == "function_call":
                 call = {"id": item.get("call_id"), "type": "function",
                         "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"}}
@@ -135,6 +163,12 @@ class ResponseRequest(BaseModel):
         if not messages:
             raise ValueError("input is empty: send a string or at least one message")
         return messages
+
+
+def _calls_without_text(message: dict[str, Any]) -> bool:
+    """An assistant turn made of function calls only, so far: a message item that follows them
+    before their outputs is the text the model wrote in the same step."""
+    return message["role"] == "assistant" and bool(message.get("tool_calls")) and not message.get("content")
 
 
 def _text_content(index: int, content: Any) -> Any:
@@ -158,8 +192,9 @@ def message_item(item_id: str, text: str, status: ResponseStatus = "completed") 
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
-def text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """An ``output_text`` part (``logprobs``: its tokens' ``logprob_entries``, when asked for)."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def function_call_item(item_id: str, call: ToolCall, status: ResponseStatus = "completed") -> dict[str, Any]:
@@ -186,11 +221,13 @@ def response_usage(counts: TokenCounts) -> dict[str, Any]:
 
 def response_object(request: ResponseRequest, response_id: str, model: str, created: int,
                     output: list[dict[str, Any]], *, status: ResponseStatus = "completed",
-                    incomplete_reason: str | None = None, usage: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The ``response`` object (what ``GET /v1/responses/{id}`` returns later)."""
+                    incomplete_reason: str | None = None, usage: dict[str, Any] | None = None,
+                    error: dict[str, str] | None = None) -> dict[str, Any]:
+    """The ``response`` object (what ``GET /v1/responses/{id}`` returns later); ``error`` the
+    ``{"code", "message"}`` of a failed one."""
     return {
         "id": response_id, "object": "response", "created_at": created, "status": status,
-        "error": None,
+        "error": error,
         "incomplete_details": {"reason": incomplete_reason} if incomplete_reason else None,
         "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
         "model": model, "output": output,

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import AsyncIterator
-from contextlib import aclosing
+from collections.abc import AsyncIterator, Iterator
+from contextlib import aclosing, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,20 +29,28 @@ from agentkv.agent import Agent
 from agentkv.chat.messages import Message
 from agentkv.chat.openai_messages import messages_from_openai
 from agentkv.conversation import Conversation
-from agentkv.errors import SessionBusy, UserError
+from agentkv.errors import ContextOverflowError, SessionBusy, UserError
 from agentkv.events import RunEvent, RunFinished
 from agentkv.memory import ResponseRecord, Store
 from agentkv.persistence import load_window
 from agentkv.policies import Truncation
 from agentkv.result import RunResult
 from agentkv.run_input import checked_input
-from agentkv.server.errors import ApiError
+from agentkv.server.access_log import AccessNote
+from agentkv.server.errors import ApiError, as_api_error
 from agentkv.server.open_conversations import OpenConversations
-from agentkv.server.request_agents import RequestAgents
+from agentkv.server.request_agents import RequestAgents, reserving_answer
 from agentkv.server.response_stream import ResponseOutput
 from agentkv.server.response_wire import ResponseRequest, new_id, response_object, response_usage
 from agentkv.server.runs import Prepared, Runs, kv_namespace, leading_system
 from agentkv.server.wire import TokenCounts, cache_break_field
+
+
+SHUTTING_DOWN = "the server is shutting down: the response was stopped before its end; send it again"
+
+
+class _Stopped(Exception):
+    """The server's shutdown stopped a streamed run."""
 
 
 @dataclass
@@ -79,9 +87,11 @@ class Responses:
     # ---- the request, read --------------------------------------------------------------
     async def plan(self, request: ResponseRequest, *, tenant: str = "") -> ResponsePlan:
         """``request`` checked for ``tenant``: 400 for what cannot run, 404 for an unknown
-        ``previous_response_id``, 409 when it is not the newest of its conversation."""
+        ``previous_response_id``, 409 when it is not the newest of its conversation; what the
+        input breaks names ``input`` as its ``param``."""
         salt = kv_namespace(tenant, request.cache_salt)
-        from_input, messages = leading_system(messages_from_openai(request.input_messages()))
+        with _about_input():
+            from_input, messages = leading_system(messages_from_openai(request.input_messages()))
         instructions = "\n\n".join(t for t in (request.instructions, from_input) if t is not None) or None
         base = self.agents.agent(instructions=instructions, tools=request.function_tools(),
                                  tool_choice=request.tool_choice_name(),
@@ -90,6 +100,8 @@ class Responses:
         policy = Truncation() if request.truncation == "auto" and base.policy is None else base.policy
         agent = dataclasses.replace(base, generation=request.generation_config(self.agents.defaults),
                                     policy=None if request.truncation == "disabled" else policy)
+        agent = reserving_answer(agent, request.max_output_tokens, self.runs.runtime.engine.max_context_len,
+                                 param="max_output_tokens")
         previous = None
         if request.store or request.previous_response_id is not None:
             store = self._require_store(request)
@@ -98,16 +110,18 @@ class Responses:
                 await self._refuse_superseded(store, previous)
         history = await self._history(previous)
         if not request.store:
-            return ResponsePlan(request, tenant, salt, base, agent, messages, previous,
-                                self.runs.prepare(agent, [*history, *messages], salt=salt))
+            with _about_input():
+                prepared = self.runs.prepare(agent, [*history, *messages], salt=salt)
+            return ResponsePlan(request, tenant, salt, base, agent, messages, previous, prepared)
         # NOTE: what the run would refuse is refused here, so a stream never starts on it
         self.runs.refuse_if_full()
         assert self.conversations is not None
         if previous is not None and self.conversations.is_running(previous.session_id):
             raise SessionBusy(previous.session_id, "another response is being generated in it")
-        checked_input(agent, history, messages)
-        if agent.policy is None:
-            self.runs.fitting_prompt(agent, [*history, *messages])
+        with _about_input():
+            checked_input(agent, history, messages)
+            if agent.policy is None:
+                self.runs.fitting_prompt(agent, [*history, *messages])
         return ResponsePlan(request, tenant, salt, base, agent, messages, previous)
 
     async def _history(self, previous: ResponseRecord | None) -> list[Message]:
@@ -133,18 +147,26 @@ class Responses:
                            "history as input", "response_superseded", "previous_response_id")
 
     # ---- running ------------------------------------------------------------------------
-    async def stream(self, plan: ResponsePlan) -> AsyncIterator[dict[str, Any]]:
+    async def stream(self, plan: ResponsePlan, *, note: AccessNote | None = None,
+                     stop: anyio.Event | None = None) -> AsyncIterator[dict[str, Any]]:
         """The stream events of the response: ``response.created`` once the input is accepted and
-        the run has begun, ``response.completed`` (or ``.incomplete``) last, once it is stored."""
+        the run has begun, ``response.completed`` (or ``.incomplete``) last, once it is stored.
+        Once ``stop`` is set (the server is shutting down) the run is stopped at its next event and
+        the stream ends with ``response.failed``; nothing is stored (as for any unfinished run)."""
         response_id, created = new_id("resp"), int(time.time())
+        note = note or AccessNote()
+        note.update(id=response_id)
         output = ResponseOutput()
         body: dict[str, Any] | None = None
         async with self.runs.admitted():
             session = await self._conversation(plan) if plan.request.store else None
+            note.update(session=session.id if session is not None else plan.request.user)
             try:
                 events = self._stored_events(plan, session) if session else self._unstored_events(plan)
                 async with aclosing(events) as run:
                     async for event in run:
+                        if stop is not None and stop.is_set():
+                            raise _Stopped
                         if output.sequence == 0:  # NOTE: the input was accepted: the response exists now
                             pending = response_object(plan.request, response_id, self.model_id, created, [],
                                                       status="in_progress")
@@ -158,18 +180,25 @@ class Responses:
                 if session is not None:
                     assert self.store is not None
                     await self.store.save_response(response_id, session.id, body, owner=plan.owner)
-            except BaseException:
+            except BaseException as error:
                 if session is not None and plan.previous is None:  # a conversation no response refers to
                     with anyio.CancelScope(shield=True):
                         await self._drop(session.id)
-                raise
+                if not isinstance(error, _Stopped):
+                    raise
+        if body is None:  # stopped
+            failed = response_object(plan.request, response_id, self.model_id, created, [], status="failed",
+                                     error={"code": "server_error", "message": SHUTTING_DOWN})
+            yield output.event("response.failed", response=failed)
+            return
+        note.update(cached_tokens=body["usage"]["input_tokens_details"]["cached_tokens"])
         kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
         yield output.event(kind, response=body)
 
-    async def create(self, plan: ResponsePlan) -> dict[str, Any]:
+    async def create(self, plan: ResponsePlan, *, note: AccessNote | None = None) -> dict[str, Any]:
         """The ``response`` object, once the run is over (and the response stored)."""
         body: dict[str, Any] = {}
-        async for event in self.stream(plan):
+        async for event in self.stream(plan, note=note):
             if event["type"] in ("response.completed", "response.incomplete"):
                 body = event["response"]
         return body
@@ -244,3 +273,13 @@ class Responses:
     async def aclose(self) -> None:
         if self.conversations is not None:
             await self.conversations.aclose()
+
+
+@contextmanager
+def _about_input() -> Iterator[None]:
+    """What the block refuses (bad, misplaced or oversized input) names ``input`` as its param."""
+    try:
+        yield
+    except (ContextOverflowError, UserError, ValueError) as error:
+        api = as_api_error(error)
+        raise ApiError(api.status, api.message, api.code, "input") from error

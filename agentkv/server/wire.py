@@ -15,11 +15,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from agentkv.cache_breaks import CacheBreak
 from agentkv.chat.messages import ToolCall
 from agentkv.engine.base import GenerationConfig, GenerationMetrics
+from agentkv.server.logprobs_wire import MAX_TOP_LOGPROBS, chat_logprobs
 from agentkv.server.request_agents import AgentDefaults
 
 
@@ -28,9 +29,9 @@ class StreamOptions(BaseModel):
 
 
 class ChatCompletionRequest(BaseModel):
-    """``POST /v1/chat/completions``. Fields OpenAI defines that change nothing here (``logprobs``
-    off, ``metadata``…) are accepted and ignored; ones that would change the answer and are not
-    supported (``n`` > 1) are refused."""
+    """``POST /v1/chat/completions``. Fields OpenAI defines that change nothing here (``metadata``…)
+    are accepted and ignored; ones that would change the answer, or ask for what is not
+    supported (``n`` > 1), are refused."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -55,6 +56,21 @@ class ChatCompletionRequest(BaseModel):
     """Namespaces cached prefixes within an API key, as vLLM's ``cache_salt``: requests with
     different salts never share KV."""
     n: int = 1
+    logprobs: bool | None = None
+    """Return each answer token's log-probability (``choices[].logprobs.content``)."""
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    """With ``logprobs``: this many most likely alternatives per token (0..20)."""
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: send logprobs=true with it (or drop top_logprobs)")
+        return value
+
+    def logprob_count(self) -> int | None:
+        """Alternatives per token for ``GenerationConfig.logprobs`` (None: log-probabilities off)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("n")
     @classmethod
@@ -76,7 +92,7 @@ class ChatCompletionRequest(BaseModel):
         return sampling(defaults, max_tokens=self.max_completion_tokens or self.max_tokens,
                         temperature=self.temperature, top_p=self.top_p, seed=self.seed, stop_strings=stops,
                         presence_penalty=self.presence_penalty or 0.0,
-                        frequency_penalty=self.frequency_penalty or 0.0)
+                        frequency_penalty=self.frequency_penalty or 0.0, logprobs=self.logprob_count())
 
     def tool_choice_name(self) -> str:
         """``tool_choice`` as an ``Agent`` takes it: auto / none / required / a tool's name."""
@@ -157,18 +173,23 @@ FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 def completion(request_id: str, model: str, created: int, message: dict[str, Any], finish: FinishReason,
-               usage_: dict[str, Any], extension: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A ``chat.completion`` object with one choice (and agentkv's ``extension`` field)."""
+               usage_: dict[str, Any], extension: dict[str, Any] | None = None,
+               logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A ``chat.completion`` object with one choice (and agentkv's ``extension`` field);
+    ``logprobs`` the answer's ``logprob_entries`` when the request asked for them."""
     body = {"id": request_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+            "choices": [{"index": 0, "message": message, "finish_reason": finish,
+                         "logprobs": chat_logprobs(logprobs)}],
             "usage": usage_}
     return {**body, "agentkv": extension} if extension is not None else body
 
 
 def chunk(request_id: str, model: str, created: int, delta: dict[str, Any], finish: FinishReason | None = None,
-          usage_: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A ``chat.completion.chunk``; with ``usage_`` the final usage chunk (no choices)."""
+          usage_: dict[str, Any] | None = None, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A ``chat.completion.chunk``; with ``usage_`` the final usage chunk (no choices);
+    ``logprobs`` the ``logprob_entries`` of the tokens behind the delta's text."""
     body: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
     if usage_ is not None:
         return {**body, "choices": [], "usage": usage_}
-    return {**body, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+    return {**body, "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
+                                 "logprobs": chat_logprobs(logprobs)}]}

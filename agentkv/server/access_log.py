@@ -1,0 +1,78 @@
+"""AccessLog: one line per HTTP request on the ``agentkv.server.access`` logger — method, path,
+status, duration (to the last byte of a stream), and what the route noted: the completion or
+response id, the session, the prompt tokens whose KV was reused.
+
+::
+
+    app.add_middleware(AccessLog)
+    AccessNote.of(request).update(id="resp_1", session="sess_1", cached_tokens=120)   # in a route
+    # → POST /v1/responses 200 412.3ms id=resp_1 session=sess_1 cached_tokens=120
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from starlette.requests import Request
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+ACCESS_LOGGER = logging.getLogger("agentkv.server.access")
+
+
+@dataclass
+class AccessNote:
+    """What a route tells the access log about its request (None: not known)."""
+
+    id: str | None = None
+    """The ``chatcmpl-…`` / ``resp_…`` id."""
+    session: str | None = None
+    """The pinned chat session, or the stored conversation of a response."""
+    cached_tokens: int | None = None
+    """Prompt tokens whose KV was reused instead of computed."""
+
+    @classmethod
+    def of(cls, request: Request) -> AccessNote:
+        """The request's note (a fresh one outside ``AccessLog``)."""
+        note = request.scope.setdefault("state", {}).setdefault("access_note", cls())
+        assert isinstance(note, cls)
+        return note
+
+    def update(self, *, id: str | None = None, session: str | None = None, cached_tokens: int | None = None) -> None:
+        """Set the fields given (the others keep their value)."""
+        self.id = id or self.id
+        self.session = session or self.session
+        self.cached_tokens = self.cached_tokens if cached_tokens is None else cached_tokens
+
+
+class AccessLog:
+    """ASGI middleware writing the access line once the response is sent (or the client left)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        note = AccessNote()
+        scope.setdefault("state", {})["access_note"] = note
+        status = 0  # NOTE: stays 0 when no response started (the client hung up first)
+        started = time.perf_counter()
+
+        async def watched(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except BaseException:
+            status = status or 500  # an unhandled error: the error middleware outside answers 500
+            raise
+        finally:
+            ACCESS_LOGGER.info("%s %s %d %.1fms id=%s session=%s cached_tokens=%s", scope["method"], scope["path"],
+                               status, (time.perf_counter() - started) * 1000, note.id or "-", note.session or "-",
+                               "-" if note.cached_tokens is None else note.cached_tokens)
