@@ -18,7 +18,6 @@ loop is in ``cli_chat``, the agent options in ``cli_agent``, printing in ``cli_d
 
 from __future__ import annotations
 
-import inspect
 import sys
 from collections.abc import Callable
 from typing import Optional
@@ -33,13 +32,15 @@ from agentkv.cli_agent import AgentOptions, PolicyName
 from agentkv.cli_chat import EXIT_INTERRUPTED, ChatRequest, run_chat
 from agentkv.cli_config import ENVIRONMENT_HELP, open_store, parse_age
 from agentkv.chat.messages import pending_tool_calls
-from agentkv.cli_display import format_call, show_message
+from agentkv.cli_display import format_call, sessions_table, show_message
 from agentkv.errors import AgentKVError, UserError
+from agentkv.leases import live_pid_here
 from agentkv.session_stats import session_stats
 
+# NOTE: rich_markup_mode=None: click's plain help wraps at any width; rich's tables cut words at 80 columns
 app = typer.Typer(help="agentkv: agents whose conversations keep their KV cache alive.",
-                  epilog=ENVIRONMENT_HELP, no_args_is_help=True)
-sessions_app = typer.Typer(help="Stored sessions.", no_args_is_help=True)
+                  epilog=ENVIRONMENT_HELP, no_args_is_help=True, rich_markup_mode=None)
+sessions_app = typer.Typer(help="Stored sessions.", no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(sessions_app, name="sessions")
 out = Console()
 err = Console(stderr=True)
@@ -53,13 +54,16 @@ MODEL_HELP = ("GGUF file or OpenVINO IR directory (default: $AGENTKV_MODEL, else
 def chat(
     session: Optional[str] = typer.Option(None, "--session", "-s", help="Continue this stored session."),
     agent: Optional[str] = typer.Option(
-        None, "--agent", "-a", help="Agent name (default: the session's agent, else 'assistant'). "
+        None, "--agent", "-a", help="Agent name (default: the session's agent, else 'assistant', or "
+        "'assistant+tools' with --tools, 'assistant+system-HASH' with --system: each stored as itself). "
         "A stored agent is used as stored; options may not give it other instructions or tools."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
     db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
     metrics: bool = typer.Option(False, "--metrics", help="Print per-turn token and timing metrics."),
     tools: Optional[bool] = typer.Option(
-        None, "--tools/--no-tools", help="Give the agent the calculator and clock tools (or none)."),
+        None, "--tools/--no-tools", help="Give the agent the calculator and clock tools (or none). Each "
+        "message is then answered by one tool call, whose result is the answer: the default model "
+        "does not pick tools by itself, nor read their results back."),
     system: Optional[str] = typer.Option(None, "--system", help="The agent's instructions (system prompt)."),
     policy: Optional[PolicyName] = typer.Option(
         None, "--policy", case_sensitive=False,
@@ -71,7 +75,8 @@ def chat(
     temperature: Optional[float] = typer.Option(
         None, "--temperature", min=0.0, help="0 is greedy (the default); higher samples more freely."),
 ) -> None:
-    """Chat on stdin; answers stream to stdout. Ctrl-C stops an answer; a second Ctrl-C exits."""
+    """Chat on stdin; answers stream to stdout. /help lists the commands, /quit (or Ctrl-D)
+    leaves; Ctrl-C stops an answer, a second Ctrl-C exits."""
     options = AgentOptions(system=system, tools=tools, policy=policy, max_prompt_len=max_prompt_len,
                            max_new_tokens=max_new_tokens, temperature=temperature)
     _run_chat(ChatRequest(session, agent, options, model, db, metrics))
@@ -96,18 +101,17 @@ def _run_chat(request: ChatRequest) -> None:
 
 @sessions_app.command("list")
 def sessions_list(db: Optional[str] = typer.Option(None, "--db", help=DB_HELP)) -> None:
-    """Every stored session, newest first; a fork shows its parent and fork point (parent@seq)
-    and counts only its own messages."""
+    """Every stored session, newest first.
+
+    Columns: id; agent; updated (UTC); messages: every stored message, in the window or out of
+    it (a fork counts only its own); window tokens: the tokens of the messages still in the
+    context window, as rendered into the prompt (what a resume's KV holds besides the system
+    prompt and tool schemas; `sessions show ID --kv` gives the KV size in bytes); fork of: the
+    parent and the fork point (parent@seq), shown when some session is a fork."""
 
     async def run() -> None:
         async with open_store(db) as store:
-            table = Table("agent", "updated", "messages", "tokens", "fork of")
-            table.add_column("id", no_wrap=True, min_width=32)
-            for s in await store.list_sessions():
-                fork = f"{s.parent_id[:8]}@{s.fork_seq}" if s.parent_id else ""
-                table.add_row(s.agent_name, s.updated_at.strftime("%Y-%m-%d %H:%M"),
-                              str(s.message_count), str(s.total_tokens), fork, s.id)
-            out.print(table)
+            out.print(sessions_table(await store.list_sessions()))
 
     _guard(lambda: anyio.run(run))
 
@@ -210,12 +214,19 @@ def sessions_prune(
 
 
 @sessions_app.command("export")
-def sessions_export(session_id: str, db: Optional[str] = typer.Option(None, "--db", help=DB_HELP)) -> None:
-    """The history as JSONL in OpenAI chat-message format."""
+def sessions_export(
+    session_id: str,
+    window: bool = typer.Option(False, "--window", help="Only the messages in the context window: the "
+                                "conversation as the model reads it, a valid OpenAI messages list."),
+    db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
+) -> None:
+    """The history as JSONL in OpenAI chat-message format: the agent's system prompt first, then
+    every stored message; one out of the window (rewound, or compacted away by a policy) carries
+    "agentkv": {"in_window": false, "seq": N}."""
 
     async def run() -> None:
         async with open_store(db) as store:
-            sys.stdout.write(await store.export_jsonl(session_id))
+            sys.stdout.write(await store.export_jsonl(session_id, in_window_only=window))
 
     _guard(lambda: anyio.run(run))
 
@@ -234,22 +245,35 @@ def sessions_rm(session_id: str, db: Optional[str] = typer.Option(None, "--db", 
 
 
 @sessions_app.command("unlock")
-def sessions_unlock(session_id: str, db: Optional[str] = typer.Option(None, "--db", help=DB_HELP)) -> None:
+def sessions_unlock(
+    session_id: str,
+    force: bool = typer.Option(False, "--force", help="Release it even from a process still running on this "
+                               "host: that run then stops at its next write, and a tool it is running "
+                               "gets its result recorded by no one."),
+    db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
+) -> None:
     """Release a session's lease left by a crashed or stuck process, so it can run again now.
 
-    Only for a holder that is gone: a process still running the session keeps writing to it.
+    Refused while the holder is a process still running on this host (unless --force): stop
+    it first. A holder on another host cannot be checked from here: make sure it is gone.
     """
 
     async def run() -> None:
         async with open_store(db) as store:
-            if "force" not in inspect.signature(store.release_lease).parameters:
-                raise UserError("this agentkv cannot force-release a lease (Store.release_lease has "
-                                "no force=); wait for the lease to expire, then run the session")
+            current = (await store.get_session(session_id)).lease_holder
+            pid = live_pid_here(current) if current is not None else None
+            if pid is not None and not force:
+                raise UserError(
+                    f"session {session_id} is held by {current}, process {pid} still running on this host; "
+                    f"stop it first (kill {pid}), or pass --force: its run then stops at its next write "
+                    "and a tool call it is running gets no result from it")
             holder = await store.release_lease(session_id, force=True)
             if holder is None:
-                err.print(f"session {session_id} was not leased; nothing to release")
+                err.print(f"session {session_id} was not leased; nothing to release", soft_wrap=True)
             else:
-                err.print(f"released the lease of session {session_id}, held by {escape(str(holder))}")
+                err.print(f"released the lease of session {session_id}, held by {escape(str(holder))}"
+                          + (f" (process {pid} still runs: its next write to the session will be refused)"
+                             if pid is not None else ""), soft_wrap=True, highlight=False)
 
     _guard(lambda: anyio.run(run))
 
@@ -310,7 +334,7 @@ def _guard(action: Callable[[], int | None]) -> int | None:
             raise typer.Exit(EXIT_INTERRUPTED) from None
         if not isinstance(error, AgentKVError):
             raise
-        err.print(f"[red]error:[/red] {escape(str(error))}", highlight=False)
+        err.print(f"[red]error:[/red] {escape(str(error))}", highlight=False, soft_wrap=True)
         raise typer.Exit(getattr(error, "exit_code", 1)) from None
 
 

@@ -7,11 +7,14 @@
 
 A stored agent is never silently redefined: options that ask for other instructions or tools
 than the stored agent's raise ``AgentClash``; options the user leaves out keep the stored values.
+Without ``--agent``, ``--tools`` and ``--system`` pick a variant of the CLI's default agent with
+a name of its own (``default_agent_name``), so what one chat asked for never sticks to the next.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 from dataclasses import dataclass
 from enum import Enum
@@ -31,6 +34,13 @@ DEFAULT_AGENT = "assistant"
 DEFAULT_INSTRUCTIONS = "You are a helpful assistant. Answer briefly."
 CLI_TOOLS: tuple[Tool, ...] = tuple(BUILTIN_TOOLS.values())
 """What ``--tools`` gives the agent: every built-in tool."""
+TOOL_RESULT_ECHO = "<tool_response>"
+"""What the default model writes after a tool result: it wraps the result in the markup it was
+trained on instead of answering (measured: every time, on each plugin profile)."""
+TOOLS_SETTINGS: dict[str, object] = {"tool_choice": "required", "parallel_tool_calls": False}
+"""How ``--tools`` runs: the default model (135M) never chose a tool by itself (it looped
+"17 * 23 = 17 * 23 = …"), so each message's first step is a grammar-forced call, one per step;
+the answer step stops at ``TOOL_RESULT_ECHO``, so the tool's result is the answer."""
 
 
 class PolicyName(str, Enum):
@@ -84,6 +94,19 @@ class AgentOptions:
             raise CLIUsageError("--system must not be empty; leave it out for the default instructions")
 
 
+def default_agent_name(options: AgentOptions) -> str:
+    """The CLI's default agent for these options: ``assistant``; with ``--tools``
+    ``assistant+tools``; with ``--system`` a suffix from a hash of the instructions
+    (``assistant+system-1a2b3c4d``). Each variant is stored as itself and its sessions resume
+    with it; ``--no-tools`` and no ``--system`` are the plain default."""
+    name = DEFAULT_AGENT
+    if options.system is not None and options.system != DEFAULT_INSTRUCTIONS:
+        name += "+system-" + hashlib.sha256(options.system.encode()).hexdigest()[:8]
+    if options.tools:
+        name += "+tools"
+    return name
+
+
 async def resolve_agent(store: Store, name: str, options: AgentOptions) -> tuple[Agent, list[str]]:
     """The agent to run and the stored settings the options change (for a notice).
 
@@ -127,11 +150,16 @@ def refuse_clash(record: AgentRecord, options: AgentOptions) -> None:
 def apply_options(base: Agent, options: AgentOptions) -> Agent:
     """``base`` with the given options applied (``CLIUsageError`` for an invalid combination)."""
     changes: dict[str, object] = {}
+    config = base.generation
     if options.system is not None:
         changes["instructions"] = options.system
     if options.tools is not None:
         same = {t.name for t in base.tools} == {t.name for t in CLI_TOOLS}
         changes["tools"] = (base.tools if same else CLI_TOOLS) if options.tools else ()
+        if options.tools and not same:
+            changes.update(TOOLS_SETTINGS)
+            config = config.model_copy(update={"stop_strings": (*config.stop_strings, TOOL_RESULT_ECHO)})
+            changes["generation"] = config
     if options.policy is not None:
         changes["policy"] = POLICIES[options.policy]()
     if options.max_prompt_len is not None:
@@ -142,8 +170,7 @@ def apply_options(base: Agent, options: AgentOptions) -> Agent:
                                     ("temperature", options.temperature)) if v is not None}
     try:
         if generation:
-            changes["generation"] = GenerationConfig.model_validate(
-                {**base.generation.model_dump(), **generation})
+            changes["generation"] = GenerationConfig.model_validate({**config.model_dump(), **generation})
         agent = dataclasses.replace(base, **changes)
     except (ValidationError, UserError) as error:
         raise CLIUsageError(f"these options do not make a valid agent: {error}") from None

@@ -14,6 +14,7 @@ session is created at the first message, so opening and leaving a chat stores no
 from __future__ import annotations
 
 import math
+import re
 import signal
 import sys
 import threading
@@ -29,7 +30,7 @@ from rich.console import Console
 
 from agentkv.agent import Agent
 from agentkv.chat.messages import Message
-from agentkv.cli_agent import DEFAULT_AGENT, AgentOptions, CLIUsageError, check_window, resolve_agent
+from agentkv.cli_agent import AgentOptions, CLIUsageError, check_window, default_agent_name, resolve_agent
 from agentkv.cli_config import model_choice, open_store
 from agentkv.cli_display import TurnPrinter
 from agentkv.conversation import Conversation
@@ -43,6 +44,25 @@ EXIT_INTERRUPTED = 130
 """Exit code after Ctrl-C (128 + SIGINT), as shells report it."""
 DOUBLE_PRESS_S = 1.0
 """A second Ctrl-C within this many seconds exits, even if a new answer has started."""
+START_NOTE = "Type a message and press Enter; /help lists the commands, /quit leaves."
+"""Printed (on stderr) when a chat starts."""
+HELP = """Commands (a line holding only the command):
+  /help          this list
+  /quit, /exit   leave the chat (as Ctrl-D at the start of a line does)
+Ctrl-C stops the answer being written (the session stays usable); a second Ctrl-C leaves.
+The session is stored from its first message on: `agentkv resume ID` continues it."""
+"""What ``/help`` prints."""
+INVALID_INPUT_NOTE = ("that line was not valid UTF-8: the bytes that could not be read were "
+                      "replaced by \ufffd (U+FFFD) before it was sent")
+COMMANDS = {"/quit": "quit", "/exit": "quit", "/help": "help", "/?": "help"}
+
+
+def chat_command(text: str) -> str | None:
+    """"quit" or "help" for a command line, the line itself for an unknown ``/word``, None for a
+    message (any other text, e.g. a path such as ``/etc/hosts is missing``)."""
+    if not re.fullmatch(r"/[A-Za-z?]+", text):
+        return None
+    return COMMANDS.get(text.lower(), text)
 
 
 def load_engine(model: str | None) -> Engine:
@@ -92,12 +112,13 @@ class Interrupts:
 
 
 class LineReader:
-    """Lines of a text stream read ahead by a daemon thread: cancelling a read loses no line,
-    and a read blocked on a terminal never delays the process's exit."""
+    """Lines of stdin read ahead by a daemon thread: cancelling a read loses no line, and a read
+    blocked on a terminal never delays the process's exit. Bytes that are not valid in the
+    stream's encoding (UTF-8) become U+FFFD, so any input is text the model can read."""
 
     def __init__(self, stream: TextIO) -> None:
         self._stream = stream
-        self._send, self._receive = anyio.create_memory_object_stream[str | None](math.inf)
+        self._send, self._receive = anyio.create_memory_object_stream[InputLine | None](math.inf)
 
     def start(self) -> None:
         """Start reading (call from the event loop)."""
@@ -105,17 +126,44 @@ class LineReader:
         threading.Thread(target=self._pump, args=(token,), name="agentkv-stdin", daemon=True).start()
 
     def _pump(self, token: object) -> None:
-        line: str | None = ""
+        line: InputLine | None = None
         try:
-            while line is not None:
-                line = self._stream.readline() or None
+            while (line := self._next_line()) is not None:
                 anyio.from_thread.run_sync(self._send.send_nowait, line, token=token)
         except Exception:  # the loop has ended, or the stream was closed: nobody is reading
-            return
+            line = None
+        finally:
+            if line is None:  # NOTE: end of input (or a failed read) must still end the chat
+                try:
+                    anyio.from_thread.run_sync(self._send.send_nowait, None, token=token)
+                except Exception:
+                    return
 
-    async def readline(self) -> str | None:
+    def _next_line(self) -> InputLine | None:
+        raw = getattr(self._stream, "buffer", None)
+        if raw is None:  # a text stream without bytes underneath (already decoded)
+            text = self._stream.readline()
+            return InputLine(text, replaced=False) if text else None
+        data = raw.readline()
+        if not data:
+            return None
+        encoding = self._stream.encoding or "utf-8"
+        try:
+            return InputLine(data.decode(encoding), replaced=False)
+        except UnicodeDecodeError:
+            return InputLine(data.decode(encoding, errors="replace"), replaced=True)
+
+    async def readline(self) -> InputLine | None:
         """The next line, or None at end of input."""
         return await self._receive.receive()
+
+
+@dataclass(frozen=True)
+class InputLine:
+    """A line of input and whether bytes in it were invalid and replaced by U+FFFD."""
+
+    text: str
+    replaced: bool
 
 
 async def run_chat(request: ChatRequest, out: Console, err: Console) -> int:
@@ -166,7 +214,7 @@ async def _chat(request: ChatRequest, interrupts: Interrupts, out: Console, err:
 async def _prepare(store: Store, request: ChatRequest, err: Console) -> tuple[Agent, SessionRecord | None]:
     """The agent (clashes refused before the model loads) and the session to resume, if any."""
     record = None
-    name = request.agent_name or DEFAULT_AGENT
+    name = request.agent_name or default_agent_name(request.options)
     if request.session_id is not None:
         record = await store.get_session(request.session_id)
         if request.agent_name is not None and request.agent_name != record.agent_name:
@@ -196,22 +244,51 @@ class _Chat:
         reader = LineReader(sys.stdin)
         reader.start()
         interactive = sys.stdin.isatty()
+        self.err.print(f"[dim]{START_NOTE}[/dim]", highlight=False)
         while True:
             if interactive:
                 self.out.print("[bold]you>[/bold] ", end="")
             line = await reader.readline()
             if line is None:
                 break
-            text = line.strip()
+            text = line.text.strip()
             if not text:
                 continue
+            if line.replaced:
+                self.err.print(f"[yellow]{INVALID_INPUT_NOTE}[/yellow]", highlight=False)
+            command = chat_command(text)
+            if command == "quit":
+                break
+            if command is not None:
+                self.err.print(HELP if command == "help" else f"unknown command {command}; /help lists "
+                               "the commands (to send it as text, write it with a double slash: //word)",
+                               markup=False, highlight=False)
+                continue
+            if re.fullmatch(r"//[A-Za-z?]+", text):
+                text = text[1:]  # the escape for a message that looks like a command
             if self.session is None:
                 self.session = await self.runtime.open_session(self.agent)
                 self.err.print(f"session {self.session.id}")
-            await self.turn(self.session, text, interrupts)
+            try:
+                await self.turn(self.session, text, interrupts)
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await self._forget_if_empty()
         if interactive:
             self.out.print()
         return 1 if self.failed else 0
+
+    async def _forget_if_empty(self) -> None:
+        """Delete the session opened for this chat if its first turn stored nothing (a session
+        row exists only once a message is stored), so the next line opens a new one."""
+        session, store = self.session, self.runtime.store
+        if session is None or store is None or session.window or await store.messages(session.id):
+            return
+        await self.runtime.close_session(session)
+        await store.delete_session(session.id)
+        self.session = None
+        self.err.print(f"[dim]session {session.id} removed: its first turn stored nothing[/dim]",
+                       highlight=False)
 
     async def turn(self, session: Conversation, text: str, interrupts: Interrupts) -> None:
         """Run one user turn; Ctrl-C cancels it and keeps what was streamed."""

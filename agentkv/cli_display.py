@@ -14,9 +14,11 @@ import json
 from typing import Any
 
 from rich.console import Console
+from rich.table import Table
 
 from agentkv.chat.messages import Message, ToolCall
 from agentkv.events import RunEvent
+from agentkv.memory.records import SessionSummary
 from agentkv.result import RunResult
 
 FINISH_MARKERS = {
@@ -42,6 +44,25 @@ def show_message(console: Console, message: Message, *, in_window: bool) -> None
     lines = [message.content] if message.content or not message.tool_calls else []
     lines += [f"→ {format_call(call)}" for call in message.tool_calls]
     console.print("\n  ".join(lines), markup=False, highlight=False)
+
+
+def sessions_table(sessions: list[SessionSummary]) -> Table:
+    """``sessions list``'s table, readable at 80 columns: ids whole (other commands take them),
+    the agent name wraps, "fork of" only when some session is a fork."""
+    forks = [f"{s.parent_id[:8]}@{s.fork_seq}" if s.parent_id else "" for s in sessions]
+    table = Table(box=None, padding=(0, 1, 0, 0), pad_edge=False, header_style="bold underline")
+    table.add_column("id", no_wrap=True, min_width=32)
+    table.add_column("agent", overflow="fold", min_width=8)
+    table.add_column("updated", no_wrap=True)
+    table.add_column("msgs", justify="right", no_wrap=True)
+    table.add_column("window tokens", justify="right", width=6)
+    if any(forks):
+        table.add_column("fork of", no_wrap=True, min_width=max(map(len, forks)))
+    for s, fork in zip(sessions, forks):
+        row = [s.id, s.agent_name, s.updated_at.strftime("%m-%d %H:%M"), str(s.message_count),
+               str(s.in_window_tokens)]
+        table.add_row(*row, *([fork] if any(forks) else []))
+    return table
 
 
 def finish_reason(result: RunResult, eos_token_id: int | None, max_new_tokens: int) -> str:

@@ -1,6 +1,8 @@
 """Run it twice: the second run resumes the first run's session from its KV snapshot.
 
-State lives in ./.agentkv-example/ (a SQLite database and snapshot files).
+State lives in ./.agentkv-example/ (a SQLite database and snapshot files). The questions are the
+demo's, whose answers hold on every CPU-plugin profile (tests/test_demo_model.py); the second
+is asked after the resume, on the restored KV.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from agentkv.memory import Store
 
 HOME = Path(".agentkv-example")
 SESSION = "resume-example"
-AGENT = Agent(name="resumer", instructions="You are a concise assistant.",
+AGENT = Agent(name="resumer", instructions="You are a helpful assistant. Answer briefly.",
               generation=GenerationConfig(max_new_tokens=48))
 
 
@@ -28,11 +30,11 @@ async def main() -> None:
         report = session.resume_report
         print(f"resumed {SESSION}: {report.messages} messages; {report.restored_tokens} tokens of KV "
               "restored from the snapshot instead of re-prefilled")
-        question = "Thanks. Summarise what you told me in one sentence."
+        question = "Tell me one famous landmark there."
     else:
         session = await runtime.open_session(AGENT, session_id=SESSION)
         print(f"new session {SESSION} (run me again to resume it)")
-        question = "Give me two facts about the Moon."
+        question = "What is the capital of France?"
     result = await runtime.run(session, question)
     m = result.step_metrics[0]
     print(f"user> {question}\nassistant> {result.final_text}")

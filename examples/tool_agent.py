@@ -1,29 +1,37 @@
 """An agent with the calculator and the clock on the default model: streamed events and per-step metrics.
 
-The first step is grammar-constrained to a valid tool call (tool_choice="required"); the
-second step reads the tool result on top of the same KV session.
+The first step is grammar-constrained to one valid tool call (tool_choice="required",
+parallel_tool_calls=False); the second step reads the tool result on top of the same KV
+session. The default model (SmolLM2-135M) writes the right call (``calculator({"expression":
+"123 * 45"})``) but does not read a result back: it echoes it in ``<tool_response>`` markup,
+so the answer step stops there and the tool's result is the answer. A model that reads
+results back (``AGENTKV_MODEL``) runs without the stop string.
 """
 
 from __future__ import annotations
 
 import anyio
 
-from agentkv import Agent, GenerationConfig, Runtime, open_engine, calculator, clock
+from agentkv import Agent, GenerationConfig, Runtime, calculator, clock, open_engine
+
+AGENT = Agent(
+    name="tools",
+    instructions="Use tools for arithmetic and for the time.",
+    tools=[calculator, clock],
+    tool_choice="required",
+    parallel_tool_calls=False,
+    generation=GenerationConfig(max_new_tokens=64, stop_strings=("<tool_response>",)),
+    max_turns=3,
+)
+QUESTION = "What is 123 * 45?"
 
 
 async def main() -> None:
     engine = open_engine()
-    agent = Agent(
-        name="tools",
-        instructions="You are an assistant that uses tools for arithmetic and for the time.",
-        tools=[calculator, clock],
-        tool_choice="required",
-        generation=GenerationConfig(max_new_tokens=64),
-        max_turns=3,
-    )
     runtime = Runtime(engine)
-    session = await runtime.open_session(agent)
-    async for event in runtime.run_stream(session, "What is 123 * 45?"):
+    session = await runtime.open_session(AGENT)
+    print(f"user> {QUESTION}")
+    async for event in runtime.run_stream(session, QUESTION):
         if event.type == "text_delta":
             print(event.text, end="", flush=True)
         elif event.type == "tool_call":
@@ -32,9 +40,10 @@ async def main() -> None:
             print(f"← {event.content}{' (error)' if event.is_error else ''}")
         elif event.type == "turn_metrics":
             m = event.metrics
-            print(f"\n  [step {event.step}: reused {m.reused_tokens}, prefilled {m.prefilled_tokens}, "
+            print(f"  [step {event.step}: reused {m.reused_tokens}, prefilled {m.prefilled_tokens}, "
                   f"generated {m.generated_tokens}, TTFT {m.ttft_s * 1000:.0f} ms]")
     await runtime.aclose()
+    await engine.aclose()
 
 
 if __name__ == "__main__":

@@ -21,7 +21,9 @@ async def test_two_step_tool_loop_prefills_only_the_tool_result_delta(engine):
     runtime = Runtime(engine)
     session = await runtime.open_session(agent)
     result = await runtime.run(session, "What is 12 * 7?")
-    first, second = result.step_metrics[:2]
+    # the model call that produced the call and the one after its result (on some CPUs the first
+    # call is cut at 48 tokens and generated once more with room: that retry is the one that counts)
+    first, second = result.step_metrics[-2:]
     assert len(result.tool_calls) == 1
     assert result.tool_calls[0].name in {"calculator", "clock"}
     tool_message = session.messages[2]

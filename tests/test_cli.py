@@ -215,7 +215,9 @@ def test_chat_options_shape_the_agent(db, engines):
                  "--max-prompt-len", "2048", "--max-new-tokens", "64", "--temperature", "0.5",
                  input="hi\n")
     assert result.exit_code == 0, result.output
-    agent = agent_from_record(stored(db, lambda s: s.get_agent("assistant")))
+    (summary,) = stored(db, lambda s: s.list_sessions())
+    assert summary.agent_name.startswith("assistant+system-") and summary.agent_name.endswith("+tools")
+    agent = agent_from_record(stored(db, lambda s: s.get_agent(summary.agent_name)))
     assert agent.instructions == "Be terse."
     assert [t.name for t in agent.tools] == ["calculator", "clock"]
     assert isinstance(agent.policy, SlidingWindow)
@@ -379,3 +381,126 @@ def test_ctrl_c_cancels_the_answer_keeps_the_session_and_twice_exits_130(db):
     partial = messages[1].message.content
     assert partial.strip() and partial.strip() in "".join(child.out)
     assert messages[3].message.content.strip()
+
+
+# -- H: input a terminal can send (issue 23, item 5) -----------------------------------------
+
+def test_invalid_utf8_on_stdin_is_replaced_and_the_next_line_still_runs(db, engines):
+    engines.replies = [["Got it.", "Hi!"]]
+    result = CliRunner().invoke(app, ["chat", "--db", db], input=b"\xff\xfe bad \xc3\x28\nSay hi.\n")
+    assert result.exit_code == 0, result.output
+    assert "Traceback" not in result.output and "Hi!" in result.output
+    assert "not valid UTF-8" in result.output
+    first, second = engines[0].calls
+    assert "\ufffd\ufffd bad \ufffd(" in first.prompt_text and "Say hi." in second.prompt_text
+    (summary,) = stored(db, lambda s: s.list_sessions())
+    assert summary.message_count == 4
+
+
+def test_a_first_turn_that_stores_nothing_leaves_no_session_row(db, engines):
+    engines.replies = [["Short."]]
+    huge = "word " * 400                          # over the window: refused before it is recorded
+    result = cli("chat", "--db", db, "--max-prompt-len", "300", "--max-new-tokens", "16",
+                 input=f"{huge}\nhi\n")
+    assert result.exit_code == 1, result.output   # the refused turn is reported; the next one ran
+    assert "Short." in result.output
+    (summary,) = stored(db, lambda s: s.list_sessions())
+    assert summary.message_count == 2
+    only_refused = cli("chat", "--db", db, "--max-prompt-len", "300", "--max-new-tokens", "16",
+                       input=f"{huge}\n")
+    assert only_refused.exit_code == 1, only_refused.output
+    assert [s.id for s in stored(db, lambda s: s.list_sessions())] == [summary.id]
+
+
+# -- I: chat commands, help at 80 columns, the tokens column (issue 23, item 20) ------------
+
+def test_quit_and_exit_leave_the_chat_and_are_never_sent_to_the_model(db, engines):
+    for command in ("/quit", "/exit", "  /QUIT  "):
+        result = cli("chat", "--db", db, input=f"hi\n{command}\nnever sent\n")
+        assert result.exit_code == 0, result.output
+        assert [call.prompt_text.count("never sent") for call in engines[-1].calls] == [0]
+        assert "/quit" in result.output            # the commands are shown at the start
+
+
+def test_help_lists_the_chat_commands_and_stores_nothing(db, engines):
+    result = cli("chat", "--db", db, input="/help\n")
+    assert result.exit_code == 0, result.output
+    for command in ("/quit", "/exit", "/help", "Ctrl-C", "Ctrl-D"):
+        assert command in result.output
+    assert engines[0].calls == [] and stored(db, lambda s: s.list_sessions()) == []
+
+
+def test_an_unknown_command_says_so_and_is_not_sent(db, engines):
+    result = cli("chat", "--db", db, input="/qiut\n")
+    assert "unknown command /qiut" in result.output and engines[0].calls == []
+
+
+def test_a_double_slash_sends_a_command_like_line_as_text(db, engines):
+    result = cli("chat", "--db", db, input="//quit\n")
+    assert result.exit_code == 0, result.output
+    [call] = engines[0].calls
+    assert "/quit" in call.prompt_text and "//quit" not in call.prompt_text
+
+
+@pytest.mark.parametrize("args", [["--help"], ["chat", "--help"], ["serve", "--help"],
+                                  ["sessions", "--help"], ["sessions", "list", "--help"]])
+def test_help_is_readable_at_80_columns(args):
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    too_long = [line for line in result.output.splitlines() if len(line) > 80]
+    assert not too_long and "…" not in result.output, result.output
+
+
+def test_sessions_list_fits_80_columns_and_names_its_token_column(db, engines):
+    for _ in range(2):
+        assert cli("chat", "--db", db, "--agent", "a-rather-long-agent-name", input="hi\n").exit_code == 0
+    sid = stored(db, lambda s: s.list_sessions())[0].id
+    assert cli("sessions", "fork", sid, "--db", db).exit_code == 0
+    result = CliRunner().invoke(app, ["sessions", "list", "--db", db], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    assert all(len(line) <= 80 for line in result.output.splitlines()), result.output
+    assert "…" not in result.output
+    summaries = stored(db, lambda s: s.list_sessions())
+    for s in summaries:
+        assert s.id in result.output                 # ids whole: they are what other commands take
+        if s.parent_id:
+            assert f"{s.parent_id[:8]}@{s.fork_seq}" in result.output
+    assert "window" in result.output and "msgs" in result.output
+    explained = cli("sessions", "list", "--help").output
+    assert "window tokens" in explained and "KV" in explained
+
+
+def test_tools_for_one_chat_do_not_become_the_default_agents_for_good(db, engines):
+    with_tools = cli("chat", "--db", db, "--tools", input="hi\n")
+    assert with_tools.exit_code == 0, with_tools.output
+    assert '"calculator"' in engines[0].calls[0].prompt_text
+    plain = cli("chat", "--db", db, input="hi\n")
+    assert plain.exit_code == 0, plain.output
+    assert '"calculator"' not in engines[1].calls[0].prompt_text
+    without = cli("chat", "--db", db, "--no-tools", input="hi\n")
+    assert without.exit_code == 0, without.output
+    assert '"calculator"' not in engines[2].calls[0].prompt_text
+    # the session that ran with tools resumes with them
+    again = cli("resume", session_id_in(with_tools.output), "--db", db, input="more\n")
+    assert again.exit_code == 0, again.output
+    assert '"calculator"' in engines[3].calls[0].prompt_text
+
+
+# -- J: export (issue 23, item 21) --------------------------------------------------------------
+
+def test_sessions_export_starts_with_the_system_prompt_and_marks_rewound_messages(db, engines):
+    import json
+
+    engines.replies = [["One.", "Two."]]
+    first = cli("chat", "--db", db, "--agent", "e", input="first\nsecond\n")
+    sid = session_id_in(first.output)
+    assert cli("sessions", "rewind", sid, "--before", "3", "--db", db).exit_code == 0
+    exported = cli("sessions", "export", sid, "--db", db)
+    assert exported.exit_code == 0, exported.output
+    lines = [json.loads(line) for line in exported.output.splitlines()]
+    assert lines[0] == {"role": "system", "content": "You are a helpful assistant. Answer briefly."}
+    assert [m["content"] for m in lines[1:]] == ["first", "One.", "second", "Two."]
+    assert [m.get("agentkv", {}).get("in_window", True) for m in lines[1:]] == [True, True, False, False]
+    window = cli("sessions", "export", sid, "--window", "--db", db)
+    assert [json.loads(line)["content"] for line in window.output.splitlines()] == [lines[0]["content"],
+                                                                                     "first", "One."]
