@@ -66,7 +66,6 @@ from agentkv.events import (
 from agentkv.approvals import Decisions
 from agentkv.result import RunResult
 from agentkv.run_input import RunInput
-from agentkv.runner import Runner
 from agentkv.runtime import Runtime
 from agentkv.tools import Tool, ToolOutcome, calculator, clock, run_tool_calls, tool
 
@@ -79,7 +78,7 @@ __all__ = [
     "Agent", "AgentKVError", "ApprovalRequired", "CacheBreak", "CacheBroken", "ConstraintError", "ContextCompacted", "ContextOverflowError", "Conversation",
     "Decisions", "Engine", "GenerationConfig", "GenerationMetrics", "GenerationResult", "GenerationStream", "KVSession",
     "KVSnapshot", "MaxTurnsExceeded", "Message", "ModelNotFound", "PagedEngine", "RunEvent", "RunFinished",
-    "RunInput", "RunResult", "Runner", "Runtime", "ResponseNotFound", "SessionBusy", "SessionClosed", "SessionNotFound", "SnapshotCorrupt",
+    "RunInput", "RunResult", "Runtime", "ResponseNotFound", "SessionBusy", "SessionClosed", "SessionNotFound", "SnapshotCorrupt",
     "SnapshotIncompatible", "StatefulEngine", "open_engine", "StepFinished", "TextDelta", "Tool", "ToolCall", "ToolCalled",
     "ToolOutcome", "ToolReturned", "UserError", "calculator", "clock", "messages_from_openai", "run_tool_calls",
     "tool",
@@ -90,25 +89,7 @@ __all__ = [
 ]
 
 
-_DEPRECATED = {
-    "AgentSession": ("agentkv.conversation", "Conversation"),
-    "ToolCallEvent": ("agentkv.events", "ToolCalled"),
-    "ToolResultEvent": ("agentkv.events", "ToolReturned"),
-    "TurnMetricsEvent": ("agentkv.events", "StepFinished"),
-    "TokenDelta": ("agentkv.engine.base", "TokenDelta"),
-}
-"""Old public names, kept for one release: ``name -> (module, new name)``."""
-
-
 def __getattr__(name: str) -> Any:
-    if name in _DEPRECATED:
-        import importlib
-        import warnings
-
-        module, new = _DEPRECATED[name]
-        where = "agentkv" if module != "agentkv.engine.base" else module
-        warnings.warn(f"agentkv.{name} is deprecated: use {where}.{new}", DeprecationWarning, stacklevel=2)
-        return getattr(importlib.import_module(module), new)
     # The engines import OpenVINO: load them only when asked for.
     if name == "StatefulEngine":
         from agentkv.engine.stateful import StatefulEngine

@@ -1,9 +1,9 @@
 """Conversation: one conversation — its KV session, its message window, and where messages are recorded.
 
-Opened by ``Runtime.open_session(agent)`` (or ``Runtime.resume(id)``) and passed to the runner::
+Opened by ``Runtime.open_session(agent)`` (or ``Runtime.resume(id)``) and run by the runtime::
 
     session = await runtime.open_session(agent)
-    result = await Runner.run(agent, session, "What is 2+2?")
+    result = await runtime.run(session, "What is 2+2?")
     print([m.role for m in session.window])
 
 Only one run may use a session at a time: a second concurrent run raises ``SessionBusy``
@@ -263,7 +263,3 @@ class Conversation:
     async def close(self) -> None:
         """Release the KV session."""
         await self.kv.close()
-
-
-AgentSession = Conversation
-"""Deprecated name of ``Conversation`` (kept for one release)."""

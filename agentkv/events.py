@@ -2,7 +2,7 @@
 
 ::
 
-    async for event in Runner.run_stream(agent, session, "hi"):
+    async for event in runtime.run_stream(session, "hi"):
         if event.type == "text_delta":
             print(event.text, end="")
 """
@@ -116,10 +116,3 @@ class RunFinished:
 
 RunEvent = Union[TextDelta, ToolCalled, ToolReturned, StepFinished, ContextCompacted, CacheBroken, SelfCheckFailed,
                  ApprovalRequired, RunFinished]
-
-ToolCallEvent = ToolCalled
-"""Deprecated name of ``ToolCalled`` (kept for one release)."""
-ToolResultEvent = ToolReturned
-"""Deprecated name of ``ToolReturned`` (kept for one release)."""
-TurnMetricsEvent = StepFinished
-"""Deprecated name of ``StepFinished`` (kept for one release)."""

@@ -22,7 +22,6 @@ wrote) and lists each distinct call once, each with one result.
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -66,7 +65,6 @@ from agentkv.tools import run_tool_calls
 
 logger = logging.getLogger(__name__)
 CANCELLED_RESULT = "error: the run was cancelled before this tool returned"
-_DEPRECATED = "Runner.run/run_stream are deprecated: use Runtime.run(session, text) / Runtime.run_stream"
 CALL_RETRY_MIN_TOKENS = 256
 """A tool call cut by ``max_new_tokens`` is generated again with at least this many tokens
 (the grammar bounds every string, so a call fits; never more than the window leaves)."""
@@ -112,38 +110,6 @@ class _Reply:
     content: str
     """The text outside any tool-call markup."""
     calls: tuple[ToolCall, ...] = ()
-
-
-class Runner:
-    """Deprecated: use ``Runtime.run`` / ``Runtime.run_stream``, the one run path (kept for one
-    release; it runs the same turn loop without the store's lease, refresh and snapshot)."""
-
-    @staticmethod
-    async def run(agent: Agent, session: Conversation, user_input: str) -> RunResult:
-        """Deprecated: ``await runtime.run(session, user_input)``."""
-        warnings.warn(_DEPRECATED, DeprecationWarning, stacklevel=2)
-        result: RunResult | None = None
-        async with aclosing(_guarded_turns(agent, session, user_input)) as events:
-            async for event in events:
-                if isinstance(event, RunFinished):
-                    result = event.result
-        assert result is not None
-        return result
-
-    @staticmethod
-    async def run_stream(agent: Agent, session: Conversation, user_input: str) -> AsyncIterator[RunEvent]:
-        """Deprecated: ``runtime.run_stream(session, user_input)``."""
-        warnings.warn(_DEPRECATED, DeprecationWarning, stacklevel=2)
-        async with aclosing(_guarded_turns(agent, session, user_input)) as events:
-            async for event in events:
-                yield event
-
-
-async def _guarded_turns(agent: Agent, session: Conversation, user_input: str) -> AsyncIterator[RunEvent]:
-    async with session.run_guard():
-        async with aclosing(run_turns(agent, session, user_input)) as events:
-            async for event in events:
-                yield event
 
 
 async def run_turns(agent: Agent, session: Conversation, user_input: RunInput | Decisions) -> AsyncIterator[RunEvent]:

@@ -77,8 +77,6 @@ class Runtime:
         self.lease_ttl_s = lease_ttl_s
         """How long a run's lease lasts without renewal (renewed every third of it while it runs)."""
         self.self_check = fraction_from(self_check)
-        self.last_resume: ResumeReport | None = None
-        """Deprecated: the newest resume's report; read ``session.resume_report`` instead."""
         self._agents: dict[str, Agent] = {}
         self._sessions: dict[str, Conversation] = {}
         for agent in agents:
@@ -152,7 +150,6 @@ class Runtime:
         session.resume_report = ResumeReport(len(session.window), restored.tokens, restored.skipped, repaired)
         session.operations.append(f"resumed: {restored.tokens} of {len(prompt)} history tokens restored "
                                   "from a snapshot")
-        self.last_resume = session.resume_report
         return session
 
     def _open_as(self, session: Conversation, agent: Agent | None, salt: str) -> Conversation:

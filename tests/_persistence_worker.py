@@ -42,7 +42,7 @@ async def resume_turn(url: str, session_id: str, text: str) -> None:
     print(json.dumps({
         "text": result.final_text,
         "token_ids": list(session.messages[-1].token_ids or ()),
-        "restored": runtime.last_resume.restored_tokens,
+        "restored": session.resume_report.restored_tokens,
         "reused": m.reused_tokens,
         "prefilled": m.prefilled_tokens,
         "prompt": m.prompt_tokens,

@@ -123,7 +123,7 @@ async def test_resume_without_the_agent_rebuilds_its_tools_and_restores_the_kv(d
         resumed = await second.resume("s")
         assert [t.name for t in resumed.agent.tools] == ["clock", "calculator"]
         assert resumed.agent.instructions == OPS.instructions
-        assert second.last_resume.restored_tokens > 0
+        assert resumed.resume_report.restored_tokens > 0
 
 
 def test_cli_resume_and_chat_session_use_the_stored_agent(db, engines):

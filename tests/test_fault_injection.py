@@ -85,7 +85,7 @@ async def test_a_worker_killed_mid_turn_leaves_a_session_that_resumes_and_answer
     assert tool_pairs_are_complete(session.messages)
     interrupted = [m for m in session.messages if m.role == "tool" and m.content == INTERRUPTED_RESULT]
     assert len(interrupted) == (1 if phase == "tool" else 0)
-    assert runtime.last_resume.interrupted_calls == len(interrupted)
+    assert session.resume_report.interrupted_calls == len(interrupted)
     if phase == "summary":  # append + mark is one transaction: the killed one left neither
         assert not any(r.message.content.startswith(SUMMARY_PREFIX) for r in rows)
         assert not any(r.replaced_by_seq for r in rows) and all(r.in_window for r in rows)
@@ -94,8 +94,8 @@ async def test_a_worker_killed_mid_turn_leaves_a_session_that_resumes_and_answer
     assert result.final_text.startswith("Answer number")
     await check_store(store, "victim")
     again = Runtime(scripted_engine(), store, agents=[AGENT])
-    await again.resume("victim")
-    assert again.last_resume.interrupted_calls == 0  # the repair happened once
+    resumed = await again.resume("victim")
+    assert resumed.resume_report.interrupted_calls == 0  # the repair happened once
     await runtime.aclose()
     await again.aclose()
     await store.close()

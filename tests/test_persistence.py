@@ -144,8 +144,8 @@ async def test_corrupt_snapshot_falls_back_to_reprefill_and_loses_nothing(backen
         record.path.write_bytes(bytes(data))
         runtime = Runtime(engine, store, agents=[AGENT])
         session = await runtime.resume("c")
-        assert runtime.last_resume.restored_tokens == 0
-        assert runtime.last_resume.skipped_snapshots
+        assert session.resume_report.restored_tokens == 0
+        assert session.resume_report.skipped_snapshots
         result = await runtime.run(session, "Say bye.")
         assert result.step_metrics[0].reused_tokens == 0  # re-prefilled
         # the same answer the intact KV gives
@@ -212,8 +212,8 @@ async def test_a_cancelled_run_saves_a_snapshot_that_resume_can_use(tmp_path):
         history = session.render(AGENT, add_generation_prompt=False).token_ids
         assert 0 < newest.num_tokens <= len(history)
         again = Runtime(ScriptedEngine([]), store, agents=[AGENT])
-        await again.resume("cut")
-        assert again.last_resume.restored_tokens == newest.num_tokens
+        resumed = await again.resume("cut")
+        assert resumed.resume_report.restored_tokens == newest.num_tokens
 
 
 async def test_a_session_open_in_two_runtimes_sees_the_turns_the_other_ran(tmp_path):

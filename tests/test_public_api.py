@@ -1,5 +1,5 @@
-"""The public API: one name per thing, old names kept one release with a DeprecationWarning, and
-importing agentkv loads no model (nor OpenVINO)."""
+"""The public API: one name per thing, no deprecated alias left, and importing agentkv loads no
+model (nor OpenVINO)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,24 @@ import pytest
 import agentkv
 
 
-@pytest.mark.parametrize(("old", "new"), [("AgentSession", "Conversation"), ("ToolCallEvent", "ToolCalled"),
-                                          ("ToolResultEvent", "ToolReturned"), ("TurnMetricsEvent", "StepFinished")])
-def test_old_names_still_work_for_one_release_and_say_what_replaces_them(old, new):
-    with pytest.warns(DeprecationWarning, match=new):
-        assert getattr(agentkv, old) is getattr(agentkv, new)
+@pytest.mark.parametrize(("module", "old"), [("agentkv", "AgentSession"), ("agentkv", "ToolCallEvent"),
+                                             ("agentkv", "ToolResultEvent"), ("agentkv", "TurnMetricsEvent"),
+                                             ("agentkv", "TokenDelta"), ("agentkv", "Runner"),
+                                             ("agentkv.conversation", "AgentSession"),
+                                             ("agentkv.events", "ToolCallEvent"), ("agentkv.events", "ToolResultEvent"),
+                                             ("agentkv.events", "TurnMetricsEvent"), ("agentkv.runner", "Runner")])
+def test_the_old_names_are_gone_before_the_first_release(module, old):
+    import importlib
+
+    with pytest.raises(AttributeError):
+        getattr(importlib.import_module(module), old)
+
+
+def test_the_runtime_keeps_no_last_resume_the_conversation_holds_its_resume_report():
+    from agentkv import Runtime
+    from agentkv.testing import ScriptedEngine
+
+    assert not hasattr(Runtime(ScriptedEngine([])), "last_resume")
 
 
 def test_every_exported_name_exists():

@@ -7,7 +7,7 @@ import json
 import anyio
 import pytest
 
-from agentkv import Agent, Runner, Runtime, tool
+from agentkv import Agent, Runtime, tool
 from agentkv.errors import MaxTurnsExceeded, SessionBusy
 from agentkv.events import (
     RunFinished,
@@ -259,16 +259,6 @@ async def test_closing_a_stream_early_releases_the_session_for_the_next_run():
                 break
     result = await runtime.run(session, "again")
     assert result.final_text == "next"
-
-
-async def test_the_deprecated_runner_still_runs_but_says_to_use_the_runtime():
-    engine = ScriptedEngine(["hi", "hello"])
-    agent = Agent(name="legacy")
-    _, session = await open_session(engine, agent)
-    with pytest.warns(DeprecationWarning, match="Runtime.run"):
-        assert (await Runner.run(agent, session, "hello")).final_text == "hi"
-    with pytest.warns(DeprecationWarning, match="Runtime.run"):
-        assert [e.type async for e in Runner.run_stream(agent, session, "again")][-1] == "run_finished"
 
 
 def cut_after_first_block(engine: ScriptedEngine, reply: str) -> int:
