@@ -36,11 +36,12 @@ import hashlib
 import json
 import logging
 import re
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol
+
+from cachetools import LRUCache
 
 from agentkv.chat.messages import Message, ToolCall
 from agentkv.chat.toolcalls import format_tool_calls
@@ -157,8 +158,7 @@ class ChatRenderer:
     ) -> None:
         self.tokenizer = tokenizer
         self.tools_text = tools_text or default_tools_text
-        self._cache: OrderedDict[bytes, _Segment] = OrderedDict()
-        self._cache_size = cache_size
+        self._cache: LRUCache[bytes, _Segment] = LRUCache(maxsize=cache_size)
         source = str(getattr(tokenizer, "chat_template", "") or "")
         self.native_tools = bool(re.search(r"\btools\b", source))
         """True when the template renders ``tools=`` itself (its source mentions ``tools``)."""
@@ -333,14 +333,10 @@ class ChatRenderer:
             return None
 
     def _cached(self, key: bytes, compute: Callable[[], _Segment]) -> _Segment:
-        value = self._cache.get(key)
+        value = self._cache.get(key)  # a hit makes the entry the most recently used
         if value is None:
             value = compute()
-            self._cache[key] = value
-            if len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(key)
+            self._cache[key] = value  # beyond cache_size, the least recently used goes
         return value
 
     # -- probes (run once, at construction) --------------------------------------------------

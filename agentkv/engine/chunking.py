@@ -20,8 +20,9 @@ cold start (``prefix`` fed, the rest fed)::
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+
+from cachetools import LRUCache
 
 from agentkv.errors import UserError
 
@@ -35,7 +36,7 @@ class PrefixBoundaries:
     def __init__(self, max_registered: int = DEFAULT_MAX_REGISTERED) -> None:
         self._max = max_registered
         self._lock = threading.Lock()
-        self._marks: dict[str, OrderedDict[tuple[int, ...], None]] = {}
+        self._marks: dict[str, LRUCache[tuple[int, ...], None]] = {}
 
     def register(self, tokens: Sequence[int], *, salt: str = "") -> None:
         """Make ``tokens`` a boundary (mutates; registering again refreshes it)."""
@@ -43,11 +44,8 @@ class PrefixBoundaries:
         if not key:
             raise UserError("register() needs at least one token: pass the prefix's ids")
         with self._lock:
-            marks = self._marks.setdefault(salt, OrderedDict())
-            marks[key] = None
-            marks.move_to_end(key)
-            while len(marks) > self._max:
-                marks.popitem(last=False)
+            marks = self._marks.setdefault(salt, LRUCache(maxsize=self._max))
+            marks[key] = None  # most recent now; beyond the bound, the least recently registered goes
 
     def prefixes_of(self, tokens: Sequence[int], *, salt: str = "") -> list[tuple[int, ...]]:
         """Registered prefixes of ``tokens`` under ``salt``, shortest first (read-only)."""

@@ -14,13 +14,13 @@ EOS is allowed exactly when the grammar accepts; ``is_finished`` once nothing el
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from functools import lru_cache
 
 import llguidance
 import llguidance.numpy as llg_numpy
 import numpy as np
+from cachetools import LRUCache
 
 from agentkv.errors import ConstraintError
 
@@ -200,8 +200,7 @@ class ConstraintFactory:
         self.tokenizer = llg_tokenizer_from_gguf_vocab(
             tokens, eos_token_id=eos_token_id, vocab_size=vocab_size, token_types=token_types, encode=encode
         )
-        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
-        self._cache_size = cache_size
+        self._compiled: LRUCache[str, llguidance.LLMatcher] = LRUCache(maxsize=cache_size)
         self._lock = threading.Lock()
 
     def __call__(self, grammar: str) -> GrammarConstraint:
@@ -209,14 +208,10 @@ class ConstraintFactory:
         ``llguidance.grammar_from("json_schema", ...)``); raises ``ConstraintError`` if it does
         not compile, with llguidance's message."""
         with self._lock:
-            pristine = self._compiled.get(grammar)
+            pristine = self._compiled.get(grammar)  # a hit makes it the most recently used
             if pristine is None:
                 pristine = self._compile(grammar)
-                self._compiled[grammar] = pristine
-                while len(self._compiled) > self._cache_size:
-                    self._compiled.popitem(last=False)
-            else:
-                self._compiled.move_to_end(grammar)
+                self._compiled[grammar] = pristine  # beyond cache_size, the least recently used goes
             return GrammarConstraint(pristine.deep_copy(), self.vocab_size)
 
     def _compile(self, grammar: str) -> llguidance.LLMatcher:

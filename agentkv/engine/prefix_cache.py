@@ -30,10 +30,9 @@ import numpy as np
 
 from agentkv.engine.base import common_prefix_len
 from agentkv.engine.chunking import PrefixBoundaries
-from agentkv.engine.snapshot import KVSnapshot, PrecisionChoice
+from agentkv.engine.snapshot import QUANT_PARAMS, KVSnapshot, PrecisionChoice
 from agentkv.errors import UserError
 
-_QUANT_PARAMS = ("key_scale", "key_zero", "value_scale", "value_zero")
 Namespace = tuple[str, str]
 """(model fingerprint, tenant salt): caches in different namespaces never share KV."""
 
@@ -378,7 +377,7 @@ def _slice(chunk: KVSnapshot, start: int, stop: int) -> KVSnapshot:
     """Tokens ``start:stop`` of ``chunk`` as a snapshot owning its arrays (frees the rest); it
     keeps ``chunk``'s ``shifted`` and ``lossless`` flags."""
     params = {name: None if getattr(chunk, name) is None else getattr(chunk, name)[:, :, :, start:stop].copy()
-              for name in _QUANT_PARAMS}
+              for name in QUANT_PARAMS}
     return KVSnapshot(
         tokens=chunk.tokens[start:stop], keys=chunk.keys[:, :, :, start:stop].copy(),
         values=chunk.values[:, :, :, start:stop].copy(), precision=chunk.precision,
@@ -393,7 +392,7 @@ def _join(chunks: list[KVSnapshot]) -> KVSnapshot:
         return chunks[0]
     first = chunks[0]
     params = {name: None if getattr(first, name) is None
-              else np.concatenate([getattr(c, name) for c in chunks], axis=3) for name in _QUANT_PARAMS}
+              else np.concatenate([getattr(c, name) for c in chunks], axis=3) for name in QUANT_PARAMS}
     return KVSnapshot(
         tokens=tuple(t for c in chunks for t in c.tokens),
         keys=np.concatenate([c.keys for c in chunks], axis=3),

@@ -74,7 +74,8 @@ _STORAGE_DTYPE: dict[str, np.dtype[Any]] = {
 RAW_BLOCKS = "u8-paged"
 """The storage precision of raw u8 paged blocks (parameters inside the blocks)."""
 _PARAM_DTYPES = (np.dtype("<f4"), np.dtype("<f2"))
-_QUANT_PARAMS = ("key_scale", "key_zero", "value_scale", "value_zero")
+QUANT_PARAMS = ("key_scale", "key_zero", "value_scale", "value_zero")
+"""The ``KVSnapshot`` fields holding u8 quantisation parameters (all None unless the precision is u8)."""
 
 
 def tokens_digest(tokens: Sequence[int]) -> str:
@@ -132,7 +133,7 @@ class KVSnapshot:
     def __post_init__(self) -> None:
         object.__setattr__(self, "tokens", tuple(int(t) for t in self.tokens))
         self._check_layout()
-        for name in ("keys", "values", *_QUANT_PARAMS):
+        for name in ("keys", "values", *QUANT_PARAMS):
             array = getattr(self, name)
             if array is not None:
                 object.__setattr__(self, name, _read_only(array))
@@ -158,12 +159,12 @@ class KVSnapshot:
             )
         if self.keys.shape[3] != len(self.tokens):
             raise UserError(f"KV holds {self.keys.shape[3]} tokens but the log has {len(self.tokens)}")
-        params = [getattr(self, name) for name in _QUANT_PARAMS]
+        params = [getattr(self, name) for name in QUANT_PARAMS]
         if self.precision != "u8":
             if any(p is not None for p in params):
                 raise UserError("scale/zero arrays belong to u8 snapshots only")
             return
-        for name, p in zip(_QUANT_PARAMS, params):
+        for name, p in zip(QUANT_PARAMS, params):
             if p is None or p.shape != self.keys.shape[:4] or p.dtype not in _PARAM_DTYPES:
                 got = None if p is None else (p.shape, str(p.dtype))
                 raise UserError(
@@ -183,7 +184,7 @@ class KVSnapshot:
         if keys.shape[1] != -(-len(self.tokens) // self.block_tokens):
             raise UserError(f"{keys.shape[1]} blocks of {self.block_tokens} tokens do not hold exactly "
                             f"{len(self.tokens)} tokens")
-        if any(getattr(self, name) is not None for name in _QUANT_PARAMS):
+        if any(getattr(self, name) is not None for name in QUANT_PARAMS):
             raise UserError("scale/zero arrays belong to u8 snapshots only")
         self._layouts()  # raises on an unknown block shape
 
@@ -286,7 +287,7 @@ class KVSnapshot:
                                           shifted=self.shifted, lossless=self.lossless)
         cut: dict[str, Any] = {
             name: (None if getattr(self, name) is None else getattr(self, name)[:, :, :, :n])
-            for name in _QUANT_PARAMS
+            for name in QUANT_PARAMS
         }
         return KVSnapshot(
             tokens=self.tokens[:n], keys=self.keys[:, :, :, :n], values=self.values[:, :, :, :n],
@@ -302,7 +303,7 @@ class KVSnapshot:
     @property
     def nbytes(self) -> int:
         """Bytes the arrays hold in memory (K, V and any u8 scale/zero arrays)."""
-        held = [self.keys, self.values, *(getattr(self, name) for name in _QUANT_PARAMS)]
+        held = [self.keys, self.values, *(getattr(self, name) for name in QUANT_PARAMS)]
         return sum(a.nbytes for a in held if a is not None)
 
     @property
@@ -326,7 +327,7 @@ class KVSnapshot:
             "keys": self.keys,
             "values": self.values,
         }
-        arrays.update({name: getattr(self, name) for name in _QUANT_PARAMS})
+        arrays.update({name: getattr(self, name) for name in QUANT_PARAMS})
         return arrays
 
     def _metadata(self) -> dict[str, Any]:
@@ -495,7 +496,7 @@ def _build(header: dict[str, Any], arrays: dict[str, np.ndarray], path: Path) ->
             fingerprint=str(header["fingerprint"]),
             shifted=bool(header["shifted"]),
             lossless=header.get("lossless") is True,
-            **{name: arrays.get(name) for name in _QUANT_PARAMS},
+            **{name: arrays.get(name) for name in QUANT_PARAMS},
             block_tokens=_block_tokens(header.get("block_tokens")),
         )
     except (KeyError, UserError) as e:

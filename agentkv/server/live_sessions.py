@@ -17,12 +17,12 @@ to the very tokens the KV holds (a re-tokenised answer could differ)::
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import anyio
+from cachetools import FIFOCache
 
 from agentkv.chat.messages import Message
 from agentkv.engine.base import Engine, KVSession, common_prefix_len
@@ -50,7 +50,8 @@ class LiveSessions:
         self.max_sessions = max_sessions
         self.reuse = reuse
         self._live: list[_Live] = []
-        self._answers: OrderedDict[tuple[object, ...], tuple[int, ...]] = OrderedDict()
+        # NOTE: FIFO, not LRU: remembering an answer again refreshes it, looking it up does not.
+        self._answers: FIFOCache[tuple[object, ...], tuple[int, ...]] = FIFOCache(maxsize=REMEMBERED_ANSWERS)
         self._lock = anyio.Lock()
 
     @asynccontextmanager
@@ -125,11 +126,7 @@ class LiveSessions:
     def remember(self, message: Message) -> None:
         """Keep an answer's token ids for when its history comes back."""
         if message.token_ids is not None:
-            key = _answer_key(message)
-            self._answers[key] = message.token_ids
-            self._answers.move_to_end(key)
-            while len(self._answers) > REMEMBERED_ANSWERS:
-                self._answers.popitem(last=False)
+            self._answers[_answer_key(message)] = message.token_ids  # the oldest beyond REMEMBERED_ANSWERS go
 
     def with_token_ids(self, messages: Sequence[Message]) -> list[Message]:
         """``messages`` with the token ids of answers this server generated put back."""

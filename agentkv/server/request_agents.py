@@ -14,10 +14,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from cachetools import LRUCache
 
 from agentkv.agent import Agent
 from agentkv.policies.protocol import ContextPolicy
@@ -52,6 +53,22 @@ class AgentDefaults:
     """Sampling temperature when the request sets none (OpenAI's default is 1)."""
 
 
+class _ForgettingAgents(LRUCache[str, Agent]):
+    """An LRU of agents by definition key; every runtime forgets the agent it evicts:
+    ``agents = _ForgettingAgents(256, runtimes); agents[key] = agent``."""
+
+    def __init__(self, maxsize: int, runtimes: Sequence[Runtime]) -> None:
+        super().__init__(maxsize=maxsize)
+        self._runtimes = runtimes
+
+    def popitem(self) -> tuple[str, Agent]:
+        """Evict the least recently used agent (mutates; the cache calls it when full)."""
+        key, dropped = super().popitem()
+        for runtime in self._runtimes:
+            runtime.forget_agent(dropped.name)
+        return key, dropped
+
+
 class RequestAgents:
     """Agents made from requests, at most ``KEPT_AGENTS`` (least recently used dropped)."""
 
@@ -59,8 +76,8 @@ class RequestAgents:
         """``runtimes`` share one engine; each forgets an agent this cache drops."""
         self.runtimes = tuple(runtimes)
         self.defaults = defaults or AgentDefaults()
-        self._agents: OrderedDict[str, Agent] = OrderedDict()
-        self._registered: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._agents = _ForgettingAgents(KEPT_AGENTS, self.runtimes)
+        self._registered: LRUCache[tuple[str, str], None] = LRUCache(maxsize=KEPT_AGENTS)
 
     def agent(self, *, instructions: str | None, tools: Sequence[Mapping[str, Any]], tool_choice: str,
               parallel_tool_calls: bool, output: dict[str, Any] | None, salt: str) -> Agent:
@@ -70,7 +87,7 @@ class RequestAgents:
         key_source = json.dumps([system, list(tools), tool_choice, parallel_tool_calls, output],
                                 sort_keys=True, default=str)
         key = hashlib.sha256(key_source.encode()).hexdigest()[:16]
-        agent = self._agents.get(key)
+        agent = self._agents.get(key)  # a hit makes it the most recently used
         if agent is None:
             defaults = self.defaults
             agent = Agent(name=f"api-{key}", instructions=system, tools=(*defaults.tools, *tools),
@@ -78,21 +95,11 @@ class RequestAgents:
                           policy=defaults.policy, max_prompt_len=defaults.max_prompt_len,
                           min_response_len=_reserved(defaults),
                           max_turns=Agent.max_turns if defaults.tools else CLIENT_TOOL_TURNS)
-            self._agents[key] = agent
-            self._drop_oldest()
-        self._agents.move_to_end(key)
-        if (key, salt) not in self._registered:
+            self._agents[key] = agent  # beyond KEPT_AGENTS, the least recently used is forgotten
+        if (key, salt) not in self._registered:  # a membership test leaves the order alone
             self.runtimes[0].register_agent_prefix(agent, salt=salt)
             self._registered[(key, salt)] = None
-            while len(self._registered) > KEPT_AGENTS:
-                self._registered.popitem(last=False)
         return agent
-
-    def _drop_oldest(self) -> None:
-        while len(self._agents) > KEPT_AGENTS:
-            _, dropped = self._agents.popitem(last=False)
-            for runtime in self.runtimes:
-                runtime.forget_agent(dropped.name)
 
 
 def _reserved(defaults: AgentDefaults) -> int:
