@@ -15,6 +15,9 @@ on another host, or one whose id does not parse, keeps its lease until it expire
 ``lease.token`` is the lease's fencing token: writes that carry it (``fence=``) are refused
 with ``LeaseLost`` once the lease has passed to another holder (or was force-released), so a
 holder that lost its lease while it stalled cannot write after the next holder did.
+
+Expiry times come from the store's clock (``Store(url, clock=FakeClock())`` in a test moves it
+by hand: ``agentkv.testing.FakeClock``); the keeper's heartbeat still sleeps in real time.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Shared fixtures: real engines on the default model (compiled once per test session), and
-stores on SQLite and (with ``AGENTKV_TEST_POSTGRES_URL``) PostgreSQL."""
+stores on SQLite and (with ``AGENTKV_TEST_POSTGRES_URL``) PostgreSQL. A test not marked
+``model`` that builds a real engine fails (``agentkv.testing.forbid_real_engines``)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,38 @@ from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import OperationalError, ProgrammingError
 
 from agentkv.memory import Store
+from agentkv.testing import RealEngineForbidden, forbid_real_engines
+from agentkv.testing.engine_guard import REFUSAL
 
 PG_ENV = "AGENTKV_TEST_POSTGRES_URL"
 
 from agentkv.engine.base import GenerationConfig
+
+
+REAL_ENGINE_FIXTURES = frozenset({"engine", "stateful_engine", "paged_engine", "engine_f32", "paged_exact",
+                                  "any_engine", "any_exact_engine", "engine_plain"})
+"""The fixtures below that build (or pick, with ``getfixturevalue``) a real engine."""
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Run each test not marked ``model`` with real engines refused. NOTE: a hook, not an
+    autouse fixture: pytest sets session-scoped fixtures (the engines below) up before any
+    function-scoped one, so only a wrapper around the whole test also covers their first build."""
+    if item.get_closest_marker("model") is not None:
+        yield
+        return
+    with forbid_real_engines():
+        yield
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Refuse an unmarked test that asks for an engine fixture before that fixture is built:
+    pytest keeps a session fixture's error and would raise it again in every later model test."""
+    wanted = REAL_ENGINE_FIXTURES.intersection(getattr(item, "fixturenames", ()))
+    if wanted and item.get_closest_marker("model") is None:
+        raise RealEngineForbidden(f"{REFUSAL} (it uses the fixture {', '.join(sorted(wanted))})")
 
 
 TEST_ENGINE = os.environ.get("AGENTKV_TEST_ENGINE", "paged")

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
@@ -27,6 +28,7 @@ from agentkv.leases import (
     parse_holder,
 )
 from agentkv.memory import Store
+from agentkv.testing import FakeClock
 
 HOST = socket.gethostname()
 
@@ -40,6 +42,18 @@ def dead_pid() -> int:
 
 def sleeping_child() -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+async def clocked_store(store_url: str, tmp_path: Path, clock: FakeClock) -> AsyncIterator[Store]:
+    """A store whose leases read ``clock``: a test advances it instead of sleeping out a TTL."""
+    async with Store(store_url, snapshot_dir=tmp_path / "snapshots", clock=clock) as opened:
+        yield opened
 
 
 # -- holder ids ------------------------------------------------------------------------------
@@ -103,12 +117,14 @@ async def test_a_killed_but_unreaped_local_holder_counts_as_dead(store: Store) -
         child.wait()
 
 
-async def test_a_holder_on_another_host_is_taken_over_only_after_expiry(store: Store) -> None:
+async def test_a_holder_on_another_host_is_taken_over_only_after_expiry(
+        clocked_store: Store, clock: FakeClock) -> None:
+    store = clocked_store
     sid = await new_session(store)
     await store.acquire_lease(sid, f"elsewhere.invalid:{dead_pid()}:far001", ttl_s=0.3)
     with pytest.raises(SessionBusy, match="elsewhere.invalid"):
         await store.acquire_lease(sid, "worker-b")
-    await anyio.sleep(0.4)
+    clock.advance(0.4)
     assert await store.lease_holder(sid) is None  # expired: nobody holds it now
     await store.acquire_lease(sid, "worker-b")
     assert await store.lease_holder(sid) == "worker-b"

@@ -173,17 +173,17 @@ def last_seq(s: Session, session_id: str) -> int:
     return branches.last_seq(s, session_row(s, session_id))
 
 
-def acquire_lease(s: Session, session_id: str, holder: str, ttl_s: float) -> tuple[int, str | None]:
-    """Take or renew the lease; ``SessionBusy`` while another live holder has it.
+def acquire_lease(s: Session, session_id: str, holder: str, ttl_s: float, now: datetime) -> tuple[int, str | None]:
+    """Take or renew the lease at time ``now``; ``SessionBusy`` while another live holder has it.
 
     Returns the lease's fencing token, and the holder id of a dead process on this host whose
     lease was taken over (else None).
     """
-    expires = utcnow() + timedelta(seconds=ttl_s)
+    expires = now + timedelta(seconds=ttl_s)
     for _ in range(3):  # a holder may release between our UPDATE and our read: try again
-        if _claim_lease(s, session_id, holder, expires, _free_or_ours(holder)):
+        if _claim_lease(s, session_id, holder, expires, _free_or_ours(holder, now)):
             return _epoch(s, session_id), None
-        current = lease_holder(s, session_id, live_only=False)
+        current = lease_holder(s, session_id)
         if current is None:
             continue
         if not holder_is_dead_here(current):
@@ -192,24 +192,24 @@ def acquire_lease(s: Session, session_id: str, holder: str, ttl_s: float) -> tup
         # to take it over only one UPDATE matches; the other sees the winner and is busy.
         if _claim_lease(s, session_id, holder, expires, SessionRow.lease_holder == current):
             return _epoch(s, session_id), current
-    raise SessionBusy(session_id, lease_holder(s, session_id, live_only=False))
+    raise SessionBusy(session_id, lease_holder(s, session_id))
 
 
-def renew_lease(s: Session, session_id: str, holder: str, fence: int, ttl_s: float) -> None:
-    """Extend the lease ``holder`` took with token ``fence`` (also once expired, while nobody
-    took it); ``LeaseLost`` when it was released or passed to another holder since."""
-    expires = utcnow() + timedelta(seconds=ttl_s)
+def renew_lease(s: Session, session_id: str, holder: str, fence: int, ttl_s: float, now: datetime) -> None:
+    """Extend the lease ``holder`` took with token ``fence`` to ``now + ttl_s`` (also once expired,
+    while nobody took it); ``LeaseLost`` when it was released or passed to another holder since."""
+    expires = now + timedelta(seconds=ttl_s)
     ours = (SessionRow.lease_holder == holder) & (SessionRow.lease_epoch == fence)
     if not _claim_lease(s, session_id, holder, expires, ours):
-        raise LeaseLost(session_id, lease_holder(s, session_id, live_only=False))
+        raise LeaseLost(session_id, lease_holder(s, session_id))
 
 
 def _epoch(s: Session, session_id: str) -> int:
     return int(s.execute(select(SessionRow.lease_epoch).where(SessionRow.id == session_id)).scalar_one())
 
 
-def _free_or_ours(holder: str) -> ColumnElement[bool]:
-    return or_(SessionRow.lease_holder.is_(None), SessionRow.lease_expires_at < utcnow(),
+def _free_or_ours(holder: str, now: datetime) -> ColumnElement[bool]:
+    return or_(SessionRow.lease_holder.is_(None), SessionRow.lease_expires_at < now,
                SessionRow.lease_holder == holder)
 
 
@@ -227,8 +227,8 @@ def _claim_lease(s: Session, session_id: str, holder: str, expires: datetime,
     return result.rowcount == 1  # type: ignore[attr-defined, no-any-return]
 
 
-def lease_holder(s: Session, session_id: str, *, live_only: bool = True) -> str | None:
-    """The session's lease holder (None if free, or expired with ``live_only``).
+def lease_holder(s: Session, session_id: str, *, live_at: datetime | None = None) -> str | None:
+    """The session's lease holder (None if free, or expired at ``live_at`` when it is given).
 
     Reads the columns, not the ORM row: a row cached earlier in this transaction would not
     show our own UPDATEs. ``SessionNotFound`` if the session is absent.
@@ -238,7 +238,7 @@ def lease_holder(s: Session, session_id: str, *, live_only: bool = True) -> str 
     if found is None:
         raise SessionNotFound(session_id)
     holder, expires_at = found
-    if live_only and (expires_at is None or expires_at < utcnow()):
+    if live_at is not None and (expires_at is None or expires_at < live_at):
         return None
     return holder  # type: ignore[no-any-return]
 

@@ -5,6 +5,7 @@ Rows never leave ``agentkv.memory``: ``store.py`` turns them into the records of
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
 
@@ -28,6 +29,10 @@ from sqlalchemy.types import TypeDecorator
 def utcnow() -> datetime:
     """The current time, timezone-aware UTC."""
     return datetime.now(timezone.utc)
+
+
+Clock = Callable[[], datetime]
+"""What reads the time for leases: ``utcnow`` unless a test passes ``Store(clock=FakeClock())``."""
 
 
 class UTCDateTime(TypeDecorator[datetime]):

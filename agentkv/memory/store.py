@@ -55,7 +55,7 @@ from agentkv.memory.records import (
     SnapshotRecord,
     StoredMessage,
 )
-from agentkv.memory.schema import utcnow
+from agentkv.memory.schema import Clock, utcnow
 from agentkv.memory.snapshots import SnapshotFiles, refuse_other_fingerprint
 
 T = TypeVar("T")
@@ -78,16 +78,20 @@ class Store:
     """
 
     def __init__(self, url: str | None = None, *, snapshot_dir: Path | None = None,
-                 keep_snapshots: int = SNAPSHOTS_KEPT, snapshot_budget_bytes: int | None = None) -> None:
+                 keep_snapshots: int = SNAPSHOTS_KEPT, snapshot_budget_bytes: int | None = None,
+                 clock: Clock = utcnow) -> None:
         """``keep_snapshots``: the newest snapshots kept per session; ``snapshot_budget_bytes``:
         the most all snapshots may take — saving past it deletes the snapshots of the sessions
-        used longest ago (they re-prefill when resumed)."""
+        used longest ago (they re-prefill when resumed). ``clock``: what leases read the time
+        from (``Store(url, clock=FakeClock())`` in a test lets a lease expire without waiting)."""
         if keep_snapshots < 1:
             raise UserError(f"keep_snapshots must be >= 1, got {keep_snapshots}")
         if snapshot_budget_bytes is not None and snapshot_budget_bytes < 0:
             raise UserError(f"snapshot_budget_bytes must be >= 0 or None, got {snapshot_budget_bytes}")
         self.keep_snapshots = keep_snapshots
         self.snapshot_budget_bytes = snapshot_budget_bytes
+        self.clock = clock
+        """The time leases are taken, renewed and checked at (``utcnow`` by default)."""
         try:
             parsed = make_url(url or default_url())
         except ArgumentError as error:
@@ -308,7 +312,7 @@ class Store:
         if ttl_s <= 0:
             raise UserError(f"ttl_s must be > 0, got {ttl_s}")
         token, dead = await self._call(
-            self._write, lambda s: queries.acquire_lease(s, session_id, holder, ttl_s))
+            self._write, lambda s: queries.acquire_lease(s, session_id, holder, ttl_s, self.clock()))
         if dead is not None:
             logger.warning("took over the lease of session %r from %s, whose process is gone",
                            session_id, dead)
@@ -319,7 +323,7 @@ class Store:
         ``LeaseLost`` once it was released (``force=True``) or passed to another holder."""
         if ttl_s <= 0:
             raise UserError(f"ttl_s must be > 0, got {ttl_s}")
-        await self._call(self._write, lambda s: queries.renew_lease(s, session_id, holder, fence, ttl_s))
+        await self._call(self._write, lambda s: queries.renew_lease(s, session_id, holder, fence, ttl_s, self.clock()))
 
     async def release_lease(self, session_id: str, holder: str | None = None, *,
                             force: bool = False) -> str | None:
@@ -343,7 +347,7 @@ class Store:
 
         ``SessionNotFound`` for an unknown session; ``get_session`` shows the raw columns.
         """
-        return await self._call(self._read, lambda s: queries.lease_holder(s, session_id))
+        return await self._call(self._read, lambda s: queries.lease_holder(s, session_id, live_at=self.clock()))
 
     # -- KV snapshots -----------------------------------------------------------------------
 

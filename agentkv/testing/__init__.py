@@ -8,10 +8,17 @@
     session = await engine.open_session()
     ...
     engine.assert_complete()
+
+Also ``forbid_real_engines()``, the switch that makes building a real engine raise (the test
+suite wraps every test not marked ``model`` in it), and ``FakeClock``, a clock for lease tests
+(``Store(url, clock=FakeClock())``) that moves only when advanced.
 """
 
+from agentkv.testing.clock import FakeClock
+from agentkv.testing.engine_guard import RealEngineForbidden, forbid_real_engines
 from agentkv.testing.fake_kv import FakeSlot
 from agentkv.testing.scripted import ScriptedCall, ScriptedEngine, ScriptedSession, Step
 from agentkv.testing.tokenizer import ScriptedTokenizer
 
-__all__ = ["FakeSlot", "ScriptedCall", "ScriptedEngine", "ScriptedSession", "ScriptedTokenizer", "Step"]
+__all__ = ["FakeClock", "FakeSlot", "RealEngineForbidden", "ScriptedCall", "ScriptedEngine", "ScriptedSession",
+           "ScriptedTokenizer", "Step", "forbid_real_engines"]
