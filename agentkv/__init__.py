@@ -36,6 +36,7 @@ from agentkv.errors import (
     KVLogCorrupt,
     KVPoolCorrupt,
     KVPoolExhausted,
+    LeaseLost,
     MaxTurnsExceeded,
     ModelCompileFailed,
     ModelNotFound,
@@ -45,11 +46,11 @@ from agentkv.errors import (
     SessionNotFound,
     SnapshotCorrupt,
     SnapshotIncompatible,
+    StoreUnavailable,
     ToolResultNotText,
     UnknownStateLayout,
     UserError,
 )
-from agentkv.errors import LeaseLost, StoreUnavailable
 from agentkv.engine.base import TokenLogprob, TopLogprob
 from agentkv.cache_breaks import CacheBreak
 from agentkv.events import (

@@ -55,14 +55,23 @@ The session is stored from its first message on: `agentkv resume ID` continues i
 INVALID_INPUT_NOTE = ("that line was not valid UTF-8: the bytes that could not be read were "
                       "replaced by \ufffd (U+FFFD) before it was sent")
 COMMANDS = {"/quit": "quit", "/exit": "quit", "/help": "help", "/?": "help"}
+_COMMAND = re.compile(r"(/?)(/[A-Za-z?]+)")
+"""A line that is a command (``/word``), or one escaped to be sent as text (``//word``)."""
 
 
 def chat_command(text: str) -> str | None:
     """"quit" or "help" for a command line, the line itself for an unknown ``/word``, None for a
-    message (any other text, e.g. a path such as ``/etc/hosts is missing``)."""
-    if not re.fullmatch(r"/[A-Za-z?]+", text):
+    message (any other text, e.g. a path such as ``/etc/hosts is missing``, or ``//word``)."""
+    found = _COMMAND.fullmatch(text)
+    if found is None or found[1]:
         return None
     return COMMANDS.get(text.lower(), text)
+
+
+def message_text(text: str) -> str:
+    """The text a message line sends: ``//word`` (the escape for a command-like message) as ``/word``."""
+    found = _COMMAND.fullmatch(text)
+    return found[2] if found is not None and found[1] else text
 
 
 def load_engine(model: str | None) -> Engine:
@@ -264,8 +273,7 @@ class _Chat:
                                "the commands (to send it as text, write it with a double slash: //word)",
                                markup=False, highlight=False)
                 continue
-            if re.fullmatch(r"//[A-Za-z?]+", text):
-                text = text[1:]  # the escape for a message that looks like a command
+            text = message_text(text)
             if self.session is None:
                 self.session = await self.runtime.open_session(self.agent)
                 self.err.print(f"session {self.session.id}")

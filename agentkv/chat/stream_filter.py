@@ -13,6 +13,24 @@ from __future__ import annotations
 from agentkv.engine.base import TokenDelta, TokenLogprob
 
 
+def tag_start_at_end(text: str, tag: str) -> int:
+    """Length of the longest proper prefix of ``tag`` that ``text`` ends with, 0 if none:
+    ``tag_start_at_end("Sure. <to", "<tool_call>") == 3``."""
+    for length in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:length]):
+            return length
+    return 0
+
+
+def cut_tag_at_line_start(text: str, tag: str) -> int:
+    """``tag_start_at_end`` when that start of ``tag`` stands alone at the start of its line
+    (spaces aside), else 0: a tag the end of the text cut off, not prose
+    (``cut_tag_at_line_start("Sure.\\n<tool", "<tool_call>") == 5``)."""
+    length = tag_start_at_end(text, tag)
+    before = text[: len(text) - length].rstrip(" \t")
+    return length if length and (not before or before.endswith("\n")) else 0
+
+
 class MarkupFilter:
     """Streams text up to the first occurrence of ``tag``; nothing after it."""
 
@@ -32,11 +50,7 @@ class MarkupFilter:
             self.hit = True
             self._held = ""
             return buffer[:at]
-        keep = 0
-        for n in range(min(len(self._tag) - 1, len(buffer)), 0, -1):
-            if buffer.endswith(self._tag[:n]):
-                keep = n
-                break
+        keep = tag_start_at_end(buffer, self._tag)
         self._held = buffer[len(buffer) - keep :] if keep else ""
         shown = buffer[: len(buffer) - keep]
         self._line = (self._line + shown).rpartition("\n")[2]
@@ -46,7 +60,7 @@ class MarkupFilter:
         """Text held back at the end: shown unless it starts a line (then it is a tag the
         stream's end cut off, e.g. ``"\\n<tool"``)."""
         held, self._held = ("" if self.hit else self._held), ""
-        return "" if self._line.strip(" \t") == "" else held
+        return "" if cut_tag_at_line_start(self._line + held, self._tag) else held
 
 
 class VisibleTokens:

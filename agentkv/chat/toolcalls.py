@@ -20,6 +20,7 @@ from typing import Any
 
 from agentkv.chat.grammar_schema import bounded_schema
 from agentkv.chat.messages import ToolCall
+from agentkv.chat.stream_filter import cut_tag_at_line_start
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
@@ -106,11 +107,7 @@ def parse_tool_calls(text: str) -> ParsedOutput:
 def partial_open_tag(text: str) -> int:
     """Length of the start of an opening tag that ``text`` ends in, 0 if none: a proper prefix
     of ``<tool_call>`` alone on its line (``partial_open_tag("Sure.\\n<tool") == 5``)."""
-    for length in range(min(len(TOOL_CALL_OPEN) - 1, len(text)), 0, -1):
-        if text.endswith(TOOL_CALL_OPEN[:length]):
-            before = text[: len(text) - length].rstrip(" \t")
-            return length if not before or before.endswith("\n") else 0
-    return 0
+    return cut_tag_at_line_start(text, TOOL_CALL_OPEN)
 
 
 def _call_key(call: ToolCall) -> str:

@@ -54,6 +54,10 @@ def validate_prompt(prompt: Sequence[int], config: GenerationConfig, max_context
         )
 
 
+MAX_LOGPROBS = 20
+"""The most alternatives per token ``GenerationConfig.logprobs`` reports (OpenAI's bound too)."""
+
+
 class GenerationConfig(BaseModel):
     """How to pick tokens. Invalid values (NaN and infinities included) raise
     ``pydantic.ValidationError`` at construction, naming the field and the range it takes;
@@ -94,7 +98,7 @@ class GenerationConfig(BaseModel):
     """Beam score = sum logprob / len ** length_penalty."""
     num_return_sequences: int = Field(1, ge=1)
     """How many finished beams to return (≤ num_beams)."""
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     """Report each generated token's log-probability and this many most likely alternatives
     (0..20) on its ``TokenDelta.logprob``; None (the default) computes nothing."""
 

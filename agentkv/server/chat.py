@@ -117,13 +117,14 @@ class ChatCompletions:
         if result is None:  # stopped: the server is shutting down
             yield chunk(request_id, self.model_id, created, {}, "length")
             return
-        note.update(cached_tokens=usage(result.step_metrics)["prompt_tokens_details"]["cached_tokens"])
+        counts = usage(result.step_metrics)
+        note.update(cached_tokens=counts["prompt_tokens_details"]["cached_tokens"])
         if result.pending_tool_calls:
             yield chunk(request_id, self.model_id, created,
                         {"tool_calls": tool_call_dicts(result.pending_tool_calls, with_index=True)})
         yield chunk(request_id, self.model_id, created, {}, _finish(result))
         if request.stream_options is not None and request.stream_options.include_usage:
-            yield chunk(request_id, self.model_id, created, {}, usage_=usage(result.step_metrics))
+            yield chunk(request_id, self.model_id, created, {}, usage_=counts)
 
 
 def _request_id() -> str:

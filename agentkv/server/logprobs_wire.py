@@ -15,9 +15,6 @@ from typing import Any
 
 from agentkv.engine.base import TokenLogprob
 
-MAX_TOP_LOGPROBS = 20
-"""The most alternatives per token OpenAI (and this server) returns."""
-
 
 def logprob_entries(logprobs: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
     """One entry per token: its text, log-probability, UTF-8 bytes, and its alternatives'

@@ -17,8 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from agentkv.chat.messages import ToolCall
-from agentkv.engine.base import GenerationConfig
-from agentkv.server.logprobs_wire import MAX_TOP_LOGPROBS
+from agentkv.engine.base import MAX_LOGPROBS, GenerationConfig
 from agentkv.server.request_agents import AgentDefaults
 from agentkv.server.wire import TokenCounts, sampling, tool_choice_name
 
@@ -57,7 +56,7 @@ class ResponseRequest(BaseModel):
     background: bool | None = None
     include: list[str] | None = None
     """``["message.output_text.logprobs"]`` returns each answer token's log-probability."""
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     """With the logprobs ``include``: this many most likely alternatives per token (0..20)."""
 
     @field_validator("top_logprobs")

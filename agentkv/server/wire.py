@@ -19,8 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from agentkv.cache_breaks import CacheBreak
 from agentkv.chat.messages import ToolCall
-from agentkv.engine.base import GenerationConfig, GenerationMetrics
-from agentkv.server.logprobs_wire import MAX_TOP_LOGPROBS, chat_logprobs
+from agentkv.engine.base import MAX_LOGPROBS, GenerationConfig, GenerationMetrics
+from agentkv.server.logprobs_wire import chat_logprobs
 from agentkv.server.request_agents import AgentDefaults
 
 
@@ -58,7 +58,7 @@ class ChatCompletionRequest(BaseModel):
     n: int = 1
     logprobs: bool | None = None
     """Return each answer token's log-probability (``choices[].logprobs.content``)."""
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     """With ``logprobs``: this many most likely alternatives per token (0..20)."""
 
     @field_validator("top_logprobs")
