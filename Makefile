@@ -15,12 +15,13 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 model: $(STAMP)
-	$(PY) -m agentkv.engine.models
+	$(PY) -m agentkv.engine.openvino.models
 
 demo: model
 	$(PY) examples/chat_demo.py
 
 test: model
+	$(PY) -m mypy
 	$(PY) -m pytest -q
 
 bench: model

@@ -6,7 +6,7 @@
 
     engine = open_engine()                     # the default offline model, paged engine on CPU
     runtime = Runtime(engine)
-    session = await runtime.open_session(Agent(name="helper"))
+    session = await runtime.open_conversation(Agent(name="helper"))
     result = await runtime.run(session, "Hello!")
 
 Importing agentkv does not load a model: the engines (and OpenVINO) load on first use.
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from agentkv.agent import Agent
 from agentkv.chat.messages import Message, ToolCall
 from agentkv.chat.openai_messages import messages_from_openai
-from agentkv.conversation import Conversation
+from agentkv.run.conversation import Conversation
 from agentkv.engine.base import (
     Engine,
     GenerationConfig,
@@ -28,7 +28,7 @@ from agentkv.engine.base import (
     GenerationStream,
     KVSession,
 )
-from agentkv.engine.snapshot import KVSnapshot
+from agentkv.kv.snapshot import KVSnapshot
 from agentkv.errors import (
     AgentKVError,
     ConstraintError,
@@ -37,7 +37,7 @@ from agentkv.errors import (
     KVPoolCorrupt,
     KVPoolExhausted,
     LeaseLost,
-    MaxTurnsExceeded,
+    MaxModelCallsExceeded,
     ModelCompileFailed,
     ModelNotFound,
     ResponseNotFound,
@@ -52,7 +52,7 @@ from agentkv.errors import (
     UserError,
 )
 from agentkv.engine.base import TokenLogprob, TopLogprob
-from agentkv.cache_breaks import CacheBreak
+from agentkv.observe.cache_breaks import CacheBreak
 from agentkv.events import (
     ApprovalRequired,
     CacheBroken,
@@ -62,25 +62,25 @@ from agentkv.events import (
     TextDelta,
     ToolCalled,
     ToolReturned,
-    StepFinished,
+    ModelCallFinished,
 )
-from agentkv.approvals import Decisions
+from agentkv.run.approvals import Decisions
 from agentkv.result import RunResult
-from agentkv.run_input import RunInput
-from agentkv.runtime import Runtime
+from agentkv.run.input import RunInput
+from agentkv.runtime.runtime import Runtime
 from agentkv.tools import Tool, ToolOutcome, calculator, clock, run_tool_calls, tool
 
 if TYPE_CHECKING:
     from agentkv.engine.factory import open_engine
-    from agentkv.engine.paged import PagedEngine
-    from agentkv.engine.stateful import StatefulEngine
+    from agentkv.engine.paged.engine import PagedEngine
+    from agentkv.engine.stateful.engine import StatefulEngine
 
 __all__ = [
     "Agent", "AgentKVError", "ApprovalRequired", "CacheBreak", "CacheBroken", "ConstraintError", "ContextCompacted", "ContextOverflowError", "Conversation",
     "Decisions", "Engine", "GenerationConfig", "GenerationMetrics", "GenerationResult", "GenerationStream", "KVSession",
-    "KVSnapshot", "MaxTurnsExceeded", "Message", "ModelNotFound", "PagedEngine", "RunEvent", "RunFinished",
+    "KVSnapshot", "MaxModelCallsExceeded", "Message", "ModelNotFound", "PagedEngine", "RunEvent", "RunFinished",
     "RunInput", "RunResult", "Runtime", "ResponseNotFound", "SessionBusy", "SessionClosed", "SessionNotFound", "SnapshotCorrupt",
-    "SnapshotIncompatible", "StatefulEngine", "open_engine", "StepFinished", "TextDelta", "Tool", "ToolCall", "ToolCalled",
+    "SnapshotIncompatible", "StatefulEngine", "open_engine", "ModelCallFinished", "TextDelta", "Tool", "ToolCall", "ToolCalled",
     "ToolOutcome", "ToolReturned", "UserError", "calculator", "clock", "messages_from_openai", "run_tool_calls",
     "tool",
     "KVLogCorrupt", "KVPoolCorrupt", "KVPoolExhausted", "ModelCompileFailed", "ToolResultNotText",
@@ -93,11 +93,11 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     # The engines import OpenVINO: load them only when asked for.
     if name == "StatefulEngine":
-        from agentkv.engine.stateful import StatefulEngine
+        from agentkv.engine.stateful.engine import StatefulEngine
 
         return StatefulEngine
     if name == "PagedEngine":
-        from agentkv.engine.paged import PagedEngine
+        from agentkv.engine.paged.engine import PagedEngine
 
         return PagedEngine
     if name == "open_engine":

@@ -23,7 +23,7 @@ from pydantic import ValidationError
 
 from agentkv.engine.base import GenerationConfig
 from agentkv.errors import UserError
-from agentkv.output import OutputSpec
+from agentkv.chat.structured_output import OutputSpec
 from agentkv.tools import Tool, tool
 
 if TYPE_CHECKING:
@@ -52,8 +52,8 @@ class Agent:
     tool_choice: str = "auto"
     """"auto" (text or a call), "required" (the first step must call a tool), "none" (no calls),
     or a tool's name (the first step must call that tool)."""
-    max_turns: int = 10
-    """Most model calls in one run; more raises ``MaxTurnsExceeded``."""
+    max_model_calls: int = 10
+    """Most model calls in one run; more raises ``MaxModelCallsExceeded``."""
     policy: ContextPolicy | None = None
     """Context-window policy applied when the prompt outgrows ``max_prompt_len``; None raises
     ``ContextOverflowError`` instead."""
@@ -75,7 +75,7 @@ class Agent:
     needs_approval: Callable[[ToolCall], bool] | None = None
     """Picks the calls that wait for a person's approval before they run, besides those of
     ``@tool(requires_approval=True)`` tools: ``Agent(..., needs_approval=lambda call: call.name ==
-    "pay" and call.arguments["amount"] > 100)`` (``agentkv.approvals``)."""
+    "pay" and call.arguments["amount"] > 100)`` (``agentkv.run.approvals``)."""
     output_type: Any = None
     """Structured final output: a pydantic model class or a JSON schema dict (an OpenAI
     ``response_format`` works too). The answer is decoded under the schema and parsed into
@@ -203,7 +203,7 @@ def _is_int(value: Any) -> bool:
 
 def _check_numbers(agent: Agent) -> None:
     """Budgets and limits that would only fail later, at run time."""
-    for name in ("max_turns", "min_response_len"):
+    for name in ("max_model_calls", "min_response_len"):
         if not _is_int(getattr(agent, name)):
             raise UserError(f"{name} must be a whole number, got {getattr(agent, name)!r}")
     if agent.max_prompt_len is not None and not _is_int(agent.max_prompt_len):
@@ -211,8 +211,8 @@ def _check_numbers(agent: Agent) -> None:
     timeout = agent.tool_timeout_s
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout):
         raise UserError(f"tool_timeout_s must be a finite number of seconds > 0 (e.g. 30.0), got {timeout!r}")
-    if agent.max_turns < 1:
-        raise UserError(f"max_turns must be >= 1, got {agent.max_turns}")
+    if agent.max_model_calls < 1:
+        raise UserError(f"max_model_calls must be >= 1, got {agent.max_model_calls}")
     if agent.min_response_len < 0:
         raise UserError(f"min_response_len must be >= 0, got {agent.min_response_len}")
     if agent.tool_timeout_s <= 0:

@@ -80,17 +80,17 @@ class SnapshotIncompatible(AgentKVError):
     """A KV snapshot was made by another model or KV layout and cannot be restored here."""
 
 
-class MaxTurnsExceeded(AgentKVError):
-    """An agent run used more model turns than ``Agent.max_turns`` allows."""
+class MaxModelCallsExceeded(AgentKVError):
+    """An agent run used more model turns than ``Agent.max_model_calls`` allows."""
 
-    def __init__(self, max_turns: int, result: Any = None) -> None:
+    def __init__(self, max_model_calls: int, result: Any = None) -> None:
         super().__init__(
-            f"the run exceeded max_turns={max_turns}; raise Agent.max_turns or make the "
+            f"the run exceeded max_model_calls={max_model_calls}; raise Agent.max_model_calls or make the "
             "tools return what the model needs sooner"
         )
-        self.max_turns = max_turns
+        self.max_model_calls = max_model_calls
         self.result = result
-        """The run so far (a ``RunResult`` with ``finish_reason="max_turns"``), when known."""
+        """The run so far (a ``RunResult`` with ``finish_reason="max_model_calls"``), when known."""
 
 
 class ConstraintError(AgentKVError):

@@ -16,9 +16,9 @@ from agentkv.chat.messages import ToolCall
 from agentkv.engine.base import GenerationMetrics, TokenLogprob
 
 if TYPE_CHECKING:
-    from agentkv.cache_breaks import CacheBreak
+    from agentkv.observe.cache_breaks import CacheBreak
     from agentkv.result import RunResult
-    from agentkv.self_check import SelfCheckResult
+    from agentkv.observe.self_check import SelfCheckResult
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class ToolCalled:
     """The model called a tool."""
 
     call: ToolCall
-    type: Literal["tool_call"] = "tool_call"
+    type: Literal["tool_called"] = "tool_called"
 
 
 @dataclass(frozen=True)
@@ -47,22 +47,22 @@ class ToolReturned:
     content: str
     is_error: bool
     duration_s: float
-    type: Literal["tool_result"] = "tool_result"
+    type: Literal["tool_returned"] = "tool_returned"
 
 
 @dataclass(frozen=True)
 class CacheBroken:
     """A model call reuses less KV than its session held: where, in what, and why
-    (``agentkv.cache_breaks``). Comes before the call's text."""
+    (``agentkv.observe.cache_breaks``). Comes before the call's text."""
 
     step: int
     cache_break: CacheBreak
-    type: Literal["cache_break"] = "cache_break"
+    type: Literal["cache_broken"] = "cache_broken"
 
 
 @dataclass(frozen=True)
 class SelfCheckFailed:
-    """A checked call's cached KV gave logits a fresh prefill does not (``agentkv.self_check``):
+    """A checked call's cached KV gave logits a fresh prefill does not (``agentkv.observe.self_check``):
     the session, the figures, and the operations on it since the last check, to reproduce it."""
 
     session_id: str
@@ -80,13 +80,13 @@ class ApprovalRequired:
 
 
 @dataclass(frozen=True)
-class StepFinished:
+class ModelCallFinished:
     """What one model call cost and reused."""
 
     step: int
     """0-based index of the model call within the run."""
     metrics: GenerationMetrics
-    type: Literal["turn_metrics"] = "turn_metrics"
+    type: Literal["model_call_finished"] = "model_call_finished"
 
 
 @dataclass(frozen=True)
@@ -114,5 +114,5 @@ class RunFinished:
     type: Literal["run_finished"] = "run_finished"
 
 
-RunEvent = Union[TextDelta, ToolCalled, ToolReturned, StepFinished, ContextCompacted, CacheBroken, SelfCheckFailed,
+RunEvent = Union[TextDelta, ToolCalled, ToolReturned, ModelCallFinished, ContextCompacted, CacheBroken, SelfCheckFailed,
                  ApprovalRequired, RunFinished]

@@ -6,18 +6,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from agentkv.cache_breaks import CacheBreak
+from agentkv.observe.cache_breaks import CacheBreak
 from agentkv.chat.messages import Message, ToolCall
 from agentkv.engine.base import GenerationMetrics
-from agentkv.self_check import SelfCheckResult
+from agentkv.observe.self_check import SelfCheckResult
 
 FinishReason = Literal["stop", "length", "tool_calls", "tool_call_cut", "tool_call_invalid", "output_invalid",
-                       "max_turns", "approval_required"]
+                       "max_model_calls", "approval_required"]
 """Why a run ended: "stop" (the model finished its answer), "length" (the answer was cut by
 ``max_new_tokens``), "tool_call_cut" (a tool call was still cut by the token limit after one
 retry with room for it; the complete calls before it are not run either: the model call is
 reported whole, never partly), "tool_call_invalid" (the model wrote tool-call markup that does not
-parse), "max_turns" (``MaxTurnsExceeded.result``), "approval_required" (calls wait for a
+parse), "max_model_calls" (``MaxModelCallsExceeded.result``), "approval_required" (calls wait for a
 person's decision: ``RunResult.pending_approvals``)."""
 
 

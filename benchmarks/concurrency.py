@@ -26,8 +26,8 @@ import openvino_genai as og
 from _turns import SENTENCES, padded_turn
 
 from agentkv.engine.base import GenerationConfig, KVSession
-from agentkv.engine.paged import PagedEngine
-from agentkv.engine.stateful import StatefulEngine
+from agentkv.engine.paged.engine import PagedEngine
+from agentkv.engine.stateful.engine import StatefulEngine
 
 ANSWER = 64
 CFG = GenerationConfig(max_new_tokens=ANSWER, ignore_eos=True)

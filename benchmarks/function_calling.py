@@ -125,12 +125,12 @@ async def run_case(runtime: Runtime, fc_set: FunctionCallingSet, case: dict[str,
     offered = {name: fc_set.tools[name] for name in case["tools"]}
     agent = Agent(name=f"fc-{case['id']}", tools=[tool(schema) for schema in offered.values()],
                   tool_choice="required", generation=GenerationConfig(max_new_tokens=max_new_tokens))
-    session = await runtime.open_session(agent)
+    session = await runtime.open_conversation(agent)
     start = time.perf_counter()
     try:
         result = await runtime.run(session, case["question"])
     finally:
-        await runtime.close_session(session)
+        await runtime.close_conversation(session)
     seconds = time.perf_counter() - start
     calls = tuple((call.name, dict(call.arguments)) for call in result.pending_tool_calls)
     problems = [p for name, arguments in calls for p in call_problems(name, arguments, offered)]

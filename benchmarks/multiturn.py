@@ -21,8 +21,8 @@ from _turns import SENTENCES, padded_turn
 from agentkv.chat.messages import Message
 from agentkv.chat.render import ChatRenderer
 from agentkv.engine.base import GenerationConfig, KVSession
-from agentkv.engine.paged import PagedEngine
-from agentkv.engine.stateful import StatefulEngine
+from agentkv.engine.paged.engine import PagedEngine
+from agentkv.engine.stateful.engine import StatefulEngine
 
 
 def user_turn(engine: StatefulEngine, turn: int, target: int = 100) -> str:

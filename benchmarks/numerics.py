@@ -19,7 +19,7 @@ import anyio
 import numpy as np
 
 from agentkv.engine.base import GenerationConfig
-from agentkv.engine.stateful import StatefulEngine
+from agentkv.engine.stateful.engine import StatefulEngine
 
 DQ_OFF = {"DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}
 F32_INFER = {"INFERENCE_PRECISION_HINT": "f32"}

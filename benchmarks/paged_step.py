@@ -18,12 +18,12 @@ import anyio
 import numpy as np
 
 from agentkv.engine.base import GenerationConfig
-from agentkv.engine.block_pool import BlockPool
-from agentkv.engine.kv_log import KVLog
-from agentkv.engine.models import resolve_model
-from agentkv.engine.paged_model import PagedModel, SequenceStep
-from agentkv.engine.paged_slot import PagedSlot, blocks_for
-from agentkv.engine.stateful import StatefulEngine
+from agentkv.engine.paged.block_pool import BlockPool
+from agentkv.kv.log import KVLog
+from agentkv.engine.openvino.models import resolve_model
+from agentkv.engine.paged.model import PagedModel, SequenceStep
+from agentkv.engine.paged.slot import PagedSlot, blocks_for
+from agentkv.engine.stateful.engine import StatefulEngine
 
 IDS = np.random.default_rng(0).integers(200, 40000, 4000).tolist()
 HISTORY, TURN, DECODE = 1700, 116, 64

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from agentkv.engine.stateful import StatefulEngine
+from agentkv.engine.stateful.engine import StatefulEngine
 
 
 def prefill_seconds(engine: StatefulEngine, length: int, repeats: int = 5) -> float:

@@ -19,7 +19,7 @@ import anyio
 
 from agentkv.engine.base import GenerationConfig
 from agentkv.engine.factory import open_engine
-from agentkv.engine.stateful import StatefulEngine
+from agentkv.engine.stateful.engine import StatefulEngine
 
 RULES = [
     "Always greet the customer by name when the name is known.",

@@ -44,7 +44,7 @@ async def direct(texts: list[str]) -> list[float]:
     runtime = Runtime(engine)
     agent = Agent(name="bench", instructions=SYSTEM,
                   generation=GenerationConfig(max_new_tokens=ANSWER_TOKENS, temperature=0.0))
-    session = await runtime.open_session(agent)
+    session = await runtime.open_conversation(agent)
     ttfts = []
     for text in texts:
         started, first = time.perf_counter(), None
@@ -61,7 +61,7 @@ def server(*flags: str) -> Iterator[str]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    process = subprocess.Popen([sys.executable, "-m", "agentkv.cli", "serve", "--port", str(port), *flags],
+    process = subprocess.Popen([sys.executable, "-m", "agentkv.cli.app", "serve", "--port", str(port), *flags],
                                stdout=subprocess.PIPE, text=True, env=dict(os.environ))
     assert process.stdout is not None
     line = ""
@@ -98,8 +98,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--turns", type=int, default=10)
     args = parser.parse_args()
-    from agentkv.engine.tokenizer import OVTokenizer
-    from agentkv.engine.models import resolve_model
+    from agentkv.engine.openvino.tokenizer import OVTokenizer
+    from agentkv.engine.openvino.models import resolve_model
 
     texts = user_turns(OVTokenizer(resolve_model(None).ir_dir).encode, args.turns)
     runs = {"direct": anyio.run(direct, texts)}

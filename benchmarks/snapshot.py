@@ -27,9 +27,9 @@ import anyio
 import numpy as np
 
 from agentkv.engine.base import GenerationConfig
-from agentkv.engine.snapshot import KVSnapshot
+from agentkv.kv.snapshot import KVSnapshot
 from agentkv.engine.factory import ENGINE_ENV, open_engine
-from agentkv.engine.stateful import StatefulEngine
+from agentkv.engine.stateful.engine import StatefulEngine
 
 PARAGRAPHS = [
     "The harbour authority reported that container traffic rose in the spring, mostly from new routes to the north.",

@@ -22,7 +22,7 @@ from _turns import padded_turn
 
 from agentkv import Agent, GenerationConfig, Runtime, open_engine
 from agentkv.engine.base import Engine
-from agentkv.events import ContextCompacted, StepFinished, TextDelta
+from agentkv.events import ContextCompacted, ModelCallFinished, TextDelta
 from agentkv.policies import SlidingWindow, SummarizeAndReprefill, Truncation
 
 POLICIES = {"truncation": Truncation, "sliding_window": SlidingWindow, "summarize_and_reprefill": SummarizeAndReprefill}
@@ -68,7 +68,7 @@ async def run_policy(engine: Engine, name: str, turns: int, max_prompt_len: int)
         generation=GenerationConfig(max_new_tokens=48, ignore_eos=True),
     )
     runtime = Runtime(engine)
-    session = await runtime.open_session(agent)
+    session = await runtime.open_conversation(agent)
     run = PolicyRun()
     started = time.perf_counter()
     for turn in range(1, turns + 1):
@@ -81,7 +81,7 @@ async def run_policy(engine: Engine, name: str, turns: int, max_prompt_len: int)
                       f"{event.messages_removed} messages, {event.cost_ms:7.1f} ms", flush=True)
             elif isinstance(event, TextDelta) and first_token is None:
                 first_token = time.perf_counter() - sent
-            elif isinstance(event, StepFinished):
+            elif isinstance(event, ModelCallFinished):
                 run.ttft.append(event.metrics.ttft_s)
                 run.prompts.append(event.metrics.prompt_tokens)
         # a turn that showed no text (ignore_eos makes that rare) counts until its answer ended

@@ -31,7 +31,7 @@ def show(event: RunEvent) -> None:
     """Print the answer as it streams, then the model call's KV figures."""
     if event.type == "text_delta":
         print(event.text, end="", flush=True)
-    elif event.type == "turn_metrics":
+    elif event.type == "model_call_finished":
         m = event.metrics
         print(
             f"\n  [prompt {m.prompt_tokens} tokens: reused {m.reused_tokens}, prefilled "
@@ -43,7 +43,7 @@ def show(event: RunEvent) -> None:
 async def converse(engine: Engine, on_event: Callable[[RunEvent], None] = show) -> list[str]:
     """Ask ``QUESTIONS`` in one session of ``AGENT`` on ``engine``; the answers, in order."""
     runtime = Runtime(engine)
-    session = await runtime.open_session(AGENT)
+    session = await runtime.open_conversation(AGENT)
     answers = []
     for question in QUESTIONS:
         print(f"\nuser> {question}\nassistant> ", end="", flush=True)
@@ -53,7 +53,7 @@ async def converse(engine: Engine, on_event: Callable[[RunEvent], None] = show) 
             if event.type == "text_delta":
                 text += event.text
         answers.append(text)
-    await runtime.close_session(session)
+    await runtime.close_conversation(session)
     return answers
 
 

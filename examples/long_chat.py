@@ -17,7 +17,7 @@ import json
 import anyio
 
 from agentkv import Agent, Runtime, tool
-from agentkv.conversation import Conversation, WindowEntry
+from agentkv.run.conversation import Conversation, WindowEntry
 from agentkv.events import ContextCompacted
 from agentkv.policies import SlidingWindow, SummarizeAndReprefill, Truncation
 from agentkv.testing import ScriptedCall, ScriptedEngine
@@ -61,7 +61,7 @@ async def run(policy_name: str, turns: int) -> None:
         min_response_len=64,
     )
     runtime = Runtime(engine)
-    session = await runtime.open_session(agent)
+    session = await runtime.open_conversation(agent)
     left: list[WindowEntry] = []
 
     async def on_window_change(

@@ -32,7 +32,7 @@ async def main() -> None:
               "restored from the snapshot instead of re-prefilled")
         question = "Tell me one famous landmark there."
     else:
-        session = await runtime.open_session(AGENT, session_id=SESSION)
+        session = await runtime.open_conversation(AGENT, session_id=SESSION)
         print(f"new session {SESSION} (run me again to resume it)")
         question = "What is the capital of France?"
     result = await runtime.run(session, question)

@@ -21,7 +21,7 @@ AGENT = Agent(
     tool_choice="required",
     parallel_tool_calls=False,
     generation=GenerationConfig(max_new_tokens=64, stop_strings=("<tool_response>",)),
-    max_turns=3,
+    max_model_calls=3,
 )
 QUESTION = "What is 123 * 45?"
 
@@ -29,16 +29,16 @@ QUESTION = "What is 123 * 45?"
 async def main() -> None:
     engine = open_engine()
     runtime = Runtime(engine)
-    session = await runtime.open_session(AGENT)
+    session = await runtime.open_conversation(AGENT)
     print(f"user> {QUESTION}")
     async for event in runtime.run_stream(session, QUESTION):
         if event.type == "text_delta":
             print(event.text, end="", flush=True)
-        elif event.type == "tool_call":
+        elif event.type == "tool_called":
             print(f"→ {event.call.name}({event.call.arguments})")
-        elif event.type == "tool_result":
+        elif event.type == "tool_returned":
             print(f"← {event.content}{' (error)' if event.is_error else ''}")
-        elif event.type == "turn_metrics":
+        elif event.type == "model_call_finished":
             m = event.metrics
             print(f"  [step {event.step}: reused {m.reused_tokens}, prefilled {m.prefilled_tokens}, "
                   f"generated {m.generated_tokens}, TTFT {m.ttft_s * 1000:.0f} ms]")

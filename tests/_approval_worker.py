@@ -40,7 +40,7 @@ def runtime_on(url: str) -> tuple[Runtime, Store]:
 
 async def ask(url: str) -> None:
     runtime, store = runtime_on(url)
-    session = await runtime.open_session(AGENT)
+    session = await runtime.open_conversation(AGENT)
     result = await runtime.run(session, "Delete the file notes.txt")
     print(json.dumps({"session": session.id, "finish": result.finish_reason, "kv_tokens": len(session.kv.tokens),
                       "calls": [c.id for c in result.pending_approvals]}))

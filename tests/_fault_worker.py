@@ -95,7 +95,7 @@ def scripted_engine(**delays: float) -> ScriptedEngine:
 async def run_to(phase: str, url: str, session_id: str) -> None:
     engine = scripted_engine()
     runtime = Runtime(engine, Store(url), agents=[AGENT])
-    session = await runtime.open_session(AGENT, session_id=session_id)
+    session = await runtime.open_conversation(AGENT, session_id=session_id)
     await runtime.run(session, FIRST_TURN)
     text = "please look up the tides" if phase == "tool" else "and another question"
     if phase == "prefill":
@@ -106,7 +106,7 @@ async def run_to(phase: str, url: str, session_id: str) -> None:
     elif phase == "tool":
         SLOW["tool"] = True
     elif phase == "snapshot":
-        from agentkv.engine import snapshot as snapshot_module
+        from agentkv.kv import snapshot as snapshot_module
 
         def half_write(self, path):  # a temp file begins, then the process dies
             target = Path(path)

@@ -24,7 +24,7 @@ on); dq0: a CPU without avx512 (f32, no dynamic quantisation)."""
 
 def numerics_engine(profile: str, **options: Any):
     """A ``StatefulEngine`` with the profile's plugin settings; skips when the CPU ignores them."""
-    from agentkv.engine.stateful import StatefulEngine
+    from agentkv.engine.stateful.engine import StatefulEngine
 
     config = PROFILES[profile]
     engine = StatefulEngine(ov_config=dict(config), **options)

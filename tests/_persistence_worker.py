@@ -24,7 +24,7 @@ async def slow_turn(url: str, session_id: str) -> None:
     engine = ScriptedEngine(["word " * 400], decode_s_per_token=0.02)
     store = Store(url)
     runtime = Runtime(engine, store, agents=[AGENT], lease_ttl_s=1.0)
-    session = await runtime.open_session(AGENT, session_id=session_id)
+    session = await runtime.open_conversation(AGENT, session_id=session_id)
     print("started", flush=True)
     await runtime.run(session, "tell me everything")
 

@@ -14,7 +14,7 @@ import sys
 import anyio
 
 from agentkv.engine.base import GenerationConfig
-from agentkv.engine.snapshot import KVSnapshot
+from agentkv.kv.snapshot import KVSnapshot
 
 
 async def main(profile: str, jobs_path: str) -> None:

@@ -56,7 +56,7 @@ TEST_ENGINE = os.environ.get("AGENTKV_TEST_ENGINE", "paged")
 @pytest.fixture(scope="session")
 def stateful_engine():
     """The stateful engine with the default settings (f16 KV cache, this CPU's numerics), 4 slots."""
-    from agentkv.engine.stateful import StatefulEngine
+    from agentkv.engine.stateful.engine import StatefulEngine
 
     return StatefulEngine(num_slots=4)
 
@@ -64,7 +64,7 @@ def stateful_engine():
 @pytest.fixture(scope="session")
 def paged_engine():
     """The paged engine with its default numerics, 4 slots, 256 MiB of KV blocks."""
-    from agentkv.engine.paged import PagedEngine
+    from agentkv.engine.paged.engine import PagedEngine
 
     return PagedEngine(num_slots=4, kv_cache_bytes=256 << 20)
 
@@ -81,7 +81,7 @@ def engine_f32():
     """The strict-invariant configuration: ``exact=True`` (f32 KV, f32 compute, no dynamic
     quantisation), so chunking moves logits by ~5e-5 on any CPU. No prefix cache: a hit would
     make a "one-pass prefill" reference not one-pass."""
-    from agentkv.engine.stateful import StatefulEngine
+    from agentkv.engine.stateful.engine import StatefulEngine
 
     return StatefulEngine(num_slots=3, exact=True, prefix_cache_bytes=0)
 
@@ -90,7 +90,7 @@ def engine_f32():
 def paged_exact():
     """The paged engine with ``exact=True`` (f32 blocks, f32 compute, no dynamic quantisation)
     and no prefix cache, 6 slots: a batched step then equals each sequence's solo step."""
-    from agentkv.engine.paged import PagedEngine
+    from agentkv.engine.paged.engine import PagedEngine
 
     return PagedEngine(num_slots=6, exact=True, prefix_cache_bytes=0, kv_cache_bytes=128 << 20)
 
@@ -111,7 +111,7 @@ def any_exact_engine(request: pytest.FixtureRequest):
 def engine_plain():
     """The default engine settings with no prefix cache: for references that must be a
     genuine one-pass prefill and for comparisons with LLMPipeline, which has no prefix cache."""
-    from agentkv.engine.stateful import StatefulEngine
+    from agentkv.engine.stateful.engine import StatefulEngine
 
     return StatefulEngine(num_slots=2, prefix_cache_bytes=0)
 

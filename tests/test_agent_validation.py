@@ -37,7 +37,7 @@ def test_a_plain_function_becomes_a_tool_with_a_schema_from_its_signature():
         ({"tools": [3]}, "tools must be functions"),
         ({"max_prompt_len": 100}, "min_response_len"),
         ({"tool_timeout_s": -1}, "tool_timeout_s must be > 0"),
-        ({"max_turns": 0}, "max_turns must be >= 1"),
+        ({"max_model_calls": 0}, "max_model_calls must be >= 1"),
         ({"name": " "}, "non-empty"),
         ({"needs_approval": 5}, "needs_approval must be a function"),
         ({"tool_timeout_s": math.nan}, "tool_timeout_s must be a finite number"),
@@ -45,8 +45,8 @@ def test_a_plain_function_becomes_a_tool_with_a_schema_from_its_signature():
         ({"tool_timeout_s": "30"}, "tool_timeout_s must be a finite number"),
         ({"policy": "sliding"}, r"policy=SlidingWindow\(\)"),
         ({"policy": SlidingWindow}, r"policy=SlidingWindow\(\)"),  # the class, not an instance
-        ({"max_turns": 2.5}, "max_turns must be a whole number"),
-        ({"max_turns": "3"}, "max_turns must be a whole number"),
+        ({"max_model_calls": 2.5}, "max_model_calls must be a whole number"),
+        ({"max_model_calls": "3"}, "max_model_calls must be a whole number"),
         ({"min_response_len": math.inf}, "min_response_len must be a whole number"),
         ({"max_prompt_len": 1024.0}, "max_prompt_len must be a whole number"),
         ({"constrain_tool_calls": "yes"}, "constrain_tool_calls must be True or False"),
@@ -100,18 +100,9 @@ def test_policy_settings_of_the_wrong_kind_are_refused_at_construction(make, say
 async def test_a_run_input_that_is_neither_text_nor_messages_is_a_user_error_saying_what_to_pass(bad_input):
     engine = ScriptedEngine([])
     runtime = Runtime(engine)
-    session = await runtime.open_session(Agent(name="a"))
+    session = await runtime.open_conversation(Agent(name="a"))
     with pytest.raises(UserError, match="a run takes a user message's text"):
         await runtime.run(session, bad_input)
     assert session.messages == [] and engine.calls == []
 
 
-@pytest.mark.model
-def test_a_device_this_machine_lacks_is_a_user_error_naming_the_devices_it_has():
-    import openvino as ov
-
-    from agentkv.engine.stateful import StatefulEngine
-
-    missing = next(d for d in ("GPU", "NPU", "FPGA") if d not in ov.Core().available_devices)
-    with pytest.raises(UserError, match=r"this machine has \['CPU'"):
-        StatefulEngine(device=missing, num_slots=1)

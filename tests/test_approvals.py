@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from agentkv import Agent, ApprovalRequired, Decisions, RunFinished, Runtime, tool
-from agentkv.cli import app
+from agentkv.cli.app import app
 from agentkv.errors import UserError
 from agentkv.memory import Store
 from agentkv.testing import ScriptedEngine
@@ -63,7 +63,7 @@ def db(tmp_path: Path) -> str:
 async def test_a_call_needing_approval_stops_the_run_and_an_approval_continues_on_the_same_kv(db):
     engine = ScriptedEngine([call("delete_file", path="a.txt"), "Deleted a.txt."])
     runtime = Runtime(engine, Store(db))
-    session = await runtime.open_session(AGENT)
+    session = await runtime.open_conversation(AGENT)
     events = [event async for event in runtime.run_stream(session, "Delete a.txt")]
     result = events[-1].result
     assert isinstance(events[-2], ApprovalRequired) and isinstance(events[-1], RunFinished)
@@ -80,7 +80,7 @@ async def test_a_call_needing_approval_stops_the_run_and_an_approval_continues_o
 
 async def test_an_approval_survives_a_restart_and_the_continuation_prefills_only_the_result(db):
     first = Runtime(ScriptedEngine([call("delete_file", path="b.txt")]), Store(db))
-    session = await first.open_session(AGENT)
+    session = await first.open_conversation(AGENT)
     waiting = (await first.run(session, "Delete b.txt")).pending_approvals[0]
     history_tokens = len(session.kv.tokens)
     # another process, later: a new engine, runtime and store on the same database
@@ -99,7 +99,7 @@ async def test_an_approval_survives_a_restart_and_the_continuation_prefills_only
 async def test_a_rejection_reaches_the_model_with_its_reason():
     engine = ScriptedEngine([call("delete_file", path="a.txt"), "Understood, I kept it."])
     runtime = Runtime(engine)
-    session = await runtime.open_session(AGENT)
+    session = await runtime.open_conversation(AGENT)
     waiting = (await runtime.run(session, "Delete a.txt")).pending_approvals[0]
     done = await runtime.reject(session, waiting.id, "it is still needed")
     assert deleted == [] and done.final_text == "Understood, I kept it."
@@ -108,7 +108,7 @@ async def test_a_rejection_reaches_the_model_with_its_reason():
 
 async def test_nothing_jumps_calls_waiting_for_approval_and_nothing_is_recorded():
     runtime = Runtime(ScriptedEngine([call("delete_file", path="a.txt")]))
-    session = await runtime.open_session(AGENT)
+    session = await runtime.open_conversation(AGENT)
     waiting = (await runtime.run(session, "Delete a.txt")).pending_approvals[0]
     before = list(session.messages)
     with pytest.raises(UserError, match="waiting for approval: delete_file"):
@@ -124,7 +124,7 @@ async def test_free_calls_run_at_once_and_each_decision_continues_only_when_none
     engine = ScriptedEngine([calls(call("list_files"), call("delete_file", path="a.txt"),
                                    call("delete_file", path="b.txt")), "Deleted a.txt only."])
     runtime = Runtime(engine)
-    session = await runtime.open_session(AGENT)
+    session = await runtime.open_conversation(AGENT)
     result = await runtime.run(session, "Clean up")
     assert [m.content for m in result.new_messages if m.role == "tool"] == ["a.txt b.txt"]
     first, second = result.pending_approvals
@@ -140,7 +140,7 @@ async def test_an_agents_predicate_picks_which_calls_wait():
     agent = Agent(name="payer", tools=[pay], needs_approval=lambda c: c.name == "pay" and c.arguments["amount"] > 100)
     engine = ScriptedEngine([call("pay", amount=20), "Paid 20.", call("pay", amount=500)])
     runtime = Runtime(engine)
-    session = await runtime.open_session(agent)
+    session = await runtime.open_conversation(agent)
     assert (await runtime.run(session, "Pay 20")).final_text == "Paid 20."
     big = await runtime.run(session, "Pay 500")
     assert big.finish_reason == "approval_required" and big.pending_approvals[0].arguments == {"amount": 500}
@@ -149,7 +149,7 @@ async def test_an_agents_predicate_picks_which_calls_wait():
 def test_cli_lists_the_calls_waiting_in_stored_sessions(db):
     async def stop_on_approval():
         runtime = Runtime(ScriptedEngine([call("delete_file", path="a.txt")]), Store(db))
-        session = await runtime.open_session(AGENT)
+        session = await runtime.open_conversation(AGENT)
         return (await runtime.run(session, "Delete a.txt")).pending_approvals[0]
 
     waiting = anyio.run(stop_on_approval)

@@ -1,5 +1,6 @@
-"""The layer map holds: no import cycles (type-only imports included), and each layer imports
-only what DESIGN.md allows (engine: no SQL, no messages; memory: no OpenVINO)."""
+"""The layer map holds: no import cycles (type-only imports included), every room (subpackage)
+imports only rooms on lower floors, each layer imports only what DESIGN.md allows (engine: no
+SQL, no messages; memory and kv: no OpenVINO), and no file passes 400 lines."""
 
 from __future__ import annotations
 
@@ -79,12 +80,14 @@ def test_the_package_has_no_import_cycles_not_even_type_only_ones():
 
 def test_each_layer_imports_only_what_the_design_allows():
     forbidden = {
-        "agentkv.engine": ("sqlalchemy", "agentkv.memory", "agentkv.chat", "agentkv.runner", "agentkv.runtime",
-                           "agentkv.conversation", "agentkv.policies"),
-        "agentkv.memory": ("openvino", "openvino_genai", "agentkv.engine.stateful", "agentkv.runner",
-                           "agentkv.runtime", "agentkv.policies"),
-        "agentkv.policies": ("agentkv.runner", "agentkv.runtime", "agentkv.memory", "agentkv.engine.stateful",
-                             "agentkv.conversation", "agentkv.agent", "openvino"),
+        "agentkv.engine": ("sqlalchemy", "agentkv.memory", "agentkv.chat", "agentkv.run", "agentkv.runtime",
+                           "agentkv.policies"),
+        "agentkv.kv": ("sqlalchemy", "openvino", "openvino_genai", "agentkv.engine", "agentkv.chat"),
+        "agentkv.memory": ("openvino", "openvino_genai", "agentkv.engine.stateful", "agentkv.engine.paged",
+                           "agentkv.run", "agentkv.runtime", "agentkv.policies"),
+        "agentkv.policies": ("agentkv.run", "agentkv.runtime", "agentkv.memory", "agentkv.engine.stateful",
+                             "agentkv.engine.paged", "agentkv.agent", "openvino"),
+        "agentkv.run": ("agentkv.server", "agentkv.runtime", "agentkv.memory", "sqlalchemy"),
     }
     broken = []
     for path in PACKAGE.rglob("*.py"):
@@ -101,7 +104,7 @@ def test_only_the_serve_command_imports_the_server_and_the_server_imports_no_eng
     importers = []
     for path in PACKAGE.rglob("*.py"):
         name = module_name(path)
-        if name.startswith("agentkv.server") or name == "agentkv.cli_serve":
+        if name.startswith("agentkv.server") or name == "agentkv.cli.serve":
             if name.startswith("agentkv.server"):
                 internals = [m for m in imports_of(path) if m.startswith("agentkv.engine.")
                              and m not in ("agentkv.engine.base",) and not m.startswith("agentkv.engine.base.")]
@@ -109,3 +112,54 @@ def test_only_the_serve_command_imports_the_server_and_the_server_imports_no_eng
             continue
         importers += [(name, m) for m in imports_of(path) if m.startswith("agentkv.server")]
     assert importers == []
+
+
+FLOORS: tuple[tuple[str, int], ...] = (
+    ("agentkv.errors", 0), ("agentkv.validation_text", 0),
+    ("agentkv.kv", 1),                      # numpy only: token log, snapshots, RoPE, precisions
+    ("agentkv.engine.base", 2),             # the engine's protocols
+    ("agentkv.engine.decode", 3), ("agentkv.engine.prefix", 3), ("agentkv.engine.openvino", 3),
+    ("agentkv.engine.session", 4),
+    ("agentkv.engine.stateful", 5), ("agentkv.engine.paged", 5),  # siblings: neither imports the other
+    ("agentkv.engine.factory", 6), ("agentkv.engine", 6),
+    ("agentkv.chat", 7), ("agentkv.tools", 8), ("agentkv.observe", 9), ("agentkv.result", 10),
+    ("agentkv.events", 11), ("agentkv.policies", 12), ("agentkv.agent", 13), ("agentkv.memory", 14),
+    ("agentkv.run", 15), ("agentkv.runtime", 16), ("agentkv.testing", 17), ("agentkv.server", 18),
+    ("agentkv.cli", 19), ("agentkv", 20),
+)
+"""Rooms from the bottom up. A module may import its own room and rooms on lower floors only;
+two rooms on one floor never import each other."""
+
+
+def room_of(module: str) -> tuple[str, int]:
+    matches = [(name, floor) for name, floor in FLOORS if module == name or module.startswith(name + ".")]
+    return max(matches, key=lambda match: len(match[0]))
+
+
+def test_every_room_imports_only_rooms_on_lower_floors():
+    upward = []
+    for module, targets in graph().items():
+        here = room_of(module)
+        if here[0] == "agentkv":  # the package's __init__ re-exports the public API from every room
+            continue
+        upward += [(module, target) for target in sorted(targets)
+                   if room_of(target)[0] != here[0] and room_of(target)[1] >= here[1]]
+    assert upward == []
+
+
+def test_every_package_is_a_room_on_the_map():
+    """A new folder is placed on a floor on purpose, not by accident."""
+    packages = {module_name(p) for p in PACKAGE.rglob("__init__.py")}
+    assert sorted(packages - {name for name, _ in FLOORS}) == []
+
+
+def test_kv_imports_no_openvino_and_nothing_of_the_engine():
+    broken = [(module_name(p), m) for p in (PACKAGE / "kv").rglob("*.py") for m in imports_of(p)
+              if m.startswith(("openvino", "openvino_genai", "agentkv.engine"))]
+    assert broken == []
+
+
+def test_no_file_passes_400_lines():
+    long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 400}
+    assert long == {}

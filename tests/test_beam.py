@@ -1,4 +1,4 @@
-"""Tests for agentkv.engine.beam: BeamSearch against brute force on synthetic models, beam_idx
+"""Tests for agentkv.engine.decode.beam: BeamSearch against brute force on synthetic models, beam_idx
 reordering of a fake KV batch, EOS / stop handling, length penalty and the KV-collapse winner."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentkv.engine.base import BeamHypothesis, GenerationConfig
-from agentkv.engine.beam import BeamSearch, BeamWinner
-from agentkv.engine.sampling import log_softmax
+from agentkv.engine.decode.beam import BeamSearch, BeamWinner
+from agentkv.engine.decode.sampling import log_softmax
 from agentkv.errors import UserError
 
 EOS = 0

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from agentkv.engine.block_pool import BlockPool
+from agentkv.engine.paged.block_pool import BlockPool
 from agentkv.errors import KVPoolCorrupt
 
 
@@ -28,7 +28,7 @@ def test_a_block_on_the_free_list_twice_is_a_named_error():
 
 
 def test_the_integrity_check_still_raises_when_python_drops_asserts():
-    code = ("from agentkv.engine.block_pool import BlockPool\n"
+    code = ("from agentkv.engine.paged.block_pool import BlockPool\n"
             "pool = BlockPool(2); pool._refs[1] = 1\n"
             "try:\n    pool.check_integrity()\nexcept Exception as e:\n    print(type(e).__name__)\n")
     out = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True, check=True).stdout

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from agentkv import Agent, Runtime
 from agentkv.chat.messages import Message
-from agentkv.cli import app
+from agentkv.cli.app import app
 from agentkv.errors import UserError
 from agentkv.memory import Store
 from agentkv.testing import ScriptedEngine
@@ -128,7 +128,7 @@ def test_a_forks_view_is_its_parents_prefix_then_its_own(total, data):
 async def test_a_fork_of_a_live_session_reuses_its_kv_and_goes_its_own_way(db):
     engine = ScriptedEngine(["Paris.", "Berlin.", "Rome."])
     runtime = Runtime(engine, Store(db))
-    session = await runtime.open_session(AGENT)
+    session = await runtime.open_conversation(AGENT)
     await runtime.run(session, "Capital of France?")
     shared = len(session.kv.tokens)
     branch = await runtime.fork(session)
@@ -144,7 +144,7 @@ async def test_a_fork_of_a_live_session_reuses_its_kv_and_goes_its_own_way(db):
 
 async def test_a_fork_after_a_restart_takes_its_kv_from_the_parents_snapshot(db):
     first = Runtime(ScriptedEngine(["Paris.", "Lyon."]), Store(db))
-    session = await first.open_session(AGENT)
+    session = await first.open_conversation(AGENT)
     await first.run(session, "Capital of France?")
     after_one = len(session.kv.tokens)
     await first.run(session, "Second city?")
@@ -161,7 +161,7 @@ async def test_rewind_takes_messages_out_of_the_window_and_trims_the_kv(db):
     store = Store(db)
     engine = ScriptedEngine(["One.", "Two.", "Three instead."])
     runtime = Runtime(engine, store)
-    session = await runtime.open_session(AGENT)
+    session = await runtime.open_conversation(AGENT)
     await runtime.run(session, "First?")
     kept = len(session.kv.tokens)
     await runtime.run(session, "Second?")
@@ -177,7 +177,7 @@ async def test_rewind_takes_messages_out_of_the_window_and_trims_the_kv(db):
 async def test_edit_forks_before_the_message_and_keeps_the_original(db):
     engine = ScriptedEngine(["One.", "Two.", "Edited answer."])
     runtime = Runtime(engine, Store(db))
-    session = await runtime.open_session(AGENT)
+    session = await runtime.open_conversation(AGENT)
     await runtime.run(session, "First?")
     await runtime.run(session, "Second?")
     branch, result = await runtime.edit(session, 3, "Second, rephrased?")

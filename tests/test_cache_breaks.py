@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from agentkv import Agent, CacheBroken, GenerationConfig, Runtime, TextDelta, tool
-from agentkv.cli_display import TurnPrinter
+from agentkv.cli.display import TurnPrinter
 from agentkv.memory import Store
 from agentkv.policies import Truncation
-from agentkv.session_stats import session_stats
+from agentkv.memory.session_stats import session_stats
 from agentkv.testing import ScriptedEngine
 
 
@@ -38,14 +38,14 @@ def db(tmp_path: Path) -> str:
 
 
 async def two_turns(runtime: Runtime, agent: Agent = AGENT):
-    session = await runtime.open_session(agent)
+    session = await runtime.open_conversation(agent)
     await runtime.run(session, "First question?")
     return session
 
 
 async def test_an_ordinary_conversation_reuses_everything_and_reports_no_break():
     runtime = Runtime(ScriptedEngine(["One.", "Two.", "Three."]))
-    session = await runtime.open_session(AGENT)
+    session = await runtime.open_conversation(AGENT)
     for question in ("A?", "B?", "C?"):
         result = await runtime.run(session, question)
         assert result.cache_breaks == (None,)
@@ -77,7 +77,7 @@ async def test_tool_schemas_changed_between_runs():
 async def test_a_window_compaction(db):
     agent = Agent(name="small", instructions="Be brief.", policy=Truncation(), max_prompt_len=80, min_response_len=16)
     runtime = Runtime(ScriptedEngine(["word " * 20, "word " * 20]))
-    session = await runtime.open_session(agent)
+    session = await runtime.open_conversation(agent)
     assert (await runtime.run(session, "First " * 10)).cache_breaks == (None,)
     found = (await runtime.run(session, "Second " * 10)).cache_breaks[0]  # the first exchange leaves
     assert found is not None and found.cause == "window compaction" and found.message_index == 1
@@ -146,7 +146,7 @@ CUT = Agent(name="cut", instructions="Be brief.", generation=GenerationConfig(ma
 
 async def test_a_resume_after_an_answer_cut_by_max_new_tokens_reports_no_break(db):
     first = Runtime(ScriptedEngine(["One two three four five six."]), Store(db))
-    session = await first.open_session(CUT)
+    session = await first.open_conversation(CUT)
     assert (await first.run(session, "First?")).finish_reason == "length"
     store = Store(db)
     later = Runtime(ScriptedEngine(["Two."]), store, agents=[CUT])

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agentkv.engine.chunking import PrefixBoundaries, chunk_spans
+from agentkv.kv.chunking import PrefixBoundaries, chunk_spans
 
 
 def test_spans_are_cut_at_boundaries_and_absolute_multiples_of_the_chunk_size():

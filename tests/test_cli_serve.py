@@ -9,9 +9,9 @@ import re
 import pytest
 from typer.testing import CliRunner
 
-from agentkv.cli import app, serve
-from agentkv.cli_agent import CLI_TOOLS, AgentOptions, CLIUsageError, PolicyName
-from agentkv.cli_serve import agent_defaults
+from agentkv.cli.app import app, serve
+from agentkv.cli.agent import CLI_TOOLS, AgentOptions, CLIUsageError, PolicyName
+from agentkv.cli.serve import agent_defaults
 from agentkv.policies import SlidingWindow
 
 

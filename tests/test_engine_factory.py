@@ -21,41 +21,6 @@ def test_an_unknown_backend_in_the_environment_names_the_variable(monkeypatch):
         open_engine()
 
 
-@pytest.mark.model
-def test_the_default_on_cpu_is_the_paged_engine_and_stateful_is_one_word_away(monkeypatch):
-    from agentkv.engine.paged import PagedEngine
-    from agentkv.engine.stateful import StatefulEngine
-
-    monkeypatch.delenv("AGENTKV_ENGINE", raising=False)
-    paged = open_engine(num_slots=1, kv_cache_bytes=16 << 20)
-    assert isinstance(paged, PagedEngine) and paged.fingerprint.endswith(":paged")
-    stateful = open_engine(backend="stateful", num_slots=1, kv_cache_bytes=16 << 20)  # paged-only option dropped
-    assert type(stateful) is StatefulEngine and not stateful.fingerprint.endswith(":paged")
-
-
-@pytest.mark.model
-def test_a_model_without_a_paged_form_falls_back_to_the_stateful_engine_with_a_warning(monkeypatch, caplog):
-    import agentkv.engine.paged as paged_module
-    from agentkv.engine.stateful import StatefulEngine
-
-    def no_paged_form(*args, **kwargs):
-        raise RuntimeError("paged_attention_transformation: unsupported attention pattern")
-
-    monkeypatch.setattr(paged_module, "PagedEngine", no_paged_form)
-    monkeypatch.delenv("AGENTKV_ENGINE", raising=False)
-    with caplog.at_level(logging.WARNING, logger="agentkv.engine.factory"):
-        engine = open_engine(num_slots=1)
-    assert type(engine) is StatefulEngine
-    assert "unsupported attention pattern" in caplog.text and "stateful" in caplog.text
-
-
-@pytest.mark.model
-def test_an_npu_gets_the_stateful_engine(monkeypatch):
-    monkeypatch.delenv("AGENTKV_ENGINE", raising=False)
-    with pytest.raises(UserError, match="could not compile the model for device 'NPU'"):
-        open_engine(device="NPU", num_slots=1)  # this machine has none: the stateful engine says so
-
-
 def tiny_model():
     """A one-op OpenVINO model: compiles in milliseconds, no model files needed."""
     import numpy as np
@@ -69,11 +34,11 @@ def tiny_model():
 def test_a_cache_dir_that_cannot_be_created_compiles_without_the_cache_and_warns_once(tmp_path, caplog):
     import openvino as ov
 
-    from agentkv.engine.compile import compile_for_device
+    from agentkv.engine.openvino.compile import compile_for_device
 
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    with caplog.at_level(logging.WARNING, logger="agentkv.engine.compile"):
+    with caplog.at_level(logging.WARNING, logger="agentkv.engine.openvino.compile"):
         compiled = compile_for_device(ov.Core(), tiny_model(), "CPU", {"CACHE_DIR": str(blocker / "sub")})
     assert compiled.outputs
     [record] = caplog.records
@@ -84,7 +49,7 @@ def test_a_cache_write_failure_inside_openvino_is_named_and_the_model_compiles_w
         tmp_path, monkeypatch, caplog):
     import openvino as ov
 
-    from agentkv.engine.compile import compile_for_device
+    from agentkv.engine.openvino.compile import compile_for_device
 
     core = ov.Core()
     real = core.compile_model
@@ -96,7 +61,7 @@ def test_a_cache_write_failure_inside_openvino_is_named_and_the_model_compiles_w
         return real(model, device, config)
 
     monkeypatch.setattr(core, "compile_model", cache_fails)
-    with caplog.at_level(logging.WARNING, logger="agentkv.engine.compile"):
+    with caplog.at_level(logging.WARNING, logger="agentkv.engine.openvino.compile"):
         compiled = compile_for_device(core, tiny_model(), "CPU", {"CACHE_DIR": str(tmp_path)})
     assert compiled.outputs
     assert "cannot set permissions" in caplog.text and "device" not in caplog.text
@@ -107,7 +72,7 @@ def test_a_failure_that_is_not_about_the_device_names_its_cause_not_the_devices(
 
     from agentkv.errors import ModelCompileFailed
 
-    from agentkv.engine.compile import compile_for_device
+    from agentkv.engine.openvino.compile import compile_for_device
 
     with pytest.raises(ModelCompileFailed, match="Unsupported property NOT_A_KEY") as caught:
         compile_for_device(ov.Core(), tiny_model(), "CPU", {"CACHE_DIR": str(tmp_path), "NOT_A_KEY": "1"})
@@ -115,7 +80,7 @@ def test_a_failure_that_is_not_about_the_device_names_its_cause_not_the_devices(
 
 
 def test_naming_the_compiled_cache_dir_never_fails_even_under_a_file(tmp_path, monkeypatch):
-    from agentkv.engine.models import CACHE_ENV, compiled_cache_dir
+    from agentkv.engine.openvino.models import CACHE_ENV, compiled_cache_dir
 
     blocker = tmp_path / "a-file"
     blocker.write_text("")

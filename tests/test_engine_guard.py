@@ -8,7 +8,7 @@ from agentkv.testing import RealEngineForbidden, forbid_real_engines
 
 
 def test_an_unmarked_test_that_builds_a_real_engine_is_refused_saying_what_to_do():
-    from agentkv.engine.stateful import StatefulEngine
+    from agentkv.engine.stateful.engine import StatefulEngine
 
     with pytest.raises(RealEngineForbidden, match="mark it @pytest.mark.model or use agentkv.testing.ScriptedEngine"):
         StatefulEngine(num_slots=1)

@@ -32,7 +32,7 @@ def add(a: int, b: int) -> int:
 
 async def open_session(engine, agent, store=None):
     runtime = Runtime(engine, store=store)
-    return runtime, await runtime.open_session(agent)
+    return runtime, await runtime.open_conversation(agent)
 
 
 def test_a_raw_openai_schema_makes_a_tool_the_caller_executes_in_either_layout():
@@ -159,47 +159,16 @@ async def test_with_a_store_pending_caller_calls_are_not_marked_interrupted_by_t
     await store.close()
 
 
-@pytest.mark.model
-async def test_on_the_model_a_caller_executed_call_follows_its_schema_and_the_result_prefills_alone(engine):
-    agent = Agent(name="weather-model", tools=[WEATHER], tool_choice="required",
-                  generation={"max_new_tokens": 48})
-    runtime = Runtime(engine)
-    session = await runtime.open_session(agent)
-    try:
-        first = await runtime.run(session, "What is the weather in Paris?")
-        assert first.finish_reason == "tool_calls"
-        [pending] = first.pending_tool_calls
-        assert pending.name == "get_weather" and isinstance(pending.arguments.get("city"), str)
-        result = json.dumps({"city": pending.arguments["city"], "temperature_c": 18})
-        second = await runtime.run(session, [{"role": "tool", "tool_call_id": pending.id, "content": result}])
-        assert second.finish_reason in ("stop", "length", "tool_calls")
-        step, before = second.step_metrics[0], first.step_metrics[-1]
-        # everything the first run read and wrote is reused: only the tool turn is prefilled
-        assert step.reused_tokens >= before.prompt_tokens + before.generated_tokens - 1
-        # + the turn's markup: the template wraps a tool result in 24 tokens here (measured)
-        assert step.prefilled_tokens <= len(engine.tokenizer.encode(result)) + 32
-    finally:
-        await runtime.aclose()
-
-
 async def test_an_agent_without_instructions_renders_no_system_turn_and_an_empty_one_renders_it():
     engine = ScriptedEngine(["hi", "hi"])
     bare = Agent(name="bare", instructions=None)
     empty = Agent(name="empty", instructions="")
     runtime = Runtime(engine)
     for agent, start in ((bare, "<|im_start|>user\n"), (empty, "<|im_start|>system\n<|im_end|>\n")):
-        session = await runtime.open_session(agent)
+        session = await runtime.open_conversation(agent)
         await runtime.run(session, "hello")
         assert engine.calls[-1].prompt_text.startswith(start)
     with pytest.raises(UserError, match="instructions must be a string, or None"):
         Agent(name="bad", instructions=42)  # type: ignore[arg-type]
 
 
-@pytest.mark.model
-async def test_on_the_model_no_instructions_means_the_templates_default_system_prompt_shared_as_a_prefix(engine):
-    runtime = Runtime(engine)
-    session = await runtime.open_session(Agent(name="template-default", instructions=None))
-    prompt = session.render_with(session.agent, [Message.user("hi")])
-    assert "You are a helpful AI assistant named SmolLM" in engine.tokenizer.decode(list(prompt.token_ids[:40]))
-    assert engine.boundaries.prefixes_of(prompt.token_ids)  # the default system turn is a shared prefix
-    await runtime.aclose()

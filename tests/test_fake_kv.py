@@ -9,9 +9,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agentkv.engine.base import GenerationConfig
-from agentkv.engine.kv_log import KVLogCorrupt
-from agentkv.engine.rope import RopeConvention
-from agentkv.engine.session import SlotSession
+from agentkv.kv.log import KVLogCorrupt
+from agentkv.kv.rope import RopeConvention
+from agentkv.engine.session.session import SlotSession
 from agentkv.errors import SnapshotIncompatible
 from agentkv.testing import FakeSlot, ScriptedEngine
 from agentkv.testing.fake_kv import HEAD_DIM, ROPE_THETA, fake_keys, fake_logits, held_tokens

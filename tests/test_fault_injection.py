@@ -21,9 +21,9 @@ import pytest
 from agentkv import Agent, Runtime
 from agentkv.engine.base import common_prefix_len
 from agentkv.memory import Store
-from agentkv.persistence import INTERRUPTED_RESULT, load_window
+from agentkv.runtime.persistence import INTERRUPTED_RESULT, load_window
 from agentkv.policies.summary_prompt import SUMMARY_PREFIX
-from agentkv.runner import CANCELLED_RESULT
+from agentkv.run.loop import CANCELLED_RESULT
 
 from _fault_worker import AGENT, FIRST_TURN, LONG_TURN, lookup, scripted_engine
 
@@ -109,7 +109,7 @@ async def test_random_cancel_points_over_a_tool_loop_keep_store_and_kv_consisten
     store = Store(f"sqlite:///{tmp_path / 'agentkv.db'}")
     engine = scripted_engine(prefill_s_per_token=0.0002, decode_s_per_token=0.002)
     runtime = Runtime(engine, store, agents=[LOOPER])
-    session = await runtime.open_session(LOOPER, session_id="cancelled")
+    session = await runtime.open_conversation(LOOPER, session_id="cancelled")
     started = time.perf_counter()
     await runtime.run(session, "please look up the tides first")  # tool call, result, answer
     full = time.perf_counter() - started

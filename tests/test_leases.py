@@ -20,7 +20,7 @@ import pytest
 from test_store import REPO, new_session, race_for_lease
 
 from agentkv.errors import LeaseLost, SessionBusy, SessionNotFound, UserError
-from agentkv.leases import (
+from agentkv.memory.leases import (
     DEFAULT_LEASE_TTL_S,
     LeaseKeeper,
     holder_id,
@@ -212,7 +212,7 @@ async def test_lease_keeper_that_loses_its_lease_says_so_without_crashing(
             pytest.fail("entered the block without the lease")
 
     await store.release_lease(sid, force=True)
-    with caplog.at_level(logging.WARNING, logger="agentkv.leases"):
+    with caplog.at_level(logging.WARNING, logger="agentkv.memory.leases"):
         async with LeaseKeeper(store, sid, "keeper", ttl_s=0.3) as lease:
             await store.release_lease(sid, force=True)
             await store.acquire_lease(sid, "other", ttl_s=600)
@@ -224,7 +224,7 @@ async def test_lease_keeper_that_loses_its_lease_says_so_without_crashing(
 
 HOLDING_WORKER = """
 import sys, anyio
-from agentkv.leases import LeaseKeeper, holder_id
+from agentkv.memory.leases import LeaseKeeper, holder_id
 from agentkv.memory import Store
 
 url, snapshot_dir, session_id = sys.argv[1:4]
@@ -291,7 +291,7 @@ async def test_a_run_whose_lease_was_taken_mid_tool_never_records_a_second_resul
     from test_run_recovery import call
 
     from agentkv import Agent, Runtime, tool
-    from agentkv.persistence import INTERRUPTED_RESULT
+    from agentkv.runtime.persistence import INTERRUPTED_RESULT
     from agentkv.testing import ScriptedEngine
 
     started, finish = anyio.Event(), anyio.Event()
@@ -305,7 +305,7 @@ async def test_a_run_whose_lease_was_taken_mid_tool_never_records_a_second_resul
 
     agent = Agent(name="slow-agent", instructions="Use slow.", tools=[slow])
     first = Runtime(ScriptedEngine([call("slow", city="Oslo"), "never"]), Store(store_url), holder="holder-a")
-    session = await first.open_session(agent)
+    session = await first.open_conversation(agent)
     outcome: list[BaseException] = []
 
     async def run_a() -> None:
@@ -333,7 +333,7 @@ async def test_a_run_whose_lease_was_taken_mid_tool_never_records_a_second_resul
 def test_cli_unlock_refuses_a_holder_still_running_here_unless_forced(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
-    from agentkv.cli import app
+    from agentkv.cli.app import app
 
     url = f"sqlite:///{tmp_path / 'a.db'}"
     live = f"{HOST}:{os.getpid()}:cafe01"  # this very process: alive on this host

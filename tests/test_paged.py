@@ -8,16 +8,12 @@ paged vs stateful one-pass ~4e-5; two sequences in one step vs each alone ~5e-5.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentkv.engine.block_pool import BlockPool, KVPoolExhausted
-from agentkv.engine.kv_log import KVLog
+from agentkv.engine.paged.block_pool import BlockPool, KVPoolExhausted
 from agentkv.errors import UserError
-
-IDS = np.random.default_rng(0).integers(200, 40000, 400).tolist()
 
 
 # ---- the block pool (no model) ----------------------------------------------------------------
@@ -63,103 +59,3 @@ def test_no_block_is_ever_leaked_or_both_free_and_held(ops):
     assert pool.free_blocks == 8
 
 
-# ---- the paged model ---------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def exact_paged():
-    from agentkv.engine.models import resolve_model
-    from agentkv.engine.paged_model import PagedModel
-
-    return PagedModel(resolve_model(None), num_blocks=64, kv_cache_precision="f32", exact=True)
-
-
-@pytest.mark.model
-def test_any_multi_token_chunking_equals_a_one_pass_prefill_exactly(exact_paged):
-    from agentkv.engine.paged_model import SequenceStep
-
-    one = exact_paged.step([SequenceStep(IDS[:100], 0, [0, 1, 2, 3])])
-    exact_paged.step([SequenceStep(IDS[:37], 0, [4, 5, 6, 7])])
-    chunked = exact_paged.step([SequenceStep(IDS[37:100], 37, [4, 5, 6, 7])])
-    assert np.array_equal(one, chunked)
-
-
-@pytest.mark.model
-async def test_a_paged_prefill_equals_the_stateful_engine_within_float_rounding(exact_paged):
-    from agentkv.engine.paged_model import SequenceStep
-    from agentkv.engine.stateful import StatefulEngine
-
-    paged = exact_paged.step([SequenceStep(IDS[:100], 0, [0, 1, 2, 3])])[0]
-    stateful = StatefulEngine(num_slots=1, exact=True, prefix_cache_bytes=0)
-    session = await stateful.open_session()
-    await session.prefill(IDS[:100])
-    reference = await session.next_token_logits()
-    await stateful.aclose()
-    assert np.abs(paged - reference).max() <= 1e-3
-
-
-@pytest.mark.model
-def test_a_prefix_shared_by_block_table_equals_a_cold_prefill_exactly(exact_paged):
-    from agentkv.engine.paged_model import SequenceStep
-
-    prefix = IDS[:64]  # two full blocks
-    exact_paged.step([SequenceStep(prefix, 0, [10, 11])])
-    shared = exact_paged.step([SequenceStep(IDS[64:90], 64, [10, 11, 12])])  # reads blocks 10, 11: no copy
-    exact_paged.step([SequenceStep(prefix, 0, [20, 21])])
-    cold = exact_paged.step([SequenceStep(IDS[64:90], 64, [20, 21, 22])])
-    assert np.array_equal(shared, cold)
-
-
-@pytest.mark.model
-def test_sequences_stepped_together_match_each_alone(exact_paged):
-    from agentkv.engine.paged_model import SequenceStep
-
-    alone = [exact_paged.step([SequenceStep(IDS[:70], 0, [30, 31, 32])])[0],
-             exact_paged.step([SequenceStep(IDS[100:140], 0, [33, 34])])[0]]
-    together = exact_paged.step([SequenceStep(IDS[:70], 0, [35, 36, 37]), SequenceStep(IDS[100:140], 0, [38, 39])])
-    assert max(np.abs(together[i] - alone[i]).max() for i in range(2)) <= 1e-3
-
-
-# ---- KVLog on a paged slot ------------------------------------------------------------------
-@pytest.mark.model
-def test_kvlog_runs_on_a_paged_slot_trim_refeed_and_restore_stay_exact(exact_paged):
-    from agentkv.engine.paged_slot import PagedSlot
-    from agentkv.engine.snapshot import KVSnapshot
-
-    pool = BlockPool(exact_paged.num_blocks)
-    slot, log = PagedSlot(exact_paged, pool), KVLog()
-    log.feed(slot, IDS[:50])
-    log.feed(slot, IDS[50:90])
-    reference = log.last_logits.copy()
-    log.trim(slot, 50)
-    log.check_integrity(slot)
-    assert len(slot.blocks) == 2 and pool.free_blocks == exact_paged.num_blocks - 2
-    assert np.array_equal(log.feed(slot, IDS[50:90]), reference)  # same cuts, same logits
-    snapshot = KVSnapshot.from_float(log.tokens, *log.read(slot), fingerprint="paged")
-    other = KVLog()
-    restored = PagedSlot(exact_paged, pool)
-    other.load(restored, snapshot, exact=True)
-    other.trim(restored, 89)
-    assert np.array_equal(other.feed(restored, IDS[89:90]), _refeed_last(log, slot))
-    for s in (slot, restored):
-        s.reset()
-    assert pool.free_blocks == exact_paged.num_blocks
-    pool.check_integrity()
-
-
-def _refeed_last(log: KVLog, slot) -> np.ndarray:
-    last = log.tokens[-1]
-    log.trim(slot, len(log) - 1)
-    return log.feed(slot, [last])
-
-
-@pytest.mark.model
-def test_a_paged_slot_refuses_what_it_cannot_do(exact_paged):
-    from agentkv.engine.paged_slot import PagedSlot
-
-    slot = PagedSlot(exact_paged, BlockPool(4))
-    with pytest.raises(UserError, match="beam_idx"):
-        slot.feed(np.array([[1], [2]]), 0, np.array([0, 3]))  # there is no row 3 to continue
-    with pytest.raises(UserError, match="past_len"):
-        slot.feed(np.array([[1]]), 5)
-    with pytest.raises(KVPoolExhausted):
-        slot.feed(np.array([IDS[:200]]), 0)
-    assert slot.length() == 0 and slot.blocks == []

@@ -4,8 +4,6 @@ snapshots, cross-process leases, and the CLI."""
 from __future__ import annotations
 
 import errno
-import json
-import shutil
 import signal
 import subprocess
 import sys
@@ -17,7 +15,7 @@ import pytest
 
 from agentkv import Agent, Runtime
 from agentkv.errors import SessionBusy, SessionNotFound, UserError
-from agentkv.engine.snapshot import KVSnapshot
+from agentkv.kv.snapshot import KVSnapshot
 from agentkv.memory import Store
 from agentkv.testing import ScriptedEngine
 
@@ -90,105 +88,12 @@ async def test_resume_unknown_session_raises_session_not_found(tmp_path):
             await runtime.resume("nope")
 
 
-@pytest.mark.model
-async def test_resume_in_a_new_process_restores_the_kv_and_answers_as_the_original(engine, tmp_path):
-    original = tmp_path / "a"
-    original.mkdir()
-    url_a = f"sqlite:///{original / 'agentkv.db'}"
-    store = Store(url_a)
-    runtime = Runtime(engine, store, agents=[AGENT])
-    session = await runtime.open_session(AGENT, session_id="resume-me")
-    await runtime.run(session, "Name three colours.")
-    await runtime.aclose()
-    await store.close()
-    copy = tmp_path / "b"
-    shutil.copytree(original, copy)
-    # Continue in this process...
-    store = Store(url_a)
-    runtime = Runtime(engine, store, agents=[AGENT])
-    session = await runtime.resume("resume-me")
-    expected = await runtime.run(session, "Now name three animals.")
-    await runtime.aclose()
-    await store.close()
-    # ...and in a fresh process from the copied database and snapshot files.
-    done = await anyio.run_process(
-        [sys.executable, WORKER, "resume-turn", f"sqlite:///{copy / 'agentkv.db'}", "resume-me",
-         "Now name three animals."], cwd=ROOT, check=True)
-    report = json.loads(done.stdout.decode().strip().splitlines()[-1])
-    assert report["text"] == expected.final_text
-    assert report["restored"] > 0
-    assert report["reused"] >= report["restored"]
-    new_turn = len(engine.tokenizer.encode("Now name three animals.")) + 12
-    assert report["prefilled"] <= new_turn  # only the new user turn, not the history
-
-
-@pytest.mark.model
-@pytest.mark.parametrize("backend", ["stateful", "paged"])
-async def test_corrupt_snapshot_falls_back_to_reprefill_and_loses_nothing(backend, request, tmp_path):
-    """The re-prefilled session answers as the intact KV would — on the stateful engine, whose
-    decode steps and prefills compute the same KV for this model. On the paged engine a decode
-    step runs another kernel than a prefill (~0.6 max abs logit apart, measured), so the KV of
-    the answer re-prefilled is close to, not equal to, the decoded one: there the re-prefilled
-    session must answer as a fresh prefill of the same history does."""
-    engine = request.getfixturevalue(f"{backend}_engine")
-    url = f"sqlite:///{tmp_path / 'agentkv.db'}"
-    async with Store(url) as store:
-        runtime = Runtime(engine, store, agents=[AGENT])
-        session = await runtime.open_session(AGENT, session_id="c")
-        await runtime.run(session, "Say hi.")
-        reference = await (session.kv.fork() if backend == "stateful" else engine.open_session())
-        await runtime.aclose()
-        (record,) = (await store.snapshots("c"))[:1]
-        data = bytearray(record.path.read_bytes())
-        data[len(data) // 2] ^= 0xFF
-        record.path.write_bytes(bytes(data))
-        runtime = Runtime(engine, store, agents=[AGENT])
-        session = await runtime.resume("c")
-        assert session.resume_report.restored_tokens == 0
-        assert session.resume_report.skipped_snapshots
-        result = await runtime.run(session, "Say bye.")
-        assert result.step_metrics[0].reused_tokens == 0  # re-prefilled
-        # the same answer the intact KV gives
-        prompt = session.render(AGENT).token_ids
-        assert len([m for m in await store.messages("c")]) == 4
-        expected_prompt = prompt[: result.step_metrics[0].prompt_tokens]
-        check = await reference.generate(expected_prompt, AGENT.generation)
-        assert check.text == result.final_text
-        await reference.close()
-        await runtime.aclose()
-
-
-@pytest.mark.model
-def test_cli_chat_then_sessions_list_then_resume(tmp_path):
-    from typer.testing import CliRunner
-
-    from agentkv.cli import app
-
-    db = f"sqlite:///{tmp_path / 'cli.db'}"
-    runner = CliRunner()
-    first = runner.invoke(app, ["chat", "--db", db, "--metrics"], input="Hello there.\n")
-    assert first.exit_code == 0, first.output
-    session_id = next(line.split()[1] for line in first.output.splitlines() if line.startswith("session "))
-    listing = runner.invoke(app, ["sessions", "list", "--db", db])
-    assert session_id in listing.output
-    again = runner.invoke(app, ["resume", session_id, "--db", db], input="And again.\n")
-    assert again.exit_code == 0, again.output
-    assert "resumed session" in again.output
-    exported = runner.invoke(app, ["sessions", "export", session_id, "--db", db])
-    roles = [json.loads(line)["role"] for line in exported.output.splitlines() if line.strip()]
-    assert roles == ["system", "user", "assistant", "user", "assistant"]  # the agent's system prompt first
-    gone = runner.invoke(app, ["sessions", "rm", session_id, "--db", db])
-    assert gone.exit_code == 0
-    missing = runner.invoke(app, ["sessions", "show", session_id, "--db", db])
-    assert missing.exit_code == 1 and "no session" in missing.output
-
-
 async def test_a_second_run_in_the_same_process_does_not_release_the_first_runs_lease(tmp_path):
     url = f"sqlite:///{tmp_path / 'agentkv.db'}"
     async with Store(url) as store:
         engine = ScriptedEngine(["one " * 30, "two"], decode_s_per_token=0.01)
         runtime = Runtime(engine, store, agents=[AGENT])
-        session = await runtime.open_session(AGENT, session_id="lease")
+        session = await runtime.open_conversation(AGENT, session_id="lease")
         async with anyio.create_task_group() as tg:
             tg.start_soon(runtime.run, session, "first")
             await anyio.sleep(0.05)
@@ -204,7 +109,7 @@ async def test_a_cancelled_run_saves_a_snapshot_that_resume_can_use(tmp_path):
     async with Store(url) as store:
         engine = ScriptedEngine(["short answer", "word " * 200], decode_s_per_token=0.01)
         runtime = Runtime(engine, store, agents=[AGENT])
-        session = await runtime.open_session(AGENT, session_id="cut")
+        session = await runtime.open_conversation(AGENT, session_id="cut")
         await runtime.run(session, "hello")
         with anyio.move_on_after(0.3):
             await runtime.run(session, "tell me a lot")
@@ -221,7 +126,7 @@ async def test_a_session_open_in_two_runtimes_sees_the_turns_the_other_ran(tmp_p
     async with Store(url) as store:
         first = Runtime(ScriptedEngine(["from one", "one again"]), store, agents=[AGENT])
         second = Runtime(ScriptedEngine(["from two"]), store, agents=[AGENT])
-        a = await first.open_session(AGENT, session_id="shared")
+        a = await first.open_conversation(AGENT, session_id="shared")
         await first.run(a, "hello one")
         b = await second.resume("shared")
         await second.run(b, "hello two")
@@ -233,16 +138,16 @@ async def test_a_session_open_in_two_runtimes_sees_the_turns_the_other_ran(tmp_p
 
 async def test_resume_of_an_open_session_applies_the_agent_it_is_given_and_refuses_another_salt(tmp_path):
     runtime = Runtime(ScriptedEngine(["One."]), Store(f"sqlite:///{tmp_path / 'a.db'}"))
-    session = await runtime.open_session(AGENT, salt="team-a")
+    session = await runtime.open_conversation(AGENT, salt="team-a")
     assert await runtime.resume(session.id, salt="team-a") is session
     assert session.agent is AGENT  # no agent given: the one it runs with stays
     other = Agent(name="other", instructions="Be verbose.")
     assert await runtime.resume(session.id, other, salt="team-a") is session
     assert session.agent is other  # as a resume of the closed session would run it
-    with pytest.raises(UserError, match="tenant salt 'team-a', not 'team-b'.*close_session"):
+    with pytest.raises(UserError, match="tenant salt 'team-a', not 'team-b'.*close_conversation"):
         await runtime.resume(session.id, salt="team-b")
     assert session.agent is other and session.salt == "team-a"
-    await runtime.close_session(session)
+    await runtime.close_conversation(session)
     reopened = await runtime.resume(session.id, other, salt="team-b")  # closed first: both apply
     assert reopened.agent is other and reopened.salt == "team-b"
 
@@ -254,14 +159,14 @@ def disk_full(*args, **kwargs):
 async def test_a_snapshot_save_on_a_full_disk_is_one_true_warning_line_per_turn(tmp_path, monkeypatch, caplog):
     url = f"sqlite:///{tmp_path / 'a.db'}"
     runtime = Runtime(ScriptedEngine(["One.", "Two.", "Three."]), Store(url))
-    session = await runtime.open_session(AGENT)
+    session = await runtime.open_conversation(AGENT)
     await runtime.run(session, "First?")
     [saved] = await runtime.store.snapshots(session.id)
     monkeypatch.setattr(KVSnapshot, "to_file", disk_full)
     for question in ("Second?", "Third?"):
         caplog.clear()
         await runtime.run(session, question)
-        [line] = [r for r in caplog.records if r.name == "agentkv.persistence"]
+        [line] = [r for r in caplog.records if r.name == "agentkv.runtime.persistence"]
         assert line.exc_info is None and "\n" not in line.getMessage()
         assert "No space left on device" in line.getMessage()
         assert f"a resume will use the older snapshot of {saved.num_tokens} tokens" in line.getMessage()
@@ -271,8 +176,8 @@ async def test_a_snapshot_save_on_a_full_disk_is_one_true_warning_line_per_turn(
 
 async def test_a_failed_first_snapshot_says_no_older_snapshot_exists(tmp_path, monkeypatch, caplog):
     runtime = Runtime(ScriptedEngine(["One."]), Store(f"sqlite:///{tmp_path / 'a.db'}"))
-    session = await runtime.open_session(AGENT)
+    session = await runtime.open_conversation(AGENT)
     monkeypatch.setattr(KVSnapshot, "to_file", disk_full)
     await runtime.run(session, "First?")
-    [line] = [r for r in caplog.records if r.name == "agentkv.persistence"]
+    [line] = [r for r in caplog.records if r.name == "agentkv.runtime.persistence"]
     assert line.exc_info is None and "no older snapshot exists" in line.getMessage()

@@ -13,11 +13,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agentkv import Agent, GenerationConfig, Message, Runtime, ToolCall, tool
-from agentkv.conversation import Conversation, WindowEntry
+from agentkv import Agent, Message, Runtime, ToolCall, tool
+from agentkv.run.conversation import Conversation, WindowEntry
 from agentkv.engine.base import common_prefix_len
 from agentkv.errors import ContextOverflowError, KVShiftUnsupported
-from agentkv.events import ContextCompacted, StepFinished
+from agentkv.events import ContextCompacted, ModelCallFinished
 from agentkv.policies import (
     SUMMARY_PREFIX,
     SlidingWindow,
@@ -69,7 +69,7 @@ class Harness:
     async def open(self) -> Conversation:
         self.engine.add_steps(*([self.step] * 400))
         self.runtime = Runtime(self.engine)
-        self.session = await self.runtime.open_session(self.agent)
+        self.session = await self.runtime.open_conversation(self.agent)
         self.session.on_window_change = self.on_window_change
         return self.session
 
@@ -141,7 +141,7 @@ def make_agent(policy, *, max_prompt_len: int, **kwargs) -> Agent:
         policy=policy,
         max_prompt_len=max_prompt_len,
         min_response_len=kwargs.pop("min_response_len", 32),
-        max_turns=6,
+        max_model_calls=6,
         **kwargs,
     )
 
@@ -207,7 +207,7 @@ async def test_truncation_reprefills_inside_the_compaction_so_the_model_call_pre
     metrics = []
     harness.replies.append("ok")
     async for event in harness.runtime.run_stream(session, words(200)):
-        if isinstance(event, StepFinished):
+        if isinstance(event, ModelCallFinished):
             metrics.append(event.metrics)
         elif isinstance(event, ContextCompacted):
             harness.events.append(event)
@@ -223,7 +223,7 @@ async def test_sliding_window_drops_spans_from_the_kv_without_reprefill():
     metrics = []
     harness.replies.append("ok")
     async for event in harness.runtime.run_stream(session, words(150)):
-        if isinstance(event, StepFinished):
+        if isinstance(event, ModelCallFinished):
             metrics.append(event.metrics)
         elif isinstance(event, ContextCompacted):
             harness.events.append(event)
@@ -394,80 +394,4 @@ async def test_a_failing_window_hook_leaves_the_window_unchanged():
 
 # ---- real model ----------------------------------------------------------------------------------
 
-QUESTIONS = [
-    "I am planning a trip to Lisbon in May. What should I pack for the weather there?",
-    "My sister is coming too; she loves old churches and tiled buildings. Any suggestions?",
-    "We will stay five days. Is it worth taking a day trip to Sintra, and how do we get there?",
-    "What local dishes should we try, especially anything with fish or custard tarts?",
-    "How expensive is public transport, and should we buy a travel card on arrival?",
-    "Are there good viewpoints in the city for watching the sunset in the evening?",
-    "Which neighbourhood is best for walking around in the evening with restaurants nearby?",
-    "Can you suggest a simple plan for our last day before the evening flight home?",
-    "Remind me which things you told me to pack, and which dishes to try first.",
-]
 
-
-@pytest.fixture(scope="session")
-def policy_engine():
-    """The default engine settings (this CPU's numerics), two slots (the conversation and the
-    summariser)."""
-    from agentkv.engine.stateful import StatefulEngine
-
-    return StatefulEngine(num_slots=2)
-
-
-@pytest.mark.model
-@pytest.mark.parametrize("policy_name", list(POLICIES))
-async def test_each_policy_carries_a_real_conversation_across_the_limit_several_times(
-    policy_engine, policy_name
-):
-    options = {"max_summary_tokens": 40, "chunk_tokens": 256} if policy_name == "summarize" else {}
-    agent = Agent(
-        name=f"real-{policy_name}",
-        instructions="You are a concise travel assistant.",
-        policy=POLICIES[policy_name](**options),
-        max_prompt_len=320,
-        min_response_len=32,
-        generation=GenerationConfig(max_new_tokens=28),
-    )
-    runtime = Runtime(policy_engine)
-    session = await runtime.open_session(agent)
-    removed: list[WindowEntry] = []
-
-    async def hook(session, gone, replacement):
-        removed.extend(gone)
-
-    session.on_window_change = hook
-    events, prompts, after_compaction = [], [], []
-    try:
-        for question in QUESTIONS:
-            compacted = False
-            async for event in runtime.run_stream(session, question):
-                if isinstance(event, ContextCompacted):
-                    events.append(event)
-                    compacted = True
-                    if event.policy == "sliding_window":
-                        kv_tokens = session.kv.tokens
-                        rendered = session.render(agent).token_ids
-                        assert common_prefix_len(kv_tokens, rendered) == len(kv_tokens)
-                elif isinstance(event, StepFinished):
-                    prompts.append(event.metrics.prompt_tokens)
-                    if compacted:
-                        new_turn = len(policy_engine.tokenizer.encode(question))
-                        after_compaction.append((event.metrics.prefilled_tokens, new_turn))
-                        compacted = False
-        shifted = session.kv.shifted  # read before close: a closed session's log is empty
-    finally:
-        await runtime.aclose()
-    assert len(events) >= 2
-    assert max(prompts) <= 320 - 32
-    assert all(e.policy == POLICIES[policy_name].name for e in events)
-    if policy_name != "summarize":  # a summary of a weak model may come back empty: its fallback is tested above
-        assert all(e.fallback is None for e in events), [e.fallback_reason for e in events]
-    if policy_name == "sliding_window":  # real shifts: the next call prefills the new turn only
-        assert all(prefilled <= new_turn + 12 for prefilled, new_turn in after_compaction), after_compaction
-    assert len(removed) >= 4
-    if policy_name == "sliding_window":
-        assert shifted
-    if policy_name == "summarize":
-        assert session.messages[0].content.startswith(SUMMARY_PREFIX)

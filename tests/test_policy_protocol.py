@@ -279,7 +279,7 @@ async def test_the_fake_and_the_real_session_both_satisfy_the_protocol():
     assert all(isinstance(p, ContextPolicy) for p in (Truncation(), SlidingWindow(), SummarizeAndReprefill()))
     runtime = Runtime(ScriptedEngine(max_context_len=512))
     try:
-        session = await runtime.open_session(Agent(name="protocol"))
+        session = await runtime.open_conversation(Agent(name="protocol"))
         assert isinstance(session, ConversationView)
         assert isinstance(session.render(session.agent), RenderedPrompt)
     finally:

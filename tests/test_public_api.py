@@ -14,9 +14,9 @@ import agentkv
 @pytest.mark.parametrize(("module", "old"), [("agentkv", "AgentSession"), ("agentkv", "ToolCallEvent"),
                                              ("agentkv", "ToolResultEvent"), ("agentkv", "TurnMetricsEvent"),
                                              ("agentkv", "TokenDelta"), ("agentkv", "Runner"),
-                                             ("agentkv.conversation", "AgentSession"),
+                                             ("agentkv.run.conversation", "AgentSession"),
                                              ("agentkv.events", "ToolCallEvent"), ("agentkv.events", "ToolResultEvent"),
-                                             ("agentkv.events", "TurnMetricsEvent"), ("agentkv.runner", "Runner")])
+                                             ("agentkv.events", "TurnMetricsEvent"), ("agentkv.run.loop", "Runner")])
 def test_the_old_names_are_gone_before_the_first_release(module, old):
     import importlib
 

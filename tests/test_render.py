@@ -89,8 +89,8 @@ class FakeChatML:
 
 @pytest.fixture(scope="module")
 def real_tok():
-    from agentkv.engine.models import resolve_model
-    from agentkv.engine.tokenizer import OVTokenizer
+    from agentkv.engine.openvino.models import resolve_model
+    from agentkv.engine.openvino.tokenizer import OVTokenizer
 
     return OVTokenizer(resolve_model(None).ir_dir)
 

@@ -14,8 +14,8 @@ import pytest
 from typer.testing import CliRunner
 
 from agentkv.chat.messages import Message
-from agentkv.cli import app
-from agentkv.engine.snapshot import KVSnapshot
+from agentkv.cli.app import app
+from agentkv.kv.snapshot import KVSnapshot
 from agentkv.errors import SessionNotFound, UserError
 from agentkv.memory import Store
 
@@ -167,7 +167,7 @@ def cut_short(path: Path) -> None:
 
 
 async def test_retention_keeps_a_whole_older_snapshot_over_a_newer_one_known_to_be_cut_short(make_store):
-    from agentkv.persistence import restore_newest_snapshot
+    from agentkv.runtime.persistence import restore_newest_snapshot
 
     store = make_store(keep_snapshots=2)
     sid = await session(store)

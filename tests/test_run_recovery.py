@@ -7,7 +7,7 @@ import json
 import pytest
 
 from agentkv import Agent, GenerationConfig, Runtime, tool
-from agentkv.errors import ContextOverflowError, MaxTurnsExceeded, UserError
+from agentkv.errors import ContextOverflowError, MaxModelCallsExceeded, UserError
 from agentkv.events import RunFinished
 from agentkv.memory import Store
 from agentkv.policies import Truncation
@@ -26,7 +26,7 @@ def call(name: str, **arguments) -> str:
 
 async def open_session(engine, agent):
     runtime = Runtime(engine)
-    return runtime, await runtime.open_session(agent)
+    return runtime, await runtime.open_conversation(agent)
 
 
 # ---- oversized input ------------------------------------------------------------------------
@@ -125,11 +125,11 @@ async def test_finish_reason_says_when_a_plain_answer_was_cut():
 
 async def test_max_turns_carries_the_run_so_far():
     engine = ScriptedEngine([call("remember", key="a", value="b")] * 2)
-    agent = Agent(name="a", tools=[remember], max_turns=2)
+    agent = Agent(name="a", tools=[remember], max_model_calls=2)
     runtime, session = await open_session(engine, agent)
-    with pytest.raises(MaxTurnsExceeded) as caught:
+    with pytest.raises(MaxModelCallsExceeded) as caught:
         await runtime.run(session, "loop")
-    assert caught.value.result.finish_reason == "max_turns"
+    assert caught.value.result.finish_reason == "max_model_calls"
     assert len(caught.value.result.tool_calls) == 2
 
 
@@ -139,7 +139,7 @@ async def test_after_a_refused_input_a_new_process_resumes_and_answers(tmp_path)
     url = f"sqlite:///{tmp_path / 'agentkv.db'}"
     agent = Agent(name="a", max_prompt_len=300, min_response_len=32)
     first = Runtime(ScriptedEngine(["fine"]), Store(url), agents=[agent])
-    session = await first.open_session(agent, session_id="big")
+    session = await first.open_conversation(agent, session_id="big")
     await first.run(session, "hello")
     with pytest.raises(ContextOverflowError):
         await first.run(session, "word " * 400)
@@ -155,7 +155,7 @@ async def test_continue_from_leaves_a_failed_runs_input_out_of_the_window(tmp_pa
     store = Store(f"sqlite:///{tmp_path / 'a.db'}")
     engine = ScriptedEngine(["Hello!", RuntimeError("the model crashed"), "Welcome back."])
     runtime = Runtime(engine, store)
-    session = await runtime.open_session(Agent(name="a"))
+    session = await runtime.open_conversation(Agent(name="a"))
     await runtime.run(session, "Hi")
     last = await store.last_seq(session.id)
     with pytest.raises(RuntimeError):

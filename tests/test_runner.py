@@ -8,15 +8,15 @@ import anyio
 import pytest
 
 from agentkv import Agent, Runtime, tool
-from agentkv.errors import MaxTurnsExceeded, SessionBusy
+from agentkv.errors import MaxModelCallsExceeded, SessionBusy
 from agentkv.events import (
     RunFinished,
     TextDelta,
     ToolCalled,
     ToolReturned,
-    StepFinished,
+    ModelCallFinished,
 )
-from agentkv.runner import CANCELLED_RESULT
+from agentkv.run.loop import CANCELLED_RESULT
 from agentkv.testing import ScriptedEngine
 from agentkv.tools import calculator
 
@@ -46,7 +46,7 @@ async def slow(seconds: float) -> str:
 
 async def open_session(engine, agent):
     runtime = Runtime(engine)
-    return runtime, await runtime.open_session(agent)
+    return runtime, await runtime.open_conversation(agent)
 
 
 async def test_multi_step_tool_use_feeds_results_back_and_finishes():
@@ -142,9 +142,9 @@ async def test_invalid_arguments_and_unknown_tools_come_back_as_errors():
 
 async def test_max_turns_exceeded_raises_and_keeps_the_history():
     engine = ScriptedEngine([call("add", a=1, b=1)] * 3)
-    agent = Agent(name="a", tools=[add], max_turns=3)
+    agent = Agent(name="a", tools=[add], max_model_calls=3)
     runtime, session = await open_session(engine, agent)
-    with pytest.raises(MaxTurnsExceeded):
+    with pytest.raises(MaxModelCallsExceeded):
         await runtime.run(session, "loop")
     assert [m.role for m in session.messages].count("tool") == 3
     # the session stays usable
@@ -158,9 +158,9 @@ async def test_stream_events_arrive_in_order():
     agent = Agent(name="a", tools=[add])
     runtime, session = await open_session(engine, agent)
     kinds = [event.type async for event in runtime.run_stream(session, "2+2")]
-    assert kinds[0] == "turn_metrics"  # the tool-call markup is not streamed as text
-    assert kinds[1:4] == ["tool_call", "tool_result", "text_delta"]
-    assert kinds[-2:] == ["turn_metrics", "run_finished"]
+    assert kinds[0] == "model_call_finished"  # the tool-call markup is not streamed as text
+    assert kinds[1:4] == ["tool_called", "tool_returned", "text_delta"]
+    assert kinds[-2:] == ["model_call_finished", "run_finished"]
 
 
 async def test_text_before_a_tool_call_is_streamed_and_markup_hidden():
@@ -220,7 +220,7 @@ async def test_turn_metrics_are_reported_per_model_call():
     agent = Agent(name="a", tools=[calculator])
     runtime, session = await open_session(engine, agent)
     events = [e async for e in runtime.run_stream(session, "6*7?")]
-    metrics = [e for e in events if isinstance(e, StepFinished)]
+    metrics = [e for e in events if isinstance(e, ModelCallFinished)]
     assert [m.step for m in metrics] == [0, 1]
     assert session.messages[2].content == "42"
 
@@ -229,7 +229,7 @@ async def test_runtime_registers_the_agents_system_prompt_as_a_shared_prefix():
     engine = ScriptedEngine([])
     agent = Agent(name="a", instructions="Be brief.", tools=[add])
     runtime = Runtime(engine)
-    await runtime.open_session(agent)
+    await runtime.open_conversation(agent)
     (prefix,) = engine.registered_prefixes
     assert "Be brief." in engine.tokenizer.decode(prefix)
 

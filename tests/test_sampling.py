@@ -1,4 +1,4 @@
-"""Tests for agentkv.engine.sampling: every knob of sample_next, penalties, log_softmax and
+"""Tests for agentkv.engine.decode.sampling: every knob of sample_next, penalties, log_softmax and
 stop-string matching over streamed text."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentkv.engine.base import GenerationConfig
-from agentkv.engine.sampling import (
+from agentkv.engine.decode.sampling import (
     StopStringMatcher,
     apply_penalties,
     log_softmax,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from agentkv.engine.base import GenerationConfig
-from agentkv.engine.snapshot import KVSnapshot
+from agentkv.kv.snapshot import KVSnapshot
 from agentkv.errors import (
     ContextOverflowError,
     SessionClosed,

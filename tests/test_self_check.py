@@ -9,10 +9,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from agentkv import Agent, GenerationConfig, Runtime
+from agentkv import Agent, Runtime
 from agentkv.errors import UserError
 from agentkv.events import SelfCheckFailed
-from agentkv.self_check import EXACT_TOLERANCE, fraction_from, tolerance_for
+from agentkv.observe.self_check import fraction_from
 from agentkv.testing import ScriptedEngine
 from agentkv.testing.fake_kv import fake_keys
 
@@ -21,7 +21,7 @@ AGENT = Agent(name="checked", instructions="Be brief.")
 
 async def test_every_checked_call_agrees_with_a_fresh_prefill_when_the_kv_is_sound():
     runtime = Runtime(ScriptedEngine(["One.", "Two.", "Three.", "Four."]), self_check=1.0)
-    session = await runtime.open_session(AGENT)
+    session = await runtime.open_conversation(AGENT)
     for question in ("A?", "B?", "C?"):
         result = await runtime.run(session, question)
         [check] = result.self_checks
@@ -33,7 +33,7 @@ async def test_every_checked_call_agrees_with_a_fresh_prefill_when_the_kv_is_sou
 
 async def test_a_corrupted_kv_is_caught_with_the_operations_since_the_last_check():
     runtime = Runtime(ScriptedEngine(["One.", "Two."]), self_check=1.0)
-    session = await runtime.open_session(AGENT)
+    session = await runtime.open_conversation(AGENT)
     await runtime.run(session, "A?")
     snapshot = await session.kv.snapshot()
     # a silent fault: consistent KV of *other* tokens under this session's token log
@@ -52,7 +52,7 @@ async def test_a_corrupted_kv_is_caught_with_the_operations_since_the_last_check
 async def test_self_check_is_off_by_default_and_read_from_the_environment(monkeypatch):
     monkeypatch.delenv("AGENTKV_SELF_CHECK", raising=False)
     runtime = Runtime(ScriptedEngine(["One."]))
-    session = await runtime.open_session(AGENT)
+    session = await runtime.open_conversation(AGENT)
     assert (await runtime.run(session, "A?")).self_checks == ()
     monkeypatch.setenv("AGENTKV_SELF_CHECK", "0.25")
     assert fraction_from(None) == 0.25
@@ -63,16 +63,3 @@ async def test_self_check_is_off_by_default_and_read_from_the_environment(monkey
         Runtime(ScriptedEngine([]), self_check=2.0)
 
 
-@pytest.mark.model
-async def test_on_the_model_the_cached_path_stays_within_the_tolerance_of_its_numerics(engine):
-    runtime = Runtime(engine, self_check=1.0)
-    agent = Agent(name="checked-model", instructions="Answer in one short sentence.",
-                  generation=GenerationConfig(max_new_tokens=12, temperature=0))
-    session = await runtime.open_session(agent)
-    for question in ("Name a fruit.", "Name a colour.", "Name an animal."):
-        result = await runtime.run(session, question)
-        [check] = result.self_checks
-        assert check.passed, check.describe()
-        if tolerance_for(engine) == EXACT_TOLERANCE:
-            assert check.argmax_agrees
-    await runtime.aclose()

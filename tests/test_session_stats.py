@@ -11,10 +11,10 @@ import anyio
 from typer.testing import CliRunner
 
 from agentkv import Agent, Runtime
-from agentkv.cli import app
+from agentkv.cli.app import app
 from agentkv.memory import Store
 from agentkv.policies import Truncation
-from agentkv.session_stats import session_stats
+from agentkv.memory.session_stats import session_stats
 from agentkv.testing import ScriptedEngine
 
 AGENT = Agent(name="stats", instructions="Be brief.", policy=Truncation(), max_prompt_len=80, min_response_len=16)
@@ -23,7 +23,7 @@ AGENT = Agent(name="stats", instructions="Be brief.", policy=Truncation(), max_p
 async def three_turns(db: str) -> tuple[str, list]:
     store = Store(db)
     runtime = Runtime(ScriptedEngine(["word " * 20, "word " * 20, "Short.", "Fine."]), store)
-    session = await runtime.open_session(AGENT)
+    session = await runtime.open_conversation(AGENT)
     results = [await runtime.run(session, text) for text in ("First " * 10, "Second " * 10, "Third?")]
     session.agent = dataclasses.replace(AGENT, instructions="Be very brief.", policy=None, max_prompt_len=None)
     results.append(await runtime.run(session, "Fourth?"))  # no compaction now: the new instructions break it

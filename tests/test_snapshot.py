@@ -1,4 +1,4 @@
-"""Tests for agentkv.engine.snapshot: precisions, prefixes, checksums and snapshot files."""
+"""Tests for agentkv.kv.snapshot: precisions, prefixes, checksums and snapshot files."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from agentkv.engine import snapshot as snapshot_module
-from agentkv.engine.snapshot import (
+from agentkv.kv import snapshot as snapshot_module
+from agentkv.kv.snapshot import (
     KVSnapshot,
     dequantize_u8,
     quantize_u8,

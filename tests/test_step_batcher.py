@@ -10,8 +10,8 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from agentkv.engine.paged_model import SequenceStep
-from agentkv.engine.step_batcher import StepBatcher
+from agentkv.engine.paged.model import SequenceStep
+from agentkv.engine.paged.batcher import StepBatcher
 from agentkv.errors import UserError
 
 

@@ -18,7 +18,7 @@ from sqlalchemy import create_engine, insert, inspect, text
 from sqlalchemy.exc import OperationalError
 
 from agentkv.chat.messages import Message, ToolCall
-from agentkv.engine.snapshot import KVSnapshot
+from agentkv.kv.snapshot import KVSnapshot
 from agentkv.errors import (
     AgentNotFound,
     SchemaVersionError,

@@ -17,9 +17,9 @@ from typer.testing import CliRunner
 
 from agentkv import Agent, Runtime
 from agentkv.chat.messages import Message
-from agentkv.cli import app
+from agentkv.cli.app import app
 from agentkv.errors import StoreUnavailable
-from agentkv.leases import LeaseKeeper, holder_id
+from agentkv.memory.leases import LeaseKeeper, holder_id
 from agentkv.memory import Store
 from agentkv.testing import ScriptedEngine
 
@@ -132,7 +132,7 @@ def test_the_cli_prints_one_line_naming_the_database_for_a_read_only_one(tmp_pat
 def test_cli_chat_on_a_read_only_database_is_one_error_line_and_a_failing_exit(tmp_path, monkeypatch):
     import anyio
 
-    monkeypatch.setattr("agentkv.cli_chat.load_engine", lambda model: ScriptedEngine(["Hi."] * 4))
+    monkeypatch.setattr("agentkv.cli.chat.load_engine", lambda model: ScriptedEngine(["Hi."] * 4))
     url = f"sqlite:///{tmp_path / 'a.db'}"
     sid = anyio.run(stored_session, url)
     with read_only(tmp_path / "a.db"):

@@ -12,9 +12,9 @@ from agentkv import tool
 from agentkv.chat.grammar_schema import MAX_KEY_LENGTH, bounded_schema
 from agentkv.chat.messages import ToolCall
 from agentkv.chat.toolcalls import format_tool_calls, tool_call_grammar
-from agentkv.engine.constraints import ConstraintFactory
-from agentkv.engine.models import resolve_model
-from agentkv.engine.tokenizer import OVTokenizer
+from agentkv.engine.decode.constraints import ConstraintFactory
+from agentkv.engine.openvino.models import resolve_model
+from agentkv.engine.openvino.tokenizer import OVTokenizer
 
 EOS = 2
 DISTANCE = {"type": "function", "function": {"name": "geo.distance", "description": "Distance between two cities.",

@@ -10,13 +10,12 @@ import json
 
 import httpx
 import openai
-import pytest
 
 from agentkv.chat.messages import ToolCall
-from agentkv.chat.toolcalls import TOOL_CALL_OPEN, format_tool_calls
-from agentkv.engine.constraints import ConstraintFactory
-from agentkv.engine.models import resolve_model
-from agentkv.engine.tokenizer import OVTokenizer
+from agentkv.chat.toolcalls import format_tool_calls
+from agentkv.engine.decode.constraints import ConstraintFactory
+from agentkv.engine.openvino.models import resolve_model
+from agentkv.engine.openvino.tokenizer import OVTokenizer
 from agentkv.memory import Store
 from agentkv.server import create_app
 from agentkv.testing import ScriptedEngine
@@ -122,18 +121,3 @@ async def test_identical_calls_in_one_step_reach_the_client_once(tmp_path):
     assert arguments(response.output) == arguments(completion.choices[0].message.tool_calls)
 
 
-@pytest.mark.model
-async def test_the_issue_repro_on_the_model_gives_valid_calls_and_no_markup(engine, tmp_path):
-    """Raw ``geo.distance``, ``tool_choice="required"``, 58 tokens: the default model's answer."""
-    async with client_for(engine, tmp_path) as client:
-        completion = await chat(client, 58)
-        response = await respond(client, 58)
-    choice = completion.choices[0]
-    assert TOOL_CALL_OPEN[:2] not in (choice.message.content or "") and "<" not in response.output_text
-    assert all(item.type != "message" for item in response.output)
-    for calls, finish in ((choice.message.tool_calls or [], choice.finish_reason),
-                          ([i for i in response.output if i.type == "function_call"], response.status)):
-        args = arguments(calls)
-        assert finish in ("tool_calls", "completed") and args, (finish, args)
-        assert all(set(a) == {"start", "end"} and all(isinstance(v, str) for v in a.values()) for a in args)
-        assert len({json.dumps(a, sort_keys=True) for a in args}) == len(args)  # no repeats

@@ -19,8 +19,8 @@ from agentkv.chat.toolcalls import (
     tool_call_grammar,
 )
 from agentkv.chat.grammar_schema import MAX_KEY_LENGTH, bounded_schema
-from agentkv.engine.constraints import ConstraintFactory
-from agentkv.engine.models import resolve_model
+from agentkv.engine.decode.constraints import ConstraintFactory
+from agentkv.engine.openvino.models import resolve_model
 from agentkv.tools import calculator, clock
 
 TOOLS = [calculator.schema_for_prompt(), clock.schema_for_prompt()]

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from agentkv import Agent, Runtime, tool, tracing
+from agentkv import Agent, Runtime, tool
+from agentkv.observe import tracing
 from agentkv.memory import Store
 from agentkv.policies import Truncation
 from agentkv.testing import ScriptedEngine
@@ -44,7 +45,7 @@ async def test_a_run_its_model_and_tool_calls_a_compaction_and_snapshots_are_spa
     agent = Agent(name="traced", instructions="Be brief.", tools=[add], policy=Truncation(), max_prompt_len=300,
                   min_response_len=16)
     runtime = Runtime(ScriptedEngine([call("add", a=2, b=3), "It is 5.", "word " * 60, "Done."]), Store(db))
-    session = await runtime.open_session(agent)
+    session = await runtime.open_conversation(agent)
     await runtime.run(session, "What is 2+3?")
     await runtime.run(session, "Talk " * 80)
     await runtime.run(session, "More " * 60)
@@ -71,7 +72,7 @@ async def test_a_run_its_model_and_tool_calls_a_compaction_and_snapshots_are_spa
 
 async def test_a_failed_run_marks_its_span(spans):
     runtime = Runtime(ScriptedEngine([RuntimeError("the model crashed")]))
-    session = await runtime.open_session(Agent(name="fails"))
+    session = await runtime.open_conversation(Agent(name="fails"))
     with pytest.raises(RuntimeError):
         await runtime.run(session, "Hi")
     [run] = [s for s in spans.get_finished_spans() if s.name == "agentkv.run"]
@@ -82,6 +83,6 @@ async def test_without_opentelemetry_spans_are_no_ops(monkeypatch):
     monkeypatch.setattr(tracing, "_trace", None)
     assert not tracing.enabled()
     runtime = Runtime(ScriptedEngine(["Hello."]))
-    session = await runtime.open_session(Agent(name="quiet"))
+    session = await runtime.open_conversation(Agent(name="quiet"))
     assert (await runtime.run(session, "Hi")).final_text == "Hello."
     assert tracing.start("x") is tracing.NO_SPAN

@@ -41,7 +41,7 @@ def utf8(text: str) -> bool:
 async def test_a_user_message_with_undecodable_bytes_is_stored_with_replacement_characters(tmp_path):
     async with Store(f"sqlite:///{tmp_path / 'db.sqlite'}") as store:
         runtime = Runtime(ScriptedEngine(["Hi."]), store=store)
-        session = await runtime.open_session(Agent(name="a"))
+        session = await runtime.open_conversation(Agent(name="a"))
         result = await runtime.run(session, BROKEN)
         stored = await store.messages(session.id)
     assert result.final_text == "Hi."
@@ -51,7 +51,7 @@ async def test_a_user_message_with_undecodable_bytes_is_stored_with_replacement_
 async def test_tool_arguments_and_results_with_lone_surrogates_are_replaced_and_the_run_finishes():
     engine = ScriptedEngine([call("echo", text="caf\udcc3"), call("stray_bytes"), "Done."])
     runtime = Runtime(engine)
-    session = await runtime.open_session(Agent(name="a", tools=[echo, stray_bytes]))
+    session = await runtime.open_conversation(Agent(name="a", tools=[echo, stray_bytes]))
     result = await runtime.run(session, "go")
     assert result.final_text == "Done."
     assert session.messages[1].tool_calls[0].arguments == {"text": "caf\ufffd"}
@@ -64,7 +64,7 @@ async def test_a_callers_tool_result_with_lone_surrogates_is_replaced():
     lookup = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}
     engine = ScriptedEngine([call("lookup"), "Read it."])
     runtime = Runtime(engine)
-    session = await runtime.open_session(Agent(name="a", tools=[lookup]))
+    session = await runtime.open_conversation(Agent(name="a", tools=[lookup]))
     first = await runtime.run(session, "look it up")
     pending = first.pending_tool_calls[0]
     await runtime.run(session, [{"role": "tool", "tool_call_id": pending.id, "content": "x\udcff"}])

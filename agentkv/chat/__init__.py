@@ -3,7 +3,6 @@
 from agentkv.chat.messages import Message, Role, ToolCall, new_call_id
 from agentkv.chat.render import (
     ChatRenderer,
-    ChatTokenizer,
     MessageSpan,
     RenderedPrompt,
     default_tools_text,
@@ -11,7 +10,6 @@ from agentkv.chat.render import (
 
 __all__ = [
     "ChatRenderer",
-    "ChatTokenizer",
     "Message",
     "MessageSpan",
     "RenderedPrompt",

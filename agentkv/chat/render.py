@@ -39,12 +39,13 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Protocol
+from typing import Any
 
 from cachetools import LRUCache
 
 from agentkv.chat.messages import Message, ToolCall
 from agentkv.chat.toolcalls import format_tool_calls
+from agentkv.engine.base import Tokenizer
 from agentkv.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -53,27 +54,6 @@ CHATML_GENERATION_PROMPT = "<|im_start|>assistant\n"
 _SENTINEL = "AGENTKV_GENERATED_CONTENT_7F3C"
 _PROBE_SYSTEM: dict[str, Any] = {"role": "system", "content": "You are a test."}
 _PROBE_TOOL_CONTENT = 'tool "result"\nline 2'
-
-
-class ChatTokenizer(Protocol):
-    """What the renderer needs from a tokenizer (``OVTokenizer`` and the scripted one have it)."""
-
-    eos_token_id: int
-
-    def encode(self, text: str) -> list[int]:
-        """Ids for ``text``, no BOS/EOS added (special-token text still maps to its id)."""
-
-    def decode(self, ids: Sequence[int]) -> str:
-        """Text for ``ids``, special tokens kept."""
-
-    def apply_chat_template(
-        self,
-        messages: Sequence[dict[str, Any]],
-        *,
-        add_generation_prompt: bool,
-        tools: Sequence[dict[str, Any]] | None = None,
-    ) -> str:
-        """The template's text for OpenAI-style message dicts."""
 
 
 @dataclass(frozen=True)
@@ -151,7 +131,7 @@ class ChatRenderer:
 
     def __init__(
         self,
-        tokenizer: ChatTokenizer,
+        tokenizer: Tokenizer,
         *,
         tools_text: Callable[[Sequence[dict[str, Any]]], str] | None = None,
         cache_size: int = 4096,

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 if TYPE_CHECKING:
-    from agentkv.engine.snapshot import KVSnapshot
+    from agentkv.kv.snapshot import KVSnapshot
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -376,13 +376,25 @@ class KVSession(Protocol):
 
 
 class Tokenizer(Protocol):
-    """Text ↔ ids and chat-template rendering, as the engine's model sees them."""
+    """Text ↔ ids and chat-template rendering, as the engine's model sees them (the OpenVINO
+    engines' ``OVTokenizer`` and the scripted engine's tokenizer); the chat renderer uses it too."""
+
+    eos_token_id: int
 
     def encode(self, text: str) -> list[int]:
-        """Ids for ``text`` with no special tokens added."""
+        """Ids for ``text`` with no BOS/EOS added (special-token text still maps to its id)."""
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text for ``ids`` (special tokens kept as text)."""
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[dict[str, Any]],
+        *,
+        add_generation_prompt: bool,
+        tools: Sequence[dict[str, Any]] | None = None,
+    ) -> str:
+        """The template's text for OpenAI-style message dicts."""
 
 
 @runtime_checkable

@@ -18,7 +18,7 @@ import logging
 import os
 from typing import Any, Literal
 
-from agentkv.engine.slot_engine import SlotEngine
+from agentkv.engine.session.slot_engine import SlotEngine
 from agentkv.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -53,13 +53,13 @@ def open_engine(
                 chosen = "stateful"
     if chosen == "paged":
         return _paged(model, device, options)
-    from agentkv.engine.stateful import StatefulEngine
+    from agentkv.engine.stateful.engine import StatefulEngine
 
     stateful_options = {k: v for k, v in options.items() if k not in _PAGED_ONLY}
     return StatefulEngine(model, device=device, **stateful_options)
 
 
 def _paged(model: str | os.PathLike[str] | None, device: str, options: dict[str, Any]) -> SlotEngine:
-    from agentkv.engine.paged import PagedEngine
+    from agentkv.engine.paged.engine import PagedEngine
 
     return PagedEngine(model, device=device, **options)

@@ -14,7 +14,7 @@ from sqlalchemy import ColumnElement, case, delete, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from agentkv.chat.messages import Message
-from agentkv.engine.snapshot import KVSnapshot, tokens_digest
+from agentkv.kv.snapshot import KVSnapshot, tokens_digest
 from agentkv.errors import AgentNotFound, LeaseLost, ResponseNotFound, SessionBusy, SessionNotFound, UserError
 from agentkv.memory import branches, convert
 from agentkv.memory.holders import holder_is_dead_here

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from datetime import timedelta
 from pathlib import Path
 
-from agentkv.engine.snapshot import SUFFIX, KVSnapshot
+from agentkv.kv.snapshot import SUFFIX, KVSnapshot
 from agentkv.errors import SnapshotCorrupt, SnapshotIncompatible
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")

@@ -32,7 +32,7 @@ from sqlalchemy.exc import ArgumentError, IntegrityError, OperationalError
 from sqlalchemy.orm import Session
 
 from agentkv.chat.messages import Message
-from agentkv.engine.snapshot import KVSnapshot
+from agentkv.kv.snapshot import KVSnapshot
 from agentkv.errors import StoreUnavailable, UserError
 from agentkv.memory import convert, queries, retention
 from agentkv.memory.database import (
@@ -305,7 +305,7 @@ class Store:
 
         Raises ``SessionBusy`` while another holder's lease is live; an expired lease is
         taken over, and so at once is one held by a dead process on this host (a
-        ``host:pid:tag`` holder, see ``agentkv.leases``). Atomic across processes (conditional
+        ``host:pid:tag`` holder, see ``agentkv.memory.leases``). Atomic across processes (conditional
         UPDATEs). ``token = await store.acquire_lease(sid, holder_id(), ttl_s=30)``; pass the
         token as ``fence=`` to writes so none lands once another holder took the lease.
         """

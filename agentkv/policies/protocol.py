@@ -3,7 +3,7 @@
 Policies decide *which messages* leave the window; everything else they need — rendering, token
 counts, the KV's token log and span drop, re-prefill, a scratch session for summaries, the
 context length — is named here, so a policy never reaches into the conversation's KV session,
-engine or renderer, and never imports ``agentkv.agent`` or ``agentkv.conversation``.
+engine or renderer, and never imports ``agentkv.agent`` or ``agentkv.run.conversation``.
 ``Conversation`` satisfies ``ConversationView``; a test can satisfy it with a list of messages and a
 fake tokenizer::
 

@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from agentkv.engine.base import Engine
 from agentkv.errors import AgentKVError
 from agentkv.memory import Store
-from agentkv.runtime import Runtime
+from agentkv.runtime.runtime import Runtime
 from agentkv.server.access_log import AccessLog, AccessNote
 from agentkv.server.auth import BearerAuth
 from agentkv.server.chat import ChatCompletions

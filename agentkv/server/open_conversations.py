@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from agentkv.agent import Agent
-from agentkv.conversation import Conversation
-from agentkv.runtime import Runtime
+from agentkv.run.conversation import Conversation
+from agentkv.runtime.runtime import Runtime
 
 
 class OpenConversations:
@@ -31,7 +31,7 @@ class OpenConversations:
     async def new(self, agent: Agent, *, salt: str) -> Conversation:
         """A new stored conversation of tenant ``salt``."""
         await self._make_room()
-        session = await self.runtime.open_session(agent, salt=salt)
+        session = await self.runtime.open_conversation(agent, salt=salt)
         self._open[session.id] = session
         return session
 
@@ -54,7 +54,7 @@ class OpenConversations:
         """Release the conversation's KV (what is stored stays)."""
         session = self._open.pop(session_id, None)
         if session is not None:
-            await self.runtime.close_session(session)
+            await self.runtime.close_conversation(session)
 
     async def _make_room(self) -> None:
         while len(self._open) >= self.max_open:

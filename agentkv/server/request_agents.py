@@ -22,7 +22,7 @@ from cachetools import LRUCache
 
 from agentkv.agent import Agent
 from agentkv.policies.protocol import ContextPolicy
-from agentkv.runtime import Runtime
+from agentkv.runtime.runtime import Runtime
 from agentkv.server.errors import ApiError
 from agentkv.tools import Tool
 
@@ -94,7 +94,7 @@ class RequestAgents:
                           tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls, output_type=output,
                           policy=defaults.policy, max_prompt_len=defaults.max_prompt_len,
                           min_response_len=_reserved(defaults),
-                          max_turns=Agent.max_turns if defaults.tools else CLIENT_TOOL_TURNS)
+                          max_model_calls=Agent.max_model_calls if defaults.tools else CLIENT_TOOL_TURNS)
             self._agents[key] = agent  # beyond KEPT_AGENTS, the least recently used is forgotten
         if (key, salt) not in self._registered:  # a membership test leaves the order alone
             self.runtimes[0].register_agent_prefix(agent, salt=salt)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from agentkv.events import RunEvent, StepFinished, TextDelta, ToolCalled, ToolReturned
+from agentkv.events import RunEvent, ModelCallFinished, TextDelta, ToolCalled, ToolReturned
 from agentkv.result import RunResult
 from agentkv.server.logprobs_wire import logprob_entries
 from agentkv.server.response_wire import (
@@ -57,7 +57,7 @@ class ResponseOutput:
             self._open_logprobs().extend(entries)
             return [*events, self.event("response.output_text.delta", item_id=self._open_id(), output_index=self._index(),
                                         content_index=0, delta=run_event.text, logprobs=entries)]
-        if isinstance(run_event, StepFinished):
+        if isinstance(run_event, ModelCallFinished):
             self._step_items.append(self._open)
             return self._close_message()
         if isinstance(run_event, ToolCalled):

@@ -28,14 +28,14 @@ import anyio
 from agentkv.agent import Agent
 from agentkv.chat.messages import Message
 from agentkv.chat.openai_messages import messages_from_openai
-from agentkv.conversation import Conversation
+from agentkv.run.conversation import Conversation
 from agentkv.errors import ContextOverflowError, SessionBusy, UserError
 from agentkv.events import RunEvent, RunFinished
 from agentkv.memory import ResponseRecord, Store
-from agentkv.persistence import load_window
+from agentkv.runtime.persistence import load_window
 from agentkv.policies import Truncation
 from agentkv.result import RunResult
-from agentkv.run_input import checked_input
+from agentkv.run.input import checked_input
 from agentkv.server.access_log import AccessNote
 from agentkv.server.errors import ApiError, as_api_error
 from agentkv.server.open_conversations import OpenConversations

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 from agentkv.agent import Agent
 from agentkv.chat.messages import Message
-from agentkv.conversation import Conversation, WindowEntry, render_for
+from agentkv.run.conversation import Conversation, WindowEntry, render_for
 from agentkv.errors import ContextOverflowError, UserError
 from agentkv.events import RunEvent, RunFinished
-from agentkv.run_input import checked_input
-from agentkv.runtime import Runtime
+from agentkv.run.input import checked_input
+from agentkv.runtime.runtime import Runtime
 from agentkv.server.errors import ApiError
 from agentkv.server.live_sessions import LiveSessions
 

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from agentkv.cache_breaks import CacheBreak
+from agentkv.observe.cache_breaks import CacheBreak
 from agentkv.chat.messages import ToolCall
 from agentkv.engine.base import MAX_LOGPROBS, GenerationConfig, GenerationMetrics
 from agentkv.server.logprobs_wire import chat_logprobs
@@ -162,7 +162,7 @@ def usage(steps: Sequence[GenerationMetrics]) -> dict[str, Any]:
 
 def cache_break_field(breaks: Sequence[CacheBreak | None]) -> dict[str, Any]:
     """The ``agentkv`` extension field: the first model call that reused less KV than its
-    session held — where, in what and why (``agentkv.cache_breaks``) — or None."""
+    session held — where, in what and why (``agentkv.observe.cache_breaks``) — or None."""
     found = next((b for b in breaks if b is not None), None)
     if found is None:
         return {"cache_break": None}

@@ -25,7 +25,7 @@ from agentkv.engine.base import (
     TokenLogprob,
     TopLogprob,
 )
-from agentkv.engine.decode import DecodeLoop
+from agentkv.engine.decode.loop import DecodeLoop
 
 ORDINARY_IDS = 100_000
 """Ids below this are ordinary cl100k tokens (each decodes alone): the scripted alternatives."""

@@ -29,8 +29,8 @@ import anyio
 import anyio.lowlevel
 
 from agentkv.engine.base import GenerationConfig, GenerationMetrics, GenerationResult
-from agentkv.engine.rope import FIT_TOLERANCE
-from agentkv.engine.slot_engine import SlotEngine
+from agentkv.kv.rope import FIT_TOLERANCE
+from agentkv.engine.session.slot_engine import SlotEngine
 from agentkv.errors import UserError
 from agentkv.testing.fake_kv import KV_BYTES_PER_TOKEN, ROPE_THETA, FakeSlot
 from agentkv.testing.session import ScriptedSession

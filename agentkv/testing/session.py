@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from agentkv.engine.base import GenerationConfig, GenerationResult, TokenConstraint, TokenDelta
-from agentkv.engine.session import SlotSession
+from agentkv.engine.session.session import SlotSession
 from agentkv.testing.decode import ScriptedDecode
 
 

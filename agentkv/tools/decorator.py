@@ -55,7 +55,7 @@ class Tool:
     max_result_chars: int | None = DEFAULT_MAX_RESULT_CHARS
     """Results are cut to this many characters (plus a marker); ``None`` keeps them whole."""
     requires_approval: bool = False
-    """A call waits for a person's approval before it runs (``agentkv.approvals``): the run stops
+    """A call waits for a person's approval before it runs (``agentkv.run.approvals``): the run stops
     with ``finish_reason="approval_required"``."""
 
     def __post_init__(self) -> None:
@@ -202,7 +202,7 @@ def tool(
     requires_approval: bool = False,
 ) -> Tool | Callable[[Callable[..., Any]], Tool]:
     """Make a :class:`Tool` of a function: ``@tool`` or ``@tool(name=..., timeout_s=...)``;
-    ``@tool(requires_approval=True)``: each call waits for a person's approval (``agentkv.approvals``).
+    ``@tool(requires_approval=True)``: each call waits for a person's approval (``agentkv.run.approvals``).
 
     Raises ``UserError`` at once when the function cannot be a tool (a parameter without a type
     annotation, ``*args``/``**kwargs``, a name the tool format refuses, a non-callable).

@@ -1,0 +1,356 @@
+"""The ``agentkv`` command: chat with a local model, list/show/export/remove/unlock stored sessions, resume.
+
+::
+
+    agentkv chat                      # new session on the default model, history in SQLite
+    agentkv chat --system "Be terse." --policy sliding --max-prompt-len 2048
+    agentkv chat --session ID         # continue a stored session (same as `agentkv resume ID`)
+    agentkv sessions list
+    agentkv sessions export ID > chat.jsonl
+    agentkv sessions unlock ID        # release the lease a crashed process left behind
+    agentkv serve --port 8000         # an OpenAI-compatible server (``cli_serve``)
+
+Configuration is read here, at the edge (``cli_config``): ``--db``, ``$AGENTKV_DB_URL`` or
+``$AGENTKV_HOME`` for the store, ``--model`` or ``$AGENTKV_MODEL`` for the model, ``$AGENTKV_ENGINE``
+for the engine (``open_engine``: paged on CPU/GPU unless it says ``stateful``). The chat
+loop is in ``cli_chat``, the agent options in ``cli_agent``, printing in ``cli_display``.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Optional
+
+import anyio
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from agentkv.cli.agent import AgentOptions, PolicyName
+from agentkv.cli.chat import EXIT_INTERRUPTED, ChatRequest, run_chat
+from agentkv.cli.config import ENVIRONMENT_HELP, open_store, parse_age
+from agentkv.chat.messages import pending_tool_calls
+from agentkv.cli.display import format_call, sessions_table, show_message
+from agentkv.errors import AgentKVError, UserError
+from agentkv.memory.leases import live_pid_here
+from agentkv.memory.session_stats import session_stats
+
+# NOTE: rich_markup_mode=None: click's plain help wraps at any width; rich's tables cut words at 80 columns
+app = typer.Typer(help="agentkv: agents whose conversations keep their KV cache alive.",
+                  epilog=ENVIRONMENT_HELP, no_args_is_help=True, rich_markup_mode=None)
+sessions_app = typer.Typer(help="Stored sessions.", no_args_is_help=True, rich_markup_mode=None)
+app.add_typer(sessions_app, name="sessions")
+out = Console()
+err = Console(stderr=True)
+
+DB_HELP = "SQLAlchemy URL of the store (default: $AGENTKV_DB_URL, else $AGENTKV_HOME/agentkv.db)."
+MODEL_HELP = ("GGUF file or OpenVINO IR directory (default: $AGENTKV_MODEL, else SmolLM2-135M); "
+              "$AGENTKV_ENGINE=stateful runs it on the stateful engine instead of the paged one.")
+
+
+@app.command(epilog=ENVIRONMENT_HELP)
+def chat(
+    session: Optional[str] = typer.Option(None, "--session", "-s", help="Continue this stored session."),
+    agent: Optional[str] = typer.Option(
+        None, "--agent", "-a", help="Agent name (default: the session's agent, else 'assistant', or "
+        "'assistant+tools' with --tools, 'assistant+system-HASH' with --system: each stored as itself). "
+        "A stored agent is used as stored; options may not give it other instructions or tools."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
+    db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
+    metrics: bool = typer.Option(False, "--metrics", help="Print per-turn token and timing metrics."),
+    tools: Optional[bool] = typer.Option(
+        None, "--tools/--no-tools", help="Give the agent the calculator and clock tools (or none). Each "
+        "message is then answered by one tool call, whose result is the answer: the default model "
+        "does not pick tools by itself, nor read their results back."),
+    system: Optional[str] = typer.Option(None, "--system", help="The agent's instructions (system prompt)."),
+    policy: Optional[PolicyName] = typer.Option(
+        None, "--policy", case_sensitive=False,
+        help="What leaves the window when the prompt outgrows --max-prompt-len."),
+    max_prompt_len: Optional[int] = typer.Option(
+        None, "--max-prompt-len", min=1, help="Window in tokens: prompt plus answer (default: the model's context)."),
+    max_new_tokens: Optional[int] = typer.Option(
+        None, "--max-new-tokens", min=1, help="Longest answer per model call; also the room kept for it (default 256)."),
+    temperature: Optional[float] = typer.Option(
+        None, "--temperature", min=0.0, help="0 is greedy (the default); higher samples more freely."),
+) -> None:
+    """Chat on stdin; answers stream to stdout. /help lists the commands, /quit (or Ctrl-D)
+    leaves; Ctrl-C stops an answer, a second Ctrl-C exits."""
+    options = AgentOptions(system=system, tools=tools, policy=policy, max_prompt_len=max_prompt_len,
+                           max_new_tokens=max_new_tokens, temperature=temperature)
+    _run_chat(ChatRequest(session, agent, options, model, db, metrics))
+
+
+@app.command()
+def resume(
+    session_id: str = typer.Argument(..., help="The stored session's id."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
+    db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
+    metrics: bool = typer.Option(False, "--metrics", help="Print per-turn token and timing metrics."),
+) -> None:
+    """Continue a stored session with its stored agent, from its KV snapshot."""
+    _run_chat(ChatRequest(session_id, None, AgentOptions(), model, db, metrics))
+
+
+def _run_chat(request: ChatRequest) -> None:
+    code = _guard(lambda: anyio.run(run_chat, request, out, err))
+    if code:
+        raise typer.Exit(code)
+
+
+@sessions_app.command("list")
+def sessions_list(db: Optional[str] = typer.Option(None, "--db", help=DB_HELP)) -> None:
+    """Every stored session, newest first.
+
+    Columns: id; agent; updated (UTC); messages: every stored message, in the window or out of
+    it (a fork counts only its own); window tokens: the tokens of the messages still in the
+    context window, as rendered into the prompt (what a resume's KV holds besides the system
+    prompt and tool schemas; `sessions show ID --kv` gives the KV size in bytes); fork of: the
+    parent and the fork point (parent@seq), shown when some session is a fork."""
+
+    async def run() -> None:
+        async with open_store(db) as store:
+            out.print(sessions_table(await store.list_sessions()))
+
+    _guard(lambda: anyio.run(run))
+
+
+@sessions_app.command("show")
+def sessions_show(
+    session_id: str,
+    kv: bool = typer.Option(False, "--kv", help="Also its KV: tokens, bytes, snapshots, reuse and what it "
+                            "saved, compactions and cache breaks (with their causes)."),
+    db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
+) -> None:
+    """A session's history: tool calls as name(arguments), messages out of the window marked."""
+
+    async def run() -> None:
+        async with open_store(db) as store:
+            await store.get_session(session_id)
+            for m in await store.messages(session_id):
+                show_message(out, m.message, in_window=m.in_window)
+            if kv:
+                out.print()
+                for line in (await session_stats(store, session_id)).lines():
+                    out.print(line, markup=False, highlight=False)
+
+    _guard(lambda: anyio.run(run))
+
+
+@sessions_app.command("pending")
+def sessions_pending(
+    session_id: Optional[str] = typer.Argument(None, help="Only this session (default: every one)."),
+    db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
+) -> None:
+    """Tool calls waiting in stored sessions: for a person's approval (``runtime.approve`` /
+    ``runtime.reject``) or for the results a caller executes."""
+
+    async def run() -> None:
+        async with open_store(db) as store:
+            ids = [session_id] if session_id else [s.id for s in await store.list_sessions()]
+            table = Table("session", "call id", "tool call")
+            for sid in ids:
+                window = [m.message for m in await store.messages(sid, in_window_only=True)]
+                for call in pending_tool_calls(window).values():
+                    table.add_row(sid, call.id, format_call(call))
+            out.print(table if table.row_count else "no tool call is waiting")
+
+    _guard(lambda: anyio.run(run))
+
+
+@sessions_app.command("fork")
+def sessions_fork(
+    session_id: str,
+    at: Optional[int] = typer.Option(None, "--at", min=0, help="Share messages 1..AT (default: all)."),
+    db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
+) -> None:
+    """A new session sharing this one's messages up to --at (not copied); prints its id. Its KV
+    comes from the parent's snapshot when it is resumed."""
+
+    async def run() -> None:
+        async with open_store(db) as store:
+            fork = await store.fork_session(session_id, at=at)
+            out.print(f"forked {session_id} at {fork.fork_seq}: {fork.id}", highlight=False)
+
+    _guard(lambda: anyio.run(run))
+
+
+@sessions_app.command("rewind")
+def sessions_rewind(
+    session_id: str,
+    before: int = typer.Option(..., "--before", min=1, help="The first message (seq) to take out of the window."),
+    db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
+) -> None:
+    """Take message --before and every later one out of the session's window (they stay stored)."""
+
+    async def run() -> None:
+        async with open_store(db) as store:
+            left = await store.rewind(session_id, before - 1)
+            out.print(f"{left} messages left the window of {session_id}", highlight=False)
+
+    _guard(lambda: anyio.run(run))
+
+
+@sessions_app.command("prune")
+def sessions_prune(
+    older_than: Optional[str] = typer.Option(
+        None, "--older-than", help="Delete sessions not updated for this long: 30d, 12h, 90m, 2w."),
+    keep_snapshots: Optional[int] = typer.Option(
+        None, "--keep-snapshots", min=1, help="Keep only this many newest snapshots of each session."),
+    db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
+) -> None:
+    """Delete old sessions and surplus snapshots, and snapshot files no row points to (left by a
+    crash). A parent whose forks stay is kept; a leased (running) session is never deleted."""
+
+    async def run() -> None:
+        age = parse_age(older_than) if older_than is not None else None
+        async with open_store(db) as store:
+            report = await store.prune(older_than=age, keep_snapshots=keep_snapshots)
+        out.print(f"deleted {len(report.sessions)} sessions and {report.snapshots} snapshot files "
+                  f"({report.orphan_files} orphaned), freed {report.bytes_freed / 1e6:.1f} MB", highlight=False)
+
+    _guard(lambda: anyio.run(run))
+
+
+@sessions_app.command("export")
+def sessions_export(
+    session_id: str,
+    window: bool = typer.Option(False, "--window", help="Only the messages in the context window: the "
+                                "conversation as the model reads it, a valid OpenAI messages list."),
+    db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
+) -> None:
+    """The history as JSONL in OpenAI chat-message format: the agent's system prompt first, then
+    every stored message; one out of the window (rewound, or compacted away by a policy) carries
+    "agentkv": {"in_window": false, "seq": N}."""
+
+    async def run() -> None:
+        async with open_store(db) as store:
+            sys.stdout.write(await store.export_jsonl(session_id, in_window_only=window))
+
+    _guard(lambda: anyio.run(run))
+
+
+@sessions_app.command("rm")
+def sessions_rm(session_id: str, db: Optional[str] = typer.Option(None, "--db", help=DB_HELP)) -> None:
+    """Delete a session: its rows and its snapshot files."""
+
+    async def run() -> None:
+        async with open_store(db) as store:
+            await store.get_session(session_id)
+            await store.delete_session(session_id)
+            err.print(f"deleted {session_id}")
+
+    _guard(lambda: anyio.run(run))
+
+
+@sessions_app.command("unlock")
+def sessions_unlock(
+    session_id: str,
+    force: bool = typer.Option(False, "--force", help="Release it even from a process still running on this "
+                               "host: that run then stops at its next write, and a tool it is running "
+                               "gets its result recorded by no one."),
+    db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
+) -> None:
+    """Release a session's lease left by a crashed or stuck process, so it can run again now.
+
+    Refused while the holder is a process still running on this host (unless --force): stop
+    it first. A holder on another host cannot be checked from here: make sure it is gone.
+    """
+
+    async def run() -> None:
+        async with open_store(db) as store:
+            current = (await store.get_session(session_id)).lease_holder
+            pid = live_pid_here(current) if current is not None else None
+            if pid is not None and not force:
+                raise UserError(
+                    f"session {session_id} is held by {current}, process {pid} still running on this host; "
+                    f"stop it first (kill {pid}), or pass --force: its run then stops at its next write "
+                    "and a tool call it is running gets no result from it")
+            holder = await store.release_lease(session_id, force=True)
+            if holder is None:
+                err.print(f"session {session_id} was not leased; nothing to release", soft_wrap=True)
+            else:
+                err.print(f"released the lease of session {session_id}, held by {escape(str(holder))}"
+                          + (f" (process {pid} still runs: its next write to the session will be refused)"
+                             if pid is not None else ""), soft_wrap=True, highlight=False)
+
+    _guard(lambda: anyio.run(run))
+
+
+@app.command(epilog=ENVIRONMENT_HELP)
+def serve(
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (loopback by default)."),
+    port: int = typer.Option(8000, "--port", min=1, max=65535, help="Port to listen on."),
+    api_key: Optional[str] = typer.Option(
+        None, "--api-key", help="Bearer token every request must send (default: $AGENTKV_API_KEY; none: open)."),
+    db: Optional[str] = typer.Option(
+        None, "--db", help=DB_HELP + " Stored responses and their conversations live here."),
+    model: Optional[str] = typer.Option(None, "--model", help=MODEL_HELP),
+    engine: Optional[str] = typer.Option(
+        None, "--engine", help="paged or stateful (default: $AGENTKV_ENGINE, else paged on CPU/GPU)."),
+    max_sessions: int = typer.Option(64, "--max-sessions", min=1,
+                                     help="KV sessions kept alive between requests (and as many stored conversations)."),
+    max_running: int = typer.Option(64, "--max-running", min=1,
+                                    help="Requests served at once; more are answered 429."),
+    kv_reuse: bool = typer.Option(True, "--kv-reuse/--no-kv-reuse",
+                                  help="Match chat requests to live KV sessions (off: every request prefills it all)."),
+    system: Optional[str] = typer.Option(
+        None, "--system", help="System prompt of requests that send none (default: the chat template's)."),
+    tools: Optional[bool] = typer.Option(
+        None, "--tools/--no-tools",
+        help="Offer the calculator and clock tools on every request, run by the server (default: none)."),
+    policy: Optional[PolicyName] = typer.Option(
+        None, "--policy", case_sensitive=False,
+        help="What leaves the window of a stored conversation that outgrows --max-prompt-len (default: 413)."),
+    max_prompt_len: Optional[int] = typer.Option(
+        None, "--max-prompt-len", min=1, help="Window in tokens: prompt plus answer (default: the model's context)."),
+    max_new_tokens: Optional[int] = typer.Option(
+        None, "--max-new-tokens", min=1, help="Answer length of requests that set no max_tokens (default 512)."),
+    temperature: Optional[float] = typer.Option(
+        None, "--temperature", min=0.0, help="Temperature of requests that set none (default 1, as OpenAI)."),
+) -> None:
+    """Serve the model over the OpenAI API: /v1/chat/completions, /v1/responses (stored, chained by
+    previous_response_id across restarts), /v1/models. Prints the URL when ready; stops on SIGTERM."""
+    from agentkv.cli.serve import ServeOptions
+    from agentkv.cli.serve import serve as run_server
+
+    if engine is not None and engine not in ("paged", "stateful"):
+        raise typer.BadParameter("--engine must be paged or stateful")
+    agent = AgentOptions(system=system, tools=tools, policy=policy, max_prompt_len=max_prompt_len,
+                         max_new_tokens=max_new_tokens, temperature=temperature)
+    options = ServeOptions(host, port, api_key, db, model, engine, max_sessions, max_running, kv_reuse, agent)
+    _guard(lambda: run_server(options))
+
+
+def _guard(action: Callable[[], int | None]) -> int | None:
+    """Run ``action``; an agentkv error prints ``error: …`` and exits 1 (2 for a bad command
+    line), a Ctrl-C exits 130 without a traceback."""
+    try:
+        return action()
+    except BaseException as raised:
+        error = _unwrap(raised)
+        if isinstance(error, KeyboardInterrupt):
+            raise typer.Exit(EXIT_INTERRUPTED) from None
+        if not isinstance(error, AgentKVError):
+            raise
+        err.print(f"[red]error:[/red] {escape(str(error))}", highlight=False, soft_wrap=True)
+        raise typer.Exit(getattr(error, "exit_code", 1)) from None
+
+
+def _unwrap(error: BaseException) -> BaseException:
+    """The single exception inside (nested) exception groups of one, else ``error``."""
+    inner = getattr(error, "exceptions", None)
+    while isinstance(inner, tuple) and len(inner) == 1:
+        error = inner[0]
+        inner = getattr(error, "exceptions", None)
+    return error
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

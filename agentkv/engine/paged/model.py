@@ -1,0 +1,223 @@
+"""The PagedAttention form of a model: one compiled model, caller-owned KV blocks, a step over many sequences.
+
+``openvino._offline_transformations.paged_attention_transformation`` rewrites each attention of
+the IR into OpenVINO's PagedAttention op. The KV then lives in ``key_cache.N`` / ``value_cache.N``
+tensors of ``[num_blocks, heads, BLOCK_SIZE, head_dim]`` that this class allocates once; which
+blocks a sequence reads and writes is its block table. One ``step`` runs any number of
+sequences, each feeding its new tokens after ``past_len`` cached ones::
+
+    model = PagedModel(resolve_model(None), num_blocks=256)
+    logits = model.step([SequenceStep(ids=prompt, past_len=0, blocks=[0, 1, 2, 3])])  # [1, vocab]
+
+A gather before the LM head keeps only each sequence's last position (prefill needs no more).
+Blocking and thread-safe: ``lock`` serialises steps and access to the block storage (one
+InferRequest serves every sequence). No sessions, no messages here.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+import openvino as ov
+
+from agentkv.engine.openvino.compile import compile_for_device
+from agentkv.engine.openvino.models import ModelFiles, compiled_cache_dir
+from agentkv.engine.openvino.numerics import EXACT_CONFIG, PluginNumerics, precision_name
+from agentkv.kv.u8_blocks import BlockLayout
+from agentkv.errors import UserError
+
+BLOCK_SIZE = 32
+"""Tokens per KV block (the CPU plugin's PagedAttention block)."""
+_CACHE_TYPES = {"f32": ov.Type.f32, "f16": ov.Type.f16, "bf16": ov.Type.bf16, "u8": ov.Type.u8}
+"""Element type of the blocks per KV precision."""
+
+
+@dataclass(frozen=True)
+class SequenceStep:
+    """One sequence's part of a step: feed ``ids`` after ``past_len`` cached tokens."""
+
+    ids: Sequence[int]
+    past_len: int
+    blocks: Sequence[int]
+    """Block table: block i holds positions ``i*BLOCK_SIZE .. (i+1)*BLOCK_SIZE-1``; it must cover
+    ``past_len + len(ids)`` positions."""
+    position_offset: int = 0
+    """Added to every position id (how RoPE is measured: ``engine/rope.py``)."""
+
+
+class PagedModel:
+    """The compiled paged model and its KV block storage. See the module docstring for a call."""
+
+    def __init__(
+        self,
+        files: ModelFiles,
+        *,
+        num_blocks: int | None = None,
+        kv_cache_bytes: int | None = None,
+        device: str = "CPU",
+        kv_cache_precision: str = "f16",
+        exact: bool = False,
+        ov_config: dict[str, str] | None = None,
+    ) -> None:
+        if (num_blocks is None) == (kv_cache_bytes is None):
+            raise UserError("give PagedModel either num_blocks or kv_cache_bytes")
+        if kv_cache_precision not in _CACHE_TYPES:
+            raise UserError(f"kv_cache_precision must be one of {sorted(_CACHE_TYPES)}, got {kv_cache_precision!r}")
+        if exact and kv_cache_precision != "f32":
+            raise UserError("exact=True needs kv_cache_precision='f32'")
+        core = ov.Core()
+        model = core.read_model(str(files.model_xml))
+        from openvino._offline_transformations import paged_attention_transformation
+
+        self.heads, self.head_dim = _state_kv_shape(model)
+        paged_attention_transformation(model, False, False, False, False, False)
+        config = {"CACHE_DIR": str(compiled_cache_dir()), **(EXACT_CONFIG if exact else {}),
+                  "KV_CACHE_PRECISION": kv_cache_precision, **(ov_config or {})}
+        # NOTE: with bf16 compute the plugin writes bf16 into a 16-bit cache whatever it is called:
+        # type it bf16, or reading it as f16 gives garbage (measured: keys off by ~100 %).
+        if kv_cache_precision == "f16" and _compute_precision(core, device, config) == "bf16":
+            kv_cache_precision = "bf16"
+        element = _CACHE_TYPES[kv_cache_precision]
+        self.num_layers = _type_caches(model, element, (self.heads, self.head_dim))
+        _gather_last_positions(model)
+        self._compiled = compile_for_device(core, model, device, config)
+        # NOTE: the plugin chooses a u8 cache's block shapes (its quantisation parameters live in
+        # the blocks, by channel or by token): read them from the compiled model.
+        cache_ports = {port.get_any_name(): port for port in self._compiled.inputs
+                       if port.get_any_name().startswith(("key_cache.", "value_cache."))}
+        shapes = {name: tuple(d.get_length() for d in list(port.get_partial_shape())[1:])
+                  for name, port in cache_ports.items()}
+        self.block_shapes = (shapes["key_cache.0"], shapes["value_cache.0"])
+        """``[heads, rows, cols]`` of one key block and one value block (as the plugin laid them out)."""
+        self.block_bytes = self.num_layers * element.size * sum(int(np.prod(s)) for s in self.block_shapes)
+        """Bytes of one block across every layer's K and V."""
+        if kv_cache_precision == "u8":  # refuse a layout the numpy codec does not know, now
+            for shape in self.block_shapes:
+                BlockLayout.of(shape, block_tokens=BLOCK_SIZE, head_dim=self.head_dim)
+        if num_blocks is None:
+            assert kv_cache_bytes is not None
+            num_blocks = kv_cache_bytes // self.block_bytes
+        if num_blocks < 1:
+            raise UserError(f"the KV cache needs at least one block; got num_blocks={num_blocks} "
+                            f"(kv_cache_bytes={kv_cache_bytes})")
+        self.numerics = replace(PluginNumerics.of(self._compiled, kv_cache_precision), kv_cache=kv_cache_precision)
+        self.kv_cache_precision = kv_cache_precision
+        """The blocks' element type: "f32", "f16", "bf16" (f16 asked, bf16 compute) or "u8"."""
+        self.num_blocks = num_blocks
+        self.vocab_size = int(self._compiled.output("logits").get_partial_shape()[2].get_length())
+        self.lock = threading.RLock()
+        """Held by every step and every read or write of the block storage."""
+        self._request = self._compiled.create_infer_request()
+        self.caches: dict[str, ov.Tensor] = {}
+        """``key_cache.N`` / ``value_cache.N`` → the block storage (read and written through ``.data``)."""
+        for name, port in cache_ports.items():
+            tensor = ov.Tensor(port.get_element_type(), [num_blocks, *shapes[name]])
+            tensor.data[...] = 0
+            self._request.set_tensor(name, tensor)
+            self.caches[name] = tensor
+
+    def step(self, sequences: Sequence[SequenceStep]) -> np.ndarray:
+        """Feed every sequence its ids; float32 logits ``[len(sequences), vocab]`` of each last
+        position. Writes the new tokens' KV into their blocks."""
+        if not sequences or any(not s.ids for s in sequences):
+            raise UserError("step() needs at least one sequence, each with at least one id")
+        begins, block_begins, ids, positions, blocks = [0], [0], [], [], []
+        for seq in sequences:
+            total = seq.past_len + len(seq.ids)
+            needed = -(-total // BLOCK_SIZE)
+            if len(seq.blocks) < needed:
+                raise UserError(f"a sequence of {total} tokens needs {needed} blocks, its table has {len(seq.blocks)}")
+            ids.extend(int(t) for t in seq.ids)
+            positions.extend(range(seq.past_len + seq.position_offset, total + seq.position_offset))
+            blocks.extend(int(b) for b in seq.blocks[:needed])
+            begins.append(len(ids))
+            block_begins.append(len(blocks))
+        with self.lock:
+            return self._infer(ids, positions, sequences, begins, blocks, block_begins)
+
+    def _infer(self, ids: list[int], positions: list[int], sequences: Sequence[SequenceStep], begins: list[int],
+               blocks: list[int], block_begins: list[int]) -> np.ndarray:
+        self._request.infer({
+            "input_ids": np.array(ids, dtype=np.int64),
+            "position_ids": np.array(positions, dtype=np.int64),
+            "past_lens": np.array([s.past_len for s in sequences], dtype=np.int32),
+            "subsequence_begins": np.array(begins, dtype=np.int32),
+            "block_indices": np.array(blocks, dtype=np.int32),
+            "block_indices_begins": np.array(block_begins, dtype=np.int32),
+            "max_context_len": np.array(max(s.past_len + len(s.ids) for s in sequences), dtype=np.int32),
+        })
+        logits = self._request.get_tensor("logits").data  # [sequences, 1, vocab]
+        return np.array(logits[:, -1, :], dtype=np.float32)
+
+    def copy_block(self, source: int, target: int) -> None:
+        """Copy block ``source`` into block ``target`` in every layer's K and V (raw: any precision)."""
+        with self.lock:
+            for tensor in self.caches.values():
+                data = tensor.data
+                data[target] = data[source]
+
+    def u8_layout(self, *, key: bool) -> BlockLayout:
+        """How a u8 cache lays out its key (``key=True``) or value blocks."""
+        return BlockLayout.of(self.block_shapes[0 if key else 1], block_tokens=BLOCK_SIZE, head_dim=self.head_dim)
+
+    def cache_layers(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per layer, numpy views ``(keys, values)`` of ``[num_blocks, *block_shapes[i]]``."""
+        return [(self.caches[f"key_cache.{i}"].data, self.caches[f"value_cache.{i}"].data)
+                for i in range(self.num_layers)]
+
+
+def _compute_precision(core: ov.Core, device: str, config: dict[str, str]) -> str:
+    """The plugin's compute precision for ``config`` (its hint, else the device's default)."""
+    hint = config.get("INFERENCE_PRECISION_HINT")
+    if hint is None:
+        try:
+            hint = core.get_property(device, "INFERENCE_PRECISION_HINT")
+        except RuntimeError:
+            return "f32"
+    return precision_name(hint)
+
+
+def _type_caches(model: ov.Model, element: ov.Type, row: tuple[int, int]) -> int:
+    """Give every cache input its element type and ``[?, heads, BLOCK_SIZE, head_dim]`` shape
+    (a u8 cache's compiled shape adds its parameters); return the number of layers."""
+    layers = 0
+    for param in model.get_parameters():
+        name = param.get_output_tensor(0).get_any_name()
+        if name.startswith(("key_cache.", "value_cache.")):
+            layers += name.startswith("key_cache.")
+            param.set_element_type(element)
+            param.set_partial_shape(ov.PartialShape([-1, row[0], BLOCK_SIZE, row[1]]))
+    model.validate_nodes_and_infer_types()
+    return layers
+
+
+def _state_kv_shape(model: ov.Model) -> tuple[int, int]:
+    """(KV heads, head_dim) from the stateful IR's KV states ``[batch, heads, T, head_dim]``
+    (read before the transformation replaces them)."""
+    for op in model.get_ops():
+        if op.get_type_name() == "ReadValue":
+            shape = op.get_output_partial_shape(0)
+            if shape.rank.get_length() == 4 and shape[1].is_static and shape[3].is_static:
+                return shape[1].get_length(), shape[3].get_length()
+    raise UserError("the model has no [batch, heads, T, head_dim] KV states: export a stateful LLM IR "
+                    "(optimum-intel, or openvino-genai's GGUF conversion)")
+
+
+def _gather_last_positions(model: ov.Model) -> None:
+    """Insert ``hidden[subsequence_begins[1:] - 1]`` before the LM head MatMul."""
+    import openvino.opset13 as ops
+
+    logits = model.output("logits")
+    matmul = logits.get_node().input_value(0).get_node()
+    if matmul.get_type_name() != "MatMul":
+        raise UserError("the model's logits do not come from a MatMul; cannot keep only the last positions")
+    begins = next(p for p in model.get_parameters() if p.get_output_tensor(0).get_any_name() == "subsequence_begins")
+    ends = ops.slice(begins, np.array([1], np.int64), np.array([np.iinfo(np.int64).max], np.int64),
+                     np.array([1], np.int64), np.array([0], np.int64))
+    last = ops.subtract(ends, np.array([1], np.int32))
+    hidden = ops.gather(matmul.input_value(0), last, np.array(0, np.int64))
+    matmul.input(0).replace_source_output(hidden.output(0))
+    model.validate_nodes_and_infer_types()

@@ -1,0 +1,164 @@
+"""KVLog: a session's token log and the KV a slot holds for it — the one place the KV invariant is kept.
+
+Invariant (DESIGN.md): the slot's KV is exactly the KV of ``tokens`` at positions
+``0..len-1``. Every method that changes the KV changes ``tokens`` in the same step, and on
+failure leaves both empty rather than out of step. Decode and beam search work through a
+KVLog; a ``KVSession`` adds locking, leases and alignment on top. The KV lives in a slot
+(anything with ``KVSlot``'s methods: a stateful model's InferRequest, ``engine/slot.py``, or a
+paged block table, ``engine/paged_slot.py``); every method blocks and the caller holds the
+slot's lease::
+
+    log = KVLog(boundaries=engine.boundaries)
+    logits = log.feed(slot, prompt_ids)          # canonical chunks; logits after the last id
+    log.trim(slot, 10)
+    log.check_integrity(slot)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+
+from agentkv.kv.chunking import PrefixBoundaries, chunk_spans
+from agentkv.kv.rope import RopeConvention, drop_span
+from agentkv.errors import KVLogCorrupt
+
+
+class KVSlot(Protocol):
+    """What a KVLog needs of a slot (the stateful engine's ``StatefulSlot``, the paged engine's ``PagedSlot``)."""
+
+    def feed(self, input_ids: np.ndarray, past_len: int, beam_idx: np.ndarray | None = None) -> np.ndarray: ...
+    def length(self) -> int: ...
+    def reset(self) -> None: ...
+    def trim(self, n: int) -> None: ...
+    def read(self) -> tuple[np.ndarray, np.ndarray]: ...
+    def write(self, keys: np.ndarray, values: np.ndarray) -> None: ...
+    def select_row(self, row: int, n: int) -> None: ...
+
+
+class KVSource(Protocol):
+    """KV a log can be loaded from: a ``KVSnapshot`` (host copy) or ``SharedBlocks`` (paged blocks
+    held by reference: a prefix-cache hit or a fork)."""
+
+    @property
+    def tokens(self) -> tuple[int, ...]: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def shifted(self) -> bool: ...
+    @property
+    def lossless(self) -> bool: ...
+    def write_into(self, slot: KVSlot) -> None: ...
+    def release(self) -> None: ...
+
+
+class KVLog:
+    """Token log + last logits + shifted / exact flags of one session's KV."""
+
+    def __init__(self, *, boundaries: PrefixBoundaries | None = None, chunk_size: int | None = None) -> None:
+        self.tokens: list[int] = []
+        """The tokens whose KV the slot holds, in order."""
+        self.last_logits: np.ndarray | None = None
+        """float32 ``[vocab]`` logits after ``tokens[-1]``, when known."""
+        self.shifted = False
+        """A span was dropped by a RoPE shift: close to, not equal to, a fresh prefill."""
+        self.exact = True
+        """False once part of the KV came back from a lossy restore."""
+        self._boundaries = boundaries
+        self._chunk_size = chunk_size
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def forget(self) -> None:
+        """Empty the log without touching a slot (its KV lives elsewhere or nowhere)."""
+        self.tokens, self.last_logits, self.shifted, self.exact = [], None, False, True
+
+    # ---- changes (blocking; the caller holds the slot's lease) -----------------------
+    def feed(self, slot: KVSlot, ids: Sequence[int]) -> np.ndarray:
+        """Run ``ids`` after the tokens; they join the log. Cut at the canonical chunk
+        boundaries (``engine/chunking.py``) so one log is always computed the same way."""
+        start = len(self.tokens)
+        spans = [(start, start + len(ids))]
+        if len(ids) > 1:
+            cuts = [] if self._boundaries is None else self._boundaries.cuts_within(
+                [*self.tokens, *ids], start=start, stop=start + len(ids))
+            spans = chunk_spans(start, start + len(ids), cuts=cuts, chunk_size=self._chunk_size)
+        logits = self.last_logits
+        for begin, end in spans:
+            piece = [int(t) for t in ids[begin - start : end - start]]
+            logits = slot.feed(np.array([piece], dtype=np.int64), past_len=begin)[0]
+            self.tokens.extend(piece)
+            self.last_logits = logits
+        assert logits is not None
+        return logits
+
+    def trim(self, slot: KVSlot, n: int) -> None:
+        """Keep the first ``n`` tokens and their KV (a trim to 0 makes the log exact again)."""
+        if n >= len(self.tokens):
+            return
+        if n == 0:
+            slot.reset()
+            self.forget()
+            return
+        slot.trim(n)
+        del self.tokens[n:]
+        self.last_logits = None
+
+    def load(self, slot: KVSlot, source: KVSource, *, exact: bool) -> None:
+        """Replace KV and log by ``source``'s — a ``KVSnapshot`` (copied in) or ``SharedBlocks``
+        (its blocks pointed at) — (``exact``: the KV is the very values it was read as). On
+        failure the slot and the log are empty: never partial KV."""
+        try:
+            source.write_into(slot)
+        except BaseException:
+            self.clear(slot)
+            raise
+        self.tokens, self.last_logits = list(source.tokens), None
+        self.shifted, self.exact = source.shifted, exact
+
+    def clear(self, slot: KVSlot) -> None:
+        """Empty the slot and the log."""
+        slot.reset()
+        self.forget()
+
+    def drop(self, slot: KVSlot, start: int, end: int, convention: RopeConvention) -> None:
+        """Remove ``tokens[start:end]`` and their KV; later keys re-rotated by −(end−start).
+        Marks the log shifted; on a failed write the slot and the log are empty."""
+        keys, values = drop_span(*slot.read(), start, end, convention)
+        try:
+            slot.write(keys, values)
+        except BaseException:
+            self.clear(slot)
+            raise
+        del self.tokens[start:end]
+        self.last_logits = None
+        self.shifted = True
+
+    def collapse(self, slot: KVSlot, row: int, tokens: Sequence[int], logits: np.ndarray | None = None) -> None:
+        """Keep only batch row ``row``, holding ``tokens`` (its first ``len(tokens)`` positions),
+        with ``logits`` after them when known (beam search's end)."""
+        slot.select_row(row, len(tokens))
+        self.tokens, self.last_logits = [int(t) for t in tokens], logits
+
+    def collapse_feeding(self, slot: KVSlot, row: int, row_tokens: Sequence[int], rest: Sequence[int]) -> np.ndarray:
+        """Collapse onto live batch row ``row`` — which holds the log's tokens, then
+        ``row_tokens`` — on the same infer that feeds it ``rest`` (``beam_idx=[row]``)."""
+        past_len = len(self.tokens) + len(row_tokens)
+        logits = slot.feed(np.array([list(rest)], dtype=np.int64), past_len, np.array([row], dtype=np.int32))[0]
+        self.tokens.extend(int(t) for t in (*row_tokens, *rest))
+        self.last_logits = logits
+        return logits
+
+    # ---- reads --------------------------------------------------------------------
+    def read(self, slot: KVSlot) -> tuple[np.ndarray, np.ndarray]:
+        """float32 K and V ``[layers, 1, heads, len(tokens), dim]`` (copies)."""
+        return slot.read()
+
+    def check_integrity(self, slot: KVSlot) -> None:
+        """Raise ``KVLogCorrupt`` unless the slot holds exactly ``len(tokens)`` positions."""
+        held = slot.length()
+        if held != len(self.tokens):
+            raise KVLogCorrupt(f"the slot holds {held} positions but the log has {len(self.tokens)} tokens")

@@ -1,0 +1,417 @@
+"""The agent loop: render → fit the window → generate → parse tool calls → run tools → repeat.
+
+``run_turns`` reads as the turn's outline; each step is a small function over ``_RunState``.
+Runs go through the runtime, which adds the session's lease, window refresh and snapshot::
+
+    result = await runtime.run(session, "What is 17 * 23?")
+    async for event in runtime.run_stream(session, "And now divide by 7"):
+        ...
+
+The user message is recorded (committed) before the first model call; each assistant message
+and tool result as it happens. Cancellation leaves the KV session consistent (the engine
+guarantees it per step) and the recorded messages intact. A user message that cannot fit the
+window is refused before it is recorded, or (when only the policy could tell) taken out of the
+window again, so it never blocks later turns. A tool call cut by the token limit (a parallel one
+after complete calls too) is retried once with room for it; tool-call markup, a cut opening tag
+included, never reaches ``RunResult.final_text``, the recorded messages or the streamed text.
+Identical calls (same name and arguments) in one model call run once: the parser drops the
+repeats; the assistant message keeps the generated tokens verbatim (the KV is what the model
+wrote) and lists each distinct call once, each with one result.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from agentkv.observe import tracing
+from agentkv.agent import Agent
+from agentkv.run.approvals import Decisions, awaiting_approval, checked_decisions, needs_approval, rejected_result
+from agentkv.observe.cache_breaks import CacheBreak
+from agentkv.run.call_checks import after_call, cache_break_before, describe_call
+from agentkv.chat.messages import Message, ToolCall, pending_tool_calls
+from agentkv.chat.stream_filter import MarkupFilter, VisibleTokens
+from agentkv.chat.toolcalls import TOOL_CALL_OPEN, answer_grammar, parse_tool_calls, tool_call_grammar
+from agentkv.run.conversation import Conversation, WindowEntry
+from agentkv.engine.base import (
+    GenerationConfig,
+    GenerationMetrics,
+    GenerationResult,
+    TokenConstraint,
+)
+from agentkv.errors import ContextOverflowError, MaxModelCallsExceeded
+from agentkv.events import (
+    ApprovalRequired,
+    CacheBroken,
+    ContextCompacted,
+    SelfCheckFailed,
+    RunEvent,
+    RunFinished,
+    TextDelta,
+    ToolCalled,
+    ToolReturned,
+    ModelCallFinished,
+)
+from agentkv.chat.structured_output import OutputInvalid
+from agentkv.result import FinishReason, RunResult
+from agentkv.run.input import RunInput, checked_input
+from agentkv.observe.self_check import SelfCheckResult
+from agentkv.tools import run_tool_calls
+
+logger = logging.getLogger(__name__)
+CANCELLED_RESULT = "error: the run was cancelled before this tool returned"
+CALL_RETRY_MIN_TOKENS = 256
+"""A tool call cut by ``max_new_tokens`` is generated again with at least this many tokens
+(the grammar bounds every string, so a call fits; never more than the window leaves)."""
+
+
+@dataclass
+class _RunState:
+    """Everything one run accumulates."""
+
+    agent: Agent
+    session: Conversation
+    new_messages: list[Message] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    metrics: list[GenerationMetrics] = field(default_factory=list)
+    breaks: list[CacheBreak | None] = field(default_factory=list)
+    checks: list[SelfCheckResult] = field(default_factory=list)
+    last_result: GenerationResult | None = None
+    """The newest model call's result (set when its stream ends)."""
+
+    def result(self, final_text: str, finish_reason: FinishReason = "stop",
+               pending: tuple[ToolCall, ...] = (), output: Any = None, *,
+               approvals: tuple[ToolCall, ...] = ()) -> RunResult:
+        return RunResult(
+            session_id=self.session.id,
+            final_text=final_text,
+            new_messages=tuple(self.new_messages),
+            tool_calls=tuple(self.tool_calls),
+            step_metrics=tuple(self.metrics),
+            cache_breaks=tuple(self.breaks),
+            self_checks=tuple(self.checks),
+            finish_reason=finish_reason,
+            pending_tool_calls=pending,
+            pending_approvals=approvals,
+            output=output,
+        )
+
+
+@dataclass(frozen=True)
+class _Reply:
+    """What one model call amounts to: an answer, tool calls, or a broken call."""
+
+    finish: FinishReason
+    content: str
+    """The text outside any tool-call markup."""
+    calls: tuple[ToolCall, ...] = ()
+
+
+async def run_turns(agent: Agent, session: Conversation, user_input: RunInput | Decisions) -> AsyncIterator[RunEvent]:
+    """The turn loop of one run, without the one-run-per-session guard (the caller holds it)."""
+    state = _RunState(agent, session)
+    recorded: list[WindowEntry] = []
+    if isinstance(user_input, Decisions):
+        async with aclosing(_apply_decisions(state, user_input)) as applied:
+            async for event in applied:
+                yield event
+                if isinstance(event, RunFinished):
+                    return
+    else:
+        recorded = await _record_input(state, user_input)
+    for step in range(agent.max_model_calls):
+        async with aclosing(_fit_window(state)) as compactions:
+            try:
+                async for event in compactions:
+                    session.next_break_cause = "window compaction"
+                    if isinstance(event, ContextCompacted):
+                        session.operations.append(f"compaction by {event.policy}: {event.tokens_before} → "
+                                                  f"{event.tokens_after} tokens")
+                        tracing.finished("agentkv.compaction", session.trace_span, event.cost_ms / 1000,
+                                         policy=event.policy, tokens_before=event.tokens_before,
+                                         tokens_after=event.tokens_after, fallback=event.fallback)
+                    yield event
+            except ContextOverflowError:
+                if step == 0:  # NOTE: out of the window (still stored): it must not block later turns
+                    with anyio.CancelScope(shield=True):
+                        await session.replace_in_window(recorded)
+                raise
+        async with aclosing(_generate_with_retry(state, step)) as generation:
+            async for delta in generation:
+                yield delta
+        result = state.last_result
+        assert result is not None
+        reply = _read_reply(agent, result)
+        await _record_assistant(state, result, reply)
+        external = agent.external_tool_names
+        ours = tuple(c for c in reply.calls if c.name not in external and not needs_approval(agent, c))
+        try:
+            yield ModelCallFinished(step, result.metrics)
+            if reply.finish != "tool_calls":
+                yield RunFinished(_final_result(state, reply))
+                return
+        except BaseException:
+            # NOTE: stopped (cancelled, or the consumer closed the stream) after recording our calls
+            # and before all their results: each gets one — an orphaned call would be rendered into
+            # every later prompt (orphaned results broke LangChain's trimming, #33245)
+            with anyio.CancelScope(shield=True):
+                await _answer_cancelled(state, ours)
+            raise
+        if ours:
+            async with aclosing(_run_tools(state, ours)) as tools:
+                async for event in tools:
+                    yield event
+        for call in reply.calls:
+            if call.name in external:
+                yield ToolCalled(call)
+        async with aclosing(_stop_if_waiting(state, reply.content)) as stop:
+            async for event in stop:
+                yield event
+                if isinstance(event, RunFinished):
+                    return
+    raise MaxModelCallsExceeded(agent.max_model_calls, state.result("", "max_model_calls"))
+
+
+async def _answer_cancelled(state: _RunState, calls: tuple[ToolCall, ...]) -> None:
+    """Record ``CANCELLED_RESULT`` for each of ``calls`` still without a result."""
+    pending = pending_tool_calls(state.session.messages)
+    for call in calls:
+        if call.id in pending:
+            await _record(state, Message.tool(CANCELLED_RESULT, tool_call_id=call.id, name=call.name))
+
+
+async def _stop_if_waiting(state: _RunState, content: str) -> AsyncIterator[RunEvent]:
+    """End the run when calls wait: for a person's approval (``approval_required``), or for the
+    caller's results (``tool_calls``); otherwise yield nothing and the run goes on."""
+    agent, messages = state.agent, state.session.messages
+    approvals = awaiting_approval(agent, messages)
+    theirs = tuple(c for c in pending_tool_calls(messages).values() if c.name in agent.external_tool_names)
+    if approvals:
+        yield ApprovalRequired(approvals)
+        yield RunFinished(state.result(content, "approval_required", theirs, approvals=approvals))
+    elif theirs:  # the caller runs these and continues the run with their results
+        yield RunFinished(state.result(content, "tool_calls", theirs))
+
+
+async def _apply_decisions(state: _RunState, decisions: Decisions) -> AsyncIterator[RunEvent]:
+    """Record each rejection, run the approved calls; end the run if calls still wait."""
+    approved, rejected = checked_decisions(state.agent, state.session.messages, decisions)
+    for call, reason in rejected:
+        content = rejected_result(reason)
+        await _record(state, Message.tool(content, tool_call_id=call.id, name=call.name))
+        yield ToolReturned(call, content, True, 0.0)
+    if approved:
+        async with aclosing(_run_tools(state, approved)) as tools:
+            async for event in tools:
+                yield event
+    async with aclosing(_stop_if_waiting(state, "")) as stop:
+        async for event in stop:
+            yield event
+
+
+async def _record(state: _RunState, message: Message) -> WindowEntry:
+    entry = await state.session.record(message)
+    state.new_messages.append(message)
+    return entry
+
+
+async def _record_input(state: _RunState, run_input: RunInput) -> list[WindowEntry]:
+    """Record what the run starts from — checked first, so a refused input records nothing."""
+    return await _record_new(state, checked_input(state.agent, state.session.messages, run_input))
+
+
+async def _record_new(state: _RunState, messages: list[Message]) -> list[WindowEntry]:
+    """Record ``messages`` unless they cannot fit the window whatever the policy does."""
+    agent, session = state.agent, state.session
+    limit = _prompt_limit(state)
+    history = session.messages if agent.policy is None else []  # a policy can free the history
+    needed = len(session.render_with(agent, [*history, *messages]).token_ids)
+    if needed > limit and not (agent.truncate_oversized_messages and agent.policy is not None):
+        where = "with the system prompt" if agent.policy is not None else "with the history (the agent has no policy)"
+        raise ContextOverflowError(
+            f"this message needs a prompt of {needed} tokens {where}, over the budget of {limit} "
+            f"(max_prompt_len - min_response_len); nothing was recorded: send a shorter message, raise "
+            f"max_prompt_len, or give the agent a policy and truncate_oversized_messages=True",
+            prompt_tokens=needed,
+            limit=limit,
+        )
+    return [await _record(state, message) for message in messages]
+
+
+async def _fit_window(state: _RunState) -> AsyncIterator[RunEvent]:
+    """Apply the agent's context policy when the prompt exceeds its budget."""
+    agent, session = state.agent, state.session
+    limit = _prompt_limit(state)
+    prompt_len = len(session.render(agent).token_ids)
+    if prompt_len <= limit:
+        return
+    if agent.policy is None:
+        raise ContextOverflowError(
+            f"the prompt has {prompt_len} tokens, over the budget of {limit} "
+            f"(max_prompt_len - min_response_len); give the agent a policy, e.g. "
+            f"Agent(policy=Truncation()), or raise max_prompt_len",
+            prompt_tokens=prompt_len,
+            limit=limit,
+        )
+    async with aclosing(agent.policy.compact(session, agent, limit=limit)) as events:
+        async for event in events:
+            yield event
+    compacted_len = len(session.render(agent).token_ids)
+    if compacted_len > limit:
+        raise ContextOverflowError(
+            f"the context policy {agent.policy!r} left {compacted_len} tokens, over the budget of "
+            f"{limit}; use one of agentkv.policies or raise max_prompt_len",
+            prompt_tokens=compacted_len,
+            limit=limit,
+        )
+
+
+def _prompt_limit(state: _RunState) -> int:
+    return state.agent.prompt_budget(state.session.context_len)
+
+
+async def _generate_with_retry(state: _RunState, step: int) -> AsyncIterator[TextDelta]:
+    """One model call; a tool call cut by the token limit is generated once more with room for
+    it (its text was streamed already, so the retry streams nothing). Sets ``state.last_result``."""
+    async with aclosing(_generate(state, step)) as generation:
+        async for delta in generation:
+            yield delta
+    result = state.last_result
+    assert result is not None
+    room = _room(state, len(state.session.render(state.agent).token_ids))
+    budget = min(room, max(2 * result.metrics.generated_tokens, CALL_RETRY_MIN_TOKENS))
+    if _read_reply(state.agent, result).finish == "tool_call_cut" and budget > result.metrics.generated_tokens:
+        state.session.next_break_cause = "retry of a cut tool call"
+        async with aclosing(_generate(state, step, max_new_tokens=budget)) as generation:
+            async for _ in generation:
+                pass
+
+
+async def _generate(state: _RunState, step: int, *, max_new_tokens: int | None = None) -> AsyncIterator[TextDelta]:
+    """One model call on the session's KV; streams visible text, then sets ``state.last_result``."""
+    agent, session = state.agent, state.session
+    prompt = session.render(agent)
+    config = _step_config(state, len(prompt.token_ids))
+    if max_new_tokens is not None:
+        config = config.model_copy(update={"max_new_tokens": max_new_tokens})
+    visible = VisibleTokens(MarkupFilter(TOOL_CALL_OPEN) if agent.tools and agent.tool_choice != "none" else None)
+    found = cache_break_before(session, agent, prompt)
+    state.breaks.append(found)
+    if found is not None:
+        yield CacheBroken(step, found)
+    with tracing.span("agentkv.model_call", session.trace_span, session_id=session.id, step=step) as call_span:
+        async with session.kv.stream(prompt.token_ids, config, _constraint(state, step)) as stream:
+            async for delta in stream:
+                text, logprobs = visible.feed(delta)
+                if text:
+                    yield TextDelta(text, logprobs)
+        assert stream.result is not None
+        describe_call(call_span, stream.result.metrics, found)
+    tail, logprobs = visible.flush()
+    if tail:
+        yield TextDelta(tail, logprobs)
+    checked = await after_call(session, prompt, step, stream.result.metrics, found)
+    if checked is not None:
+        state.checks.append(checked)
+        if not checked.passed:
+            yield SelfCheckFailed(session.id, checked, tuple(session.operations))
+            session.operations.clear()
+    state.metrics.append(stream.result.metrics)
+    state.last_result = stream.result
+
+
+def _room(state: _RunState, prompt_len: int) -> int:
+    """Tokens the window leaves for an answer after a prompt of ``prompt_len``."""
+    return max(1, state.agent.max_prompt(state.session.context_len) - prompt_len)
+
+
+def _step_config(state: _RunState, prompt_len: int) -> GenerationConfig:
+    """The agent's config, with max_new_tokens capped to what the window leaves."""
+    agent = state.agent
+    room = _room(state, prompt_len)
+    if agent.generation.max_new_tokens <= room:
+        return agent.generation
+    return agent.generation.model_copy(update={"max_new_tokens": room})
+
+
+def _constraint(state: _RunState, step: int) -> TokenConstraint | None:
+    """A grammar for tool calls (when the agent has tools and the engine supports grammars)
+    whose answer, with an ``output_type``, is JSON under its schema."""
+    agent = state.agent
+    output = agent.output_spec
+    answer_schema = output.schema if output is not None else None
+    tools_on = bool(agent.tools) and agent.tool_choice != "none"
+    if tools_on and (agent.constrain_tool_calls or output is not None):
+        # The forced choice applies to the first model call only; after tool results the model
+        # must be free to answer (otherwise "required" could never finish).
+        choice = agent.tool_choice if step == 0 else "auto"
+        grammar = tool_call_grammar(agent.tool_schemas, choice, parallel=agent.parallel_tool_calls,
+                                    answer_schema=answer_schema)
+    elif answer_schema is not None:
+        grammar = answer_grammar(answer_schema)
+    else:
+        return None
+    return state.session.engine.make_constraint(grammar)
+
+
+def _final_result(state: _RunState, reply: _Reply) -> RunResult:
+    """The run's result from its last reply; with an ``output_type`` the answer parsed."""
+    output = state.agent.output_spec
+    if output is None or reply.finish != "stop":
+        return state.result(reply.content, reply.finish)
+    try:
+        return state.result(reply.content, "stop", output=output.parse(reply.content))
+    except OutputInvalid as error:
+        logger.warning("run of agent %r: %s", state.agent.name, error)
+        return state.result(reply.content, "output_invalid")
+
+
+def _read_reply(agent: Agent, result: GenerationResult) -> _Reply:
+    """Sort one generation into an answer, tool calls, or a cut / invalid call."""
+    cut = result.finish_reason == "length"
+    if not agent.tools or agent.tool_choice == "none":
+        return _Reply("length" if cut else "stop", result.text)
+    parsed = parse_tool_calls(result.text)
+    if parsed.truncated:  # NOTE: with calls before it too: the cut call is retried, never dropped
+        return _Reply("tool_call_cut" if cut else "tool_call_invalid", parsed.content)
+    if parsed.tool_calls:
+        return _Reply("tool_calls", parsed.content, parsed.tool_calls)
+    if parsed.errors:
+        return _Reply("tool_call_cut" if cut else "tool_call_invalid", parsed.content)
+    return _Reply("length" if cut else "stop", parsed.content)
+
+
+async def _record_assistant(state: _RunState, result: GenerationResult, reply: _Reply) -> Message:
+    """Record the assistant message: generated ids kept verbatim, except for a broken call,
+    whose markup is dropped (only the text around it stays in the history)."""
+    broken = reply.finish in ("tool_call_cut", "tool_call_invalid")
+    token_ids = None if broken else result.token_ids
+    if broken:  # NOTE: the discarded markup leaves the KV too, so the KV stays a prefix of the history
+        await state.session.kv.trim(result.metrics.prompt_tokens)
+    message = Message.assistant(reply.content, tool_calls=reply.calls, token_ids=token_ids)
+    await _record(state, message)
+    state.tool_calls.extend(reply.calls)
+    return message
+
+
+async def _run_tools(state: _RunState, calls: tuple[ToolCall, ...]) -> AsyncIterator[RunEvent]:
+    """Run the calls concurrently; record and announce each result in call order. Stopped
+    before that, each call still without a result gets ``CANCELLED_RESULT``."""
+    try:
+        for call in calls:
+            yield ToolCalled(call)
+        outcomes = await run_tool_calls(state.agent.tools, calls, default_timeout_s=state.agent.tool_timeout_s)
+        for outcome in outcomes:
+            await _record(state, outcome.to_message())
+            tracing.finished("agentkv.tool_call", state.session.trace_span, outcome.duration_s,
+                             tool=outcome.call.name, call_id=outcome.call.id, is_error=outcome.is_error)
+            yield ToolReturned(outcome.call, outcome.content, outcome.is_error, outcome.duration_s)
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await _answer_cancelled(state, calls)
+        raise

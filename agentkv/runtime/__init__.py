@@ -1,0 +1,7 @@
+"""The runtime: owns one engine and one store, opens and resumes conversations, runs one turn
+at a time per conversation, and persists each turn.
+
+- ``runtime``: ``Runtime`` (``await runtime.run(conversation, "hi")``);
+- ``persistence``: what a run writes to the store (messages, calls, snapshots);
+- ``stored_agent``: an ``Agent`` rebuilt from its stored row.
+"""

@@ -1,0 +1,226 @@
+"""Bridges agent sessions and the store: record messages, lease runs, snapshot KV after a turn, resume.
+
+Runtime-level glue (it knows Conversation and Store; the store itself knows neither the
+engine nor the runner). Used by ``Runtime`` when it is given a store::
+
+    runtime = Runtime(engine, store=Store.from_env(), agents=[agent])
+    session = await runtime.resume(session_id)
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from agentkv.run.approvals import needs_approval
+from agentkv.chat.messages import Message, pending_tool_calls
+from agentkv.run.conversation import Conversation, WindowEntry
+from agentkv.engine.base import KVSession, common_prefix_len
+from agentkv.errors import SnapshotCorrupt, SnapshotIncompatible
+from agentkv.observe import tracing
+from agentkv.observe.cache_breaks import CacheBreak
+from agentkv.events import CacheBroken, ContextCompacted, RunEvent, ModelCallFinished
+from agentkv.memory import CallRecord, Store
+from agentkv.result import ResumeReport
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CallLog", "Restored", "ResumeReport", "StoreSink", "StoreWindowHook", "load_window", "record_interrupted_calls",
+           "restore_newest_snapshot", "save_snapshot"]
+
+
+class StoreSink:
+    """The ``MessageSink`` that appends each recorded message to the store."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    async def __call__(self, session: Conversation, message: Message, token_count: int, in_window: bool) -> int:
+        stored = await self.store.append_message(session.id, message, token_count=token_count, in_window=in_window,
+                                                 fence=session.lease_token)
+        return stored.seq
+
+
+class StoreWindowHook:
+    """The ``WindowChange`` hook: a replacement (summary, cut message) is appended and the
+    messages leaving the window are marked out of it, linked to their replacement — in one
+    transaction, so a crash in between cannot leave both in the window."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    async def __call__(self, session: Conversation, removed: list[WindowEntry], replacement: WindowEntry | None) -> None:
+        seqs = [entry.seq for entry in removed if entry.seq is not None]
+        if replacement is not None:
+            stored = await self.store.replace_in_window(
+                session.id, seqs, replacement.message, token_count=replacement.token_count, fence=session.lease_token
+            )
+            replacement.seq = stored.seq
+        elif seqs:
+            await self.store.mark_out_of_window(session.id, seqs, fence=session.lease_token)
+
+
+async def load_window(store: Store, session_id: str) -> list[WindowEntry]:
+    """The messages still in the window, in window order: a summary stands where the first
+    message it replaced stood (it was appended later, so seq order alone would misplace it)."""
+    stored = await store.messages(session_id)
+    replaced: dict[int, list[int]] = {}
+    for item in stored:
+        if item.replaced_by_seq is not None:
+            replaced.setdefault(item.replaced_by_seq, []).append(item.seq)
+    position: dict[int, int] = {}
+
+    def place(seq: int) -> int:
+        if seq not in position:
+            position[seq] = min((place(r) for r in replaced.get(seq, ())), default=seq)
+        return position[seq]
+
+    window = sorted((s for s in stored if s.in_window), key=lambda s: (place(s.seq), s.seq))
+    return [WindowEntry(s.message, s.seq, s.token_count) for s in window]
+
+
+INTERRUPTED_RESULT = "error: interrupted (the process stopped before the tool returned)"
+
+
+async def record_interrupted_calls(session: Conversation) -> int:
+    """Record an ``INTERRUPTED_RESULT`` for every call of the agent's own tools in the window
+    that has no result (a process died mid-tool), so the history is a valid message sequence
+    again; returns how many. Calls of caller-executed tools wait for the caller's results, and
+    calls waiting for approval for a decision (an approved call whose run died waits again).
+    Idempotent: a call that has a result is left alone.
+
+    NOTE: results are appended at the end, which is where a crash leaves its orphans (the
+    last assistant turn); the caller holds the session's lease.
+    """
+    agent = session.agent  # calls the caller answers, or a person approves, are pending by design
+    orphans = [call for call in pending_tool_calls(session.messages).values()
+               if call.name not in agent.external_tool_names and not needs_approval(agent, call)]
+    for call in orphans:
+        await session.record(Message.tool(INTERRUPTED_RESULT, tool_call_id=call.id, name=call.name))
+    if orphans:
+        logger.warning("session %s: %d tool call(s) had no result (interrupted); recorded one each",
+                       session.id, len(orphans))
+    return len(orphans)
+
+
+async def save_snapshot(store: Store, session: Conversation) -> None:
+    """Snapshot the session's KV to a file and reference it (a failure is one warning line,
+    never raised: it only costs a longer prefill on resume).
+
+    Only the part of the KV that the stored history renders to is kept: after a failed or
+    cancelled run the KV also holds a partial answer that no later prompt starts with, and a
+    snapshot of it could never be restored.
+    """
+    try:
+        history = session.render(session.agent, add_generation_prompt=False).token_ids
+        usable = common_prefix_len(session.kv.tokens, history)
+        if usable == 0:
+            return
+        with tracing.span("agentkv.snapshot.save", session.trace_span, session_id=session.id) as span:
+            snapshot = await session.kv.snapshot()
+            if usable < snapshot.num_tokens:
+                snapshot = snapshot.prefix(usable)
+            await store.save_snapshot(session.id, snapshot, fence=session.lease_token)
+            span.set(tokens=snapshot.num_tokens, bytes=snapshot.nbytes, precision=snapshot.precision)
+    except Exception as error:  # NOTE: no traceback: a full disk would print one every turn
+        logger.warning("could not save a KV snapshot of session %s (%s: %s); %s", session.id,
+                       type(error).__name__, error, await _what_resume_uses(store, session))
+
+
+async def _what_resume_uses(store: Store, session: Conversation) -> str:
+    """What a resume of ``session`` would restore now, as the end of a warning line."""
+    try:
+        records = await store.snapshots(session.id)
+    except Exception as error:
+        return f"the store cannot say which older snapshot a resume would use ({error})"
+    fingerprint = session.engine.fingerprint
+    usable = [r for r in records if r.fingerprint == fingerprint and store.files.looks_whole(str(r.path), r.nbytes)]
+    if not usable:
+        return "no older snapshot exists: a resume will prefill its history from the start"
+    newest = usable[0]
+    return (f"a resume will use the older snapshot of {newest.num_tokens} tokens from "
+            f"{newest.created_at:%Y-%m-%d %H:%M:%S} UTC and prefill the rest")
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What ``restore_newest_snapshot`` brought back."""
+
+    tokens: int
+    """Tokens of KV restored (a prefix of the prompt; 0: none)."""
+    held: int
+    """Tokens the newest stored snapshot of this model held: the KV the session had when it
+    was last saved (0: no snapshot). Restoring fewer than this lost KV: a cache break."""
+    skipped: tuple[str, ...]
+    """Why snapshots were passed over."""
+
+
+async def restore_newest_snapshot(
+    store: Store, session_id: str, kv: KVSession, prompt: tuple[int, ...], fingerprint: str
+) -> Restored:
+    """Restore into ``kv`` the newest valid snapshot that shares a prefix with ``prompt`` — the
+    whole snapshot, or its part up to where they diverge (a rewound or forked history).
+
+    A corrupt or missing file, or one from another model, is skipped and logged: the session
+    then re-prefills, losing nothing.
+    """
+    skipped: list[str] = []
+    held = 0
+    for record in await store.snapshots(session_id):
+        if record.fingerprint != fingerprint:
+            skipped.append(f"{record.path.name}: made by another model ({record.fingerprint})")
+            continue
+        held = held or record.num_tokens
+        try:
+            snapshot = await store.load_snapshot(record, expected_fingerprint=fingerprint)
+        except (SnapshotCorrupt, SnapshotIncompatible) as error:
+            logger.warning("skipping snapshot %s of session %s: %s", record.path, session_id, error)
+            skipped.append(f"{record.path.name}: {error}")
+            continue
+        shared = common_prefix_len(snapshot.tokens, prompt)
+        if shared == 0:
+            skipped.append(f"{record.path.name}: it shares no prefix with the rendered history")
+            continue
+        with tracing.span("agentkv.snapshot.restore", session_id=session_id, tokens=shared, bytes=record.nbytes,
+                          precision=record.precision):
+            await kv.restore(snapshot if shared == snapshot.num_tokens else snapshot.prefix(shared))
+        return Restored(shared, held, tuple(skipped))
+    return Restored(0, held, tuple(skipped))
+
+
+class CallLog:
+    """Records each model call of a stored run (``calls`` table) from the run's events: its
+    metrics, the cache break and the compaction before it. A failed write is logged, never
+    raised (figures are not worth a run)::
+
+        log = CallLog(store, session.id)
+        async for event in events:
+            await log.see(event)
+    """
+
+    def __init__(self, store: Store, session_id: str) -> None:
+        self.store, self.session_id = store, session_id
+        self._break: CacheBreak | None = None
+        self._compaction: dict[str, object] | None = None
+
+    async def see(self, event: RunEvent) -> None:
+        if isinstance(event, CacheBroken):
+            self._break = self._break or event.cache_break
+        elif isinstance(event, ContextCompacted):
+            self._compaction = {"policy": event.policy, "tokens_before": event.tokens_before,
+                                "tokens_after": event.tokens_after, "messages_removed": event.messages_removed,
+                                "fallback": event.fallback}
+        elif isinstance(event, ModelCallFinished):
+            m = event.metrics
+            found, self._break = self._break, None
+            compaction, self._compaction = self._compaction, None
+            record = CallRecord(
+                session_id=self.session_id, prompt_tokens=m.prompt_tokens, reused_tokens=m.reused_tokens,
+                prefix_cache_tokens=m.prefix_cache_tokens, prefilled_tokens=m.prefilled_tokens,
+                generated_tokens=m.generated_tokens, ttft_s=m.ttft_s, tpot_s=m.tpot_s, kv_tokens=m.kv_tokens,
+                kv_bytes=m.kv_bytes, compaction=compaction,
+                cache_break=found.as_json() if found else None)
+            try:
+                await self.store.record_call(record)
+            except Exception:
+                logger.warning("could not record a model call of session %s", self.session_id, exc_info=True)

@@ -1,0 +1,90 @@
+"""The ``agentkv`` CLI and the stored-agent rebuild: scripted stdin, a temp database and home,
+a scripted engine in place of the model where the model is not the point (issue 13, 5/7/8).
+
+The tests here run the real model; the scripted ones are in ``tests/test_cli.py``."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from test_cli import cli, session_id_in, stored
+from test_cli import db, isolated_env  # noqa: F401  (fixtures; isolated_env is autouse)
+
+pytestmark = pytest.mark.model
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_cli_resume_restores_the_kv_of_a_chat_with_tools_and_a_system_prompt(db):
+    first = cli("chat", "--db", db, "--tools", "--system", "Use tools.", "--max-new-tokens", "24",
+                input="What time is it?\n")
+    assert first.exit_code == 0, first.output
+    again = cli("resume", session_id_in(first.output), "--db", db, input="Thanks.\n")
+    assert again.exit_code == 0, again.output
+    assert int(again.output.split("messages, ")[1].split()[0]) > 0, again.output
+
+
+class Child:
+    """``python -m agentkv.cli.app chat`` with its stdout and stderr collected by threads."""
+
+    def __init__(self, *args: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "agentkv.cli.app", "chat", *args],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        self.out: list[str] = []
+        self.err: list[str] = []
+        for stream, sink in ((self.proc.stdout, self.out), (self.proc.stderr, self.err)):
+            threading.Thread(target=self._collect, args=(stream, sink), daemon=True).start()
+
+    @staticmethod
+    def _collect(stream, sink: list[str]) -> None:
+        while char := stream.read(1):
+            sink.append(char)
+
+    def send(self, line: str) -> None:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def wait_for(self, check, what: str, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not check("".join(self.out), "".join(self.err)):
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                self.proc.kill()
+                raise AssertionError(f"never saw {what}: {''.join(self.out)!r} {''.join(self.err)!r}")
+            time.sleep(0.02)
+
+
+def test_ctrl_c_cancels_the_answer_keeps_the_session_and_twice_exits_130(db):
+    child = Child("--db", db, "--max-new-tokens", "400", "--metrics")
+    try:
+        child.send("Write a very long story about a dragon who learns to cook, in ten chapters.")
+        child.wait_for(lambda out, err: len(out.strip()) >= 10, "the answer streaming")
+        child.proc.send_signal(signal.SIGINT)
+        child.wait_for(lambda out, err: "[cancelled]" in out, "[cancelled]")
+        child.send("hi")
+        child.wait_for(lambda out, err: err.count("\nprompt ") >= 1, "the second answer")
+        child.proc.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+        child.proc.send_signal(signal.SIGINT)
+        code = child.proc.wait(timeout=20)
+        time.sleep(0.1)
+        assert code == 130, "".join(child.err)[-3000:]
+    finally:
+        child.proc.kill()
+        child.proc.wait()
+    time.sleep(0.1)
+    err = "".join(child.err)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    (summary,) = stored(db, lambda s: s.list_sessions())
+    messages = stored(db, lambda s: s.messages(summary.id))
+    assert [m.message.role for m in messages] == ["user", "assistant", "user", "assistant"]
+    partial = messages[1].message.content
+    assert partial.strip() and partial.strip() in "".join(child.out)
+    assert messages[3].message.content.strip()

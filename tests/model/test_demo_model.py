@@ -1,0 +1,56 @@
+"""`make demo` answers right on every CPU-plugin profile the suite knows (issue 23, item 18).
+
+The demo runs on the default engine with the plugin's default numerics, which differ by CPU
+(bf16 compute here, dynamic quantisation on avx512, plain f32 without it). Each profile asks the
+plugin for one behaviour (``tests/_numerics.py``); one this CPU ignores is skipped, saying why.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import anyio
+import pytest
+
+from _numerics import PROFILES
+
+pytestmark = pytest.mark.model
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load_example(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def profile_engine(profile: str):
+    """The demo's engine (``open_engine``, the paged one) with the profile's plugin settings."""
+    from agentkv import open_engine
+
+    config = PROFILES[profile]
+    engine = open_engine(ov_config=dict(config), num_slots=1, kv_cache_bytes=32 << 20)
+    wanted = config.get("DYNAMIC_QUANTIZATION_GROUP_SIZE")
+    got = engine.numerics.dynamic_quantization_group_size
+    if wanted is not None and int(wanted) != got:
+        pytest.skip(f"this CPU ignores DYNAMIC_QUANTIZATION_GROUP_SIZE={wanted} (the plugin reports {got})")
+    return engine
+
+
+@pytest.mark.parametrize("profile", list(PROFILES))
+def test_the_demo_answers_paris_and_a_paris_landmark_on_every_plugin_profile(profile, capsys):
+    demo = load_example("chat_demo")
+    engine = profile_engine(profile)
+
+    async def run():
+        try:
+            return await demo.converse(engine, on_event=lambda event: None)
+        finally:
+            await engine.aclose()
+
+    capital, landmark = anyio.run(run)
+    assert "Paris" in capital, (profile, str(engine.numerics), capital)
+    assert "Eiffel Tower" in landmark or "Louvre" in landmark, (profile, str(engine.numerics), landmark)

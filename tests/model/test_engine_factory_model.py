@@ -1,0 +1,46 @@
+"""open_engine: the paged engine by default on CPU, the stateful one when asked, on NPU, or when
+the model has no paged form; clear errors for a backend that does not exist.
+
+The tests here run the real model; the scripted ones are in ``tests/test_engine_factory.py``."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from agentkv import UserError, open_engine
+
+pytestmark = pytest.mark.model
+
+
+def test_the_default_on_cpu_is_the_paged_engine_and_stateful_is_one_word_away(monkeypatch):
+    from agentkv.engine.paged.engine import PagedEngine
+    from agentkv.engine.stateful.engine import StatefulEngine
+
+    monkeypatch.delenv("AGENTKV_ENGINE", raising=False)
+    paged = open_engine(num_slots=1, kv_cache_bytes=16 << 20)
+    assert isinstance(paged, PagedEngine) and paged.fingerprint.endswith(":paged")
+    stateful = open_engine(backend="stateful", num_slots=1, kv_cache_bytes=16 << 20)  # paged-only option dropped
+    assert type(stateful) is StatefulEngine and not stateful.fingerprint.endswith(":paged")
+
+
+def test_a_model_without_a_paged_form_falls_back_to_the_stateful_engine_with_a_warning(monkeypatch, caplog):
+    import agentkv.engine.paged.engine as paged_module
+    from agentkv.engine.stateful.engine import StatefulEngine
+
+    def no_paged_form(*args, **kwargs):
+        raise RuntimeError("paged_attention_transformation: unsupported attention pattern")
+
+    monkeypatch.setattr(paged_module, "PagedEngine", no_paged_form)
+    monkeypatch.delenv("AGENTKV_ENGINE", raising=False)
+    with caplog.at_level(logging.WARNING, logger="agentkv.engine.factory"):
+        engine = open_engine(num_slots=1)
+    assert type(engine) is StatefulEngine
+    assert "unsupported attention pattern" in caplog.text and "stateful" in caplog.text
+
+
+def test_an_npu_gets_the_stateful_engine(monkeypatch):
+    monkeypatch.delenv("AGENTKV_ENGINE", raising=False)
+    with pytest.raises(UserError, match="could not compile the model for device 'NPU'"):
+        open_engine(device="NPU", num_slots=1)  # this machine has none: the stateful engine says so

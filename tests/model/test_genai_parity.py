@@ -1,0 +1,87 @@
+"""Our decode loop against openvino-genai's LLMPipeline (SDPA) on the same prompt ids.
+
+Both sides compile the same IR with the same plugin settings: the default engine settings (f16
+KV, this CPU's numerics) for greedy decoding, and exact numerics for beam search — with dynamic
+quantisation or bf16 compute, a batch of beams is computed differently from one row, so near-tie
+beams could flip on one side only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import openvino as ov
+import openvino_genai as og
+import pytest
+
+from agentkv.engine.base import GenerationConfig
+from agentkv.engine.openvino.numerics import EXACT_CONFIG
+
+pytestmark = pytest.mark.model
+
+PROMPTS = [
+    "Write a short poem about the sea.",
+    "Explain photosynthesis to a child.",
+    "List three fruits and their colours.",
+    "What is the capital of Japan? Answer in one sentence.",
+    "Give me a tip for learning to cook.",
+]
+
+
+@pytest.fixture(scope="module")
+def engine(engine_plain):
+    """LLMPipeline has no prefix cache: compare against an engine without one."""
+    return engine_plain
+
+
+@pytest.fixture(scope="module")
+def pipeline(engine_plain):
+    return og.LLMPipeline(str(engine_plain.files.ir_dir), "CPU", ATTENTION_BACKEND="SDPA",
+                          KV_CACHE_PRECISION=engine_plain.kv_cache_precision)
+
+
+@pytest.fixture(scope="module")
+def exact_pair(engine_plain):
+    """An exact-numerics engine and LLMPipeline compiled with the same settings."""
+    from agentkv.engine.stateful.engine import StatefulEngine
+
+    exact = StatefulEngine(num_slots=1, exact=True, prefix_cache_bytes=0)
+    return exact, og.LLMPipeline(str(exact.files.ir_dir), "CPU", ATTENTION_BACKEND="SDPA", **EXACT_CONFIG)
+
+
+def genai_generate(pipeline, ids: list[int], **options) -> list[list[int]]:
+    cfg = og.GenerationConfig()
+    for key, value in options.items():
+        setattr(cfg, key, value)
+    inputs = og.TokenizedInputs(
+        ov.Tensor(np.array([ids], dtype=np.int64)), ov.Tensor(np.ones((1, len(ids)), dtype=np.int64))
+    )
+    return [list(t) for t in pipeline.generate(inputs, cfg).tokens]
+
+
+def agreed_prefix(a, b) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+async def test_greedy_tokens_equal_llmpipeline_for_32_tokens(engine, pipeline, chat_ids):
+    for question in PROMPTS:
+        ids = chat_ids(question)
+        session = await engine.open_session()
+        ours = (await session.generate(ids, GenerationConfig(max_new_tokens=40, ignore_eos=True))).token_ids
+        await session.close()
+        theirs = genai_generate(pipeline, ids, max_new_tokens=40, ignore_eos=True)[0]
+        assert list(ours) == theirs, question
+
+
+async def test_beam_search_agrees_with_llmpipeline_num_beams_4(exact_pair, chat_ids):
+    engine, pipeline = exact_pair
+    agreement = []
+    for question in PROMPTS:
+        ids = chat_ids(question)
+        session = await engine.open_session()
+        result = await session.generate(ids, GenerationConfig(max_new_tokens=24, num_beams=4))
+        await session.close()
+        theirs = genai_generate(pipeline, ids, max_new_tokens=24, num_beams=4, num_return_sequences=1)[0]
+        ours = list(result.token_ids)
+        agreement.append(agreed_prefix(ours, theirs) / max(1, len(theirs)))
+    # Beam search is exact arithmetic on the same logits: expect identical winners.
+    assert np.mean(agreement) >= 0.9, agreement
