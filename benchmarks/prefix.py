@@ -72,9 +72,9 @@ async def measure(target: int, sessions: int, backend: str) -> dict[str, float]:
     print(f"system prompt + template: {shared} tokens; prompts {len(prompts[1])}..{max(map(len, prompts))} tokens")
     await ttft(engine, prompts[0])  # warm-up (first inference allocates)
     cache = engine.prefix_cache
-    engine.prefix_cache = None
+    engine.backend.prefix_cache = None
     cold = [await ttft(engine, p) for p in prompts[1:]]
-    engine.prefix_cache = cache
+    engine.backend.prefix_cache = cache
     engine.register_prefix(prompts[0][:shared])
     first = await ttft(engine, prompts[0])  # the first agent reads the prompt; the cache captures it
     cached = [await ttft(engine, p) for p in prompts[1:]]

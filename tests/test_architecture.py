@@ -118,10 +118,11 @@ FLOORS: tuple[tuple[str, int], ...] = (
     ("agentkv.errors", 0), ("agentkv.validation_text", 0),
     ("agentkv.kv", 1),                      # numpy only: token log, snapshots, RoPE, precisions
     ("agentkv.engine.base", 2),             # the engine's protocols
-    ("agentkv.engine.decode", 3), ("agentkv.engine.prefix", 3), ("agentkv.engine.openvino", 3),
-    ("agentkv.engine.session", 4),
-    ("agentkv.engine.stateful", 5), ("agentkv.engine.paged", 5),  # siblings: neither imports the other
-    ("agentkv.engine.factory", 6), ("agentkv.engine", 6),
+    ("agentkv.engine.decode", 3), ("agentkv.engine.prefix", 3),
+    ("agentkv.engine.session", 4),          # the KV session, its backend, SlotEngine
+    ("agentkv.engine.openvino", 5),         # OpenVINOEngine(SlotEngine): the backends' shared parent
+    ("agentkv.engine.stateful", 6), ("agentkv.engine.paged", 6),  # siblings: neither imports the other
+    ("agentkv.engine.factory", 7), ("agentkv.engine", 7),
     ("agentkv.chat", 7), ("agentkv.tools", 8), ("agentkv.observe", 9), ("agentkv.result", 10),
     ("agentkv.events", 11), ("agentkv.policies", 12), ("agentkv.agent", 13), ("agentkv.memory", 14),
     ("agentkv.run", 15), ("agentkv.runtime", 16), ("agentkv.testing", 17), ("agentkv.server", 18),

@@ -1,20 +1,25 @@
 """Prefix hits, forks and beam rows as shared blocks on the paged engine: block accounting and
 copy-on-write under any sequence of operations (hypothesis, over a fake paged model that checks every write), and
-on the real model a hit that copies nothing and computes exactly what a cold prefill computes."""
+on the real model a hit that copies nothing and computes exactly what a cold prefill computes; the
+pool only allocates or refuses, the paged backend makes room before a step."""
 
 from __future__ import annotations
 
 import anyio
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from agentkv.engine.paged.backend import PagedBackend
 from agentkv.engine.paged.block_pool import BlockPool, KVPoolExhausted
 from agentkv.kv.chunking import PrefixBoundaries
 from agentkv.engine.paged.model import BLOCK_SIZE
 from agentkv.engine.paged.prefix import PagedPrefixCache
 from agentkv.engine.paged.slot import PagedSlot
 from agentkv.engine.paged.shared_blocks import SharedBlocks
+from agentkv.engine.session.session import SlotSession
+from agentkv.testing import ScriptedTokenizer
 
 
 class FakePagedModel:
@@ -90,12 +95,12 @@ def test_blocks_are_never_leaked_nor_written_while_shared_whatever_the_operation
     for prefix in PREFIXES:
         boundaries.register(prefix)
     cache = PagedPrefixCache(pool, boundaries=boundaries, max_blocks=6, block_bytes=1)
-    pool.reclaim = cache.reclaim
     slots = [PagedSlot(model, pool) for _ in range(4)]  # type: ignore[arg-type]
     logs: list[list[int]] = [[] for _ in slots]
     sessions = [Session() for _ in slots]
     for name, which, amount in operations:
         slot, log = slots[which], logs[which]
+        cache.reclaim(4)  # the caller makes room before a step; the pool itself never calls up
         try:
             if name == "start_with_prefix":
                 prefix = PREFIXES[amount % len(PREFIXES)]
@@ -162,3 +167,35 @@ def test_blocks_are_never_leaked_nor_written_while_shared_whatever_the_operation
     assert pool.free_blocks == pool.num_blocks
 
 
+
+
+def test_the_block_pool_only_allocates_or_refuses_and_never_calls_up():
+    pool = BlockPool(4)
+    assert not hasattr(pool, "reclaim")  # no hook back into the engine
+    pool.allocate(3)
+    with pytest.raises(KVPoolExhausted, match="after the engine made room"):
+        pool.allocate(2)
+    assert pool.free_blocks == 1
+
+
+async def test_a_step_short_of_blocks_has_the_backend_make_room_first_then_the_pool_allocates():
+    pool = BlockPool(4)  # 128 tokens
+    model = FakePagedModel(pool)
+    backend = PagedBackend(model, pool, slots=[PagedSlot(model, pool) for _ in range(3)],  # type: ignore[arg-type]
+                           tokenizer=ScriptedTokenizer(), fingerprint="fake", eos_token_ids={0},
+                           max_context_len=1000, kv_bytes_per_token=8)
+    first, second = SlotSession(backend), SlotSession(backend)
+    await first.prefill(list(range(100, 170)))  # 3 blocks
+    assert backend.blocks_needed(None, 60) == 2 > pool.free_blocks
+    await second.prefill(list(range(200, 260)))  # the idle first session went to host to make room
+    assert backend.pool.offloads == 1 and first.held_kv is not None
+    assert (await first.snapshot()).tokens == tuple(range(100, 170))
+    await first.prefill(list(range(100, 171)))  # back into blocks: the second one makes room now
+    assert first.tokens == tuple(range(100, 171)) and backend.pool.offloads == 2
+    for session in (first, second):
+        await session.check_integrity()
+    with pytest.raises(KVPoolExhausted, match="kv_cache_bytes"):  # alone bigger than the pool
+        await SlotSession(backend).prefill(list(range(300, 500)))
+    await backend.close_sessions()
+    pool.check_integrity()
+    assert pool.free_blocks == pool.num_blocks

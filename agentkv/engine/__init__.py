@@ -5,10 +5,10 @@ A map, top to bottom::
     factory      open_engine(): paged unless the device is an NPU or AGENTKV_ENGINE=stateful
     paged/       the default backend: PagedAttention, block pool, block tables, step batcher
     stateful/    the reference/NPU backend: an InferRequest per slot, KV in its state
-    openvino/    what both backends read from OpenVINO: models, compile, numerics, tokenizer
-    session/     the KV session (SlotSession) and the engine half both backends share
+    openvino/    the parent both backends share (OpenVINOEngine) and what they read from OpenVINO
+    session/     the KV session (SlotSession), the backend it holds (SlotBackend), SlotEngine
     prefix/      the prefix cache (radix tree from token prefixes to KV)
-    decode/      the per-token loop, sampling, beam search, grammar constraints
+    decode/      the prompt's alignment, the per-token loop, sampling, beam search, grammar constraints
     base         the protocols (Engine, KVSession, Tokenizer), GenerationConfig, results
     ../kv/       below the engine: token log, snapshots, RoPE, precisions (numpy only)
 

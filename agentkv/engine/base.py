@@ -26,32 +26,7 @@ if TYPE_CHECKING:
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the longest common prefix of two id sequences: how much KV a prompt can reuse."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
-def validate_prompt(prompt: Sequence[int], config: GenerationConfig, max_context_len: int) -> None:
-    """The checks every ``KVSession.stream`` makes before touching any state.
-
-    Raises ``UserError`` for an empty prompt or stop strings with beams, and
-    ``ContextOverflowError`` when the prompt does not fit the context.
-    """
-    from agentkv.errors import ContextOverflowError, UserError
-
-    if not prompt:
-        raise UserError("prompt_tokens is empty: render at least one token before generating")
-    if config.num_beams > 1 and config.stop_strings:
-        raise UserError("stop_strings are not supported with num_beams>1; use stop_token_ids")
-    if len(prompt) >= max_context_len:
-        raise ContextOverflowError(
-            f"prompt of {len(prompt)} tokens does not fit the model's context of {max_context_len}; "
-            "shorten the history or give the agent a context-window policy",
-            prompt_tokens=len(prompt),
-            limit=max_context_len,
-        )
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 MAX_LOGPROBS = 20
@@ -164,37 +139,6 @@ class GenerationMetrics:
 
 
 @dataclass(frozen=True)
-class Alignment:
-    """How a prompt met a session's KV before any token was generated (every engine's counts)."""
-
-    reused: int
-    """Prompt tokens whose KV the session already held."""
-    prefix_cache: int
-    """Prompt tokens whose KV came from the shared prefix cache."""
-    restored: int
-    """Of ``reused``, the tokens that came back from an offloaded or restored snapshot."""
-    prefilled: int
-    """Prompt tokens run through the model."""
-
-    def metrics(self, *, generated: int, ttft: float, tpot: float, kv_tokens: int, kv_bytes: int,
-                kv_exact: bool = True) -> GenerationMetrics:
-        """The call's metrics: ``align.metrics(generated=3, ttft=0.1, tpot=0.02, kv_tokens=40, kv_bytes=...)``."""
-        return GenerationMetrics(
-            prompt_tokens=self.reused + self.prefix_cache + self.prefilled,
-            reused_tokens=self.reused,
-            prefix_cache_tokens=self.prefix_cache,
-            restored_tokens=self.restored,
-            prefilled_tokens=self.prefilled,
-            generated_tokens=generated,
-            ttft_s=ttft,
-            tpot_s=tpot,
-            kv_tokens=kv_tokens,
-            kv_bytes=kv_bytes,
-            kv_exact=kv_exact,
-        )
-
-
-@dataclass(frozen=True)
 class BeamHypothesis:
     """One finished beam: its tokens and normalised score."""
 
@@ -291,7 +235,7 @@ class GenerationStream:
 
 
 class TokenConstraint(Protocol):
-    """A per-step token mask (grammar-constrained decoding). See ``engine/constraints.py``."""
+    """A per-step token mask (grammar-constrained decoding). See ``engine/decode/constraints.py``."""
 
     def allowed_mask(self) -> Any:
         """Boolean numpy mask over the vocabulary for the next token (pure, no state change)."""
@@ -430,3 +374,22 @@ class Engine(Protocol):
 
     async def aclose(self) -> None:
         """Close every session and release the model."""
+
+    def counters(self) -> EngineCounters:
+        """What the engine holds and has done now (a consistent copy; changes nothing), read by
+        the server's ``/metrics``: ``engine.counters().kv_blocks_used``."""
+        ...
+
+
+@dataclass(frozen=True)
+class EngineCounters:
+    """What an engine holds and has done, read when metrics are scraped."""
+
+    kv_blocks_used: int
+    """KV blocks held by sessions and shared prefixes (the stateful form: slots bound)."""
+    kv_blocks_total: int
+    model_steps: int
+    """Forward passes run since the engine was made."""
+    prefix_cache_hit_tokens: int
+    """Prompt tokens the prefix cache supplied (prefill skipped)."""
+

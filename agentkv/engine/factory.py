@@ -18,7 +18,7 @@ import logging
 import os
 from typing import Any, Literal
 
-from agentkv.engine.session.slot_engine import SlotEngine
+from agentkv.engine.openvino.engine import OpenVINOEngine
 from agentkv.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ def open_engine(
     backend: Backend | None = None,
     device: str = "CPU",
     **options: Any,
-) -> SlotEngine:
+) -> OpenVINOEngine:
     """The engine for ``model`` on ``device``: see the module docstring. ``backend`` None reads
     ``AGENTKV_ENGINE`` (default "auto")."""
     chosen = backend or os.environ.get(ENGINE_ENV, "auto")
@@ -59,7 +59,7 @@ def open_engine(
     return StatefulEngine(model, device=device, **stateful_options)
 
 
-def _paged(model: str | os.PathLike[str] | None, device: str, options: dict[str, Any]) -> SlotEngine:
+def _paged(model: str | os.PathLike[str] | None, device: str, options: dict[str, Any]) -> OpenVINOEngine:
     from agentkv.engine.paged.engine import PagedEngine
 
     return PagedEngine(model, device=device, **options)

@@ -21,15 +21,16 @@ from typing import Protocol
 
 import numpy as np
 
+from agentkv.errors import KVLogCorrupt
 from agentkv.kv.chunking import PrefixBoundaries, chunk_spans
 from agentkv.kv.rope import RopeConvention, drop_span
-from agentkv.errors import KVLogCorrupt
 
 
 class KVSlot(Protocol):
     """What a KVLog needs of a slot (the stateful engine's ``StatefulSlot``, the paged engine's ``PagedSlot``)."""
 
-    def feed(self, input_ids: np.ndarray, past_len: int, beam_idx: np.ndarray | None = None) -> np.ndarray: ...
+    def feed(self, input_ids: np.ndarray, past_len: int, beam_idx: np.ndarray | None = None,
+             position_offset: int = 0) -> np.ndarray: ...
     def length(self) -> int: ...
     def reset(self) -> None: ...
     def trim(self, n: int) -> None: ...
@@ -147,7 +148,7 @@ class KVLog:
         """Collapse onto live batch row ``row`` — which holds the log's tokens, then
         ``row_tokens`` — on the same infer that feeds it ``rest`` (``beam_idx=[row]``)."""
         past_len = len(self.tokens) + len(row_tokens)
-        logits = slot.feed(np.array([list(rest)], dtype=np.int64), past_len, np.array([row], dtype=np.int32))[0]
+        logits: np.ndarray = slot.feed(np.array([list(rest)], dtype=np.int64), past_len, np.array([row], dtype=np.int32))[0]
         self.tokens.extend(int(t) for t in (*row_tokens, *rest))
         self.last_logits = logits
         return logits

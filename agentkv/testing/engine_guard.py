@@ -40,8 +40,8 @@ def forbid_real_engines(message: str = REFUSAL) -> Iterator[None]:
     def refuse(self: Any, *args: Any, **kwargs: Any) -> NoReturn:
         raise RealEngineForbidden(message)
 
-    ov.Core.read_model = refuse  # type: ignore[method-assign]
+    ov.Core.read_model = refuse
     try:
         yield
     finally:
-        ov.Core.read_model = original  # type: ignore[method-assign]
+        ov.Core.read_model = original

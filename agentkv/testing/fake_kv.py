@@ -63,7 +63,7 @@ def held_tokens(values: np.ndarray) -> list[int]:
 
 
 class FakeSlot:
-    """One sequence's fake KV; honours the ``KVSlot`` contract of ``engine/kv_log.py``.
+    """One sequence's fake KV; honours the ``KVSlot`` contract of ``kv/log.py``.
 
     ``pace(n)`` gives the seconds a step over ``n`` tokens takes (slept in the calling worker
     thread), so tests can make a "model" slow.

@@ -30,6 +30,7 @@ import anyio.lowlevel
 
 from agentkv.engine.base import GenerationConfig, GenerationMetrics, GenerationResult
 from agentkv.kv.rope import FIT_TOLERANCE
+from agentkv.engine.session.backend import RopeReference, SlotBackend
 from agentkv.engine.session.slot_engine import SlotEngine
 from agentkv.errors import UserError
 from agentkv.testing.fake_kv import KV_BYTES_PER_TOKEN, ROPE_THETA, FakeSlot
@@ -109,13 +110,14 @@ class ScriptedEngine(SlotEngine):
         if num_slots < 1:
             raise UserError(f"num_slots must be >= 1, got {num_slots}")
         tokenizer = ScriptedTokenizer()
-        super().__init__(
-            slots=[FakeSlot(tokenizer.n_vocab, self._step_seconds) for _ in range(num_slots)],
+        super().__init__(ScriptedBackend(
+            self, slots=[FakeSlot(tokenizer.n_vocab, self._step_seconds) for _ in range(num_slots)],
             tokenizer=tokenizer, fingerprint=FINGERPRINT, eos_token_ids={tokenizer.eos_token_id},
             max_context_len=max_context_len, kv_bytes_per_token=KV_BYTES_PER_TOKEN,
             prefill_chunk_size=prefill_chunk_size, prefix_cache_bytes=prefix_cache_bytes,
-            offload_bytes=offload_bytes, spill_dir=spill_dir,
-        )
+            offload_bytes=offload_bytes, spill_dir=spill_dir, rope_reference=_rope_reference,
+        ))
+        self._scripted_tokenizer = tokenizer
         self.prefill_s_per_token = prefill_s_per_token
         self.decode_s_per_token = decode_s_per_token
         self._steps: deque[Step] = deque()
@@ -127,13 +129,13 @@ class ScriptedEngine(SlotEngine):
         """Every ``make_constraint`` argument, in order."""
         self._pending_grammar: str | None = None
         if isinstance(steps, (str, Exception)) or callable(steps):
-            steps = [steps]  # type: ignore[list-item]
-        self.add_steps(*steps)  # type: ignore[misc]
+            steps = [steps]
+        self.add_steps(*steps)
 
     # ---- Engine protocol ---------------------------------------------------------------
     @property
     def tokenizer(self) -> ScriptedTokenizer:
-        return self._tokenizer  # type: ignore[no-any-return]
+        return self._scripted_tokenizer
 
     def register_prefix(self, tokens: Sequence[int], *, salt: str = "") -> None:
         """Register ``tokens`` as the engine does, and record them in ``registered_prefixes``."""
@@ -144,6 +146,10 @@ class ScriptedEngine(SlotEngine):
         """Record the grammar (the next call's ``ScriptedCall.grammar``); replies are fixed text."""
         self.requested_grammars.append(grammar)
         self._pending_grammar = grammar
+
+    def _model_steps(self) -> int:
+        """The "model" runs once per call: ``engine.counters().model_steps == len(engine.calls)``."""
+        return len(self.calls)
 
     # ---- the script --------------------------------------------------------------------
     def add_steps(self, *steps: Step) -> None:
@@ -175,7 +181,7 @@ class ScriptedEngine(SlotEngine):
             index=len(self.calls),
             session_id=session_id,
             prompt_ids=tuple(prompt),
-            prompt_text=self._tokenizer.decode(prompt),
+            prompt_text=self._scripted_tokenizer.decode(prompt),
             config=config,
             constraint_given=constrained,
             grammar=grammar,
@@ -207,16 +213,29 @@ class ScriptedEngine(SlotEngine):
         """How long a fake step over ``tokens`` takes (read at each step: tests may change the pace)."""
         return tokens * (self.decode_s_per_token if tokens == 1 else self.prefill_s_per_token)
 
+
+class ScriptedBackend(SlotBackend):
+    """The real ``SlotBackend`` over fake slots, with the engine's script at hand (``script``:
+    its sessions take their replies from it)::
+
+        ScriptedBackend(engine, slots=[FakeSlot(vocab)], tokenizer=tok, fingerprint="scripted", ...)
+    """
+
+    def __init__(self, script: ScriptedEngine, **options: Any) -> None:
+        self.script = script
+        super().__init__(**options)
+
     async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
         """A paced step runs in a worker thread (as a real one); an instant one runs inline,
         then yields to the event loop (cancellation is delivered after the step, as in a thread)."""
-        if self.prefill_s_per_token or self.decode_s_per_token:
+        if self.script.prefill_s_per_token or self.script.decode_s_per_token:
             return await super().run_blocking(fn, *args)
         result = fn(*args)
         await anyio.lowlevel.checkpoint()
         return result
 
-    def _rope_reference(self) -> tuple[tuple[float, float] | None, float]:
-        """The fake model's "metadata" θ (its one pair turns 1 rad/position for any θ) and the f32
-        floor: the engine's own procedure then verifies it on a fake slot."""
-        return (ROPE_THETA, 1.0), FIT_TOLERANCE["f32"]
+
+def _rope_reference() -> RopeReference:
+    """The fake model's "metadata" θ (its one pair turns 1 rad/position for any θ) and the f32
+    floor: the backend's own procedure then verifies it on a fake slot."""
+    return (ROPE_THETA, 1.0), FIT_TOLERANCE["f32"]

@@ -2,7 +2,7 @@
 
 Alignment (longest common prefix; a fully covered prompt still feeds its last token), trim,
 fork, offload, snapshot / restore and RoPE span drops are the real code of
-``engine/session.py`` running on ``FakeSlot`` s; only the token chooser is scripted::
+``engine/session/session.py`` running on ``FakeSlot`` s; only the token chooser is scripted::
 
     session = await engine.open_session()
     await session.prefill(ids)
@@ -23,8 +23,8 @@ from agentkv.testing.decode import ScriptedDecode
 class ScriptedSession(SlotSession):
     """A ``SlotSession`` whose generations follow the ``ScriptedEngine``'s script."""
 
-    def __init__(self, engine: Any, session_id: str | None = None, **state: Any) -> None:
-        super().__init__(engine, session_id, **state)
+    def __init__(self, backend: Any, session_id: str | None = None, **state: Any) -> None:
+        super().__init__(backend, session_id, **state)
         self.drops: list[tuple[int, int]] = []
         """Every ``drop(start, end)`` applied, in order (for tests)."""
 
@@ -33,13 +33,13 @@ class ScriptedSession(SlotSession):
     ) -> AsyncIterator[TokenDelta | GenerationResult]:
         async with self._lock:
             self._ensure_open()
-            engine = self._engine
-            call = engine.begin_call(self.id, prompt, config, constraint is not None)
-            reply_ids = engine.tokenizer.encode(await engine.reply_for(call))
-            async with engine.pool.lease(self) as slot:
+            backend: Any = self._backend  # a ScriptedBackend (testing/scripted.py imports this module)
+            call = backend.script.begin_call(self.id, prompt, config, constraint is not None)
+            reply_ids = backend.tokenizer.encode(await backend.script.reply_for(call))
+            async with self._lease() as slot:
                 started = time.perf_counter()
                 align = await self._align(slot, prompt)
-                loop = ScriptedDecode(engine, self._log, slot, self._run, prompt, config, constraint, align,
+                loop = ScriptedDecode(backend, self._log, slot, self._run, prompt, config, constraint, align,
                                       started, reply_ids=reply_ids)
                 async for event in loop.run():
                     if isinstance(event, GenerationResult):

@@ -113,7 +113,7 @@ async def test_on_default_numerics_batched_sessions_keep_their_logs_and_blocks_c
 
 async def test_a_long_prefill_runs_in_chunks_and_a_decoding_session_steps_between_them(paged_engine):
     engine = paged_engine
-    chunk = engine.prefill_chunk_size
+    chunk = engine.backend.prefill_chunk_size
     assert chunk == 1024
     long_text = " ".join(f"Line {i}: the quick brown fox jumps over the lazy dog." for i in range(110))
     long_ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(

@@ -216,3 +216,26 @@ async def test_when_blocks_run_short_idle_sessions_go_to_host_and_come_back_exac
         await engine.aclose()
     engine.block_pool.check_integrity()
     assert engine.block_pool.free_blocks == engine.block_pool.num_blocks
+
+
+async def test_counters_move_with_a_generate_on_both_engines(paged, engine_f32):
+    for engine, slots_or_blocks in ((paged, paged.block_pool.num_blocks), (engine_f32, 3)):
+        before = engine.counters()
+        assert before.kv_blocks_total == slots_or_blocks
+        session = await engine.open_session()
+        try:
+            await session.generate(prompt(engine, "Name a colour."), CFG)
+            during = engine.counters()
+        finally:
+            await session.close()
+        assert 0 < during.kv_blocks_used <= during.kv_blocks_total
+        assert during.model_steps > before.model_steps
+    tok = paged.tokenizer
+    system = tok.encode("<|im_start|>system\n" + "You answer in one word only. " * 6 + "<|im_end|>\n")
+    paged.register_prefix(system)
+    hits = paged.counters().prefix_cache_hit_tokens
+    for question in ("Sky?", "Grass?"):  # the second reads the first one's cached prefix
+        session = await paged.open_session()
+        await session.prefill(system + tok.encode(f"<|im_start|>user\n{question}<|im_end|>\n"))
+        await session.close()
+    assert paged.counters().prefix_cache_hit_tokens == hits + len(system)

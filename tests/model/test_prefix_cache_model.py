@@ -40,7 +40,7 @@ def shared_len(a, b) -> int:
 
 async def cold_logits(engine, monkeypatch, prompt) -> np.ndarray:
     with monkeypatch.context() as m:
-        m.setattr(engine, "prefix_cache", None)
+        m.setattr(engine.backend, "prefix_cache", None)
         s = await engine.open_session()
         await s.prefill(prompt)
         logits = await s.next_token_logits()
@@ -52,7 +52,7 @@ async def hit_logits(engine, monkeypatch, precision, first, second):
     """Register the shared prefix, read it with ``first``, then prefill ``second`` from the cache."""
     c = PrefixCache(fingerprint=engine.fingerprint, precision=precision, limiter=engine.pool.limiter,
                     boundaries=engine.boundaries)
-    monkeypatch.setattr(engine, "prefix_cache", c)
+    monkeypatch.setattr(engine.backend, "prefix_cache", c)
     engine.register_prefix(first[: shared_len(first, second)])
     a = await engine.open_session()
     await a.prefill(first)
@@ -81,7 +81,7 @@ async def test_a_prefix_cache_hit_is_bit_identical_to_a_cold_prefill_on_default_
 async def one_pass_logits(engine, monkeypatch, prompt) -> np.ndarray:
     """Logits of ``prompt`` prefilled in one chunk (no registered boundary cuts it)."""
     with monkeypatch.context() as m:
-        m.setattr(engine, "boundaries", PrefixBoundaries())
+        m.setattr(engine.backend, "boundaries", PrefixBoundaries())
         return await cold_logits(engine, monkeypatch, prompt)
 
 
@@ -110,13 +110,13 @@ async def test_lossy_prefix_caches_stay_within_this_machines_chunking_noise_and_
 async def test_a_second_agent_with_the_same_system_prompt_skips_its_prefill(pc_engine, monkeypatch):
     c = PrefixCache(fingerprint=pc_engine.fingerprint, limiter=pc_engine.pool.limiter,
                     boundaries=pc_engine.boundaries)
-    monkeypatch.setattr(pc_engine, "prefix_cache", c)
+    monkeypatch.setattr(pc_engine.backend, "prefix_cache", c)
     system_ids = chat(pc_engine, "x")[: shared_len(chat(pc_engine, "x"), chat(pc_engine, "y"))]
     cfg = GenerationConfig(max_new_tokens=8)
     second_prompt = chat(pc_engine, "Is my parcel insured?")
     pc_engine.register_prefix(system_ids)  # a boundary of the cold reference's prefill too
     with monkeypatch.context() as m:
-        m.setattr(pc_engine, "prefix_cache", None)
+        m.setattr(pc_engine.backend, "prefix_cache", None)
         solo = await pc_engine.open_session()
         expected = (await solo.generate(second_prompt, cfg)).token_ids
         await solo.close()
@@ -135,7 +135,7 @@ async def test_the_engine_cache_keeps_the_most_recent_system_prompt_within_its_b
     budget = 100 * pc_engine.kv_bytes_per_token()
     c = PrefixCache(fingerprint=pc_engine.fingerprint, budget_bytes=budget, limiter=pc_engine.pool.limiter,
                     boundaries=pc_engine.boundaries)
-    monkeypatch.setattr(pc_engine, "prefix_cache", c)
+    monkeypatch.setattr(pc_engine.backend, "prefix_cache", c)
     prefixes = [pc_engine.tokenizer.encode(f"{name}: " + "be brief and exact. " * 12)
                 for name in ("Alice", "Bob", "Carol")]
     assert all(60 <= len(p) <= 100 for p in prefixes)  # each fits alone, two do not

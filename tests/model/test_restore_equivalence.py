@@ -87,7 +87,7 @@ async def test_restored_offloaded_and_cached_sessions_answer_like_the_uninterrup
             uninterrupted = await engine.open_session()
             u_answers: list[tuple[int, ...]] = []
             with monkeypatch.context() as m:
-                m.setattr(engine, "prefix_cache", None)  # U never touches the cache: a cold start
+                m.setattr(engine.backend, "prefix_cache", None)  # U never touches the cache: a cold start
                 u_first = await run_turn(engine, uninterrupted, prompt_of, u_answers, 0)
                 for turn in (1, 2):
                     await run_turn(engine, uninterrupted, prompt_of, u_answers, turn)

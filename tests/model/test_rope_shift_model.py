@@ -168,7 +168,7 @@ async def test_shifting_a_prefill_at_offset_p_by_minus_p_equals_a_prefill_at_zer
     assert convention is not None
     ids = rope_engine.tokenizer.encode(TEXTS[offset % len(TEXTS)])[:48]
     follow = np.array([[ids[5]]], dtype=np.int64)
-    holder = rope_engine.new_session()
+    holder = await rope_engine.open_session()
     try:
         async with rope_engine.pool.lease(holder) as slot:
             keys0, values0, _ = prefill_at_offset(slot, ids, 0)
@@ -225,7 +225,7 @@ async def test_drop_raises_and_changes_nothing_when_rope_cannot_be_measured(rope
     async def unknown():
         return None
 
-    monkeypatch.setattr(rope_engine, "rope_convention", unknown)
+    monkeypatch.setattr(rope_engine.backend, "rope_convention", unknown)
     session = await rope_engine.open_session()
     try:
         await session.prefill([1, 2, 3, 4, 5])

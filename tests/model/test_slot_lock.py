@@ -12,7 +12,7 @@ pytestmark = pytest.mark.model
 
 
 async def test_a_reset_during_a_running_step_waits_for_it_instead_of_failing(engine_plain):
-    holder = engine_plain.new_session()
+    holder = await engine_plain.open_session()
     errors: list[BaseException] = []
     try:
         async with engine_plain.pool.lease(holder) as slot:

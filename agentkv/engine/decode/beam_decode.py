@@ -21,19 +21,21 @@ from agentkv.engine.decode.beam import BeamSearch, BeamWinner
 from agentkv.kv.log import KVLog, KVSlot
 
 
-class BeamEngine(Protocol):
-    """What beam search reads of the engine."""
+class BeamBackend(Protocol):
+    """What beam search reads of the backend its session works through."""
 
     @property
     def eos_token_ids(self) -> frozenset[int]: ...
     @property
     def tokenizer(self) -> Tokenizer: ...
+    async def make_room(self, slot: KVSlot | None, tokens: int, *, rows: int = 1) -> None: ...
 
 
 class BeamRun(Protocol):
-    """The generation a beam search runs inside (``engine/decode.py``'s ``DecodeLoop``)."""
+    """The generation a beam search runs inside (``decode/loop.py``'s ``DecodeLoop``)."""
 
-    engine: BeamEngine
+    @property
+    def engine(self) -> BeamBackend: ...
     log: KVLog
     slot: KVSlot
     run_blocking: Callable[..., Awaitable[Any]]
@@ -60,6 +62,7 @@ async def run_beam_search(loop: BeamRun) -> GenerationResult:
         step = search.step(prompt_logits[None, :])
         while step is not None:
             ids = step.next_tokens[:, None]
+            await loop.engine.make_room(slot, 1, rows=len(ids))
             logits = await run(slot.feed, ids, kv_len, step.beam_idx)  # rows diverge: the log waits
             kv_len += 1
             if first_at is None:

@@ -9,12 +9,11 @@ the next turn's alignment feeds it if the rendered history contains it. No OpenV
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from agentkv.engine.base import (
-    Alignment,
     BeamHypothesis,
     GenerationConfig,
     GenerationMetrics,
@@ -25,6 +24,7 @@ from agentkv.engine.base import (
     TokenLogprob,
     TopLogprob,
 )
+from agentkv.engine.decode.alignment import Alignment
 from agentkv.engine.decode.beam_decode import run_beam_search
 from agentkv.engine.decode.detokenize import IncrementalDecoder
 from agentkv.engine.decode.sampling import (
@@ -39,8 +39,8 @@ if TYPE_CHECKING:
     from agentkv.kv.log import KVLog, KVSlot
 
 
-class DecodeEngine(Protocol):
-    """What a decode loop reads of its engine (``StatefulEngine`` is one)."""
+class DecodeBackend(Protocol):
+    """What a decode loop reads of the backend its session works through (``SlotBackend``)."""
 
     @property
     def eos_token_ids(self) -> frozenset[int]: ...
@@ -50,6 +50,7 @@ class DecodeEngine(Protocol):
     def max_context_len(self) -> int: ...
     def metrics_for(self, log: KVLog, align: Alignment, *, generated: int, ttft: float,
                     tpot: float) -> GenerationMetrics: ...
+    async def make_room(self, slot: KVSlot | None, tokens: int, *, rows: int = 1) -> None: ...
 
 RunBlocking = Callable[..., Awaitable[Any]]
 """``await run(fn, *args)``: a session's way to run a blocking step in a worker thread."""
@@ -90,7 +91,7 @@ async def decode_tokens(
     feed: Callable[[int], Awaitable[None]],
     *,
     config: GenerationConfig,
-    decode_text: Callable[[list[int]], str],
+    decode_text: Callable[[Sequence[int]], str],
     stop_ids: frozenset[int],
     max_new: int,
     constraint: TokenConstraint | None,
@@ -156,7 +157,7 @@ class DecodeLoop:
 
     def __init__(
         self,
-        engine: DecodeEngine,
+        engine: DecodeBackend,
         log: KVLog,
         slot: KVSlot,
         run_blocking: RunBlocking,
@@ -193,6 +194,7 @@ class DecodeLoop:
         log = self.log
 
         async def feed(token: int) -> None:
+            await self.engine.make_room(self.slot, 1)
             await self.run_blocking(log.feed, self.slot, [token])
 
         events = decode_tokens(

@@ -16,7 +16,7 @@ with ``==``), and what is only close:
   snapshots, prefix-cache entries, fork — when the cache is f32, f16 or bf16 (the state API
   takes those values back unchanged; snapshots store them losslessly, see ``KVSnapshot``);
   a prefix-cache hit vs a cold prefill, because every registered prefix boundary is a chunk
-  boundary on both paths (``engine/chunking.py``); trim + prefill vs the same chunks fed again.
+  boundary on both paths (``kv/chunking.py``); trim + prefill vs the same chunks fed again.
 - **close, not equal**: a u8 KV cache restored through the state API (the plugin quantises
   the dequantised values again: ~2e-6 drift, then next-token logits move by up to ~0.7);
   decode-by-token vs a re-prefill of the same generated text; any two different chunkings

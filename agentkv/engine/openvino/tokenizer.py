@@ -71,10 +71,10 @@ def _pieces(text: str, size: int) -> Iterator[str]:
         for match in _SAFE_CUT.finditer(text, start + 1, start + size):
             cut = match.start()
         if cut is None:
-            match = _SAFE_CUT.search(text, start + size)
-            if match is None:
+            later = _SAFE_CUT.search(text, start + size)
+            if later is None:
                 break
-            cut = match.start()
+            cut = later.start()
         yield text[start:cut]
         start = cut
     yield text[start:]

@@ -7,13 +7,21 @@ its last holder releases it; a block is never both free and held. Thread-safe::
     table = pool.allocate(4)          # four fresh blocks, each held once
     pool.share(table[:2])             # a second table points at the first two
     pool.release(table)               # blocks 2, 3 are free again; 0, 1 still held once
+
+Whoever made room for a step reserves the free blocks the step takes (``reserve``), so sessions
+that make room at the same time and then allocate together in one batched step each get what
+they made room for: a holder's allocations draw on its reservation first, everyone else only
+on the free blocks nobody reserved::
+
+    if pool.reserve(slot, 2):         # two free blocks set aside for ``slot``
+        table = pool.allocate(2, holder=slot)
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Hashable, Sequence
 
 from agentkv.errors import KVPoolCorrupt, KVPoolExhausted, UserError
 
@@ -27,26 +35,61 @@ class BlockPool:
         self.num_blocks = num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._refs = [0] * num_blocks
+        self._reserved: dict[Hashable, int] = {}  # holder -> free blocks set aside for it
+        self._reserved_total = 0
         self._lock = threading.Lock()
-        self.reclaim: Callable[[int], None] | None = None
-        """Called with the blocks wanted when an allocation finds too few free (blocking)."""
 
     @property
     def free_blocks(self) -> int:
+        """Blocks nobody holds (reserved ones included)."""
         return len(self._free)
 
-    def allocate(self, n: int) -> list[int]:
-        """``n`` free blocks, now held once each; ``KVPoolExhausted`` (nothing taken) if fewer are
-        free even after the ``reclaim`` hook (e.g. the prefix cache letting go) had its chance."""
-        if n > len(self._free) and self.reclaim is not None:
-            self.reclaim(n)  # NOTE: outside our lock: it releases blocks
+    @property
+    def unreserved_blocks(self) -> int:
+        """Free blocks no reservation sets aside: what an allocation without one can take."""
+        return len(self._free) - self._reserved_total
+
+    def reserved(self, holder: Hashable) -> int:
+        """Free blocks set aside for ``holder`` now: ``pool.reserved(slot)``."""
+        return self._reserved.get(holder, 0)
+
+    def reserve(self, holder: Hashable, n: int) -> bool:
+        """Set ``n`` free blocks aside for ``holder``'s next allocations (replacing what it had
+        reserved); False, and nothing changed, if fewer than ``n`` are free and unreserved
+        (counting its own): ``pool.reserve(slot, 2)``. O(1)."""
         with self._lock:
-            if n > len(self._free):
+            had = self._reserved.get(holder, 0)
+            if n - had > len(self._free) - self._reserved_total:
+                return False
+            self._set_reserved(holder, n)
+            return True
+
+    def unreserve(self, holder: Hashable) -> None:
+        """Give back what is still set aside for ``holder`` (a step that did not run, a slot emptied)."""
+        with self._lock:
+            self._set_reserved(holder, 0)
+
+    def _set_reserved(self, holder: Hashable, n: int) -> None:
+        self._reserved_total += n - self._reserved.pop(holder, 0)
+        if n:
+            self._reserved[holder] = n
+
+    def allocate(self, n: int, holder: Hashable | None = None) -> list[int]:
+        """``n`` free blocks, now held once each, drawn first from what is reserved for
+        ``holder``, then from the unreserved ones; ``KVPoolExhausted`` (nothing taken) if that
+        is too few. It only allocates: whoever is about to allocate makes room first (the paged
+        backend's ``make_room``: cached prefixes, idle sessions to host, then ``reserve``)."""
+        with self._lock:
+            own = self._reserved.get(holder, 0) if holder is not None else 0
+            usable = len(self._free) - self._reserved_total + own
+            if n > usable:
                 raise KVPoolExhausted(
-                    f"{n} KV blocks needed, {len(self._free)} of {self.num_blocks} free even after reclaiming "
-                    "(cached prefixes, idle sessions to host); shorten the prompt, close sessions that are "
-                    "running, or give the engine more kv_cache_bytes"
+                    f"{n} KV blocks needed, {usable} of {self.num_blocks} free after the engine made room "
+                    "(cached prefixes evicted, idle sessions moved to host); shorten the prompt, close sessions "
+                    "that are running, or give the engine more kv_cache_bytes"
                 )
+            if own:
+                self._set_reserved(holder, own - min(own, n))
             blocks = [self._free.popleft() for _ in range(n)]
             for block in blocks:
                 self._refs[block] = 1
@@ -87,3 +130,6 @@ class BlockPool:
                 if (refs == 0) != (block in free):
                     raise KVPoolCorrupt(f"block {block} has {refs} holders but free={block in free}; "
                                         "a bug in agentkv: report it", block=block)
+            if self._reserved_total != sum(self._reserved.values()) or self._reserved_total > len(free):
+                raise KVPoolCorrupt(f"{self._reserved_total} blocks reserved with {len(free)} free; "
+                                    "a bug in agentkv: report it")

@@ -1,21 +1,22 @@
 """PagedEngine: the engine on the PagedAttention form of the model — sessions are block tables.
 
-The same sessions, prefix cache, snapshots, offload and policies as ``StatefulEngine`` (a
-session's ``KVLog`` runs on a ``PagedSlot`` instead of an InferRequest), over one compiled paged
-model whose KV blocks all sessions share. A turn over a long history prefills ~3× faster than
+The same sessions, prefix cache, snapshots, offload and policies as its sibling
+``StatefulEngine`` (both are ``OpenVINOEngine``s; a session's ``KVLog`` runs on a ``PagedSlot``
+instead of an InferRequest), over one compiled paged model whose KV blocks all sessions share;
+what the blocks change for sessions is in its backend (``engine/paged/backend.py``). A turn over a long history prefills ~3× faster than
 the stateful form on CPU (``benchmarks/paged_step.py``)::
 
     engine = PagedEngine()                    # default model, f16 KV blocks, 512 MiB of them
     runtime = Runtime(engine)
 
 Sessions that feed at the same time — decoding, or a prefill joining them — run as one model
-step (``engine/step_batcher.py``; ``engine.batcher.stats()``), each with its own sampling,
+step (``engine/paged/batcher.py``; ``engine.batcher.stats()``), each with its own sampling,
 constraint, stop and stream.
 
 A prefix-cache hit points the new session's block table at the cached prefix's blocks (no
-copy; ``engine/paged_prefix.py``); whoever writes into a shared block first copies it.
+copy; ``engine/paged/prefix.py``); whoever writes into a shared block first copies it.
 
-A fork shares its parent's blocks the same way (``hold_copy``): no KV is copied until one of
+A fork shares its parent's blocks the same way (``PagedBackend.hold``): no KV is copied until one of
 them writes into a shared block.
 
 ``kv_cache_precision="u8"`` keeps the blocks in the plugin's u8 layout (59 % of the bytes of
@@ -25,23 +26,17 @@ f16, parameters included); snapshots and offload of such sessions are the raw bl
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
-import anyio
-import anyio.from_thread
-
-from agentkv.engine.paged.block_pool import BlockPool
-from agentkv.kv.log import KVLog, KVSlot, KVSource
-from agentkv.engine.paged.model import BLOCK_SIZE, PagedModel
-from agentkv.engine.paged.prefix import PagedPrefixCache
-from agentkv.engine.paged.slot import PagedSlot, blocks_for, read_raw_blocks, read_table
-from agentkv.engine.session.session import SlotSession
-from agentkv.engine.paged.shared_blocks import SharedBlocks
-from agentkv.kv.snapshot import RAW_BLOCKS, KVSnapshot, PrecisionChoice
-from agentkv.engine.stateful.engine import Backend, StatefulEngine
+from agentkv.engine.base import EngineCounters
+from agentkv.engine.openvino.engine import CompiledSlots, OpenVINOEngine
+from agentkv.engine.paged.backend import PagedBackend
 from agentkv.engine.paged.batcher import DEFAULT_MAX_TOKENS, StepBatcher
-from agentkv.errors import KVLogCorrupt, UserError
+from agentkv.engine.paged.block_pool import BlockPool
+from agentkv.engine.paged.model import BLOCK_SIZE, PagedModel
+from agentkv.engine.paged.slot import PagedSlot
+from agentkv.errors import UserError
 
 DEFAULT_KV_CACHE_BYTES = 512 << 20
 """KV block storage of a ``PagedEngine`` (f16, default model: ~23,000 tokens)."""
@@ -52,17 +47,8 @@ NOTE: a turn that crosses a multiple runs as two steps — measured +26 ms (+13 
 turn at ~1K history — so the chunk is not smaller: 1,024 bounds a decoder's wait to ~1 s here."""
 
 
-class PagedEngine(StatefulEngine):
+class PagedEngine(OpenVINOEngine):
     """The local OpenVINO engine on the paged model. See the module docstring for a call."""
-
-    @property
-    def backend_tag(self) -> str:  # type: ignore[override]
-        """":paged", plus a u8 cache's block shapes (its layout differs between CPUs, and raw
-        blocks restore only into the same layout)."""
-        if self.paged_model.kv_cache_precision != "u8":
-            return ":paged"
-        key, value = self.paged_model.block_shapes
-        return ":paged:" + "x".join(map(str, key)) + "/" + "x".join(map(str, value))
 
     def __init__(
         self,
@@ -81,7 +67,7 @@ class PagedEngine(StatefulEngine):
         what one model step takes from the sessions feeding at the same time.
         ``prefill_chunk_size`` (a multiple of the 32-token block; None: whole prompts) cuts long
         prefills into steps, so sessions decoding meanwhile get a step between chunks.
-        Other options as ``StatefulEngine`` (``kv_cache_precision`` "f16", "f32" or "u8",
+        Other options as ``OpenVINOEngine`` (``kv_cache_precision`` "f16", "f32" or "u8",
         ``exact``…). With u8 blocks, ``snapshot_precision`` "auto" or "u8" keeps the raw blocks."""
         if options.get("kv_cache_precision") == "bf16":
             raise UserError("the paged engine keeps f16, f32 or u8 KV blocks (f16 is typed bf16 by itself "
@@ -97,87 +83,16 @@ class PagedEngine(StatefulEngine):
         self._max_batch = max_batch or num_slots
         self._max_step_tokens = max_step_tokens
         super().__init__(model, num_slots=num_slots, prefill_chunk_size=prefill_chunk_size, **options)
-        self.block_pool.reclaim = self._reclaim_blocks
-        self._kv_token_bytes = self.paged_model.block_bytes // BLOCK_SIZE
-        self._raw_snapshots = self.kv_cache_precision == "u8" and self.snapshot_precision in ("auto", "u8")
 
-    def make_snapshot(self, log: KVLog, slot: KVSlot) -> KVSnapshot:
-        """Host snapshot of ``log``'s KV in ``slot``: a u8 cache's raw blocks (bit-exact, u8 size),
-        else floats in the engine's snapshot precision (blocking)."""
-        if not self._raw_snapshots:
-            return super().make_snapshot(log, slot)
-        assert isinstance(slot, PagedSlot)
-        if slot.length() != len(log):
-            raise KVLogCorrupt(f"the slot holds {slot.length()} positions but the log has {len(log)} tokens")
-        blocks = slot.blocks[: blocks_for(len(log))]  # a failed feed may have grown the table already
-        return self._raw_snapshot(log.tokens, blocks, shifted=log.shifted, lossless=log.exact)
+    def _fingerprint_tag(self) -> str:
+        """":paged", plus a u8 cache's block shapes (its layout differs between CPUs, and raw
+        blocks restore only into the same layout)."""
+        if self.paged_model.kv_cache_precision != "u8":
+            return ":paged"
+        key, value = self.paged_model.block_shapes
+        return ":paged:" + "x".join(map(str, key)) + "/" + "x".join(map(str, value))
 
-    def _raw_snapshot(self, tokens: Sequence[int], blocks: Sequence[int], *, shifted: bool,
-                      lossless: bool) -> KVSnapshot:
-        keys, values = read_raw_blocks(self.paged_model, blocks)
-        return KVSnapshot.from_blocks(tokens, keys, values, block_tokens=BLOCK_SIZE, fingerprint=self.fingerprint,
-                                      shifted=shifted, lossless=lossless)
-
-    def restores_exactly(self, snapshot: KVSource) -> bool:
-        """Raw blocks and shared blocks give back the very bytes; floats as on any slot engine."""
-        if isinstance(snapshot, SharedBlocks) or getattr(snapshot, "precision", None) == RAW_BLOCKS:
-            return snapshot.lossless
-        return super().restores_exactly(snapshot)
-
-    def hold_copy(self, log: KVLog, slot: KVSlot) -> SharedBlocks:
-        """A fork's copy of ``log``'s KV: references on the same blocks (no KV copied; the
-        first write into a shared block copies that block)."""
-        assert isinstance(slot, PagedSlot)
-        blocks = list(slot.blocks)
-        self.block_pool.share(blocks)
-        return SharedBlocks(self.block_pool, log.tokens, blocks, shifted=log.shifted, lossless=log.exact,
-                            read=self._snapshot_of_shared)
-
-    def _snapshot_of_shared(self, shared: SharedBlocks) -> KVSnapshot:
-        if self._raw_snapshots:
-            return self._raw_snapshot(shared.tokens, shared.blocks, shifted=shared.shifted, lossless=shared.lossless)
-        keys, values = read_table(self.paged_model, shared.blocks, shared.num_tokens)
-        return self.snapshot_of(shared.tokens, keys, values, shifted=shared.shifted, lossless=shared.lossless)
-
-    def _make_prefix_cache(self, budget_bytes: int | None, precision: PrecisionChoice) -> PagedPrefixCache:
-        """Cached prefixes stay in the pool's blocks (``precision`` does not apply: nothing is
-        converted); ``budget_bytes`` caps the blocks the cache alone keeps alive."""
-        block = self.paged_model.block_bytes
-        # NOTE: the plugin re-quantises a u8 block's keys as tokens join it, so there the last,
-        # partly filled block of a prefix captured later is not what a cold prefill leaves
-        return PagedPrefixCache(self.block_pool, boundaries=self.boundaries, block_bytes=block,
-                                max_blocks=None if budget_bytes is None else budget_bytes // block,
-                                exact_partial_blocks=self.paged_model.kv_cache_precision != "u8")
-
-    def _reclaim_blocks(self, blocks_needed: int) -> None:
-        """The block pool is short (called in a worker thread by an allocation): let the prefix
-        cache go first, then move forks that have not run yet to host, then offload idle
-        sessions, least recently used first, until ``blocks_needed`` blocks are free or nobody
-        idle is left (then the allocation refuses)."""
-        if isinstance(self.prefix_cache, PagedPrefixCache):
-            self.prefix_cache.reclaim(blocks_needed)
-        if self.block_pool.free_blocks >= blocks_needed or not _in_worker_thread():
-            return
-        anyio.from_thread.run(self._spill_unbound_forks, blocks_needed)
-        while self.block_pool.free_blocks < blocks_needed:
-            if not anyio.from_thread.run(self.pool.offload_idle):
-                return
-
-    async def _spill_unbound_forks(self, blocks_needed: int) -> None:
-        """Move to host the KV of sessions that hold blocks without a slot (forks that have not
-        run) and are the blocks' last holders, those freeing the most first."""
-        def gain(session: SlotSession) -> int:
-            held = session.held_kv
-            if not isinstance(held, SharedBlocks):
-                return 0
-            return sum(1 for b in set(held.blocks) if self.block_pool.holders(b) == 1)
-
-        for session in sorted(self._sessions, key=gain, reverse=True):
-            if self.block_pool.free_blocks >= blocks_needed or gain(session) == 0:
-                return
-            await session.spill_held_blocks()
-
-    def _open_backend(self, device: str, config: dict[str, str], num_slots: int, *, slice_logits: bool) -> Backend:
+    def _compile(self, device: str, config: dict[str, str], num_slots: int) -> CompiledSlots:
         """Compile the paged model and give each slot a block table over one shared pool."""
         # NOTE: the engine checked and merged its options already (exact=True is in ``config``)
         model = PagedModel(self.files, kv_cache_bytes=self._kv_cache_bytes, device=device,
@@ -188,17 +103,22 @@ class PagedEngine(StatefulEngine):
         self.batcher = StepBatcher(model.step, max_batch=self._max_batch, max_tokens=self._max_step_tokens)
         """Runs the feeds of sessions feeding at the same time as one step (``batcher.stats()``)."""
         slots = [PagedSlot(model, self.block_pool, self.batcher) for _ in range(num_slots)]
-        return Backend(slots=slots, numerics=model.numerics, num_layers=model.num_layers, heads=model.heads,
-                       head_dim=model.head_dim, vocab_size=model.vocab_size)
+        return CompiledSlots(slots=slots, numerics=model.numerics, num_layers=model.num_layers,
+                             vocab_size=model.vocab_size, kv_bytes_per_token=model.block_bytes // BLOCK_SIZE)
 
+    def counters(self) -> EngineCounters:
+        """The pool's blocks (held by sessions, forks or cached prefixes: used), the model's
+        forward passes (batched, beam and probe steps) and the prompt tokens cached prefixes
+        supplied: ``engine.counters().kv_blocks_used``."""
+        return replace(super().counters(), kv_blocks_total=self.block_pool.num_blocks,
+                       kv_blocks_used=self.block_pool.num_blocks - self.block_pool.free_blocks)
 
-def _in_worker_thread() -> bool:
-    """True in a worker thread of a running event loop (where ``anyio.from_thread`` works)."""
-    try:
-        anyio.from_thread.run_sync(lambda: None)
-    except RuntimeError:
-        return False
-    return True
+    def _model_steps(self) -> int:
+        return self.paged_model.steps_run
+
+    def _make_backend(self, **options: Any) -> PagedBackend:
+        """Sessions work through the block pool: shared blocks, raw snapshots, room made before a step."""
+        return PagedBackend(self.paged_model, self.block_pool, **options)
 
 
 def _extra(config: dict[str, str]) -> dict[str, str]:

@@ -45,7 +45,7 @@ class SequenceStep:
     """Block table: block i holds positions ``i*BLOCK_SIZE .. (i+1)*BLOCK_SIZE-1``; it must cover
     ``past_len + len(ids)`` positions."""
     position_offset: int = 0
-    """Added to every position id (how RoPE is measured: ``engine/rope.py``)."""
+    """Added to every position id (how RoPE is measured: ``kv/rope.py``)."""
 
 
 class PagedModel:
@@ -109,6 +109,8 @@ class PagedModel:
         self.num_blocks = num_blocks
         self.vocab_size = int(self._compiled.output("logits").get_partial_shape()[2].get_length())
         self.lock = threading.RLock()
+        self.steps_run = 0
+        """Forward passes run so far (batched steps, beam steps, RoPE probes)."""
         """Held by every step and every read or write of the block storage."""
         self._request = self._compiled.create_infer_request()
         self.caches: dict[str, ov.Tensor] = {}
@@ -124,7 +126,10 @@ class PagedModel:
         position. Writes the new tokens' KV into their blocks."""
         if not sequences or any(not s.ids for s in sequences):
             raise UserError("step() needs at least one sequence, each with at least one id")
-        begins, block_begins, ids, positions, blocks = [0], [0], [], [], []
+        begins, block_begins = [0], [0]
+        ids: list[int] = []
+        positions: list[int] = []
+        blocks: list[int] = []
         for seq in sequences:
             total = seq.past_len + len(seq.ids)
             needed = -(-total // BLOCK_SIZE)
@@ -136,6 +141,7 @@ class PagedModel:
             begins.append(len(ids))
             block_begins.append(len(blocks))
         with self.lock:
+            self.steps_run += 1
             return self._infer(ids, positions, sequences, begins, blocks, block_begins)
 
     def _infer(self, ids: list[int], positions: list[int], sequences: Sequence[SequenceStep], begins: list[int],

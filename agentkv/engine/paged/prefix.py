@@ -12,7 +12,7 @@ shared block first copies it (``PagedSlot``'s copy-on-write), so cached KV never
     hit.write_into(slot)                           # the slot's table now starts with its blocks
 
 Entries are evicted least recently used first when the cache exceeds ``max_blocks`` distinct
-blocks, and when the pool runs short (``BlockPool`` asks ``reclaim``). Evicting an entry only
+blocks, and when the pool runs short (the paged backend calls ``reclaim`` before a step). Evicting an entry only
 drops the cache's reference: blocks sessions still point at stay theirs. Thread-safe.
 """
 
@@ -28,7 +28,7 @@ from agentkv.kv.log import KVSlot
 from agentkv.engine.paged.model import BLOCK_SIZE
 from agentkv.engine.paged.slot import PagedSlot, blocks_for
 from agentkv.engine.paged.shared_blocks import SharedBlocks
-from agentkv.engine.prefix.radix import CapturableSession, PrefixCacheStats
+from agentkv.engine.prefix.stats import CapturableSession, PrefixCacheStats
 from agentkv.errors import UserError
 
 
@@ -104,10 +104,11 @@ class PagedPrefixCache:
 
     # ---- eviction --------------------------------------------------------------------
     def reclaim(self, blocks_needed: int) -> None:
-        """Drop least recently used entries until the pool has ``blocks_needed`` free blocks or
-        the cache is empty (``BlockPool`` calls this when an allocation falls short)."""
+        """Drop least recently used entries until the pool has ``blocks_needed`` free blocks no
+        reservation sets aside, or the cache is empty (the paged backend's ``make_room``, before
+        a step that allocates)."""
         with self._lock:
-            while self._entries and self.pool.free_blocks < blocks_needed:
+            while self._entries and self.pool.unreserved_blocks < blocks_needed:
                 self._evict_oldest()
 
     def clear(self) -> None:

@@ -6,7 +6,7 @@ until ``write_into`` hands them to a slot or ``release`` lets go, whichever come
 later writes into a block others hold copies it first (``PagedSlot``'s copy-on-write)::
 
     pool.share(slot.blocks)
-    held = SharedBlocks(pool, tokens, slot.blocks, read=engine.snapshot_of)
+    held = SharedBlocks(pool, tokens, slot.blocks, read=backend.snapshot_of_shared)
     held.write_into(other_slot)        # other_slot's table: the same blocks
 """
 

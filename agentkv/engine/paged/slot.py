@@ -1,8 +1,9 @@
 """PagedSlot: one session's block table over a PagedModel — the KVSlot a KVLog runs on, paged.
 
-It honours the slot contract of ``engine/kv_log.py`` (feed, trim, reset, read, write), so the
+It honours the slot contract of ``kv/log.py`` (feed, trim, reset, read, write), so the
 same alignment, trim, snapshot and restore code runs on blocks instead of a stateful request.
-Blocks come from the shared ``BlockPool`` as the sequence grows and go back on trim and reset.
+Blocks come from the shared ``BlockPool`` as the sequence grows (first from what the pool reserved
+for this slot when room was made for the step) and go back on trim and reset.
 During a beam search the slot holds one table per beam row; a row continuing another
 (``beam_idx``) starts as a share of its table, and a block is copied before a row writes into
 it while another table holds it (copy-on-write)::
@@ -110,6 +111,13 @@ class PagedSlot:
         return self._length
 
     def reset(self) -> None:
+        """Empty the slot: its blocks go back to the pool, and so does what the pool still had
+        reserved for it (the slot is offloaded, released, or its step failed)."""
+        self._release_tables()
+        self.pool.unreserve(self)
+
+    def _release_tables(self) -> None:
+        """Let go of every row's blocks, keeping the reservation (a write that fills the slot next)."""
         for table in (self.blocks, *self._extra_rows):
             self.pool.release(table)
         self.blocks, self._extra_rows, self._length = [], [], 0
@@ -133,7 +141,7 @@ class PagedSlot:
         quantises them in its own block layout)."""
         if keys.shape[1] != 1:
             raise UserError("a paged slot holds one sequence: write [layers, 1, heads, T, dim]")
-        self.reset()
+        self._release_tables()
         length = keys.shape[3]
         self._grow(self.blocks, length)
         with self.model.lock:
@@ -154,7 +162,7 @@ class PagedSlot:
         if (tuple(keys.shape[2:]), tuple(values.shape[2:])) != self.model.block_shapes or keys.dtype != np.uint8:
             raise SnapshotIncompatible(f"raw blocks {keys.shape[2:]}/{values.shape[2:]} do not match this cache's "
                                        f"{self.model.block_shapes}; re-prefill the history instead")
-        self.reset()
+        self._release_tables()
         self._grow(self.blocks, length)
         with self.model.lock:
             for layer, (k_cache, v_cache) in enumerate(self.model.cache_layers()):
@@ -178,7 +186,7 @@ class PagedSlot:
         positions: how a shared prefix is used without a copy."""
         if blocks_for(length) != len(blocks):
             raise UserError(f"{len(blocks)} blocks cannot hold exactly {length} positions")
-        self.reset()
+        self._release_tables()
         self.blocks, self._length = list(blocks), length
 
     def _own_block(self, table: list[int], position: int) -> None:
@@ -186,7 +194,7 @@ class PagedSlot:
         hold is replaced by a private copy, so what they read never changes."""
         index = position // BLOCK_SIZE
         if index < len(table) and self.pool.holders(table[index]) > 1:
-            [copy] = self.pool.allocate(1)
+            [copy] = self.pool.allocate(1, holder=self)
             self.model.copy_block(table[index], copy)
             self.pool.release([table[index]])
             table[index] = copy
@@ -194,7 +202,7 @@ class PagedSlot:
     def _grow(self, table: list[int], tokens: int) -> None:
         missing = blocks_for(tokens) - len(table)
         if missing > 0:
-            table.extend(self.pool.allocate(missing))
+            table.extend(self.pool.allocate(missing, holder=self))
 
 
 def read_raw_blocks(model: PagedModel, blocks: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:

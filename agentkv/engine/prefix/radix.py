@@ -29,8 +29,10 @@ import anyio
 import numpy as np
 
 from agentkv.engine.base import common_prefix_len
+from agentkv.engine.prefix.kv_chunks import join_chunks, slice_chunk
+from agentkv.engine.prefix.stats import CapturableSession, PrefixCacheStats, ReadableSlot
 from agentkv.kv.chunking import PrefixBoundaries
-from agentkv.kv.snapshot import QUANT_PARAMS, KVSnapshot, PrecisionChoice
+from agentkv.kv.snapshot import KVSnapshot, PrecisionChoice
 from agentkv.errors import UserError
 
 Namespace = tuple[str, str]
@@ -73,44 +75,6 @@ class LRUPolicy:
         return float(node.last_used)
 
 
-class CapturableSession(Protocol):
-    """What ``capture`` reads from a session."""
-
-    @property
-    def tokens(self) -> tuple[int, ...]: ...
-
-    @property
-    def shifted(self) -> bool: ...
-
-    @property
-    def kv_exact(self) -> bool: ...
-
-
-class ReadableSlot(Protocol):
-    """What ``capture`` reads from a slot (blocking)."""
-
-    def read(self) -> tuple[np.ndarray, np.ndarray]: ...
-
-
-@dataclass(frozen=True)
-class PrefixCacheStats:
-    """Counters since the cache was made, and its size now."""
-
-    hits: int
-    """Lookups that returned KV."""
-    misses: int
-    """Lookups that found nothing longer than what the session already held."""
-    hit_tokens: int
-    """Tokens the hits supplied beyond what the sessions already held (prefill skipped)."""
-    inserted_tokens: int
-    bytes: int
-    """Bytes held now (never above ``budget_bytes``)."""
-    budget_bytes: int | None
-    nodes: int
-    evictions: int
-    evicted_bytes: int
-
-
 class PrefixLease:
     """Receipt for a matched prefix: its nodes are not evicted until ``release()`` (idempotent).
 
@@ -136,7 +100,7 @@ class PrefixLease:
         """The matched prefix's KV as one snapshot (copies when it spans several nodes)."""
         if not self._chunks:
             raise UserError("this lease matched nothing; check lease.num_tokens before snapshot()")
-        return _join(self._chunks)
+        return join_chunks(self._chunks)
 
     def release(self) -> None:
         """Let the nodes be evicted again. Releasing twice is harmless."""
@@ -242,9 +206,9 @@ class PrefixCache:
         if matched >= len(key):
             return 0
         if matched > start:  # another thread stored part of it meanwhile
-            chunk = _slice(chunk, matched - start, len(key) - start)
+            chunk = slice_chunk(chunk, matched - start, len(key) - start)
         elif matched < start:  # part of it was evicted meanwhile
-            chunk = _join([self._convert(key, keys, values, matched, start), chunk])
+            chunk = join_chunks([self._convert(key, keys, values, matched, start), chunk])
         parent = self._roots.setdefault(ns, PrefixNode(edge=(), kv=None))
         if path:
             parent, taken = path[-1]
@@ -266,7 +230,7 @@ class PrefixCache:
         """Cut ``node``'s edge at ``at``: it keeps ``edge[:at]``; a new child takes the rest."""
         assert node.kv is not None and 0 < at < len(node.edge)
         lower = PrefixNode(
-            edge=node.edge[at:], kv=_slice(node.kv, at, len(node.edge)), parent=node,
+            edge=node.edge[at:], kv=slice_chunk(node.kv, at, len(node.edge)), parent=node,
             children=node.children, last_used=node.last_used, leases=set(node.leases),
         )
         for child in lower.children.values():
@@ -274,7 +238,7 @@ class PrefixCache:
         for lease in node.leases:
             lease._nodes.append(lower)
         before = node.nbytes
-        node.edge, node.kv, node.children = node.edge[:at], _slice(node.kv, 0, at), {lower.edge[0]: lower}
+        node.edge, node.kv, node.children = node.edge[:at], slice_chunk(node.kv, 0, at), {lower.edge[0]: lower}
         self._bytes += node.nbytes + lower.nbytes - before
 
     # ---- lookup ----------------------------------------------------------------------
@@ -371,32 +335,3 @@ class PrefixCache:
         with self._lock:
             return PrefixCacheStats(bytes=self._bytes, budget_bytes=self.budget_bytes,
                                     nodes=len(self._nodes()), **self._counts)
-
-
-def _slice(chunk: KVSnapshot, start: int, stop: int) -> KVSnapshot:
-    """Tokens ``start:stop`` of ``chunk`` as a snapshot owning its arrays (frees the rest); it
-    keeps ``chunk``'s ``shifted`` and ``lossless`` flags."""
-    params = {name: None if getattr(chunk, name) is None else getattr(chunk, name)[:, :, :, start:stop].copy()
-              for name in QUANT_PARAMS}
-    return KVSnapshot(
-        tokens=chunk.tokens[start:stop], keys=chunk.keys[:, :, :, start:stop].copy(),
-        values=chunk.values[:, :, :, start:stop].copy(), precision=chunk.precision,
-        fingerprint=chunk.fingerprint, shifted=chunk.shifted, lossless=chunk.lossless, **params,
-    )
-
-
-def _join(chunks: list[KVSnapshot]) -> KVSnapshot:
-    """Consecutive chunks as one snapshot (the single chunk itself when there is one): shifted
-    if any chunk is, lossless only if every chunk is."""
-    if len(chunks) == 1:
-        return chunks[0]
-    first = chunks[0]
-    params = {name: None if getattr(first, name) is None
-              else np.concatenate([getattr(c, name) for c in chunks], axis=3) for name in QUANT_PARAMS}
-    return KVSnapshot(
-        tokens=tuple(t for c in chunks for t in c.tokens),
-        keys=np.concatenate([c.keys for c in chunks], axis=3),
-        values=np.concatenate([c.values for c in chunks], axis=3),
-        precision=first.precision, fingerprint=first.fingerprint,
-        shifted=any(c.shifted for c in chunks), lossless=all(c.lossless for c in chunks), **params,
-    )

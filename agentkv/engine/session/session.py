@@ -1,11 +1,12 @@
-"""SlotSession: one conversation's KV on an engine's slots — stateful requests, paged block
+"""SlotSession: one conversation's KV on a backend's slots — stateful requests, paged block
 tables or the test suite's fake slots, through one code path.
 
 Keeps the invariant of DESIGN.md — the slot's KV is exactly the KV of ``tokens`` — through
 generate (align to the longest common prefix, prefill the rest, decode), trim, fork,
 snapshot/restore and slot offload; the token log and every KV change live in its ``KVLog``
-(``engine/kv_log.py``). Every public method takes the session's lock, then a slot lease, then
-runs blocking model work through ``engine.run_blocking`` (a worker thread)::
+(``kv/log.py``). A session holds one object, its ``SlotBackend``, and never its engine. Every
+public method takes the session's lock, then a slot lease, makes room for what a step will
+write (``backend.make_room``), then runs the blocking step in a worker thread::
 
     session = await engine.open_session()
     async for delta in session.stream(ids, GenerationConfig(max_new_tokens=32)):
@@ -16,80 +17,49 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
 
 import anyio
 import numpy as np
 
 from agentkv.engine.base import (
-    Alignment,
-    GenerationConfig,
-    GenerationMetrics,
-    GenerationResult,
-    TokenConstraint,
-    TokenDelta,
+    GenerationConfig, GenerationMetrics, GenerationResult, GenerationStream, TokenConstraint, TokenDelta,
     common_prefix_len,
 )
-from agentkv.engine.decode.loop import DecodeEngine, DecodeLoop, step_counts, with_steps
-from agentkv.kv.log import KVLog, KVSlot, KVSource
-from agentkv.kv.rope import RopeConvention
-from agentkv.engine.session.common import SessionCommon
-from agentkv.engine.session.slot_pool import OffloadedKV, SlotPool
-from agentkv.kv.snapshot import KVSnapshot
+from agentkv.engine.decode.alignment import Alignment, validate_prompt
+from agentkv.engine.decode.loop import DecodeLoop, step_counts, with_steps
+from agentkv.engine.session.backend import SlotBackend
+from agentkv.engine.session.slot_pool import OffloadedKV
 from agentkv.errors import (
-    KVLogCorrupt,
-    KVShiftUnsupported,
-    SnapshotIncompatible,
-    UserError,
+    KVLogCorrupt, KVShiftUnsupported, SessionClosed, SnapshotIncompatible, UserError,
 )
+from agentkv.kv.log import KVLog, KVSlot, KVSource
+from agentkv.kv.snapshot import KVSnapshot
+
+T = TypeVar("T")
 
 
-
-class SessionEngine(DecodeEngine, Protocol):
-    """What a ``SlotSession`` asks of its engine (a ``SlotEngine``)."""
-
-    pool: SlotPool
-    fingerprint: str
-
-    def new_log(self) -> KVLog: ...
-    def new_session(self, **state: Any) -> SlotSession: ...
-    def forget(self, session: SlotSession) -> None: ...
-    def restores_exactly(self, snapshot: KVSource) -> bool: ...
-    def make_snapshot(self, log: KVLog, slot: KVSlot) -> KVSnapshot: ...
-    def hold_copy(self, log: KVLog, slot: KVSlot) -> OffloadedKV: ...
-    def prefix_cache_lookup(self, prompt: Sequence[int], reused: int, *, salt: str = "") -> KVSource | None: ...
-    async def run_blocking(self, fn: Any, *args: Any) -> Any: ...
-    async def prefix_cache_store(self, session: SlotSession, slot: KVSlot) -> None: ...
-    async def rope_convention(self) -> RopeConvention | None: ...
-
-
-def _alignment(reused: int, cached: int, restored: int, prefilled: int, recomputed: int) -> Alignment:
-    """The counts of one alignment. Tokens the session re-prefilled when it got its slot back
-    (its offloaded KV had been dropped) count as prefilled, not reused: nothing was reused."""
-    recomputed = min(recomputed, reused)
-    return Alignment(reused=reused - recomputed, prefix_cache=cached, restored=min(restored, reused),
-                     prefilled=prefilled + recomputed)
-
-
-class SlotSession(SessionCommon):
-    """A KV session bound (lazily) to a slot of a ``SlotEngine`` (stateful, paged or fake)."""
+class SlotSession:
+    """A KV session bound (lazily) to a slot of a ``SlotBackend`` (stateful, paged or fake)."""
 
     def __init__(
         self,
-        engine: SessionEngine,
+        backend: SlotBackend,
         session_id: str | None = None,
         *,
         log: KVLog | None = None,
         held: OffloadedKV | None = None,
         salt: str = "",
     ) -> None:
-        """``log`` and ``held`` (its KV waiting on the host) start a session from a fork;
+        """A session on ``backend``, open until ``close()``: ``SlotSession(backend, salt="a")``.
+        ``log`` and ``held`` (its KV waiting on the host) start a session from a fork;
         ``salt``: its tenant (cached prefixes are shared within a salt only)."""
-        self._engine = engine
+        self._backend = backend
         self.salt = salt
         self._id = session_id or uuid.uuid4().hex
-        self._log = log or engine.new_log()
+        self._log = log or backend.new_log()
         self._host: OffloadedKV | None = held  # KV waiting to be put into a slot
         self._closed = False
         # NOTE: a semaphore, not a Lock: a stream abandoned mid-way is closed by the async-generator
@@ -97,6 +67,14 @@ class SlotSession(SessionCommon):
         self._lock = anyio.Semaphore(1)
         self.restored_tokens_pending = 0
         self.recomputed_tokens_pending = 0  # log re-prefilled on adopt (its host KV was dropped)
+        backend.sessions.add(self)
+
+    @property
+    def id(self) -> str:
+        return self._id
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(id={self._id[:8]}, tokens={len(self.tokens)})"
 
     @property
     def tokens(self) -> tuple[int, ...]:
@@ -113,10 +91,40 @@ class SlotSession(SessionCommon):
         the model computed. A trim to 0 makes it exact again."""
         return self._log.exact
 
+    # ---- KVSession entry points (checks now, the work when the stream is iterated) ------
+    def stream(self, prompt_tokens: Sequence[int], config: GenerationConfig,
+               constraint: TokenConstraint | None = None) -> GenerationStream:
+        """See ``KVSession.stream``: checks happen now, the work when the stream is iterated."""
+        prompt = [int(t) for t in prompt_tokens]
+        self._check_prompt(prompt, config)
+        return GenerationStream(self._generate_events(prompt, config, constraint))
+
+    async def generate(self, prompt_tokens: Sequence[int], config: GenerationConfig,
+                       constraint: TokenConstraint | None = None) -> GenerationResult:
+        """``stream(...)`` run to the end."""
+        return await self.stream(prompt_tokens, config, constraint).collect()
+
+    def _check_prompt(self, prompt: list[int], config: GenerationConfig) -> None:
+        self._ensure_open()
+        validate_prompt(prompt, config, self._backend.max_context_len)
+
+    def _check_span(self, start: int, end: int) -> None:
+        """``drop(start, end)``'s argument check (no state change)."""
+        self._ensure_open()
+        if not 0 <= start <= end <= len(self.tokens):
+            raise UserError(
+                f"drop({start}, {end}) is outside the session's {len(self.tokens)} tokens; "
+                "pass 0 <= start <= end <= len(session.tokens)"
+            )
+
+    def _ensure_open(self) -> None:
+        if self._closed:
+            raise SessionClosed(f"session {self._id} is closed; open a new one with engine.open_session()")
+
     # ---- slot pool callbacks (run in worker threads, under the pool's lease) ---------
     def offload(self, slot: KVSlot) -> None:
         """Copy this session's KV to host memory before its slot is given away."""
-        self._host = self._engine.pool.host.put(self._engine.make_snapshot(self._log, slot))
+        self._host = self._backend.pool.host.put(self._backend.snapshot(self._log, slot))
         slot.reset()
 
     @property
@@ -130,18 +138,18 @@ class SlotSession(SessionCommon):
         True if it did. Skipped while the session runs a call of its own (it may be reading
         those blocks); the copy runs in a worker thread."""
         held = self._host
-        if held is None or not getattr(held, "in_pool", False) or self._engine.pool.is_bound(self):
+        if held is None or not getattr(held, "in_pool", False) or self._backend.pool.is_bound(self):
             return False
         try:
             self._lock.acquire_nowait()
         except anyio.WouldBlock:
             return False
         try:
-            # NOTE: the default thread limiter: the caller is an allocation holding one of the pool's
+            # NOTE: the default thread limiter: the caller (a backend making room) may run inside a lease
             snapshot = await anyio.to_thread.run_sync(held.load)
             if snapshot is None or self._host is not held:
                 return False
-            self._host = await anyio.to_thread.run_sync(self._engine.pool.host.put, snapshot)
+            self._host = await anyio.to_thread.run_sync(self._backend.pool.host.put, snapshot)
             held.release()
             return True
         finally:
@@ -157,7 +165,8 @@ class SlotSession(SessionCommon):
             raise
 
     def _adopt(self, slot: KVSlot) -> None:
-        slot.reset()
+        if slot.length():  # NOTE: a newly bound slot is empty; resetting it would drop its reserved room
+            slot.reset()
         host, self._host = self._host, None
         snapshot = None if host is None else host.take()  # None: empty, or dropped by the host budget
         if snapshot is None or snapshot.num_tokens == 0:
@@ -168,7 +177,7 @@ class SlotSession(SessionCommon):
                 self.recomputed_tokens_pending += len(tokens)
             return
         try:
-            self._log.load(slot, snapshot, exact=self._engine.restores_exactly(snapshot))
+            self._log.load(slot, snapshot, exact=self._backend.restores_exactly(snapshot))
         finally:
             snapshot.release()  # what the slot did not take
         self.restored_tokens_pending += snapshot.num_tokens
@@ -179,10 +188,10 @@ class SlotSession(SessionCommon):
     ) -> AsyncIterator[TokenDelta | GenerationResult]:
         async with self._lock:
             self._ensure_open()
-            async with self._engine.pool.lease(self) as slot:
+            async with self._lease() as slot:
                 started, before = time.perf_counter(), step_counts(slot)
                 align = await self._align(slot, prompt)
-                loop = DecodeLoop(self._engine, self._log, slot, self._run, prompt, config, constraint, align, started,
+                loop = DecodeLoop(self._backend, self._log, slot, self._run, prompt, config, constraint, align, started,
                                   steps_before=before)
                 async for event in loop.run():
                     yield event
@@ -193,11 +202,11 @@ class SlotSession(SessionCommon):
         self._check_prompt(prompt, GenerationConfig(max_new_tokens=0))
         async with self._lock:
             self._ensure_open()
-            async with self._engine.pool.lease(self) as slot:
+            async with self._lease() as slot:
                 started, before = time.perf_counter(), step_counts(slot)
                 align = await self._align(slot, prompt)
                 elapsed = time.perf_counter() - started
-                return with_steps(self._engine.metrics_for(self._log, align, generated=0, ttft=elapsed, tpot=0.0),
+                return with_steps(self._backend.metrics_for(self._log, align, generated=0, ttft=elapsed, tpot=0.0),
                                   slot, before)
 
     async def _align(self, slot: KVSlot, prompt: list[int]) -> Alignment:
@@ -210,13 +219,13 @@ class SlotSession(SessionCommon):
         recomputed, self.recomputed_tokens_pending = self.recomputed_tokens_pending, 0
         reused = common_prefix_len(log.tokens, prompt)
         if reused == len(prompt) and reused == len(log) and log.last_logits is not None:
-            return _alignment(reused, 0, restored, 0, recomputed)
+            return Alignment.counted(reused=reused, cached=0, restored=restored, prefilled=0, recomputed=recomputed)
         # NOTE: a prompt fully covered by the KV still needs its last token fed to get logits.
         reused = min(reused, len(prompt) - 1)
         cached = 0
         if reused < len(log):
             await self._run(log.trim, slot, reused)
-        hit = self._engine.prefix_cache_lookup(prompt, reused, salt=self.salt)
+        hit = self._backend.prefix_hit(prompt, reused, salt=self.salt)
         if hit is not None:
             try:
                 await self._run(self._load_blocking, slot, hit)
@@ -226,16 +235,32 @@ class SlotSession(SessionCommon):
             reused_from_cache = hit.num_tokens
         else:
             reused_from_cache = reused
-        await self._run(log.feed, slot, prompt[reused_from_cache:])
-        await self._engine.prefix_cache_store(self, slot)
-        return _alignment(reused, cached, restored, len(prompt) - reused_from_cache, recomputed)
+        fresh = prompt[reused_from_cache:]
+        await self._backend.make_room(slot, len(fresh))
+        await self._run(log.feed, slot, fresh)
+        await self._backend.capture_prefixes(self, slot, salt=self.salt)
+        return Alignment.counted(reused=reused, cached=cached, restored=restored, prefilled=len(fresh),
+                                 recomputed=recomputed)
 
     # ---- blocking steps (worker threads; the caller holds lock + lease) --------------
-    async def _run(self, fn, *args):  # type: ignore[no-untyped-def]
-        return await self._engine.run_blocking(fn, *args)
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await self._backend.run_blocking(fn, *args)
+
+    @asynccontextmanager
+    async def _lease(self) -> AsyncIterator[KVSlot]:
+        """The pool's lease on this session's slot; a session put back into a slot first has
+        its backend make room there for the KV it brings (or re-prefills)."""
+        async with self._backend.pool.lease(self, prepare=self._make_room_to_adopt) as slot:
+            yield slot
+
+    async def _make_room_to_adopt(self, slot: KVSlot) -> None:
+        """Room in the newly bound ``slot`` for the KV ``adopt`` puts there (KV held in pool
+        blocks, a fork's, takes none)."""
+        if not getattr(self._host, "in_pool", False):
+            await self._backend.make_room(slot, len(self._log))
 
     def _load_blocking(self, slot: KVSlot, source: KVSource) -> None:
-        self._log.load(slot, source, exact=self._engine.restores_exactly(source))
+        self._log.load(slot, source, exact=self._backend.restores_exactly(source))
 
     # ---- other operations ------------------------------------------------------------
     async def next_token_logits(self) -> np.ndarray:
@@ -245,11 +270,12 @@ class SlotSession(SessionCommon):
             log = self._log
             if not log.tokens:
                 raise UserError("the session is empty: prefill or generate before asking for logits")
-            async with self._engine.pool.lease(self) as slot:
+            async with self._lease() as slot:
                 self.restored_tokens_pending = self.recomputed_tokens_pending = 0
                 if log.last_logits is None:
                     last = log.tokens[-1]
                     await self._run(log.trim, slot, len(log) - 1)
+                    await self._backend.make_room(slot, 1)
                     await self._run(log.feed, slot, [last])
                 assert log.last_logits is not None
                 return log.last_logits.copy()
@@ -262,35 +288,32 @@ class SlotSession(SessionCommon):
             self._ensure_open()
             if n >= len(self._log):
                 return
-            async with self._engine.pool.lease(self) as slot:
+            async with self._lease() as slot:
                 await self._run(self._log.trim, slot, n)
 
     async def snapshot(self) -> KVSnapshot:
         """A host copy of KV and tokens."""
         async with self._lock:
             self._ensure_open()
-            return await self._snapshot_locked()
+            held = await self._host_snapshot()
+            if held is not None:
+                return held
+            async with self._lease() as slot:
+                return await self._run(self._backend.snapshot, self._log, slot)
 
     async def _host_snapshot(self) -> KVSnapshot | None:
         """The offloaded KV as a snapshot while the session has no slot; None when it is bound,
         holds nothing offloaded, or its host KV was dropped (a lease then re-prefills it)."""
-        if self._engine.pool.is_bound(self) or self._host is None:
+        if self._backend.pool.is_bound(self) or self._host is None:
             return None
         return await self._run(self._host.load)
 
-    async def _snapshot_locked(self) -> KVSnapshot:
-        held = await self._host_snapshot()
-        if held is not None:
-            return held
-        async with self._engine.pool.lease(self) as slot:
-            return await self._run(self._engine.make_snapshot, self._log, slot)
-
     async def restore(self, snapshot: KVSnapshot) -> None:
         """Replace KV and tokens by ``snapshot``'s (fresh state or nothing)."""
-        if snapshot.fingerprint != self._engine.fingerprint:
+        if snapshot.fingerprint != self._backend.fingerprint:
             raise SnapshotIncompatible(
                 f"snapshot was made by model {snapshot.fingerprint!r}, this engine runs "
-                f"{self._engine.fingerprint!r}; re-prefill the history instead"
+                f"{self._backend.fingerprint!r}; re-prefill the history instead"
             )
         async with self._lock:
             self._ensure_open()
@@ -299,7 +322,8 @@ class SlotSession(SessionCommon):
                 self._host = None
             self._log.forget()
             self.restored_tokens_pending = self.recomputed_tokens_pending = 0
-            async with self._engine.pool.lease(self) as slot:
+            async with self._lease() as slot:
+                await self._backend.make_room(slot, snapshot.num_tokens - slot.length())
                 await self._run(self._load_blocking, slot, snapshot)
                 self.restored_tokens_pending = snapshot.num_tokens
 
@@ -309,22 +333,23 @@ class SlotSession(SessionCommon):
         async with self._lock:
             self._ensure_open()
             snapshot = await self._host_snapshot()
+            held: OffloadedKV
             if snapshot is not None:
-                held = await self._run(self._engine.pool.host.put, snapshot)
+                held = await self._run(self._backend.pool.host.put, snapshot)
             else:
-                async with self._engine.pool.lease(self) as slot:
-                    held = await self._run(self._engine.hold_copy, self._log, slot)
-            log = self._engine.new_log()
+                async with self._lease() as slot:
+                    held = await self._run(self._backend.hold, self._log, slot)
+            log = self._backend.new_log()
             log.tokens, log.shifted, log.exact = list(self._log.tokens), self._log.shifted, self._log.exact
-        return self._engine.new_session(log=log, held=held, salt=self.salt)
+        return type(self)(self._backend, log=log, held=held, salt=self.salt)
 
     async def check_integrity(self) -> None:
         """Raise ``KVLogCorrupt`` unless the KV (in a slot, or offloaded) holds exactly
         ``len(tokens)`` positions. Read-only; for tests and debugging."""
         async with self._lock:
             self._ensure_open()
-            if self._engine.pool.is_bound(self):
-                async with self._engine.pool.lease(self) as slot:
+            if self._backend.pool.is_bound(self):
+                async with self._lease() as slot:
                     await self._run(self._log.check_integrity, slot)
             elif self._host is not None and self._host.num_tokens not in (0, len(self._log)):
                 raise KVLogCorrupt(f"offloaded KV holds {self._host.num_tokens} positions, the log {len(self._log)}")
@@ -346,7 +371,7 @@ class SlotSession(SessionCommon):
         self._check_span(start, end)
         if start == end:
             return
-        convention = await self._engine.rope_convention()  # NOTE: before our lease: it needs a slot
+        convention = await self._backend.rope_convention()  # NOTE: before our lease: it needs a slot
         if convention is None:
             raise KVShiftUnsupported(
                 "the model's keys fit no RoPE rotation, so a span cannot be dropped from the KV; "
@@ -355,7 +380,8 @@ class SlotSession(SessionCommon):
         async with self._lock:
             self._ensure_open()
             self._check_span(start, end)
-            async with self._engine.pool.lease(self) as slot:
+            async with self._lease() as slot:
+                await self._backend.make_room(slot, 0)
                 await self._run(self._log.drop, slot, start, end, convention)
 
     async def close(self) -> None:
@@ -364,11 +390,11 @@ class SlotSession(SessionCommon):
             if self._closed:
                 return
             self._closed = True
-            await self._engine.pool.release(self)
+            await self._backend.pool.release(self)
             # NOTE: after release: an offload of this session that was under way when close()
             # began has finished by now (the pool serialises them) and may have set _host.
             if self._host is not None:
                 self._host.release()
                 self._host = None
             self._log.forget()  # its KV is gone: the log says so
-            self._engine.forget(self)
+            self._backend.sessions.discard(self)

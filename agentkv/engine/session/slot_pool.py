@@ -20,7 +20,7 @@ import os
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,12 +58,18 @@ class SlotPool:
         self.limiter = anyio.CapacityLimiter(max(1, len(slots)))
 
     @asynccontextmanager
-    async def lease(self, owner: SlotOwner) -> AsyncIterator[KVSlot]:
-        """Hold ``owner``'s slot (binding one, evicting an idle session if needed) for the block."""
+    async def lease(
+        self, owner: SlotOwner, prepare: Callable[[KVSlot], Awaitable[None]] | None = None
+    ) -> AsyncIterator[KVSlot]:
+        """Hold ``owner``'s slot (binding one, evicting an idle session if needed) for the block.
+        ``prepare`` runs on a newly bound slot before ``owner.adopt`` fills it (the paged
+        backend makes room there for the KV the owner brings)."""
         slot, fresh = await self._acquire(owner)
         try:
             if fresh:
                 try:
+                    if prepare is not None:
+                        await prepare(slot)
                     await anyio.to_thread.run_sync(owner.adopt, slot, limiter=self.limiter)
                 except BaseException:
                     with anyio.CancelScope(shield=True):
@@ -142,6 +148,11 @@ class SlotPool:
         """True if ``owner`` holds a slot now."""
         return owner in self._bound
 
+    @property
+    def bound(self) -> int:
+        """How many slots sessions hold now: ``pool.bound``."""
+        return len(self._bound)
+
 
 @dataclass(frozen=True)
 class HostKVStats:
@@ -167,7 +178,8 @@ class OffloadedKV(Protocol):
     engine's ``SharedBlocks`` (references on blocks). ``take()`` hands it over for loading
     (None: it was dropped — re-prefill), ``load()`` reads it as a snapshot, ``release()`` lets go."""
 
-    num_tokens: int
+    @property
+    def num_tokens(self) -> int: ...
 
     def take(self) -> KVSource | None: ...
     def load(self) -> KVSnapshot | None: ...

@@ -51,6 +51,8 @@ class StatefulSlot:
         self.layout = KVLayout.of(request)
         self._has_positions = "position_ids" in input_names
         self._has_beam_idx = "beam_idx" in input_names
+        self.forward_passes = 0
+        """Model runs (``feed`` calls) on this request so far."""
 
     @_exclusive
     def feed(
@@ -63,7 +65,7 @@ class StatefulSlot:
         """Run ``input_ids`` ``[batch, T]`` at positions ``past_len..past_len+T-1``.
 
         ``position_offset`` adds to every position id (the KV still holds ``past_len`` entries):
-        a prefill at offset p is how RoPE conventions are measured (``engine/rope.py``).
+        a prefill at offset p is how RoPE conventions are measured (``kv/rope.py``).
 
         ``beam_idx`` ``[batch]`` reorders the cached batch rows before the step (beam search);
         by default each row keeps its own cache. Returns float32 logits ``[batch, vocab]`` of
@@ -87,6 +89,7 @@ class StatefulSlot:
         # NOTE: infer(dict) copies its inputs; set_tensor with numpy-backed tensors was measured
         # to crash once requests were replaced, so it is not used.
         self.request.infer(inputs)
+        self.forward_passes += 1
         logits = self.request.get_tensor("logits").data  # [batch, 1 or T, vocab]
         return np.array(logits[:, -1, :], dtype=np.float32)
 

@@ -1,0 +1,152 @@
+"""PagedBackend: the ``SlotBackend`` of the paged engine — KV in shared blocks, room made before a step.
+
+What differs from a backend whose slots own their storage: a u8 cache's snapshots are its raw
+blocks (bit-exact), a fork holds references on its parent's blocks (``SharedBlocks``, nothing
+copied), cached prefixes stay in the pool's blocks (``PagedPrefixCache``), and before a step that
+takes blocks the async code makes room (``make_room``): cached prefixes go first, then forks that
+have not run move to host, then idle sessions are offloaded, least recently used first, and the
+freed blocks are reserved for the slot that made room (sessions decoding together make room one
+by one, then allocate together in one batched step). The block pool itself only reserves,
+allocates or refuses::
+
+    backend = PagedBackend(model, BlockPool(model.num_blocks), slots=[...], tokenizer=tok, ...)
+    await backend.make_room(slot, len(ids))        # before the feed that takes the blocks
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from agentkv.engine.paged.block_pool import BlockPool
+from agentkv.engine.paged.model import BLOCK_SIZE, PagedModel
+from agentkv.engine.paged.prefix import PagedPrefixCache
+from agentkv.engine.paged.shared_blocks import SharedBlocks
+from agentkv.engine.paged.slot import PagedSlot, blocks_for, read_raw_blocks, read_table
+from agentkv.engine.session.backend import OpenSession, SlotBackend
+from agentkv.errors import KVLogCorrupt
+from agentkv.kv.log import KVLog, KVSlot, KVSource
+from agentkv.kv.snapshot import RAW_BLOCKS, KVSnapshot, PrecisionChoice
+
+
+class PagedBackend(SlotBackend):
+    """Block tables over one ``BlockPool`` of a ``PagedModel``; see the module docstring."""
+
+    def __init__(self, model: PagedModel, block_pool: BlockPool, **options: Any) -> None:
+        """``options``: as ``SlotBackend`` (slots, tokenizer, fingerprint, …). With a u8 cache,
+        ``snapshot_precision`` "auto" or "u8" keeps snapshots as raw blocks."""
+        self.paged_model = model
+        self.block_pool = block_pool
+        """The KV blocks every session's table draws from."""
+        super().__init__(**options)
+        self._raw_snapshots = model.kv_cache_precision == "u8" and self.snapshot_precision in ("auto", "u8")
+
+    # ---- KV: snapshots, holds, restores ------------------------------------------------
+    def snapshot(self, log: KVLog, slot: KVSlot) -> KVSnapshot:
+        """Host snapshot of ``log``'s KV in ``slot``: a u8 cache's raw blocks (bit-exact, u8 size),
+        else floats in the snapshot precision (blocking): ``backend.snapshot(log, slot)``."""
+        if not self._raw_snapshots:
+            return super().snapshot(log, slot)
+        assert isinstance(slot, PagedSlot)
+        if slot.length() != len(log):
+            raise KVLogCorrupt(f"the slot holds {slot.length()} positions but the log has {len(log)} tokens")
+        blocks = slot.blocks[: blocks_for(len(log))]  # a failed feed may have grown the table already
+        return self._raw_snapshot(log.tokens, blocks, shifted=log.shifted, lossless=log.exact)
+
+    def _raw_snapshot(self, tokens: Sequence[int], blocks: Sequence[int], *, shifted: bool,
+                      lossless: bool) -> KVSnapshot:
+        keys, values = read_raw_blocks(self.paged_model, blocks)
+        return KVSnapshot.from_blocks(tokens, keys, values, block_tokens=BLOCK_SIZE, fingerprint=self.fingerprint,
+                                      shifted=shifted, lossless=lossless)
+
+    def restores_exactly(self, source: KVSource) -> bool:
+        """Raw blocks and shared blocks give back the very bytes; floats as on any backend."""
+        if isinstance(source, SharedBlocks) or getattr(source, "precision", None) == RAW_BLOCKS:
+            return source.lossless
+        return super().restores_exactly(source)
+
+    def hold(self, log: KVLog, slot: KVSlot) -> SharedBlocks:
+        """A fork's copy of ``log``'s KV: references on the same blocks (no KV copied; the
+        first write into a shared block copies that block): ``held = backend.hold(log, slot)``."""
+        assert isinstance(slot, PagedSlot)
+        blocks = list(slot.blocks)
+        self.block_pool.share(blocks)
+        return SharedBlocks(self.block_pool, log.tokens, blocks, shifted=log.shifted, lossless=log.exact,
+                            read=self.snapshot_of_shared)
+
+    def snapshot_of_shared(self, shared: SharedBlocks) -> KVSnapshot:
+        """Host snapshot of blocks a fork holds (blocking): ``SharedBlocks(..., read=backend.snapshot_of_shared)``."""
+        if self._raw_snapshots:
+            return self._raw_snapshot(shared.tokens, shared.blocks, shifted=shared.shifted, lossless=shared.lossless)
+        keys, values = read_table(self.paged_model, shared.blocks, shared.num_tokens)
+        return self.snapshot_of(shared.tokens, keys, values, shifted=shared.shifted, lossless=shared.lossless)
+
+    def _make_prefix_cache(self, budget_bytes: int | None, precision: PrecisionChoice) -> PagedPrefixCache:
+        """Cached prefixes stay in the pool's blocks (``precision`` does not apply: nothing is
+        converted); ``budget_bytes`` caps the blocks the cache alone keeps alive."""
+        block = self.paged_model.block_bytes
+        # NOTE: the plugin re-quantises a u8 block's keys as tokens join it, so there the last,
+        # partly filled block of a prefix captured later is not what a cold prefill leaves
+        return PagedPrefixCache(self.block_pool, boundaries=self.boundaries, block_bytes=block,
+                                max_blocks=None if budget_bytes is None else budget_bytes // block,
+                                exact_partial_blocks=self.paged_model.kv_cache_precision != "u8")
+
+    # ---- room for new KV -----------------------------------------------------------------
+    async def make_room(self, slot: KVSlot | None, tokens: int, *, rows: int = 1) -> None:
+        """Free and reserve for ``slot`` the blocks it takes to hold ``tokens`` more positions
+        on ``rows`` rows: the prefix cache lets go first, then forks that have not run move to
+        host, then idle sessions are offloaded, least recently used first, until the pool can
+        set them aside for ``slot`` (its step then draws on them, whoever else allocates in the
+        same batched step) or nobody idle is left (the allocation then refuses). O(1) when the
+        step takes no new block (most decode steps)::
+
+            await backend.make_room(slot, len(ids))
+
+        ``slot`` None (nothing to reserve for): frees the blocks only."""
+        needed = self.blocks_needed(slot, tokens, rows=rows)
+        holder = slot if isinstance(slot, PagedSlot) else None
+        if needed == 0 or self._reserve(holder, needed):
+            return
+        if isinstance(self.prefix_cache, PagedPrefixCache):
+            self.prefix_cache.reclaim(needed - self.block_pool.reserved(holder))
+            if self._reserve(holder, needed):
+                return
+        await self._spill_unbound_forks(holder, needed)
+        while not self._reserve(holder, needed):
+            if not await self.pool.offload_idle():
+                return
+
+    def _reserve(self, holder: PagedSlot | None, needed: int) -> bool:
+        """Set ``needed`` blocks aside for ``holder`` (None: only check that they are free)."""
+        if holder is None:
+            return self.block_pool.unreserved_blocks >= needed
+        return self.block_pool.reserve(holder, needed)
+
+    def blocks_needed(self, slot: KVSlot | None, tokens: int, *, rows: int = 1) -> int:
+        """Fresh blocks a step that adds ``tokens`` positions on ``rows`` rows of ``slot`` takes:
+        the blocks it grows by, plus the copy of a shared block it writes into
+        (``backend.blocks_needed(slot, 1)``)."""
+        if not isinstance(slot, PagedSlot):
+            return rows * blocks_for(tokens)
+        length, table = slot.length(), slot.blocks
+        grow = max(0, blocks_for(length + tokens) - len(table))
+        index = length // BLOCK_SIZE
+        # NOTE: rows of a beam share their parent's table, so each copies the block it writes into
+        shared = index < len(table) and (rows > 1 or self.block_pool.holders(table[index]) > 1)
+        return rows * (grow + int(shared and tokens > 0))
+
+    async def _spill_unbound_forks(self, holder: PagedSlot | None, blocks_needed: int) -> None:
+        """Move to host the KV of sessions that hold blocks without a slot (forks that have not
+        run) and are the blocks' last holders, those freeing the most first, until ``holder``'s
+        ``blocks_needed`` blocks can be set aside."""
+        def gain(session: OpenSession) -> int:
+            held = session.held_kv
+            if not isinstance(held, SharedBlocks):
+                return 0
+            return sum(1 for b in set(held.blocks) if self.block_pool.holders(b) == 1)
+
+        for session in sorted(self.sessions, key=gain, reverse=True):
+            short = blocks_needed - self.block_pool.reserved(holder) - self.block_pool.unreserved_blocks
+            if short <= 0 or gain(session) == 0:
+                return
+            await session.spill_held_blocks()

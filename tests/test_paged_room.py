@@ -1,0 +1,163 @@
+"""Room made before a step is the room the step gets: sessions that make room at the same time and
+then allocate together (one batched step) each draw on the blocks reserved for them, with idle
+sessions offloaded to make that room — no ``KVPoolExhausted``, no leaked block, every session's
+tokens and KV right (over a fake paged model whose "KV" at a position is the token written there)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Hashable
+
+import anyio
+import numpy as np
+
+from agentkv.engine.base import GenerationConfig
+from agentkv.engine.paged.backend import PagedBackend
+from agentkv.engine.paged.batcher import StepBatcher
+from agentkv.engine.paged.block_pool import BlockPool
+from agentkv.engine.paged.model import BLOCK_SIZE, SequenceStep
+from agentkv.engine.paged.slot import PagedSlot
+from agentkv.engine.session.session import SlotSession
+from agentkv.testing import ScriptedTokenizer
+
+VOCAB = 400
+
+
+def next_token(token: int) -> int:
+    """What the fake model predicts after ``token``."""
+    return 100 + (token * 7 + 3) % 200
+
+
+class GatedPool(BlockPool):
+    """A block pool whose allocations wait for each other while ``gate`` is set: sessions that
+    made room one by one allocate together, as the sequences of one batched step do."""
+
+    gate: threading.Barrier | None = None
+
+    def allocate(self, n: int, holder: Hashable | None = None) -> list[int]:
+        if self.gate is not None:
+            self.gate.wait(timeout=10)
+        return super().allocate(n, holder)
+
+
+class FakePagedModel:
+    """Writes each fed token as the KV of its position (asserting the block is not shared) and
+    predicts ``next_token`` of the last one."""
+
+    kv_cache_precision = "f32"
+
+    def __init__(self, pool: BlockPool) -> None:
+        self.pool = pool
+        self.lock = threading.RLock()
+        self.keys = np.full((pool.num_blocks, 1, BLOCK_SIZE, 1), -1.0, dtype=np.float32)
+        self.values = self.keys.copy()
+
+    def step(self, sequences: list[SequenceStep]) -> np.ndarray:
+        logits = np.zeros((len(sequences), VOCAB), dtype=np.float32)
+        for row, seq in enumerate(sequences):
+            for offset, token in enumerate(seq.ids):
+                position = seq.past_len + offset
+                block = seq.blocks[position // BLOCK_SIZE]
+                assert self.pool.holders(block) == 1
+                self.keys[block, 0, position % BLOCK_SIZE, 0] = token
+                self.values[block, 0, position % BLOCK_SIZE, 0] = token
+            logits[row, next_token(seq.ids[-1])] = 1.0
+        return logits
+
+    def copy_block(self, source: int, target: int) -> None:
+        self.keys[target] = self.keys[source]
+        self.values[target] = self.values[source]
+
+    def cache_layers(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        return [(self.keys, self.values)]
+
+
+def make_backend(pool: BlockPool, num_slots: int, *, batched: bool = False) -> PagedBackend:
+    model = FakePagedModel(pool)
+    batcher = StepBatcher(model.step, max_batch=num_slots) if batched else None  # type: ignore[arg-type]
+    return PagedBackend(model, pool, slots=[PagedSlot(model, pool, batcher) for _ in range(num_slots)],  # type: ignore[arg-type]
+                        tokenizer=ScriptedTokenizer(), fingerprint="fake", eos_token_ids={ScriptedTokenizer().eos_token_id},
+                        max_context_len=4096, kv_bytes_per_token=8)
+
+
+async def assert_kv_is_tokens(session: SlotSession) -> None:
+    snapshot = await session.snapshot()
+    assert snapshot.tokens == session.tokens
+    assert snapshot.to_float()[0][0, 0, 0, :, 0].astype(int).tolist() == list(session.tokens)
+
+
+def assert_pool_empty(pool: BlockPool) -> None:
+    pool.check_integrity()
+    assert pool.free_blocks == pool.unreserved_blocks == pool.num_blocks
+
+
+async def test_sessions_that_make_room_together_then_allocate_together_each_get_their_blocks():
+    pool = GatedPool(8)  # 256 tokens
+    backend = make_backend(pool, num_slots=3)
+    first, second, idle = SlotSession(backend), SlotSession(backend), SlotSession(backend)
+    await first.prefill(list(range(100, 164)))  # 2 blocks
+    await second.prefill(list(range(200, 264)))  # 2 blocks
+    await idle.prefill(list(range(300, 396)))  # 3 blocks: one block is left free
+    assert pool.free_blocks == 1
+    pool.gate = threading.Barrier(2)  # both make room, then both allocate
+    async with anyio.create_task_group() as group:
+        group.start_soon(first.prefill, list(range(100, 165)))  # each crosses into a new block
+        group.start_soon(second.prefill, list(range(200, 265)))
+    pool.gate = None
+    assert backend.pool.offloads == 1 and idle.held_kv is not None  # the second made room by offloading
+    assert pool.unreserved_blocks == pool.free_blocks  # each step used what it reserved
+    assert first.tokens == tuple(range(100, 165)) and second.tokens == tuple(range(200, 265))
+    for session in (first, second, idle):
+        await assert_kv_is_tokens(session)
+        await session.check_integrity()
+    await backend.close_sessions()
+    assert_pool_empty(pool)
+
+
+async def test_sessions_decoding_together_on_a_pool_that_fits_them_only_without_the_idle_ones():
+    pool = BlockPool(12)  # 384 tokens
+    backend = make_backend(pool, num_slots=6, batched=True)
+    idle = [SlotSession(backend) for _ in range(2)]
+    for i, session in enumerate(idle):
+        await session.prefill(list(range(100 + 100 * i, 196 + 100 * i)))  # 3 blocks each
+    runners = [SlotSession(backend) for _ in range(4)]
+    prompts = [[7 + i] * 20 for i in range(4)]
+    for session, prompt in zip(runners, prompts):
+        await session.prefill(prompt)  # 1 block each: 10 of 12 blocks held
+    results: dict[int, tuple[int, ...]] = {}
+
+    async def decode(i: int) -> None:
+        result = await runners[i].generate(prompts[i], GenerationConfig(max_new_tokens=70))
+        results[i] = result.token_ids
+
+    async with anyio.create_task_group() as group:  # 90 tokens each: 3 blocks, 12 in all
+        for i in range(4):
+            group.start_soon(decode, i)
+    for i, prompt in enumerate(prompts):
+        expected = [next_token(prompt[-1])]
+        while len(expected) < 70:
+            expected.append(next_token(expected[-1]))
+        assert results[i] == tuple(expected)
+        assert runners[i].tokens == (*prompt, *expected[:-1])
+    assert backend.pool.offloads >= 2 and all(s.held_kv is not None for s in idle)
+    for session in (*runners, *idle):
+        await assert_kv_is_tokens(session)
+        await session.check_integrity()
+    await backend.close_sessions()
+    assert_pool_empty(pool)
+
+
+async def test_room_reserved_for_a_step_that_never_ran_goes_back_when_the_slot_is_emptied():
+    pool = BlockPool(4)
+    backend = make_backend(pool, num_slots=1)
+    session = SlotSession(backend)
+    await session.prefill(list(range(100, 140)))  # 40 positions: 2 blocks
+    async with backend.pool.lease(session) as slot:
+        await backend.make_room(slot, 1)  # within block 1: nothing to take, nothing reserved
+        assert pool.reserved(slot) == 0
+        await backend.make_room(slot, 60)  # a step that would take 2 more blocks, then does not run
+        assert pool.reserved(slot) == 2 and pool.unreserved_blocks == 0
+    await SlotSession(backend).prefill(list(range(200, 210)))  # the one slot changes hands: emptied
+    assert pool.reserved(slot) == 0 and session.held_kv is not None
+    await backend.close_sessions()
+    assert_pool_empty(pool)
