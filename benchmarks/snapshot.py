@@ -10,6 +10,12 @@ the same backend: snapshots do not cross backends). ``--kv-cache u8`` runs the p
 u8 blocks: its snapshot is then the raw blocks ("u8-paged"), timed as a third form. The last
 line is one JSON object.
 Run: ``python benchmarks/snapshot.py [--engine stateful] [--kv-cache u8]``.
+
+``--file-format`` needs no model: it times writing and reading (warm, and cold from the disk) a
+~1,500-token snapshot of the default model's shape in the safetensors files agentkv writes and in
+the older raw layout it still reads (written by ``tests/_legacy_snapshot.py``), side by side, per
+precision; each read verifies the checksum and each write computes it, as in use.
+Run: ``python benchmarks/snapshot.py --file-format [--history-tokens 1500]``.
 """
 
 from __future__ import annotations
@@ -17,19 +23,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
 import numpy as np
 
 from agentkv.engine.base import GenerationConfig
-from agentkv.kv.snapshot import KVSnapshot
 from agentkv.engine.factory import ENGINE_ENV, open_engine
 from agentkv.engine.stateful.engine import StatefulEngine
+from agentkv.kv.snapshot import KVSnapshot
 
 PARAGRAPHS = [
     "The harbour authority reported that container traffic rose in the spring, mostly from new routes to the north.",
@@ -145,14 +153,63 @@ async def child(files: dict[str, str]) -> dict[str, dict]:
     return out
 
 
+def file_formats(num_tokens: int, repeats: int, workdir: Path) -> dict[str, float]:
+    """Median ms to write / read a snapshot file, safetensors ("new") vs the older raw layout ("old")."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from _legacy_snapshot import write_legacy
+
+    rng = np.random.default_rng(0)
+    shape = (30, 1, 3, num_tokens, 64)  # layers, batch, heads, T, head_dim of the default model
+    keys, values = rng.standard_normal(shape, dtype=np.float32), rng.standard_normal(shape, dtype=np.float32)
+    writers: dict[str, Callable[[KVSnapshot, Path], None]] = {"old": write_legacy, "new": KVSnapshot.to_file}
+    out: dict[str, float] = {}
+    print(f"{num_tokens} tokens, median of {repeats} (ms)")
+    print(f"{'precision':<10} {'MB':>6} {'write old':>10} {'write new':>10} {'read old':>9} {'read new':>9}"
+          f" {'cold old':>9} {'cold new':>9}")
+    for precision in ("f32", "bf16", "f16", "u8"):
+        made = KVSnapshot.from_float(range(num_tokens), keys, values, precision=precision,  # type: ignore[arg-type]
+                                     fingerprint="bench")
+        times: dict[str, list[float]] = {}
+        for repeat in range(repeats):
+            order = list(writers.items()) if repeat % 2 == 0 else list(writers.items())[::-1]
+            for form, write in order:  # interleaved, each first half the time: both see the same machine
+                path = workdir / f"{form}.{precision}.agkv"
+                fresh = KVSnapshot.from_float(made.tokens, keys, values, precision=precision,  # type: ignore[arg-type]
+                                              fingerprint="bench")  # an uncomputed checksum, as in use
+                started = time.perf_counter()
+                write(fresh, path)
+                times.setdefault(f"write_{form}", []).append(time.perf_counter() - started)
+                for temperature in ("warm", "cold"):
+                    if temperature == "cold":
+                        drop_from_page_cache(str(path))
+                    started = time.perf_counter()
+                    back = KVSnapshot.from_file(path, expected_fingerprint="bench")
+                    times.setdefault(f"{temperature}_{form}", []).append(time.perf_counter() - started)
+                    assert back.checksum() == made.checksum()
+        ms = {name: 1000 * statistics.median(values) for name, values in times.items()}
+        print(f"{precision:<10} {made.nbytes / 1e6:6.1f} {ms['write_old']:10.1f} {ms['write_new']:10.1f} "
+              f"{ms['warm_old']:9.1f} {ms['warm_new']:9.1f} {ms['cold_old']:9.1f} {ms['cold_new']:9.1f}")
+        out.update({f"{precision}_{name}_ms": value for name, value in ms.items()})
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--history-tokens", type=int, default=2000)
     parser.add_argument("--engine", choices=["paged", "stateful"], default=None)
     parser.add_argument("--kv-cache", choices=["f16", "u8"], default=None,
                         help="the engine's KV cache precision (u8 on paged: raw-block snapshots)")
+    parser.add_argument("--file-format", action="store_true",
+                        help="time snapshot files only (no model): safetensors vs the older raw layout")
+    parser.add_argument("--repeats", type=int, default=7, help="--file-format: runs per measurement")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.file_format:
+        with tempfile.TemporaryDirectory(prefix="agentkv-bench-") as workdir:
+            tokens = 1500 if args.history_tokens == 2000 else args.history_tokens
+            result = file_formats(tokens, args.repeats, Path(workdir))
+        print(json.dumps({k: round(v, 1) for k, v in result.items()}))
+        return
     if args.engine:
         os.environ[ENGINE_ENV] = args.engine  # NOTE: the child process inherits it
     if args.kv_cache:

@@ -59,7 +59,7 @@ def age(store: Store, session_id: str, days: int) -> None:
 
     from agentkv.memory.schema import SessionRow, utcnow
 
-    store._write(lambda s: s.execute(update(SessionRow).where(SessionRow.id == session_id)
+    store.database.write(lambda s: s.execute(update(SessionRow).where(SessionRow.id == session_id)
                                      .values(updated_at=utcnow() - timedelta(days=days))))
 
 

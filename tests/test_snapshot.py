@@ -1,24 +1,29 @@
-"""Tests for agentkv.kv.snapshot: precisions, prefixes, checksums and snapshot files."""
+"""Tests for agentkv.kv.snapshot and snapshot_file: precisions, prefixes, checksums, safetensors and older files."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import numpy as np
 import pytest
+from _legacy_snapshot import write_legacy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
-from agentkv.kv import snapshot as snapshot_module
+from agentkv.errors import SnapshotCorrupt, SnapshotIncompatible, UserError
+from agentkv.kv import snapshot_file
+from agentkv.kv.digest import tokens_digest
 from agentkv.kv.snapshot import (
     KVSnapshot,
     dequantize_u8,
     quantize_u8,
-    tokens_digest,
 )
-from agentkv.errors import SnapshotCorrupt, SnapshotIncompatible, UserError
+from agentkv.kv.u8_blocks import BlockLayout
 
 FP = "model-abc|kv:u8|layers:30"
 DEFAULT_SHAPE = (30, 1, 3, 64)  # layers, batch, heads, head_dim of the default model
@@ -189,8 +194,18 @@ def test_another_fingerprint_is_incompatible(tmp_path: Path) -> None:
 def test_a_newer_file_format_is_incompatible(tmp_path: Path) -> None:
     path = tmp_path / "s.agkv"
     make("f32").to_file(path)
+    payload = snapshot_file.read_payload(path)
+    header = {**payload.header, "format_version": snapshot_file.FORMAT_VERSION + 1}
+    save_file(payload.arrays, path, metadata={snapshot_file.HEADER_KEY: json.dumps(header)})
+    with pytest.raises(SnapshotIncompatible, match="upgrade agentkv"):
+        KVSnapshot.from_file(path)
+
+
+def test_an_older_raw_file_of_a_newer_version_is_incompatible(tmp_path: Path) -> None:
+    path = tmp_path / "s.agkv"
+    write_legacy(make("f32"), path)
     data = bytearray(path.read_bytes())
-    data[8:12] = (snapshot_module.FORMAT_VERSION + 1).to_bytes(4, "little")
+    data[8:12] = (snapshot_file.FORMAT_VERSION + 1).to_bytes(4, "little")
     path.write_bytes(bytes(data))
     with pytest.raises(SnapshotIncompatible, match="upgrade agentkv"):
         KVSnapshot.from_file(path)
@@ -263,3 +278,72 @@ def test_files_written_before_the_lossless_flag_still_verify_and_read_as_inexact
     snap.to_file(tmp_path / "old")
     loaded = KVSnapshot.from_file(tmp_path / "old", expected_fingerprint=FP)
     assert loaded.checksum() == snap.checksum() and loaded.lossless is False
+
+
+# ---- the file format: safetensors, and files written before it -----------------------------
+def test_a_snapshot_file_is_safetensors_with_the_header_in_its_metadata(tmp_path: Path) -> None:
+    snap = make("u8")
+    snap.to_file(tmp_path / "s.agkv")
+    with safe_open(tmp_path / "s.agkv", framework="np") as f:
+        header = json.loads(f.metadata()[snapshot_file.HEADER_KEY])
+        assert sorted(f.keys()) == sorted(["tokens", "keys", "values", "key_scale", "key_zero",
+                                           "value_scale", "value_zero"])
+        np.testing.assert_array_equal(f.get_tensor("keys"), snap.keys)
+    assert header["format_version"] == snapshot_file.FORMAT_VERSION
+    assert (header["precision"], header["fingerprint"], header["checksum"]) == ("u8", FP, snap.checksum())
+
+
+def old_and_new_snapshots() -> list[KVSnapshot]:
+    keys, values = random_kv(40)
+    layers = np.random.default_rng(3).standard_normal((2, 3, 40, 64), dtype=np.float32)  # [layers, heads, T, dim]
+    key_blocks = np.stack([BlockLayout("by_token", 32, 64).quantize(kv, 2) for kv in layers])
+    value_blocks = np.stack([BlockLayout("by_channel", 32, 64).quantize(kv, 2) for kv in layers])
+    return [
+        *(KVSnapshot.from_float(range(40), keys, values, precision=p, fingerprint=FP) for p in ("f32", "f16", "u8")),
+        KVSnapshot.from_float(range(40), as_bf16(keys), as_bf16(values), fingerprint=FP, shifted=True),
+        KVSnapshot.from_float(range(40), keys, values, fingerprint=FP, lossless=False).prefix(33),
+        KVSnapshot.from_blocks(range(40), key_blocks, value_blocks, block_tokens=32, fingerprint=FP),
+    ]
+
+
+@pytest.mark.parametrize("index", range(6))
+def test_files_in_the_older_raw_format_restore_bit_for_bit(tmp_path: Path, index: int) -> None:
+    snap = old_and_new_snapshots()[index]
+    write_legacy(snap, tmp_path / "old.agkv")
+    assert (tmp_path / "old.agkv").read_bytes()[:8] == b"AGKVSNAP"
+    loaded = KVSnapshot.from_file(tmp_path / "old.agkv", expected_fingerprint=FP)
+    snap.to_file(tmp_path / "new.agkv")
+    rewritten = KVSnapshot.from_file(tmp_path / "new.agkv", expected_fingerprint=FP)
+    for back in (loaded, rewritten):
+        assert back.checksum() == snap.checksum()
+        assert (back.tokens, back.precision, back.shifted, back.lossless, back.block_tokens) == (
+            snap.tokens, snap.precision, snap.shifted, snap.lossless, snap.block_tokens)
+        for name in ("keys", "values", "key_scale", "key_zero", "value_scale", "value_zero"):
+            a, b = getattr(back, name), getattr(snap, name)
+            assert (a is None and b is None) or (a.dtype == b.dtype and np.array_equal(a, b))
+        assert all(np.array_equal(x.view(np.uint32), y.view(np.uint32))
+                   for x, y in zip(back.to_float(), snap.to_float()))
+
+
+@pytest.mark.parametrize("where", ["header", "payload", "last"])
+def test_a_flipped_byte_in_an_older_raw_file_is_corrupt(tmp_path: Path, where: str) -> None:
+    path = tmp_path / "old.agkv"
+    write_legacy(make("u8"), path)
+    data = bytearray(path.read_bytes())
+    offset = {"header": 40, "payload": len(data) // 2, "last": len(data) - 1}[where]
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(SnapshotCorrupt, match="delete it"):
+        KVSnapshot.from_file(path)
+
+
+def test_every_single_byte_flip_of_a_small_file_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "s.agkv"
+    make("u8", 2).to_file(path)
+    data = path.read_bytes()
+    for offset in range(len(data)):
+        damaged = bytearray(data)
+        damaged[offset] ^= 0x01
+        path.write_bytes(bytes(damaged))
+        with pytest.raises((SnapshotCorrupt, SnapshotIncompatible)):
+            KVSnapshot.from_file(path)

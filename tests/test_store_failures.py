@@ -73,7 +73,7 @@ async def test_a_full_disk_is_a_store_unavailable_that_says_to_free_space(tmp_pa
     store = Store(url)
     pages = os.path.getsize(tmp_path / "a.db") // 4096 + 1
     # NOTE: SQLite's page limit fails a write exactly as a full disk does (SQLITE_FULL)
-    event.listen(store._engine, "connect", lambda dbapi, _: dbapi.execute(f"PRAGMA max_page_count = {pages}"))
+    event.listen(store.database.engine, "connect", lambda dbapi, _: dbapi.execute(f"PRAGMA max_page_count = {pages}"))
     with pytest.raises(StoreUnavailable, match="full.*free space on the database's disk"):
         for _ in range(100):
             await store.append_message(sid, Message.user("x" * 20_000), token_count=2)

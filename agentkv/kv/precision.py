@@ -72,4 +72,4 @@ def holds_exactly(precision: Precision, *arrays: np.ndarray) -> bool:
 def lossless_precision(*arrays: np.ndarray) -> Precision:
     """The smallest storage that holds every float32 value of ``arrays`` exactly:
     ``lossless_precision(np.float32([0.5, 2.0])) == "bf16"``."""
-    return next(p for p in ("bf16", "f16", "f32") if holds_exactly(p, *arrays))  # type: ignore[return-value]
+    return next(p for p in ("bf16", "f16", "f32") if holds_exactly(p, *arrays))

@@ -40,6 +40,8 @@ class ProbeSlot(Protocol):
     def reset(self) -> None: ...
 
 RopeStyle = Literal["rotate_half", "interleaved", "none"]
+ROTATING_STYLES: tuple[RopeStyle, ...] = ("rotate_half", "interleaved")
+"""The pairings a RoPE fit tries (``"none"``: keys that ignore position)."""
 PROBE_TEXT = "The quick brown fox jumps over the lazy dog while the river keeps flowing to the sea."
 PROBE_OFFSETS = (1, 16, 256, 2048)
 """Offsets measured: 1 gives every frequency without wrap-around, larger ones refine it."""
@@ -131,7 +133,7 @@ def _pair_angles(base: np.ndarray, moved: np.ndarray, style: RopeStyle) -> np.nd
     z_base = base[..., first].astype(np.float64) + 1j * base[..., second].astype(np.float64)
     z_moved = moved[..., first].astype(np.float64) + 1j * moved[..., second].astype(np.float64)
     pooled = (z_moved * np.conj(z_base)).reshape(-1, z_base.shape[-1]).sum(axis=0)
-    return np.angle(pooled)
+    return np.asarray(np.angle(pooled))
 
 
 def _relative_error(predicted: np.ndarray, actual: np.ndarray) -> float:
@@ -180,9 +182,9 @@ def fit_convention(
         raise ValueError("fit_convention needs keys at positive offsets, the smallest ideally 1")
     if max(_relative_error(base, k) for k in moved.values()) <= tolerance:
         return RopeConvention("none", (), None, None, 0.0, "fitted", tolerance)  # keys ignore position
-    fits = {style: _fit_style(base, moved, style)[0] for style in ("rotate_half", "interleaved")}
+    fits = {style: _fit_style(base, moved, style)[0] for style in ROTATING_STYLES}
     errors = {style: rotation_error(base, moved, style, omega) for style, omega in fits.items()}
-    style: RopeStyle = min(errors, key=lambda s: errors[s])  # type: ignore[assignment]
+    style = min(errors, key=errors.__getitem__)
     omega, error = fits[style], errors[style]
     if error > tolerance:
         logger.warning("no RoPE rotation explains the model's keys (best fit error %.2e, tolerance %.2e)",
@@ -202,7 +204,7 @@ def fit_convention(
 
 def theta_frequencies(theta: float, scale: float, head_dim: int) -> np.ndarray:
     """Radians per position of each pair: ``θ^(−2i/d) / scale``."""
-    return np.exp(-np.log(scale) - np.log(theta) * 2 * np.arange(head_dim // 2) / head_dim)
+    return np.asarray(np.exp(-np.log(scale) - np.log(theta) * 2 * np.arange(head_dim // 2) / head_dim))
 
 
 def rotation_error(base: np.ndarray, moved: Mapping[int, np.ndarray], style: RopeStyle, inv_freq: np.ndarray) -> float:
@@ -216,8 +218,8 @@ def convention_from_metadata(
     """The metadata's θ and linear scale in whichever pairing explains the keys, or None when
     neither does within ``tolerance``."""
     inv_freq = theta_frequencies(theta, scale, base.shape[-1])
-    errors = {style: rotation_error(base, moved, style, inv_freq) for style in ("rotate_half", "interleaved")}
-    style: RopeStyle = min(errors, key=lambda s: errors[s])  # type: ignore[assignment]
+    errors = {style: rotation_error(base, moved, style, inv_freq) for style in ROTATING_STYLES}
+    style = min(errors, key=errors.__getitem__)
     if errors[style] > tolerance:
         logger.warning("the model's metadata RoPE (θ=%s, scale=%s) does not explain its keys "
                        "(error %.2e, tolerance %.2e); fitting instead", theta, scale, errors[style], tolerance)

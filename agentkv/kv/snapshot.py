@@ -1,4 +1,4 @@
-"""KV snapshots as plain numpy arrays: quantise, slice, checksum, and write/read snapshot files.
+"""KV snapshots as plain numpy arrays: quantise, slice and checksum the KV of a token log.
 
 The engine reads each layer's K and V state as float32 ``[batch, heads, T, head_dim]``,
 stacks them on a layer axis and hands them here; nothing in this module knows OpenVINO::
@@ -7,12 +7,8 @@ stacks them on a layer axis and hands them here; nothing in this module knows Op
     snap.to_file(path)
     keys, values = KVSnapshot.from_file(path, expected_fingerprint=fp).to_float()
 
-File layout (little-endian, no pickle)::
-
-    b"AGKVSNAP" | u32 format version | u32 header length | header JSON (utf-8) | raw arrays
-
-The header lists every array's name, dtype and shape in payload order plus the
-snapshot's ``checksum()``, which covers the metadata and every array byte.
+Files are safetensors (``kv.snapshot_file`` reads and writes them, older files too); their
+header carries the snapshot's ``checksum()``, which covers the metadata and every array byte.
 
 Exactness: ``precision="auto"`` stores the smallest form that gives back the very float32
 values it was made from — bf16 (the upper half of each float32) when every value is a
@@ -26,20 +22,17 @@ A u8 paged cache is snapshotted as its raw blocks (``precision="u8-paged"``, bui
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import json
 import os
-import struct
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any, BinaryIO, Literal, Protocol
+from typing import Any, Final, Literal, Protocol
 
 import numpy as np
 
+from agentkv.errors import SnapshotIncompatible, UserError
+from agentkv.kv.digest import content_checksum
 from agentkv.kv.precision import (
     Precision,
     PrecisionChoice,
@@ -50,20 +43,19 @@ from agentkv.kv.precision import (
     quantize_u8,
     to_bf16_bits,
 )
-from agentkv.kv.u8_blocks import BlockLayout
-from agentkv.errors import SnapshotCorrupt, SnapshotIncompatible, UserError
+from agentkv.kv.snapshot_file import (
+    SnapshotPayload,
+    corrupt,
+    read_payload,
+    write_payload,
+)
+from agentkv.kv.u8_blocks import BlockLayout, raw_block_layouts
 
-__all__ = ["FORMAT_VERSION", "SUFFIX", "KVSnapshot", "Precision", "PrecisionChoice", "dequantize_u8", "from_bf16_bits",
-           "holds_exactly", "lossless_precision", "quantize_u8", "to_bf16_bits", "tokens_digest"]
+__all__ = ["SUFFIX", "KVSnapshot", "Precision", "PrecisionChoice", "dequantize_u8", "from_bf16_bits",
+           "holds_exactly", "lossless_precision", "quantize_u8", "to_bf16_bits"]
 
-MAGIC = b"AGKVSNAP"
 SUFFIX = ".agkv"
 """The file suffix of every KV snapshot file (the store's, and the engine's spill files)."""
-FORMAT_VERSION = 2
-"""The newest file format this code reads. Files are written as 1 unless they hold raw u8 paged
-blocks (2), so an older agentkv says "upgrade" for those and still reads the rest."""
-_PREAMBLE = struct.Struct("<8sII")  # magic, format version, header length
-_MAX_HEADER_BYTES = 1 << 20
 _STORAGE_DTYPE: dict[str, np.dtype[Any]] = {
     "f32": np.dtype("<f4"),
     "bf16": np.dtype("<u2"),
@@ -71,17 +63,11 @@ _STORAGE_DTYPE: dict[str, np.dtype[Any]] = {
     "u8": np.dtype("u1"),
     "u8-paged": np.dtype("u1"),
 }
-RAW_BLOCKS = "u8-paged"
+RAW_BLOCKS: Final = "u8-paged"
 """The storage precision of raw u8 paged blocks (parameters inside the blocks)."""
 _PARAM_DTYPES = (np.dtype("<f4"), np.dtype("<f2"))
 QUANT_PARAMS = ("key_scale", "key_zero", "value_scale", "value_zero")
 """The ``KVSnapshot`` fields holding u8 quantisation parameters (all None unless the precision is u8)."""
-
-
-def tokens_digest(tokens: Sequence[int]) -> str:
-    """A short hex digest of a token log (int64 little-endian), e.g. to match a snapshot to a log."""
-    data = np.asarray(tokens, dtype="<i8").tobytes()
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
 def _read_only(a: np.ndarray) -> np.ndarray:
@@ -173,25 +159,15 @@ class KVSnapshot:
                 )
 
     def _check_blocks(self) -> None:
-        keys, values = self.keys, self.values
         if self.block_tokens is None or self.block_tokens < 1:
             raise UserError("a u8-paged snapshot needs block_tokens >= 1")
-        if keys.ndim != 5 or values.ndim != 5 or keys.shape[:3] != values.shape[:3]:
-            raise UserError(f"raw blocks must be [layers, blocks, heads, rows, cols] with the same leading "
-                            f"axes for K and V; got {keys.shape} and {values.shape}")
-        if keys.dtype != np.uint8 or values.dtype != np.uint8:
-            raise UserError(f"u8-paged snapshots store uint8 blocks, got {keys.dtype}/{values.dtype}")
-        if keys.shape[1] != -(-len(self.tokens) // self.block_tokens):
-            raise UserError(f"{keys.shape[1]} blocks of {self.block_tokens} tokens do not hold exactly "
-                            f"{len(self.tokens)} tokens")
+        self._layouts()  # raises on blocks of another dtype, count or an unknown layout
         if any(getattr(self, name) is not None for name in QUANT_PARAMS):
             raise UserError("scale/zero arrays belong to u8 snapshots only")
-        self._layouts()  # raises on an unknown block shape
 
     def _layouts(self) -> tuple[BlockLayout, BlockLayout]:
         assert self.block_tokens is not None
-        return (BlockLayout.of(self.keys.shape[2:], block_tokens=self.block_tokens),
-                BlockLayout.of(self.values.shape[2:], block_tokens=self.block_tokens))
+        return raw_block_layouts(self.keys, self.values, num_tokens=self.num_tokens, block_tokens=self.block_tokens)
 
     @classmethod
     def from_blocks(cls, tokens: Sequence[int], keys: np.ndarray, values: np.ndarray, *, block_tokens: int,
@@ -226,24 +202,22 @@ class KVSnapshot:
         """
         keys = np.asarray(keys_f32, dtype=np.float32)
         values = np.asarray(values_f32, dtype=np.float32)
-        if precision == "auto":
-            precision = lossless_precision(keys, values)
-        common = {"tokens": tuple(tokens), "precision": precision, "fingerprint": fingerprint,
-                  "shifted": shifted}
-        if precision == "u8":
+        stored: Precision = lossless_precision(keys, values) if precision == "auto" else precision
+        if stored == "u8":
             kq, ks, kz = quantize_u8(keys)
             vq, vs, vz = quantize_u8(values)
-            return cls(keys=kq, values=vq, key_scale=ks, key_zero=kz, value_scale=vs,
-                       value_zero=vz, lossless=False, **common)
-        if precision not in _STORAGE_DTYPE:
-            raise UserError(f"precision must be one of auto, f32, bf16, f16, u8, not {precision!r}")
-        if precision == "bf16":
+            return cls(tokens=tuple(tokens), keys=kq, values=vq, precision=stored, fingerprint=fingerprint,
+                       shifted=shifted, lossless=False, key_scale=ks, key_zero=kz, value_scale=vs, value_zero=vz)
+        if stored not in _STORAGE_DTYPE:
+            raise UserError(f"precision must be one of auto, f32, bf16, f16, u8, not {stored!r}")
+        if stored == "bf16":
             stored_k, stored_v = to_bf16_bits(keys), to_bf16_bits(values)
         else:
-            dtype = _STORAGE_DTYPE[precision]
+            dtype = _STORAGE_DTYPE[stored]
             stored_k, stored_v = keys.astype(dtype, copy=True), values.astype(dtype, copy=True)
-        exact = lossless and holds_exactly(precision, keys, values)
-        return cls(keys=stored_k, values=stored_v, lossless=exact, **common)
+        exact = lossless and holds_exactly(stored, keys, values)
+        return cls(tokens=tuple(tokens), keys=stored_k, values=stored_v, precision=stored, fingerprint=fingerprint,
+                   shifted=shifted, lossless=exact)
 
     def to_float(self) -> tuple[np.ndarray, np.ndarray]:
         """Float32 ``(keys, values)``, fresh writable arrays ready to set into a model."""
@@ -312,13 +286,13 @@ class KVSnapshot:
         if self.precision == RAW_BLOCKS:
             assert self.block_tokens is not None
             per_block = int(np.prod(self.keys.shape[2:])) + int(np.prod(self.values.shape[2:]))
-            return self.keys.shape[0] * per_block // self.block_tokens
+            return int(self.keys.shape[0]) * per_block // self.block_tokens
         layers, batch, heads, _, head_dim = self.keys.shape
-        per_vector = head_dim * self.keys.dtype.itemsize
+        per_vector = int(head_dim) * int(self.keys.dtype.itemsize)
         if self.precision == "u8":
             assert self.key_scale is not None and self.value_scale is not None
-            per_vector += 2 * self.key_scale.dtype.itemsize  # scale + zero
-        return 2 * layers * batch * heads * per_vector
+            per_vector += 2 * int(self.key_scale.dtype.itemsize)  # scale + zero
+        return 2 * int(layers) * int(batch) * int(heads) * per_vector
 
     def _arrays(self) -> dict[str, np.ndarray | None]:
         """Every array in payload order; the token log travels as int64."""
@@ -334,7 +308,7 @@ class KVSnapshot:
         """What identifies the snapshot apart from its bytes (covered by the checksum)."""
         # NOTE: "lossless" is written only when True: files made before the flag existed lack it,
         # read back as lossless=False, and their checksums still verify.
-        flag = {"lossless": True} if self.lossless else {}
+        flag: dict[str, Any] = {"lossless": True} if self.lossless else {}
         if self.block_tokens is not None:
             flag["block_tokens"] = self.block_tokens
         return {
@@ -357,57 +331,31 @@ class KVSnapshot:
     @cached_property
     def _digest(self) -> str:
         # NOTE: computed once; the arrays are read-only views, so the digest cannot go stale.
-        digest = hashlib.blake2b(digest_size=32)
-        digest.update(json.dumps(self._metadata(), sort_keys=True).encode())
-        for array in self._arrays().values():
-            if array is not None:
-                digest.update(_little_endian_bytes(array))
-        return "blake2b:" + digest.hexdigest()
+        return content_checksum(self._metadata(), (a for a in self._arrays().values() if a is not None))
 
     def to_file(self, path: str | os.PathLike[str]) -> None:
-        """Write atomically: a temp file in the same directory, fsync, then ``os.replace``.
-
-        ``path`` either keeps its old content or holds the whole new snapshot, never a part.
-        """
-        target = Path(path)
-        version = 2 if self.precision == RAW_BLOCKS else 1
-        header = {"format_version": version, **self._metadata(), "checksum": self.checksum()}
-        header_bytes = json.dumps(header, sort_keys=True).encode()
-        fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as out:
-                out.write(_PREAMBLE.pack(MAGIC, version, len(header_bytes)))
-                out.write(header_bytes)
-                for array in self._arrays().values():
-                    if array is not None:
-                        out.write(_little_endian_bytes(array))
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(tmp_name, target)
-        except BaseException:
-            Path(tmp_name).unlink(missing_ok=True)
-            raise
-        _fsync_directory(target.parent)
+        """Write a safetensors snapshot file atomically (temp file, fsync, ``os.replace``):
+        ``snap.to_file("s.agkv")``. ``path`` keeps its old content or holds the whole new snapshot."""
+        header = {key: value for key, value in self._metadata().items() if key not in ("arrays", "num_tokens")}
+        header["lossless"] = self.lossless
+        write_payload(path, {name: array for name, array in self._arrays().items() if array is not None},
+                      {**header, "checksum": self.checksum()})
 
     @classmethod
     def from_file(
         cls, path: str | os.PathLike[str], *, expected_fingerprint: str | None = None
     ) -> KVSnapshot:
-        """Read and verify a snapshot file.
+        """Read and verify a snapshot file (safetensors, or the older raw layout):
+        ``KVSnapshot.from_file("s.agkv", expected_fingerprint=fp)``.
 
         Raises ``SnapshotCorrupt`` (damaged, truncated, unreadable or missing file) or
         ``SnapshotIncompatible`` (another fingerprint or a newer file format).
         """
         target = Path(path)
-        try:
-            with target.open("rb") as f:
-                header = _read_header(f, target)
-                arrays = _read_arrays(f, header, target)
-        except OSError as e:
-            raise SnapshotCorrupt(_corrupt_message(target, f"cannot be read ({e})")) from e
-        snapshot = _build(header, arrays, target)
-        if snapshot.checksum() != header.get("checksum"):
-            raise SnapshotCorrupt(_corrupt_message(target, "fails its checksum"))
+        payload = read_payload(target)
+        snapshot = _build(payload, target)
+        if snapshot.checksum() != payload.header.get("checksum"):
+            raise corrupt(target, "fails its checksum")
         if expected_fingerprint is not None and snapshot.fingerprint != expected_fingerprint:
             raise SnapshotIncompatible(
                 f"snapshot {target} was made for {snapshot.fingerprint!r}, not "
@@ -417,76 +365,9 @@ class KVSnapshot:
         return snapshot
 
 
-def _little_endian_bytes(array: np.ndarray) -> memoryview:
-    """The array's bytes in C order and little-endian byte order."""
-    contiguous = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
-    return memoryview(contiguous).cast("B")
-
-
-def _fsync_directory(directory: Path) -> None:
-    """Make a rename durable (POSIX); platforms that cannot open directories skip it."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        with contextlib.suppress(OSError):  # some filesystems refuse fsync on directories
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _corrupt_message(path: Path, what: str) -> str:
-    return f"KV snapshot {path} {what}; delete it, the session will re-prefill from its history"
-
-
-def _read_header(f: BinaryIO, path: Path) -> dict[str, Any]:
-    preamble = f.read(_PREAMBLE.size)
-    if len(preamble) != _PREAMBLE.size:
-        raise SnapshotCorrupt(_corrupt_message(path, "is truncated (no header)"))
-    magic, version, header_len = _PREAMBLE.unpack(preamble)
-    if magic != MAGIC:
-        raise SnapshotCorrupt(_corrupt_message(path, "is not an agentkv snapshot (bad magic)"))
-    if version > FORMAT_VERSION:
-        raise SnapshotIncompatible(
-            f"snapshot {path} has format version {version}, newer than {FORMAT_VERSION}; "
-            "upgrade agentkv, or delete it and let the session re-prefill"
-        )
-    if version < 1 or header_len > _MAX_HEADER_BYTES:
-        raise SnapshotCorrupt(_corrupt_message(path, "has a damaged header"))
-    raw = f.read(header_len)
-    try:
-        header = json.loads(raw.decode())
-    except (UnicodeDecodeError, ValueError) as e:
-        raise SnapshotCorrupt(_corrupt_message(path, "has a damaged header")) from e
-    if not isinstance(header, dict) or not isinstance(header.get("arrays"), list):
-        raise SnapshotCorrupt(_corrupt_message(path, "has a damaged header"))
-    return header
-
-
-def _read_arrays(f: BinaryIO, header: dict[str, Any], path: Path) -> dict[str, np.ndarray]:
-    arrays: dict[str, np.ndarray] = {}
-    for spec in header["arrays"]:
-        try:
-            dtype = np.dtype(spec["dtype"])
-            shape = tuple(int(d) for d in spec["shape"])
-            name = str(spec["name"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise SnapshotCorrupt(_corrupt_message(path, "has a damaged header")) from e
-        if dtype.hasobject or any(d < 0 for d in shape):
-            raise SnapshotCorrupt(_corrupt_message(path, "has a damaged header"))
-        size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        buffer = bytearray(size)
-        if f.readinto(buffer) != size:
-            raise SnapshotCorrupt(_corrupt_message(path, "is truncated"))
-        arrays[name] = np.frombuffer(buffer, dtype=dtype).reshape(shape)
-    if f.read(1):
-        raise SnapshotCorrupt(_corrupt_message(path, "has trailing bytes after its arrays"))
-    return arrays
-
-
-def _build(header: dict[str, Any], arrays: dict[str, np.ndarray], path: Path) -> KVSnapshot:
+def _build(payload: SnapshotPayload, path: Path) -> KVSnapshot:
     """The snapshot the verified header and arrays describe; layout errors mean a damaged file."""
+    header, arrays = payload.header, payload.arrays
     try:
         return KVSnapshot(
             tokens=tuple(arrays["tokens"].tolist()),
@@ -500,7 +381,7 @@ def _build(header: dict[str, Any], arrays: dict[str, np.ndarray], path: Path) ->
             block_tokens=_block_tokens(header.get("block_tokens")),
         )
     except (KeyError, UserError) as e:
-        raise SnapshotCorrupt(_corrupt_message(path, f"has an inconsistent layout ({e})")) from e
+        raise corrupt(path, f"has an inconsistent layout ({e})") from e
 
 
 def _block_tokens(value: Any) -> int | None:

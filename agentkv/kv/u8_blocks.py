@@ -104,3 +104,19 @@ def _affine(x: np.ndarray, valid: np.ndarray, axis: int) -> tuple[np.ndarray, np
     zero = (-low / scale).astype(np.float32)
     codes = np.clip(np.rint(x / scale + zero), 0, _LEVELS)
     return scale, zero, np.where(valid, codes, 0).astype(np.uint8)
+
+
+def raw_block_layouts(keys: np.ndarray, values: np.ndarray, *, num_tokens: int,
+                      block_tokens: int) -> tuple[BlockLayout, BlockLayout]:
+    """The K and V layouts of a u8 cache's raw blocks ``[layers, blocks, heads, rows, cols]`` holding
+    ``num_tokens``; ``UserError`` unless they are uint8 blocks of a known layout, just enough of them:
+    ``key_layout, value_layout = raw_block_layouts(keys, values, num_tokens=40, block_tokens=32)``."""
+    if keys.ndim != 5 or values.ndim != 5 or keys.shape[:3] != values.shape[:3]:
+        raise UserError(f"raw blocks must be [layers, blocks, heads, rows, cols] with the same leading "
+                        f"axes for K and V; got {keys.shape} and {values.shape}")
+    if keys.dtype != np.uint8 or values.dtype != np.uint8:
+        raise UserError(f"u8-paged snapshots store uint8 blocks, got {keys.dtype}/{values.dtype}")
+    if keys.shape[1] != -(-num_tokens // block_tokens):
+        raise UserError(f"{keys.shape[1]} blocks of {block_tokens} tokens do not hold exactly {num_tokens} tokens")
+    return (BlockLayout.of(keys.shape[2:], block_tokens=block_tokens),
+            BlockLayout.of(values.shape[2:], block_tokens=block_tokens))

@@ -1,4 +1,5 @@
-"""Database connections: default URL, SQLite settings (WAL, busy timeout, foreign keys), retries.
+"""Database connections: default URL, SQLite settings (WAL, busy timeout, foreign keys), retries,
+and ``Database``, which runs the store's transactions in worker threads.
 
 ``engine = create_db_engine("sqlite:///agentkv.db")``; transactions on
 ``engine.execution_options(agentkv_write=True)`` take SQLite's write lock when they begin
@@ -8,19 +9,30 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from functools import partial
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
+import anyio.to_thread
 import platformdirs
 from sqlalchemy import create_engine, event
 from sqlalchemy.engine import URL, Engine, make_url
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
+from sqlalchemy.orm import Session
 from sqlalchemy.pool import StaticPool
-from tenacity import (RetryCallState, Retrying, retry_if_exception, stop_after_attempt,
-                      wait_exponential)
+from tenacity import (
+    RetryCallState,
+    Retrying,
+    retry_if_exception,
+    stop_after_attempt,
+    wait_exponential,
+)
 
-from agentkv.errors import StoreLocked
+from agentkv.errors import StoreLocked, StoreUnavailable, UserError
+from agentkv.memory.migrations import migrate
 
 T = TypeVar("T")
 
@@ -141,3 +153,84 @@ def _still_locked(state: RetryCallState) -> NoReturn:
         f"({getattr(error, 'orig', error)}); another process holds a long transaction: retry "
         "later, or use PostgreSQL for many writers (AGENTKV_DB_URL)"
     ) from error
+
+
+class Database:
+    """One database: its engines, the schema created or upgraded on first use, and transactions.
+
+    ``db = Database("sqlite:////tmp/a.db")``; ``await db.run(db.write, lambda s: s.add(row))``
+    commits one write transaction from a worker thread; ``db.read(work)`` in that thread reads.
+    """
+
+    def __init__(self, url: str | None = None) -> None:
+        """``UserError`` for a malformed URL or a missing driver; ``StoreUnavailable`` when a SQLite
+        file's directory cannot be created."""
+        try:
+            self.parsed_url = make_url(url or default_url())
+            """The URL as given (password included): where snapshot files default to."""
+        except ArgumentError as error:
+            raise UserError(f"{url!r} is not a database URL: pass a SQLAlchemy URL such as "
+                            "sqlite:////path/to/agentkv.db or postgresql://user@host/db") from error
+        self.url = self.parsed_url.render_as_string(hide_password=True)
+        """The database URL for display (password hidden)."""
+        try:
+            self.engine = create_db_engine(self.parsed_url)
+            """The SQLAlchemy engine reads go through (writes use the same pool)."""
+        except OSError as error:  # the SQLite file's directory cannot be created
+            raise StoreUnavailable(self.url, error) from error
+        except (ArgumentError, ImportError) as error:  # a dialect or its driver not installed
+            raise UserError(f"cannot open {self.url}: {error}; use sqlite:// or postgresql:// (with "
+                            "psycopg2 installed), or install the driver this URL names") from error
+        self._write_engine = self.engine.execution_options(**{WRITE_OPTION: True})
+        self._schema_lock = threading.Lock()
+        self._schema_ready = False
+        # SQLite admits one writer at a time: queueing this process's writers on a lock is
+        # faster than letting them poll SQLite's busy handler. An in-memory database shares
+        # one connection, so there every transaction takes the lock.
+        is_sqlite = self.parsed_url.get_backend_name() == "sqlite"
+        self._writer_lock: threading.Lock | None = threading.Lock() if is_sqlite else None
+        self._reader_lock = self._writer_lock if is_memory_sqlite(self.parsed_url) else None
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in a worker thread once the schema is ready: ``await db.run(db.read, work)``;
+        a database that cannot be used (read-only, disk full, unreachable) is ``StoreUnavailable``."""
+        return await anyio.to_thread.run_sync(partial(self._in_thread, fn, *args))
+
+    def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        try:
+            self._ensure_schema()
+            return fn(*args)
+        except OperationalError as error:  # read-only, disk full, I/O error, unreachable
+            raise StoreUnavailable(self.url, error) from error
+
+    def _ensure_schema(self) -> None:
+        if self._schema_ready:
+            return
+        with self._schema_lock, _locked(self._writer_lock):
+            if not self._schema_ready:
+                retry_locked(lambda: migrate(self._write_engine))
+                self._schema_ready = True
+
+    def write(self, work: Callable[[Session], T]) -> T:
+        """Run ``work`` in one write transaction (committed on return, retried on lock errors):
+        ``db.write(lambda s: s.add(row))``, in a worker thread."""
+        def attempt() -> T:
+            with _locked(self._writer_lock), Session(self._write_engine, expire_on_commit=False) as s:
+                with s.begin():
+                    return work(s)
+        return retry_locked(attempt)
+
+    def read(self, work: Callable[[Session], T]) -> T:
+        """Run ``work`` in one read transaction (retried on lock errors): ``db.read(queries.list_sessions)``."""
+        def attempt() -> T:
+            with _locked(self._reader_lock), Session(self.engine) as s, s.begin():
+                return work(s)
+        return retry_locked(attempt)
+
+    async def dispose(self) -> None:
+        """Close pooled connections; the database can still be used afterwards (it reconnects)."""
+        await anyio.to_thread.run_sync(self.engine.dispose)
+
+
+def _locked(lock: threading.Lock | None) -> AbstractContextManager[Any]:
+    return lock if lock is not None else nullcontext()

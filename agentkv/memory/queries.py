@@ -14,8 +14,16 @@ from sqlalchemy import ColumnElement, case, delete, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from agentkv.chat.messages import Message
-from agentkv.kv.snapshot import KVSnapshot, tokens_digest
-from agentkv.errors import AgentNotFound, LeaseLost, ResponseNotFound, SessionBusy, SessionNotFound, UserError
+from agentkv.errors import (
+    AgentNotFound,
+    LeaseLost,
+    ResponseNotFound,
+    SessionBusy,
+    SessionNotFound,
+    UserError,
+)
+from agentkv.kv.digest import tokens_digest
+from agentkv.kv.snapshot import KVSnapshot
 from agentkv.memory import branches, convert
 from agentkv.memory.holders import holder_is_dead_here
 from agentkv.memory.records import (
@@ -27,7 +35,16 @@ from agentkv.memory.records import (
     SnapshotRecord,
     StoredMessage,
 )
-from agentkv.memory.schema import AgentRow, BranchMarkRow, CallRow, MessageRow, ResponseRow, SessionRow, SnapshotRow, utcnow
+from agentkv.memory.schema import (
+    AgentRow,
+    BranchMarkRow,
+    CallRow,
+    MessageRow,
+    ResponseRow,
+    SessionRow,
+    SnapshotRow,
+    utcnow,
+)
 from agentkv.memory.snapshots import SnapshotFiles
 
 
@@ -240,7 +257,7 @@ def lease_holder(s: Session, session_id: str, *, live_at: datetime | None = None
     holder, expires_at = found
     if live_at is not None and (expires_at is None or expires_at < live_at):
         return None
-    return holder  # type: ignore[no-any-return]
+    return holder
 
 
 def release_lease(s: Session, session_id: str, holder: str) -> None:

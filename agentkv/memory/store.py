@@ -17,34 +17,23 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import uuid
+from collections.abc import Sequence
 from datetime import timedelta
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import anyio.to_thread
-from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError, IntegrityError, OperationalError
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from agentkv.chat.messages import Message
+from agentkv.errors import UserError
 from agentkv.kv.snapshot import KVSnapshot
-from agentkv.errors import StoreUnavailable, UserError
-from agentkv.memory import convert, queries, retention
-from agentkv.memory.database import (
-    WRITE_OPTION,
-    create_db_engine,
-    default_snapshot_dir,
-    default_url,
-    is_memory_sqlite,
-    retry_locked,
-)
+from agentkv.memory import convert, housekeeping, queries
+from agentkv.memory.database import Database, default_snapshot_dir
 from agentkv.memory.export import conversation_jsonl
-from agentkv.memory.migrations import migrate
 from agentkv.memory.records import (
     AgentRecord,
     CallRecord,
@@ -58,7 +47,6 @@ from agentkv.memory.records import (
 from agentkv.memory.schema import Clock, utcnow
 from agentkv.memory.snapshots import SnapshotFiles, refuse_other_fingerprint
 
-T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 ENV_DB_URL = "AGENTKV_DB_URL"
@@ -92,30 +80,11 @@ class Store:
         self.snapshot_budget_bytes = snapshot_budget_bytes
         self.clock = clock
         """The time leases are taken, renewed and checked at (``utcnow`` by default)."""
-        try:
-            parsed = make_url(url or default_url())
-        except ArgumentError as error:
-            raise UserError(f"{url!r} is not a database URL: pass a SQLAlchemy URL such as "
-                            "sqlite:////path/to/agentkv.db or postgresql://user@host/db") from error
-        self.url = parsed.render_as_string(hide_password=True)
+        self.database = Database(url)
+        """The database and its transactions: ``store.database.write(lambda s: ...)`` in a thread."""
+        self.url = self.database.url
         """The database URL for display (password hidden)."""
-        try:
-            self._engine = create_db_engine(parsed)
-        except OSError as error:  # the SQLite file's directory cannot be created
-            raise StoreUnavailable(self.url, error) from error
-        except (ArgumentError, ImportError) as error:  # a dialect or its driver not installed
-            raise UserError(f"cannot open {self.url}: {error}; use sqlite:// or postgresql:// (with "
-                            "psycopg2 installed), or install the driver this URL names") from error
-        self._write_engine = self._engine.execution_options(**{WRITE_OPTION: True})
-        self.files = SnapshotFiles(snapshot_dir or default_snapshot_dir(parsed))
-        self._schema_lock = threading.Lock()
-        self._schema_ready = False
-        is_sqlite = parsed.get_backend_name() == "sqlite"
-        # SQLite admits one writer at a time: queueing this process's writers on a lock is
-        # faster than letting them poll SQLite's busy handler. An in-memory database shares
-        # one connection, so there every transaction takes the lock.
-        self._writer_lock: threading.Lock | None = threading.Lock() if is_sqlite else None
-        self._reader_lock = self._writer_lock if is_memory_sqlite(parsed) else None
+        self.files = SnapshotFiles(snapshot_dir or default_snapshot_dir(self.database.parsed_url))
 
     @classmethod
     def from_env(cls) -> Store:
@@ -124,52 +93,13 @@ class Store:
 
     async def close(self) -> None:
         """Close pooled connections; the store can still be used afterwards (it reconnects)."""
-        await anyio.to_thread.run_sync(self._engine.dispose)
+        await self.database.dispose()
 
     async def __aenter__(self) -> Store:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
-
-    # -- plumbing ---------------------------------------------------------------------------
-
-    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
-        return await anyio.to_thread.run_sync(partial(self._in_thread, fn, *args))
-
-    def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
-        try:
-            self._ensure_schema()
-            return fn(*args)
-        except OperationalError as error:  # read-only, disk full, I/O error, unreachable
-            raise StoreUnavailable(self.url, error) from error
-
-    def _ensure_schema(self) -> None:
-        if self._schema_ready:
-            return
-        with self._schema_lock, self._locked(self._writer_lock):
-            if not self._schema_ready:
-                retry_locked(lambda: migrate(self._write_engine))
-                self._schema_ready = True
-
-    @staticmethod
-    def _locked(lock: threading.Lock | None) -> AbstractContextManager[Any]:
-        return lock if lock is not None else nullcontext()
-
-    def _write(self, work: Callable[[Session], T]) -> T:
-        """Run ``work`` in one write transaction (committed on return, retried on lock errors)."""
-        def attempt() -> T:
-            with self._locked(self._writer_lock), Session(self._write_engine,
-                                                          expire_on_commit=False) as s:
-                with s.begin():
-                    return work(s)
-        return retry_locked(attempt)
-
-    def _read(self, work: Callable[[Session], T]) -> T:
-        def attempt() -> T:
-            with self._locked(self._reader_lock), Session(self._engine) as s, s.begin():
-                return work(s)
-        return retry_locked(attempt)
 
     # -- agents and sessions ----------------------------------------------------------------
 
@@ -182,14 +112,14 @@ class Store:
 
         def upsert() -> None:
             try:
-                self._write(lambda s: queries.upsert_agent(s, *args))
+                self.database.write(lambda s: queries.upsert_agent(s, *args))
             except IntegrityError:  # another process inserted the same name first: update it
-                self._write(lambda s: queries.upsert_agent(s, *args))
-        await self._call(upsert)
+                self.database.write(lambda s: queries.upsert_agent(s, *args))
+        await self.database.run(upsert)
 
     async def get_agent(self, name: str) -> AgentRecord:
         """The stored agent; ``AgentNotFound`` if none has this name."""
-        return await self._call(self._read, lambda s: queries.get_agent(s, name))
+        return await self.database.run(self.database.read, lambda s: queries.get_agent(s, name))
 
     async def create_session(self, agent_name: str, *, session_id: str | None = None,
                              metadata: dict[str, Any] | None = None) -> SessionRecord:
@@ -199,10 +129,10 @@ class Store:
 
         def create() -> SessionRecord:
             try:
-                return self._write(lambda s: queries.create_session(s, agent_name, sid, meta))
+                return self.database.write(lambda s: queries.create_session(s, agent_name, sid, meta))
             except IntegrityError as e:
                 raise UserError(f"session {sid!r} already exists; pass another id or none") from e
-        return await self._call(create)
+        return await self.database.run(create)
 
     async def fork_session(self, session_id: str, *, at: int | None = None, new_id: str | None = None,
                            metadata: dict[str, Any] | None = None) -> SessionRecord:
@@ -211,24 +141,24 @@ class Store:
         a fork works; the parent cannot be deleted while forks share its messages."""
         sid = new_id or uuid.uuid4().hex
         meta = convert.json_object(metadata, "session metadata")
-        return await self._call(self._write, lambda s: queries.fork_session(s, session_id, sid, at, meta))
+        return await self.database.run(self.database.write, lambda s: queries.fork_session(s, session_id, sid, at, meta))
 
     async def get_session(self, session_id: str) -> SessionRecord:
         """The session's row; ``SessionNotFound`` if absent."""
-        return await self._call(
-            self._read, lambda s: convert.session_record(queries.session_row(s, session_id)))
+        return await self.database.run(
+            self.database.read, lambda s: convert.session_record(queries.session_row(s, session_id)))
 
     async def list_sessions(self) -> list[SessionSummary]:
         """Every session with its message and token counts, most recently updated first."""
-        return await self._call(self._read, queries.list_sessions)
+        return await self.database.run(self.database.read, queries.list_sessions)
 
     async def delete_session(self, session_id: str) -> None:
         """Delete the session, its messages, snapshot rows and snapshot files (``UserError``
         while forks share its messages: delete them first)."""
         def delete() -> None:
-            names = self._write(lambda s: queries.delete_session(s, session_id))
+            names = self.database.write(lambda s: queries.delete_session(s, session_id))
             self.files.remove(names)
-        await self._call(delete)
+        await self.database.run(delete)
 
     # -- messages ---------------------------------------------------------------------------
 
@@ -239,14 +169,14 @@ class Store:
         the lease has passed to another holder since."""
         if token_count < 0:
             raise UserError(f"token_count must be >= 0, got {token_count}")
-        return await self._call(self._write, lambda s: queries.append_message(
+        return await self.database.run(self.database.write, lambda s: queries.append_message(
             s, session_id, message, token_count, in_window, fence))
 
     async def messages(self, session_id: str, *, in_window_only: bool = False
                        ) -> list[StoredMessage]:
         """The session's messages in seq order (only those in the window if asked)."""
-        return await self._call(
-            self._read, lambda s: queries.messages(s, session_id, in_window_only))
+        return await self.database.run(
+            self.database.read, lambda s: queries.messages(s, session_id, in_window_only))
 
     async def mark_out_of_window(self, session_id: str, seqs: Sequence[int], *,
                                  replaced_by_seq: int | None = None, fence: int | None = None) -> None:
@@ -256,7 +186,7 @@ class Store:
         chosen = [int(seq) for seq in seqs]
         if not chosen:
             return
-        await self._call(self._write, lambda s: queries.mark_out_of_window(
+        await self.database.run(self.database.write, lambda s: queries.mark_out_of_window(
             s, session_id, chosen, replaced_by_seq, fence))
 
     async def replace_in_window(self, session_id: str, seqs: Sequence[int], replacement: Message,
@@ -274,21 +204,21 @@ class Store:
                 queries.mark_out_of_window(s, session_id, chosen, stored.seq)
             return stored
 
-        return await self._call(self._write, replace)
+        return await self.database.run(self.database.write, replace)
 
     async def last_seq(self, session_id: str) -> int:
         """The seq of the session's newest message (0 for none); ``SessionNotFound`` if absent."""
         def read(s: Session) -> int:
             queries.session_row(s, session_id)
             return queries.last_seq(s, session_id)
-        return await self._call(self._read, read)
+        return await self.database.run(self.database.read, read)
 
     async def rewind(self, session_id: str, after_seq: int) -> int:
         """Take every message after ``after_seq`` out of the window (they stay stored) and put
         back the ones a later summary had replaced, in one transaction; returns how many left:
         ``await store.rewind(sid, 4)`` (e.g. the input of a run that never finished). Messages a
         later truncation dropped stay out (the window would overflow again without them)."""
-        return await self._call(self._write, lambda s: queries.rewind(s, session_id, int(after_seq)))
+        return await self.database.run(self.database.write, lambda s: queries.rewind(s, session_id, int(after_seq)))
 
     async def export_jsonl(self, session_id: str, *, in_window_only: bool = False) -> str:
         """The session as OpenAI chat messages, one JSON object per line: its agent's system
@@ -311,8 +241,9 @@ class Store:
         """
         if ttl_s <= 0:
             raise UserError(f"ttl_s must be > 0, got {ttl_s}")
-        token, dead = await self._call(
-            self._write, lambda s: queries.acquire_lease(s, session_id, holder, ttl_s, self.clock()))
+        taken: tuple[int, str | None] = await self.database.run(
+            self.database.write, lambda s: queries.acquire_lease(s, session_id, holder, ttl_s, self.clock()))
+        token, dead = taken
         if dead is not None:
             logger.warning("took over the lease of session %r from %s, whose process is gone",
                            session_id, dead)
@@ -323,7 +254,7 @@ class Store:
         ``LeaseLost`` once it was released (``force=True``) or passed to another holder."""
         if ttl_s <= 0:
             raise UserError(f"ttl_s must be > 0, got {ttl_s}")
-        await self._call(self._write, lambda s: queries.renew_lease(s, session_id, holder, fence, ttl_s, self.clock()))
+        await self.database.run(self.database.write, lambda s: queries.renew_lease(s, session_id, holder, fence, ttl_s, self.clock()))
 
     async def release_lease(self, session_id: str, holder: str | None = None, *,
                             force: bool = False) -> str | None:
@@ -338,16 +269,16 @@ class Store:
             raise UserError("pass either the holder whose lease to release or force=True, "
                             "not both and not neither")
         if holder is not None:
-            await self._call(self._write, lambda s: queries.release_lease(s, session_id, holder))
+            await self.database.run(self.database.write, lambda s: queries.release_lease(s, session_id, holder))
             return None
-        return await self._call(self._write, lambda s: queries.force_release_lease(s, session_id))
+        return await self.database.run(self.database.write, lambda s: queries.force_release_lease(s, session_id))
 
     async def lease_holder(self, session_id: str) -> str | None:
         """Who holds the session's lease now: None if free or expired (read-only).
 
         ``SessionNotFound`` for an unknown session; ``get_session`` shows the raw columns.
         """
-        return await self._call(self._read, lambda s: queries.lease_holder(s, session_id, live_at=self.clock()))
+        return await self.database.run(self.database.read, lambda s: queries.lease_holder(s, session_id, live_at=self.clock()))
 
     # -- KV snapshots -----------------------------------------------------------------------
 
@@ -359,28 +290,9 @@ class Store:
         keep = self.keep_snapshots if keep is None else keep
         if keep < 1:
             raise UserError(f"keep must be >= 1, got {keep}")
-        return await self._call(self._save_snapshot, session_id, snapshot, keep, fence)
-
-    def _save_snapshot(self, session_id: str, snapshot: KVSnapshot, keep: int, fence: int | None) -> SnapshotRecord:
-        self._read(lambda s: queries.session_row(s, session_id))  # no file for a missing session
-        name = self.files.write(session_id, snapshot)
-        budget = self.snapshot_budget_bytes
-
-        def add(s: Session) -> tuple[SnapshotRecord, list[str]]:
-            record = queries.add_snapshot(s, self.files, session_id, snapshot, name, fence)
-            pruned = retention.excess_snapshots(s, self.files, keep, session_id=session_id)
-            if budget is not None:
-                s.flush()
-                pruned += retention.over_budget(s, budget, keep_session=session_id)
-            return record, pruned
-
-        try:
-            record, pruned = self._write(add)
-        except BaseException:
-            self.files.remove([name])
-            raise
-        self.files.remove(pruned)
-        return record
+        return await self.database.run(partial(housekeeping.save_snapshot, self.database, self.files, session_id,
+                                               snapshot, keep=keep, budget_bytes=self.snapshot_budget_bytes,
+                                               fence=fence))
 
     async def prune(self, *, older_than: timedelta | None = None, keep_snapshots: int | None = None,
                     orphans_older_than: timedelta = ORPHAN_GRACE) -> PruneReport:
@@ -392,25 +304,12 @@ class Store:
         if keep_snapshots is not None and keep_snapshots < 1:
             raise UserError(f"keep_snapshots must be >= 1, got {keep_snapshots}")
         cutoff = utcnow() - older_than if older_than is not None else None
-
-        def prune(s: Session) -> tuple[list[str], list[str]]:
-            deleted, names = retention.old_sessions(s, cutoff) if cutoff is not None else ([], [])
-            if keep_snapshots is not None:
-                names += retention.excess_snapshots(s, self.files, keep_snapshots)
-            return deleted, names
-
-        def run() -> PruneReport:
-            deleted, names = self._write(prune)
-            freed = self.files.remove(names)
-            orphans = self.files.unreferenced(self._read(retention.referenced_files), older_than=orphans_older_than)
-            freed += self.files.remove(orphans)
-            return PruneReport(tuple(deleted), len(names) + len(orphans), len(orphans), freed)
-
-        return await self._call(run)
+        return await self.database.run(partial(housekeeping.prune, self.database, self.files, cutoff=cutoff,
+                                               keep_snapshots=keep_snapshots, orphans_older_than=orphans_older_than))
 
     async def snapshots(self, session_id: str) -> list[SnapshotRecord]:
         """The session's snapshot records, newest first."""
-        return await self._call(self._read, lambda s: queries.snapshots(s, self.files, session_id))
+        return await self.database.run(self.database.read, lambda s: queries.snapshots(s, self.files, session_id))
 
     async def load_snapshot(self, record: SnapshotRecord, *, expected_fingerprint: str
                             ) -> KVSnapshot:
@@ -428,20 +327,19 @@ class Store:
     async def delete_snapshot(self, record: SnapshotRecord) -> None:
         """Delete one snapshot's row and file (e.g. after ``SnapshotCorrupt``)."""
         def delete() -> None:
-            name = self._write(lambda s: queries.delete_snapshot(s, record.id))
+            name = self.database.write(lambda s: queries.delete_snapshot(s, record.id))
             self.files.remove([name or str(record.path)])
-        await self._call(delete)
-
+        await self.database.run(delete)
 
     # -- model calls ------------------------------------------------------------------------
 
     async def record_call(self, record: CallRecord) -> CallRecord:
         """Keep one model call's figures (``SessionNotFound`` for an unknown session)."""
-        return await self._call(self._write, lambda s: queries.add_call(s, record))
+        return await self.database.run(self.database.write, lambda s: queries.add_call(s, record))
 
     async def calls(self, session_id: str) -> list[CallRecord]:
         """The session's model calls, oldest first."""
-        return await self._call(self._read, lambda s: queries.calls(s, session_id))
+        return await self.database.run(self.database.read, lambda s: queries.calls(s, session_id))
 
     # -- API responses ----------------------------------------------------------------------
 
@@ -450,23 +348,23 @@ class Store:
         """Keep an API response of ``session_id`` (covering its messages so far), readable by
         ``owner`` only: ``await store.save_response("resp_1", sid, body, owner="tenant-a")``."""
         payload = convert.json_object(body, "response body")
-        return await self._call(self._write, lambda s: queries.add_response(s, response_id, session_id, owner,
+        return await self.database.run(self.database.write, lambda s: queries.add_response(s, response_id, session_id, owner,
                                                                              payload))
 
     async def get_response(self, response_id: str, *, owner: str = "") -> ResponseRecord:
         """The stored response; ``ResponseNotFound`` if absent or another owner's."""
-        return await self._call(self._read, lambda s: convert.response_record(
+        return await self.database.run(self.database.read, lambda s: convert.response_record(
             queries.response_row(s, response_id, owner)))
 
     async def responses(self, session_id: str) -> list[ResponseRecord]:
         """The session's stored responses, newest first (every owner's)."""
-        return await self._call(self._read, lambda s: queries.responses_of(s, session_id))
+        return await self.database.run(self.database.read, lambda s: queries.responses_of(s, session_id))
 
     async def delete_response(self, response_id: str, *, owner: str = "") -> bool:
         """Delete a response (``ResponseNotFound`` if absent or another owner's). The session
         goes with its last response — messages, snapshots and files; returns True then."""
         def delete() -> bool:
-            gone, names = self._write(lambda s: queries.delete_response(s, response_id, owner))
+            gone, names = self.database.write(lambda s: queries.delete_response(s, response_id, owner))
             self.files.remove(names)
             return gone
-        return await self._call(delete)
+        return await self.database.run(delete)
