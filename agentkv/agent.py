@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -21,9 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
+from agentkv.chat.structured_output import OutputSpec
 from agentkv.engine.base import GenerationConfig
 from agentkv.errors import UserError
-from agentkv.chat.structured_output import OutputSpec
 from agentkv.tools import Tool, tool
 
 if TYPE_CHECKING:
@@ -35,10 +36,10 @@ TOOL_CHOICES = ("auto", "required", "none")
 
 @dataclass(frozen=True)
 class Agent:
-    """An agent definition (immutable; share one across many sessions)."""
+    """An agent definition (immutable; share one across many conversations)."""
 
     name: str
-    """Unique name; sessions and stored rows refer to it."""
+    """Unique name; conversations and stored rows refer to it."""
     instructions: str | None = "You are a helpful assistant."
     """The system prompt. None renders no system turn, so the chat template's own default system
     prompt applies (with tools, their text still needs one: it then carries only that)."""
@@ -105,12 +106,12 @@ class Agent:
             )
         if self.tool_choice != "auto" and self.tool_choice != "none" and not self.tools:
             raise UserError(f"tool_choice={self.tool_choice!r} needs at least one tool")
-        object.__setattr__(self, "_output", None if self.output_type is None else _output_spec(self.name, self.output_type))
+        _ = self.output_spec  # NOTE: a bad output_type is refused here, not at the first run
 
-    @property
+    @functools.cached_property
     def output_spec(self) -> OutputSpec | None:
-        """The schema and parser of ``output_type`` (None without one)."""
-        return self._output  # type: ignore[attr-defined, no-any-return]
+        """The schema and parser of ``output_type`` (None without one): ``agent.output_spec.schema``."""
+        return None if self.output_type is None else _output_spec(self.name, self.output_type)
 
     @property
     def external_tool_names(self) -> frozenset[str]:
@@ -157,7 +158,8 @@ def _as_tool(agent: str, value: Any) -> Tool:
     if isinstance(value, Mapping):  # a raw OpenAI schema: the caller executes the tool
         return tool(value)
     if callable(value):
-        return tool(value)
+        function: Callable[..., Any] = value
+        return tool(function)
     raise UserError(
         f"agent {agent!r}: tools must be functions, @tool-decorated functions or OpenAI tool schemas "
         f"(dicts), got {value!r} ({type(value).__name__})"

@@ -2,7 +2,7 @@
 
 ::
 
-    async for event in runtime.run_stream(session, "hi"):
+    async for event in runtime.run_stream(conversation, "hi"):
         if event.type == "text_delta":
             print(event.text, end="")
 """
@@ -17,8 +17,8 @@ from agentkv.engine.base import GenerationMetrics, TokenLogprob
 
 if TYPE_CHECKING:
     from agentkv.observe.cache_breaks import CacheBreak
-    from agentkv.result import RunResult
     from agentkv.observe.self_check import SelfCheckResult
+    from agentkv.result import RunResult
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class ToolReturned:
 
 @dataclass(frozen=True)
 class CacheBroken:
-    """A model call reuses less KV than its session held: where, in what, and why
+    """A model call reuses less KV than its conversation held: where, in what, and why
     (``agentkv.observe.cache_breaks``). Comes before the call's text."""
 
     step: int
@@ -63,7 +63,7 @@ class CacheBroken:
 @dataclass(frozen=True)
 class SelfCheckFailed:
     """A checked call's cached KV gave logits a fresh prefill does not (``agentkv.observe.self_check``):
-    the session, the figures, and the operations on it since the last check, to reproduce it."""
+    the conversation, the figures, and the operations on it since the last check, to reproduce it."""
 
     session_id: str
     result: SelfCheckResult

@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from agentkv.observe.cache_breaks import CacheBreak
 from agentkv.chat.messages import Message, ToolCall
 from agentkv.engine.base import GenerationMetrics
+from agentkv.observe.cache_breaks import CacheBreak
 from agentkv.observe.self_check import SelfCheckResult
 
 FinishReason = Literal["stop", "length", "tool_calls", "tool_call_cut", "tool_call_invalid", "output_invalid",
@@ -42,15 +42,15 @@ class RunResult:
     None when the run did not end in a valid one (``finish_reason`` says why)."""
     pending_tool_calls: tuple[ToolCall, ...] = ()
     """Calls of caller-executed tools (made from raw schemas) waiting for results: continue the
-    run with ``runtime.run(session, [{"role": "tool", "tool_call_id": call.id, "content": ...}])``."""
+    run with ``runtime.run(conversation, [{"role": "tool", "tool_call_id": call.id, "content": ...}])``."""
     cache_breaks: tuple[CacheBreak | None, ...] = ()
-    """Per model call (as ``step_metrics``): where and why it reused less KV than its session
+    """Per model call (as ``step_metrics``): where and why it reused less KV than its conversation
     held, None where it reused all of it."""
     self_checks: tuple[SelfCheckResult, ...] = ()
     """The calls of this run that self-check mode checked (``Runtime(self_check=...)``)."""
     pending_approvals: tuple[ToolCall, ...] = ()
     """Calls waiting for a person's approval (``finish_reason="approval_required"``): continue
-    with ``runtime.approve(session, call.id)`` or ``runtime.reject(session, call.id, reason)``."""
+    with ``runtime.approve(conversation, call.id)`` or ``runtime.reject(conversation, call.id, reason)``."""
 
     @property
     def prefilled_tokens(self) -> int:

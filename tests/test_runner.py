@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import anyio
 import pytest
 
 from agentkv import Agent, Runtime, tool
+from agentkv.chat.messages import Message
+from agentkv.chat.render import ChatRenderer
 from agentkv.errors import MaxModelCallsExceeded, SessionBusy
 from agentkv.events import (
+    ContextCompacted,
+    ModelCallFinished,
     RunFinished,
     TextDelta,
     ToolCalled,
     ToolReturned,
-    ModelCallFinished,
 )
 from agentkv.run.loop import CANCELLED_RESULT
 from agentkv.testing import ScriptedEngine
@@ -314,4 +318,73 @@ async def test_identical_calls_in_one_model_call_run_once():
     assert sorted(ran) == [4, 5] and [c.arguments for c in result.tool_calls] == [{"n": 4}, {"n": 5}]
     assert [m.content for m in session.messages if m.role == "tool"] == ["8", "10"]
     assert result.final_text == "8 and 10."
+    engine.assert_complete()
+
+
+@pytest.fixture
+def prompt_renders(monkeypatch) -> list[int]:
+    """Records the length of each prompt ``ChatRenderer.render`` renders (a ``message_tokens``
+    sizing of one recorded message is not a prompt and is left out)."""
+    rendered: list[int] = []
+    sizing = [False]
+    render, message_tokens = ChatRenderer.render, ChatRenderer.message_tokens
+
+    def counted_render(self, *args, **kwargs):
+        prompt = render(self, *args, **kwargs)
+        if not sizing[0]:
+            rendered.append(len(prompt.token_ids))
+        return prompt
+
+    def uncounted_message_tokens(self, *args, **kwargs):
+        sizing[0] = True
+        try:
+            return message_tokens(self, *args, **kwargs)
+        finally:
+            sizing[0] = False
+
+    monkeypatch.setattr(ChatRenderer, "render", counted_render)
+    monkeypatch.setattr(ChatRenderer, "message_tokens", uncounted_message_tokens)
+    return rendered
+
+
+async def test_the_prompt_is_rendered_once_per_model_call_retry_included(prompt_renders):
+    reply = call("add", a=1, b=2) + "\n" + call("add", a=3, b=4)
+    engine = ScriptedEngine([call("add", a=2, b=3), reply, reply, "Done."])
+    agent = Agent(name="math", tools=[add], generation={"max_new_tokens": cut_after_first_block(engine, reply)})
+    runtime, session = await open_session(engine, agent)
+    prompt_renders.clear()  # opening renders the agent's shared prefix once
+    events = [event async for event in runtime.run_stream(session, "Add things.")]
+    model_calls = sum(isinstance(e, ModelCallFinished) for e in events)
+    assert model_calls == 3 and len(engine.calls) == 4  # the second model call was retried
+    assert len(prompt_renders) == model_calls
+    assert prompt_renders == [len(c.prompt_ids) for c in engine.calls if c is not engine.calls[2]]
+    engine.assert_complete()
+
+
+class DropOldest:
+    """A context policy that takes the oldest message out of the window and renders nothing."""
+
+    name = "drop_oldest"
+
+    async def compact(self, conversation, agent, *, limit):
+        await conversation.replace_in_window(conversation.window[:1])
+        yield ContextCompacted(self.name, 0, 0, 1, 0.0)
+
+
+async def test_a_compaction_adds_one_render_of_the_new_window_and_a_policy_one_input_sizing(prompt_renders):
+    engine = ScriptedEngine(["first answer", "second"])
+    agent = Agent(name="a", policy=DropOldest(), min_response_len=8)
+    runtime, session = await open_session(engine, agent)
+    await runtime.run(session, "hello " * 20)
+    text = "more " * 20
+    full = len(session.render_with(agent, [*session.messages, Message.user(text)]).token_ids)
+    session.agent = dataclasses.replace(agent, max_prompt_len=full - 2 + agent.min_response_len)
+    before = len(prompt_renders)
+    events = [event async for event in runtime.run_stream(session, text)]
+    assert events[-1].result.final_text == "second"
+    assert sum(isinstance(e, ContextCompacted) for e in events) == 1
+    # the input's sizing (system prompt + the new message: a policy can free the history), the
+    # prompt over the window, and the prompt over the window the compaction left
+    assert len(prompt_renders) - before == 3
+    assert prompt_renders[-2] == full and prompt_renders[-1] == len(engine.calls[-1].prompt_ids) < full
     engine.assert_complete()

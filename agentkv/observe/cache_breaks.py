@@ -1,12 +1,12 @@
-"""Why a model call reused less KV than its session held: where the rendered prompt left the
-session's token log, in which message and part, the tokens on both sides, and the cause.
+"""Why a model call reused less KV than its conversation held: where the rendered prompt left the
+KV session's token log, in which message and part, the tokens on both sides, and the cause.
 
 The runner checks each call (``find_break``); operations that drop KV before a call (rewind, a
 restore that did not cover the history) leave a ``CacheBreak`` on the conversation for the next
 call to report. A break arrives as a ``CacheBroken`` event, in ``RunResult.cache_breaks`` and on
 the CLI's ``--metrics`` line::
 
-    async for event in runtime.run_stream(session, "hi"):
+    async for event in runtime.run_stream(conversation, "hi"):
         if event.type == "cache_broken":
             print(event.cache_break.describe())
     # → "reused 412 of 530 tokens: message 3 (assistant) content differs — cause: window compaction"
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Literal
 from agentkv.engine.base import common_prefix_len
 
 if TYPE_CHECKING:
-    from agentkv.chat.render import RenderedPrompt
+    from agentkv.chat.render import MessageSpan, RenderedPrompt
     from agentkv.engine.base import Tokenizer
 
 Part = Literal["system prompt", "tool schemas", "content", "tool-call arguments", "template markup"]
@@ -37,7 +37,7 @@ TOOLS_MARKER = "You can call these tools"
 
 @dataclass(frozen=True)
 class CacheBreak:
-    """Where and why a call's prompt left the KV the session held."""
+    """Where and why a call's prompt left the KV the conversation held."""
 
     position: int
     """The first token of the prompt the KV did not hold (everything before it was reused)."""
@@ -97,12 +97,15 @@ def locate(position: int, held: Sequence[int], prompt: RenderedPrompt, tokenizer
     kv_side = tokenizer.decode(list(held[position: position + EXCERPT_TOKENS]))
     prompt_side = tokenizer.decode(list(prompt.token_ids[position: position + EXCERPT_TOKENS]))
     after_last = bool(prompt.spans) and position >= prompt.spans[-1].end
+    index: int | None
+    role: str | None
+    part: Part
     if span is None and after_last and kv_side.startswith("<|im_start|>"):
         # the KV held a message the prompt no longer has (rewound, edited away)
         index, role, part = len(prompt.spans), kv_side.removeprefix("<|im_start|>").split("\n")[0] or None, "content"
     elif span is None:
         before = tokenizer.decode(list(prompt.token_ids[:position]))
-        part: Part = "tool schemas" if TOOLS_MARKER in before + prompt_side else (
+        part = "tool schemas" if TOOLS_MARKER in before + prompt_side else (
             "system prompt" if position < prompt.prefix_len else "template markup")
         index, role = None, None
     else:
@@ -126,9 +129,9 @@ def _part_in(before: str, role: str, prompt_side: str) -> Part:
     return "content"
 
 
-def _same_text(held: Sequence[int], prompt: RenderedPrompt, span: object, tokenizer: Tokenizer) -> bool:
+def _same_text(held: Sequence[int], prompt: RenderedPrompt, span: MessageSpan, tokenizer: Tokenizer) -> bool:
     """True when the KV holds the message's text in other tokens (a re-tokenised message)."""
-    start, end = span.start, span.end  # type: ignore[attr-defined]
+    start, end = span.start, span.end
     now = tokenizer.decode(list(prompt.token_ids[start:end]))
     then = tokenizer.decode(list(held[start:end]))
     shared = min(len(now), len(then))  # NOTE: the KV may end inside the message (its last token unfed)

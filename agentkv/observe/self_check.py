@@ -4,13 +4,13 @@ KL divergence, argmax agreement — against the tolerance of the engine's numeri
 
 ``Runtime(engine, self_check=0.05)`` (or ``AGENTKV_SELF_CHECK=0.05``) checks 5% of calls; off by
 default. Results land in ``RunResult.self_checks`` and a log line; a violation is a
-``SelfCheckFailed`` event carrying the session id and the operations since the last check::
+``SelfCheckFailed`` event carrying the conversation id and the operations since the last check::
 
     runtime = Runtime(engine, self_check=1.0)
-    result = await runtime.run(session, "hi")
+    result = await runtime.run(conversation, "hi")
     result.self_checks[0].max_abs_diff, result.self_checks[0].passed
 
-Cost: a fork of the session's KV (block sharing on the paged engine, a copy on the stateful one)
+Cost: a fork of the conversation's KV (block sharing on the paged engine, a copy on the stateful one)
 and one cold prefill of the prompt per checked call (see the README's measured figure).
 """
 
@@ -122,5 +122,6 @@ def _kl(reference: np.ndarray[Any, Any], other: np.ndarray[Any, Any]) -> float:
 
 
 def _log_softmax(logits: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-    shifted = logits - np.max(logits)
-    return shifted - np.log(np.sum(np.exp(shifted)))
+    shifted: np.ndarray[Any, Any] = logits - np.max(logits)
+    result: np.ndarray[Any, Any] = shifted - np.log(np.sum(np.exp(shifted)))
+    return result

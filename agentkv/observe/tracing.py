@@ -48,9 +48,9 @@ class Span:
             self.real.set_attributes(_clean(attributes))
 
     def fail(self, error: BaseException) -> None:
-        if self.real is not None:
+        if self.real is not None and _trace is not None:  # a real span exists only with opentelemetry
             self.real.record_exception(error)
-            self.real.set_status(_trace.Status(_trace.StatusCode.ERROR, str(error)))  # type: ignore[union-attr]
+            self.real.set_status(_trace.Status(_trace.StatusCode.ERROR, str(error)))
 
     def end(self, end_s: float | None = None) -> None:
         if self.real is not None:

@@ -6,7 +6,7 @@
 
     agent = Agent(name="chat", policy=SlidingWindow(low_water=0.7), max_prompt_len=1024)
 
-A policy sees its session only through ``ConversationView`` (``agentkv.policies.protocol``): write
+A policy sees its conversation only through ``ConversationView`` (``agentkv.policies.protocol``): write
 your own by implementing ``ContextPolicy.compact`` against it.
 """
 

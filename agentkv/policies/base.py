@@ -1,22 +1,22 @@
 """Budget helpers and the compaction outline every built-in policy shares.
 
-The runner calls ``policy.compact(session, agent, limit=limit)`` (``ContextPolicy``, in
-``agentkv.policies.protocol``) when the rendered prompt exceeds ``limit``
+The agent loop (``agentkv.run.loop``) calls ``policy.compact(conversation, agent, limit=limit)``
+(``ContextPolicy``, in ``agentkv.policies.protocol``) when the rendered prompt exceeds ``limit``
 (``max_prompt_len - min_response_len``); the policy brings the prompt down to its low-water mark
 (a fraction of ``limit``, so compaction is rare) and yields one ``ContextCompacted`` event::
 
     agent = Agent(name="chat", policy=Truncation(low_water=0.7), max_prompt_len=2048)
-    async for event in agent.policy.compact(session, agent, limit=1792):
+    async for event in agent.policy.compact(conversation, agent, limit=1792):
         print(event.policy, event.tokens_before, "→", event.tokens_after)
 
-Policies see the session only as a ``ConversationView`` (see ``agentkv.policies.protocol``).
+Policies see the conversation only as a ``ConversationView`` (see ``agentkv.policies.protocol``).
 """
 
 from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING
 
 from agentkv.errors import ContextOverflowError, UserError
@@ -42,17 +42,17 @@ def check_low_water(ratio: float) -> float:
     return ratio
 
 
-def prompt_tokens(session: ConversationView[AgentT], agent: AgentT) -> int:
+def prompt_tokens(conversation: ConversationView[AgentT], agent: AgentT) -> int:
     """Tokens of the prompt the runner would send now (generation prompt included)."""
-    return len(session.render(agent).token_ids)
+    return len(conversation.render(agent).token_ids)
 
 
-async def truncate(session: ConversationView[AgentT], agent: AgentT, plan: RemovalPlan) -> None:
+async def truncate(conversation: ConversationView[AgentT], agent: AgentT, plan: RemovalPlan) -> None:
     """Drop the plan's messages from the window and re-prefill from the divergence (inside the
     compaction, so the next model call prefills nothing and the event's cost includes it)."""
     if plan.entries:
-        await session.replace_in_window(plan.entries)
-    await session.realign(agent)
+        await conversation.replace_in_window(plan.entries)
+    await conversation.realign(agent)
 
 
 class WindowPolicy(ABC):
@@ -69,20 +69,20 @@ class WindowPolicy(ABC):
         return f"{type(self).__name__}(low_water={self.low_water})"
 
     async def compact(
-        self, session: ConversationView[AgentT], agent: AgentT, *, limit: int
-    ) -> AsyncIterator[ContextCompacted]:
+        self, conversation: ConversationView[AgentT], agent: AgentT, *, limit: int
+    ) -> AsyncGenerator[ContextCompacted, None]:
         """See ``ContextPolicy.compact``."""
         started = time.perf_counter()
-        before = prompt_tokens(session, agent)
+        before = prompt_tokens(conversation, agent)
         target = low_water_tokens(limit, self.low_water)
-        await fit_oversized(session, agent, limit=limit, target=target)
-        removed, fallback_reason = await self._remove(session, agent, target=target)
-        after = prompt_tokens(session, agent)
+        await fit_oversized(conversation, agent, limit=limit, target=target)
+        removed, fallback_reason = await self._remove(conversation, agent, target=target)
+        after = prompt_tokens(conversation, agent)
         if after > limit:  # a template that renders history-dependently can defeat the estimate
-            plan = plan_removal(session.window, session.render(agent), target=limit)
-            await truncate(session, agent, plan)
+            plan = plan_removal(conversation.window, conversation.render(agent), target=limit)
+            await truncate(conversation, agent, plan)
             removed += len(plan.entries)
-            after = prompt_tokens(session, agent)
+            after = prompt_tokens(conversation, agent)
         if after > limit:
             raise ContextOverflowError(
                 f"after compaction the prompt still has {after} tokens, over the budget of {limit}; "
@@ -96,7 +96,7 @@ class WindowPolicy(ABC):
 
     @abstractmethod
     async def _remove(
-        self, session: ConversationView[AgentT], agent: AgentT, *, target: int
+        self, conversation: ConversationView[AgentT], agent: AgentT, *, target: int
     ) -> tuple[int, str | None]:
         """Remove messages towards ``target`` tokens; return (messages removed, None — or the
         reason the policy fell back to truncation, which the event reports)."""

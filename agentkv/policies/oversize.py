@@ -6,7 +6,7 @@ exceed the budget, no amount of removal helps. By default that raises
 user or tool message is cut — its head and tail kept around a marker — and the cut version
 replaces it in the window (the original stays in the store)::
 
-    await fit_oversized(session, agent, limit=1792, target=1254)
+    await fit_oversized(conversation, agent, limit=1792, target=1254)
 """
 
 from __future__ import annotations
@@ -44,33 +44,33 @@ def cut_content(tokenizer: TextTokenizer, content: str, remove: int) -> str:
     return tokenizer.decode(ids[:head]) + truncation_marker(removed) + tokenizer.decode(kept_tail)
 
 
-async def fit_oversized(session: ConversationView[AgentT], agent: AgentT, *, limit: int, target: int) -> int:
+async def fit_oversized(conversation: ConversationView[AgentT], agent: AgentT, *, limit: int, target: int) -> int:
     """Make the protected messages fit ``limit`` (cutting down to halfway between ``target``
     and ``limit``); return how many messages were cut. Raises ``ContextOverflowError`` when they
     do not fit and the agent did not opt into cutting, or when cutting cannot make them fit."""
     cuts = 0
     for _ in range(_MAX_CUTS):
-        rendered = session.render(agent)
-        floor = plan_removal(session.window, rendered, target=0).floor
+        rendered = conversation.render(agent)
+        floor = plan_removal(conversation.window, rendered, target=0).floor
         if floor <= limit:
             return cuts
-        candidate = _largest_protected(session.messages, rendered.spans)
+        candidate = _largest_protected(conversation.messages, rendered.spans)
         if not agent.truncate_oversized_messages or candidate is None:
             raise _overflow(floor, limit, candidate is None)
         index, length = candidate
-        entry = session.window[index]
+        entry = conversation.window[index]
         # NOTE: cut only down to halfway between the low-water mark and the limit: a cut loses
         # content for good (in the window), so it takes no more than the budget needs.
         excess = floor - max((target + limit) // 2, 1)
-        new_content = cut_content(session.tokenizer, entry.message.content, min(excess, length))
+        new_content = cut_content(conversation.tokenizer, entry.message.content, min(excess, length))
         if new_content == entry.message.content:
             break
         cut = entry.message.model_copy(update={"content": new_content})
-        tokens = session.message_tokens(cut, position=index + 1)
-        await session.replace_in_window([entry], cut, token_count=tokens)
+        tokens = conversation.message_tokens(cut, position=index + 1)
+        await conversation.replace_in_window([entry], cut, token_count=tokens)
         cuts += 1
-    rendered = session.render(agent)
-    floor = plan_removal(session.window, rendered, target=0).floor
+    rendered = conversation.render(agent)
+    floor = plan_removal(conversation.window, rendered, target=0).floor
     if floor > limit:
         raise _overflow(floor, limit, True)
     return cuts

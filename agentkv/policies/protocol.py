@@ -16,7 +16,7 @@ This module imports nothing from ``agentkv`` but messages, events and the engine
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Protocol, TypeVar, runtime_checkable
 
@@ -190,9 +190,9 @@ class ContextPolicy(Protocol):
     """Short name reported in ``ContextCompacted.policy``."""
 
     def compact(
-        self, session: ConversationView[AgentT], agent: AgentT, *, limit: int
-    ) -> AsyncIterator[ContextCompacted]:
-        """Bring ``session.render(agent)`` to at most ``limit`` tokens (to the low-water mark if
+        self, conversation: ConversationView[AgentT], agent: AgentT, *, limit: int
+    ) -> AsyncGenerator[ContextCompacted, None]:
+        """Bring ``conversation.render(agent)`` to at most ``limit`` tokens (to the low-water mark if
         possible); yield one event per compaction. Messages that leave the window are reported
-        through ``session.replace_in_window`` (never deleted from the store). Raises
+        through ``conversation.replace_in_window`` (never deleted from the store). Raises
         ``ContextOverflowError`` when the protected messages alone exceed ``limit``."""

@@ -5,7 +5,7 @@ call with its tool results (an orphaned result breaks templates and confuses mod
 single message. The newest user message and the latest unit are protected (the model must see
 the question and the last tool results)::
 
-    plan = plan_removal(session.window, session.render(agent), target=700)
+    plan = plan_removal(conversation.window, conversation.render(agent), target=700)
     plan.entries          # the oldest removable units, in window order
     plan.token_ranges     # their spans in the rendered prompt, merged, in order
 """

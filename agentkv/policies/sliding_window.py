@@ -33,37 +33,37 @@ class SlidingWindow(WindowPolicy):
     name = "sliding_window"
 
     async def _remove(
-        self, session: ConversationView[AgentT], agent: AgentT, *, target: int
+        self, conversation: ConversationView[AgentT], agent: AgentT, *, target: int
     ) -> tuple[int, str | None]:
-        rendered = session.render(agent)
-        plan = plan_removal(session.window, rendered, target=target)
+        rendered = conversation.render(agent)
+        plan = plan_removal(conversation.window, rendered, target=target)
         if not plan.entries:
             return 0, None
-        if not session.supports_drop:
+        if not conversation.supports_drop:
             reason = "the conversation's engine cannot drop KV spans"
-            logger.warning("session %s: %s; falling back to truncation", session.id, reason)
-            await truncate(session, agent, plan)
+            logger.warning("session %s: %s; falling back to truncation", conversation.id, reason)
+            await truncate(conversation, agent, plan)
             return len(plan.entries), reason
         # Only what the KV holds can be dropped from it (a span may be held in part: the last
         # answer's final token is never fed); anything later is prefilled anyway.
-        covered = common_prefix_len(session.kv_tokens, rendered.token_ids)
+        covered = common_prefix_len(conversation.kv_tokens, rendered.token_ids)
         ranges = [(start, min(end, covered)) for start, end in plan.token_ranges if start < covered]
-        await session.replace_in_window(plan.entries)
+        await conversation.replace_in_window(plan.entries)
         try:
-            await session.drop_spans(ranges)
+            await conversation.drop_spans(ranges)
         except KVShiftUnsupported as error:
             logger.warning("sliding window unavailable (%s); falling back to truncation", error)
-            await session.realign(agent)
+            await conversation.realign(agent)
             return len(plan.entries), str(error)
         kept = covered - sum(end - start for start, end in ranges)
-        _warn_if_misaligned(session, agent, kept)
+        _warn_if_misaligned(conversation, agent, kept)
         return len(plan.entries), None
 
 
-def _warn_if_misaligned(session: ConversationView[AgentT], agent: AgentT, kept: int) -> None:
+def _warn_if_misaligned(conversation: ConversationView[AgentT], agent: AgentT, kept: int) -> None:
     """The remaining messages must render to the tokens the KV now holds; a template that
     renders a message differently once earlier ones are gone costs a re-prefill from there."""
-    aligned = common_prefix_len(session.kv_tokens, session.render(agent).token_ids)
+    aligned = common_prefix_len(conversation.kv_tokens, conversation.render(agent).token_ids)
     if aligned < kept:
         logger.warning(
             "after the span drop the prompt diverges from the KV at token %d of %d (the chat "

@@ -73,36 +73,36 @@ class SummarizeAndReprefill(WindowPolicy):
         """Role of the summary message."""
 
     async def _remove(
-        self, session: ConversationView[AgentT], agent: AgentT, *, target: int
+        self, conversation: ConversationView[AgentT], agent: AgentT, *, target: int
     ) -> tuple[int, str | None]:
         reserve = self.max_summary_tokens + _SUMMARY_MESSAGE_OVERHEAD
-        plan = plan_removal(session.window, session.render(agent), target=target, reserve=reserve)
+        plan = plan_removal(conversation.window, conversation.render(agent), target=target, reserve=reserve)
         if not plan.entries:
             return 0, None
-        summary = await self.summarize(session, [entry.message for entry in plan.entries])
+        summary = await self.summarize(conversation, [entry.message for entry in plan.entries])
         if summary is None:
             reason = f"no usable summary of {len(plan.entries)} messages after {self.max_attempts} attempts"
             logger.warning("%s; falling back to truncation", reason)
-            await truncate(session, agent, plan)
+            await truncate(conversation, agent, plan)
             return len(plan.entries), reason
         message = Message(role=self.role, content=f"{SUMMARY_PREFIX} {summary}")
-        tokens = session.message_tokens(message, position=1)
-        await session.replace_in_window(plan.entries, message, token_count=tokens)
-        await session.realign(agent)
+        tokens = conversation.message_tokens(message, position=1)
+        await conversation.replace_in_window(plan.entries, message, token_count=tokens)
+        await conversation.realign(agent)
         return len(plan.entries), None
 
-    async def summarize(self, session: ConversationView[Any], messages: Sequence[Message]) -> str | None:
+    async def summarize(self, conversation: ConversationView[Any], messages: Sequence[Message]) -> str | None:
         """A summary of ``messages`` written in a scratch session, or None if every attempt on
         some chunk failed or came back empty."""
         # The prompt holds the summary so far and the chunk; the answer needs its own room.
-        room = session.context_len - 2 * self.max_summary_tokens - _PROMPT_OVERHEAD
+        room = conversation.context_len - 2 * self.max_summary_tokens - _PROMPT_OVERHEAD
         budget = max(1, min(self.chunk_tokens, room))
-        chunks = chunk_lines(transcript_lines(messages), session.tokenizer, budget)
-        async with session.scratch() as scratch:
+        chunks = chunk_lines(transcript_lines(messages), conversation.tokenizer, budget)
+        async with conversation.scratch() as scratch:
             summary = ""
             for chunk in chunks:
                 request = chunk_request(chunk, summary)
-                prompt = session.render_messages(
+                prompt = conversation.render_messages(
                     [Message.system(SUMMARIZER_INSTRUCTIONS), Message.user(request)]
                 ).token_ids
                 text = await self._attempt(scratch, prompt)

@@ -23,8 +23,8 @@ class Truncation(WindowPolicy):
     name = "truncation"
 
     async def _remove(
-        self, session: ConversationView[AgentT], agent: AgentT, *, target: int
+        self, conversation: ConversationView[AgentT], agent: AgentT, *, target: int
     ) -> tuple[int, str | None]:
-        plan = plan_removal(session.window, session.render(agent), target=target)
-        await truncate(session, agent, plan)
+        plan = plan_removal(conversation.window, conversation.render(agent), target=target)
+        await truncate(conversation, agent, plan)
         return len(plan.entries), None

@@ -6,10 +6,10 @@ predicate picks) is not run when the model calls it: the run records the call an
 ``finish_reason="approval_required"``. The call waits in the stored history — across restarts —
 until a run continues with ``Decisions``::
 
-    result = await runtime.run(session, "Delete the old logs")
+    result = await runtime.run(conversation, "Delete the old logs")
     result.pending_approvals                     # (ToolCall(name="delete_files", ...),)
-    result = await runtime.approve(session, result.pending_approvals[0].id)
-    # or: await runtime.reject(session, call_id, "not today")
+    result = await runtime.approve(conversation, result.pending_approvals[0].id)
+    # or: await runtime.reject(conversation, call_id, "not today")
 
 Approved calls run then; rejected ones get a result saying so (``rejected_result``); once no call
 waits, the model continues on the same KV, prefilling only the results.

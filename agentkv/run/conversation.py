@@ -2,11 +2,11 @@
 
 Opened by ``Runtime.open_conversation(agent)`` (or ``Runtime.resume(id)``) and run by the runtime::
 
-    session = await runtime.open_conversation(agent)
-    result = await runtime.run(session, "What is 2+2?")
-    print([m.role for m in session.window])
+    conversation = await runtime.open_conversation(agent)
+    result = await runtime.run(conversation, "What is 2+2?")
+    print([m.role for m in conversation.window])
 
-Only one run may use a session at a time: a second concurrent run raises ``SessionBusy``
+Only one run may use a conversation at a time: a second concurrent run raises ``SessionBusy``
 rather than queueing behind the first (a queued run would answer a stale history).
 
 ``Conversation`` is the ``ConversationView`` that context policies work on
@@ -19,14 +19,16 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import TYPE_CHECKING
 
-from agentkv.observe.cache_breaks import Cause, CacheBreak, find_break
 from agentkv.chat.messages import Message
 from agentkv.engine.base import Engine, KVSession
 from agentkv.errors import SessionBusy, UserError
-from agentkv.result import ResumeReport
+from agentkv.observe.cache_breaks import CacheBreak, Cause, find_break
 from agentkv.observe.tracing import Span
+from agentkv.result import ResumeReport
+from agentkv.run.call_checks import CallChecks
 
 if TYPE_CHECKING:
     from agentkv.agent import Agent
@@ -57,10 +59,10 @@ def render_for(renderer: ChatRenderer, agent: Agent, messages: Sequence[Message]
 
 
 MessageSink = Callable[["Conversation", Message, int, bool], Awaitable[int | None]]
-"""``(session, message, token_count, in_window) -> seq``: persists a message (the store's hook)."""
+"""``(conversation, message, token_count, in_window) -> seq``: persists a message (the store's hook)."""
 
 WindowChange = Callable[["Conversation", list[WindowEntry], "WindowEntry | None"], Awaitable[None]]
-"""``(session, removed, replacement)``: a policy is taking ``removed`` out of the window and,
+"""``(conversation, removed, replacement)``: a policy is taking ``removed`` out of the window and,
 if not None, putting ``replacement`` (a summary, or a message cut to fit; ``replacement.replaces``
 lists what it replaces) in their place. Awaited before the window changes; it may set
 ``replacement.seq`` once it has stored the new message."""
@@ -81,10 +83,12 @@ class Conversation:
         on_window_change: WindowChange | None = None,
         window: list[WindowEntry] | None = None,
         salt: str = "",
+        self_check: float = 0.0,
     ) -> None:
         """``sink`` persists each recorded message and ``on_window_change`` each compaction (the
         runtime passes the store's; both None keeps the conversation in memory only); ``salt``:
-        the tenant whose cached prefixes its KV session shares."""
+        the tenant whose cached prefixes its KV session shares; ``self_check``: the fraction of
+        its model calls that self-check mode checks."""
         self.id = session_id
         self.agent = agent
         self.engine = engine
@@ -102,19 +106,11 @@ class Conversation:
         """What ``Runtime.resume`` found for this conversation (None if it was opened, not resumed)."""
         self.on_window_change: WindowChange | None = on_window_change
         """Called by context policies before messages leave the window (the store marks them)."""
-        self.pending_break: CacheBreak | None = None
-        """KV dropped before the next model call (a rewind, a compaction's realign, a restore
-        that fell short), reported by that call (``agentkv.observe.cache_breaks``)."""
-        self.next_break_cause: Cause | None = None
-        """What the runner knows will make the next call's prompt leave the KV."""
-        self.self_check = 0.0
-        """Fraction of this conversation's model calls that self-check mode checks."""
-        self.operations: list[str] = []
-        """What happened to the KV since the last self-check (reported with a violation)."""
+        self.call_checks = CallChecks(self_check=self_check)
+        """What its model calls carry from one to the next: the break the next one reports, the
+        operations since the last self-check, the self-check rate (``agentkv.run.call_checks``)."""
         self.trace_span: Span | None = None
         """The span of the run in progress (``agentkv.observe.tracing``): the parent of its calls' spans."""
-        self.last_shape: tuple[str, str] | None = None
-        """``agent_shape`` of the last model call's agent (a change names the cause of a break)."""
 
     @property
     def context_len(self) -> int:
@@ -141,7 +137,7 @@ class Conversation:
     ) -> WindowEntry | None:
         """Take ``removed`` out of the window; put ``replacement`` (if any) where the first was.
 
-        ``await session.replace_in_window(session.window[:2], Message.system("Summary of ..."))``.
+        ``await conversation.replace_in_window(conversation.window[:2], Message.system("Summary of ..."))``.
         ``on_window_change`` is awaited first: if it raises, the window is unchanged. Returns the
         replacement's entry. ``UserError`` if an entry is not in the window.
         """
@@ -162,7 +158,7 @@ class Conversation:
         return entry
 
     def reload_window(self, entries: list[WindowEntry]) -> bool:
-        """Take the stored window when it differs from ours (another process ran this session);
+        """Take the stored window when it differs from ours (another process ran this conversation);
         the KV realigns by itself on the next model call. Returns whether anything changed."""
         if [e.seq for e in entries] == [e.seq for e in self.window]:
             return False
@@ -174,8 +170,8 @@ class Conversation:
         an operation drops what it held past there; returns it (None: nothing to drop)."""
         found = find_break(self.kv.tokens, self.render(agent, add_generation_prompt=False), self.renderer.tokenizer,
                            cause=cause)
-        if found is not None and self.pending_break is None:
-            self.pending_break = found
+        if found is not None:
+            self.call_checks.hold(found)
         return found
 
     def render(self, agent: Agent, *, add_generation_prompt: bool = True) -> RenderedPrompt:
@@ -186,14 +182,14 @@ class Conversation:
         self, agent: Agent, messages: Sequence[Message], *, add_generation_prompt: bool = True
     ) -> RenderedPrompt:
         """The prompt for ``agent`` over ``messages`` instead of the window (e.g. to size a
-        message before recording it): ``session.render_with(agent, [Message.user("hi")])``."""
+        message before recording it): ``conversation.render_with(agent, [Message.user("hi")])``."""
         return render_for(self.renderer, agent, messages, add_generation_prompt=add_generation_prompt)
 
     # ---- For context policies (``agentkv.policies.protocol.ConversationView``) ---------------------
 
     def render_messages(self, messages: Sequence[Message]) -> RenderedPrompt:
         """``messages`` alone through the chat template, no system prompt or tools added (a
-        summariser's prompt): ``session.render_messages([Message.user("Summarise: ...")])``."""
+        summariser's prompt): ``conversation.render_messages([Message.user("Summarise: ...")])``."""
         return self.renderer.render(messages)
 
     def message_tokens(self, message: Message, *, position: int) -> int:
@@ -208,7 +204,7 @@ class Conversation:
 
     @property
     def kv_tokens(self) -> tuple[int, ...]:
-        """``kv.tokens``: the tokens whose KV this session holds."""
+        """``kv.tokens``: the tokens whose KV this conversation holds."""
         return self.kv.tokens
 
     @property
@@ -221,7 +217,7 @@ class Conversation:
         (``KVSession.drop``; no re-prefill). Raises ``UserError`` for overlapping ranges (before
         any drop) and whatever ``KVSession.drop`` raises (ranges dropped before stay dropped)."""
         ordered = sorted(ranges)
-        for (_, end), (start, _) in zip(ordered, ordered[1:]):
+        for (_, end), (start, _) in pairwise(ordered):
             if start < end:
                 raise UserError(f"drop_spans: ranges overlap: {ordered}")
         for start, end in reversed(ordered):  # NOTE: last first, so earlier offsets stay valid
@@ -236,7 +232,7 @@ class Conversation:
     @asynccontextmanager
     async def scratch(self) -> AsyncIterator[KVSession]:
         """A temporary KV session on the same engine, closed when the block ends (this
-        session's KV is untouched): ``async with session.scratch() as s: await s.generate(...)``."""
+        conversation's KV is untouched): ``async with conversation.scratch() as s: await s.generate(...)``."""
         scratch = await self.engine.open_session()
         try:
             yield scratch
@@ -247,12 +243,12 @@ class Conversation:
 
     @property
     def running(self) -> bool:
-        """True while a run holds the session (``run_guard``)."""
+        """True while a run holds the conversation (``run_guard``)."""
         return self._running
 
     @asynccontextmanager
     async def run_guard(self) -> AsyncIterator[None]:
-        """Mark the session as running for the block; a concurrent run raises ``SessionBusy``."""
+        """Mark the conversation as running for the block; a concurrent run raises ``SessionBusy``."""
         if self._running:
             raise SessionBusy(self.id, "another run in this process")
         self._running = True

@@ -3,7 +3,7 @@ or messages (OpenAI chat dicts or ``Message``s) such as the results of calls a r
 
 ::
 
-    messages = checked_input(agent, session.messages, [{"role": "tool", "tool_call_id": "c1", "content": "4"}])
+    messages = checked_input(agent, conversation.messages, [{"role": "tool", "tool_call_id": "c1", "content": "4"}])
 
 Nothing here records anything: the runner records what this returns, so refused input leaves
 the conversation as it was.
@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from agentkv.agent import Agent
-from agentkv.run.approvals import describe_waiting, needs_approval
 from agentkv.chat.messages import Message, pending_tool_calls
 from agentkv.chat.openai_messages import messages_from_openai
 from agentkv.errors import UserError
+from agentkv.run.approvals import describe_waiting, needs_approval
 
 RunInput = str | Sequence[Mapping[str, object] | Message]
 """What a run starts from: a user message's text, or messages (OpenAI chat dicts or
@@ -50,7 +50,7 @@ def checked_input(agent: Agent, window: Sequence[Message], run_input: RunInput) 
             raise UserError(
                 f"message {index} ({message.role}) cannot come before a decision on the calls waiting for "
                 f"approval: {describe_waiting(waiting)}; approve or reject each first: "
-                "runtime.approve(session, call_id) / runtime.reject(session, call_id, reason)")
+                "runtime.approve(conversation, call_id) / runtime.reject(conversation, call_id, reason)")
         if pending:
             raise UserError(
                 f"message {index} ({message.role}) cannot come before the results of the pending tool calls "
@@ -74,6 +74,6 @@ def _sequence(run_input: object) -> Sequence[Mapping[str, object] | Message]:
         return run_input
     raise UserError(
         f"a run takes a user message's text (str) or a list of messages (OpenAI chat dicts or Messages), "
-        f"got {type(run_input).__name__}: e.g. runtime.run(session, \"Hello\") or "
-        "runtime.run(session, [{'role': 'tool', 'tool_call_id': ..., 'content': ...}])"
+        f"got {type(run_input).__name__}: e.g. runtime.run(conversation, \"Hello\") or "
+        "runtime.run(conversation, [{'role': 'tool', 'tool_call_id': ..., 'content': ...}])"
     )

@@ -1,10 +1,13 @@
 """The agent loop: render → fit the window → generate → parse tool calls → run tools → repeat.
 
 ``run_turns`` reads as the turn's outline; each step is a small function over ``_RunState``.
-Runs go through the runtime, which adds the session's lease, window refresh and snapshot::
+Each model call's prompt is rendered once (again only after a compaction changed the window)
+and that ``RenderedPrompt`` is carried to window fitting, cache-break attribution, generation and
+the self-check.
+Runs go through the runtime, which adds the conversation's lease, window refresh and snapshot::
 
-    result = await runtime.run(session, "What is 17 * 23?")
-    async for event in runtime.run_stream(session, "And now divide by 7"):
+    result = await runtime.run(conversation, "What is 17 * 23?")
+    async for event in runtime.run_stream(conversation, "And now divide by 7"):
         ...
 
 The user message is recorded (committed) before the first model call; each assistant message
@@ -22,45 +25,49 @@ wrote) and lists each distinct call once, each with one result.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 
-from agentkv.observe import tracing
 from agentkv.agent import Agent
-from agentkv.run.approvals import Decisions, awaiting_approval, checked_decisions, needs_approval, rejected_result
-from agentkv.observe.cache_breaks import CacheBreak
-from agentkv.run.call_checks import after_call, cache_break_before, describe_call
 from agentkv.chat.messages import Message, ToolCall, pending_tool_calls
+from agentkv.chat.render import RenderedPrompt
 from agentkv.chat.stream_filter import MarkupFilter, VisibleTokens
-from agentkv.chat.toolcalls import TOOL_CALL_OPEN, answer_grammar, parse_tool_calls, tool_call_grammar
-from agentkv.run.conversation import Conversation, WindowEntry
-from agentkv.engine.base import (
-    GenerationConfig,
-    GenerationMetrics,
-    GenerationResult,
-    TokenConstraint,
-)
+from agentkv.chat.structured_output import OutputInvalid
+from agentkv.chat.toolcalls import TOOL_CALL_OPEN
+from agentkv.engine.base import GenerationMetrics, GenerationResult
 from agentkv.errors import ContextOverflowError, MaxModelCallsExceeded
 from agentkv.events import (
     ApprovalRequired,
     CacheBroken,
     ContextCompacted,
-    SelfCheckFailed,
+    ModelCallFinished,
     RunEvent,
     RunFinished,
+    SelfCheckFailed,
     TextDelta,
     ToolCalled,
     ToolReturned,
-    ModelCallFinished,
 )
-from agentkv.chat.structured_output import OutputInvalid
-from agentkv.result import FinishReason, RunResult
-from agentkv.run.input import RunInput, checked_input
+from agentkv.observe import tracing
+from agentkv.observe.cache_breaks import CacheBreak
 from agentkv.observe.self_check import SelfCheckResult
+from agentkv.result import FinishReason, RunResult
+from agentkv.run.approvals import (
+    Decisions,
+    awaiting_approval,
+    checked_decisions,
+    needs_approval,
+    rejected_result,
+)
+from agentkv.run.call_checks import describe_call
+from agentkv.run.call_settings import call_config, call_constraint, room
+from agentkv.run.conversation import Conversation, WindowEntry
+from agentkv.run.input import RunInput, checked_input
+from agentkv.run.reply import Reply, read_reply
 from agentkv.tools import run_tool_calls
 
 logger = logging.getLogger(__name__)
@@ -75,7 +82,7 @@ class _RunState:
     """Everything one run accumulates."""
 
     agent: Agent
-    session: Conversation
+    conversation: Conversation
     new_messages: list[Message] = field(default_factory=list)
     tool_calls: list[ToolCall] = field(default_factory=list)
     metrics: list[GenerationMetrics] = field(default_factory=list)
@@ -83,12 +90,14 @@ class _RunState:
     checks: list[SelfCheckResult] = field(default_factory=list)
     last_result: GenerationResult | None = None
     """The newest model call's result (set when its stream ends)."""
+    prompt: RenderedPrompt | None = None
+    """The next model call's prompt over the current window (None: the window changed since)."""
 
     def result(self, final_text: str, finish_reason: FinishReason = "stop",
                pending: tuple[ToolCall, ...] = (), output: Any = None, *,
                approvals: tuple[ToolCall, ...] = ()) -> RunResult:
         return RunResult(
-            session_id=self.session.id,
+            session_id=self.conversation.id,
             final_text=final_text,
             new_messages=tuple(self.new_messages),
             tool_calls=tuple(self.tool_calls),
@@ -102,19 +111,12 @@ class _RunState:
         )
 
 
-@dataclass(frozen=True)
-class _Reply:
-    """What one model call amounts to: an answer, tool calls, or a broken call."""
-
-    finish: FinishReason
-    content: str
-    """The text outside any tool-call markup."""
-    calls: tuple[ToolCall, ...] = ()
-
-
-async def run_turns(agent: Agent, session: Conversation, user_input: RunInput | Decisions) -> AsyncIterator[RunEvent]:
-    """The turn loop of one run, without the one-run-per-session guard (the caller holds it)."""
-    state = _RunState(agent, session)
+async def run_turns(agent: Agent, conversation: Conversation,
+                    user_input: RunInput | Decisions) -> AsyncGenerator[RunEvent, None]:
+    """The turn loop of one run, without the one-run-per-conversation guard (the caller holds
+    it): ``async for event in run_turns(agent, conversation, "hi"): ...``."""
+    state = _RunState(agent, conversation)
+    checks = conversation.call_checks
     recorded: list[WindowEntry] = []
     if isinstance(user_input, Decisions):
         async with aclosing(_apply_decisions(state, user_input)) as applied:
@@ -128,25 +130,26 @@ async def run_turns(agent: Agent, session: Conversation, user_input: RunInput | 
         async with aclosing(_fit_window(state)) as compactions:
             try:
                 async for event in compactions:
-                    session.next_break_cause = "window compaction"
+                    checks.expect("window compaction")
                     if isinstance(event, ContextCompacted):
-                        session.operations.append(f"compaction by {event.policy}: {event.tokens_before} → "
-                                                  f"{event.tokens_after} tokens")
-                        tracing.finished("agentkv.compaction", session.trace_span, event.cost_ms / 1000,
+                        checks.note(f"compaction by {event.policy}: {event.tokens_before} → "
+                                    f"{event.tokens_after} tokens")
+                        tracing.finished("agentkv.compaction", conversation.trace_span, event.cost_ms / 1000,
                                          policy=event.policy, tokens_before=event.tokens_before,
                                          tokens_after=event.tokens_after, fallback=event.fallback)
                     yield event
             except ContextOverflowError:
                 if step == 0:  # NOTE: out of the window (still stored): it must not block later turns
                     with anyio.CancelScope(shield=True):
-                        await session.replace_in_window(recorded)
+                        await conversation.replace_in_window(recorded)
                 raise
-        async with aclosing(_generate_with_retry(state, step)) as generation:
+        assert state.prompt is not None
+        async with aclosing(_generate_with_retry(state, step, state.prompt)) as generation:
             async for delta in generation:
                 yield delta
         result = state.last_result
         assert result is not None
-        reply = _read_reply(agent, result)
+        reply = read_reply(agent, result)
         await _record_assistant(state, result, reply)
         external = agent.external_tool_names
         ours = tuple(c for c in reply.calls if c.name not in external and not needs_approval(agent, c))
@@ -179,16 +182,16 @@ async def run_turns(agent: Agent, session: Conversation, user_input: RunInput | 
 
 async def _answer_cancelled(state: _RunState, calls: tuple[ToolCall, ...]) -> None:
     """Record ``CANCELLED_RESULT`` for each of ``calls`` still without a result."""
-    pending = pending_tool_calls(state.session.messages)
+    pending = pending_tool_calls(state.conversation.messages)
     for call in calls:
         if call.id in pending:
             await _record(state, Message.tool(CANCELLED_RESULT, tool_call_id=call.id, name=call.name))
 
 
-async def _stop_if_waiting(state: _RunState, content: str) -> AsyncIterator[RunEvent]:
+async def _stop_if_waiting(state: _RunState, content: str) -> AsyncGenerator[RunEvent, None]:
     """End the run when calls wait: for a person's approval (``approval_required``), or for the
     caller's results (``tool_calls``); otherwise yield nothing and the run goes on."""
-    agent, messages = state.agent, state.session.messages
+    agent, messages = state.agent, state.conversation.messages
     approvals = awaiting_approval(agent, messages)
     theirs = tuple(c for c in pending_tool_calls(messages).values() if c.name in agent.external_tool_names)
     if approvals:
@@ -198,9 +201,9 @@ async def _stop_if_waiting(state: _RunState, content: str) -> AsyncIterator[RunE
         yield RunFinished(state.result(content, "tool_calls", theirs))
 
 
-async def _apply_decisions(state: _RunState, decisions: Decisions) -> AsyncIterator[RunEvent]:
+async def _apply_decisions(state: _RunState, decisions: Decisions) -> AsyncGenerator[RunEvent, None]:
     """Record each rejection, run the approved calls; end the run if calls still wait."""
-    approved, rejected = checked_decisions(state.agent, state.session.messages, decisions)
+    approved, rejected = checked_decisions(state.agent, state.conversation.messages, decisions)
     for call, reason in rejected:
         content = rejected_result(reason)
         await _record(state, Message.tool(content, tool_call_id=call.id, name=call.name))
@@ -215,22 +218,25 @@ async def _apply_decisions(state: _RunState, decisions: Decisions) -> AsyncItera
 
 
 async def _record(state: _RunState, message: Message) -> WindowEntry:
-    entry = await state.session.record(message)
+    state.prompt = None  # the window changes
+    entry = await state.conversation.record(message)
     state.new_messages.append(message)
     return entry
 
 
 async def _record_input(state: _RunState, run_input: RunInput) -> list[WindowEntry]:
     """Record what the run starts from — checked first, so a refused input records nothing."""
-    return await _record_new(state, checked_input(state.agent, state.session.messages, run_input))
+    return await _record_new(state, checked_input(state.agent, state.conversation.messages, run_input))
 
 
 async def _record_new(state: _RunState, messages: list[Message]) -> list[WindowEntry]:
-    """Record ``messages`` unless they cannot fit the window whatever the policy does."""
-    agent, session = state.agent, state.session
+    """Record ``messages`` unless they cannot fit the window whatever the policy does. Without a
+    policy the prompt checked is the first model call's: it is carried to it (``state.prompt``)."""
+    agent, conversation = state.agent, state.conversation
     limit = _prompt_limit(state)
-    history = session.messages if agent.policy is None else []  # a policy can free the history
-    needed = len(session.render_with(agent, [*history, *messages]).token_ids)
+    history = conversation.messages if agent.policy is None else []  # a policy can free the history
+    rendered = conversation.render_with(agent, [*history, *messages])
+    needed = len(rendered.token_ids)
     if needed > limit and not (agent.truncate_oversized_messages and agent.policy is not None):
         where = "with the system prompt" if agent.policy is not None else "with the history (the agent has no policy)"
         raise ContextOverflowError(
@@ -240,72 +246,83 @@ async def _record_new(state: _RunState, messages: list[Message]) -> list[WindowE
             prompt_tokens=needed,
             limit=limit,
         )
-    return [await _record(state, message) for message in messages]
+    recorded = [await _record(state, message) for message in messages]
+    if agent.policy is None:  # NOTE: the window is now ``history + messages``: this is its prompt
+        state.prompt = rendered
+    return recorded
 
 
-async def _fit_window(state: _RunState) -> AsyncIterator[RunEvent]:
-    """Apply the agent's context policy when the prompt exceeds its budget."""
-    agent, session = state.agent, state.session
+async def _fit_window(state: _RunState) -> AsyncGenerator[RunEvent, None]:
+    """Apply the agent's context policy when the prompt exceeds its budget; sets
+    ``state.prompt`` to the next model call's prompt (rendered once, again only after a
+    compaction changed the window)."""
+    agent, conversation = state.agent, state.conversation
     limit = _prompt_limit(state)
-    prompt_len = len(session.render(agent).token_ids)
-    if prompt_len <= limit:
+    prompt = state.prompt = state.prompt or conversation.render(agent)
+    if len(prompt.token_ids) <= limit:
         return
     if agent.policy is None:
         raise ContextOverflowError(
-            f"the prompt has {prompt_len} tokens, over the budget of {limit} "
+            f"the prompt has {len(prompt.token_ids)} tokens, over the budget of {limit} "
             f"(max_prompt_len - min_response_len); give the agent a policy, e.g. "
             f"Agent(policy=Truncation()), or raise max_prompt_len",
-            prompt_tokens=prompt_len,
+            prompt_tokens=len(prompt.token_ids),
             limit=limit,
         )
-    async with aclosing(agent.policy.compact(session, agent, limit=limit)) as events:
+    state.prompt = None
+    async with aclosing(agent.policy.compact(conversation, agent, limit=limit)) as events:
         async for event in events:
             yield event
-    compacted_len = len(session.render(agent).token_ids)
-    if compacted_len > limit:
+    compacted = state.prompt = conversation.render(agent)  # NOTE: the window changed: render the new one
+    if len(compacted.token_ids) > limit:
         raise ContextOverflowError(
-            f"the context policy {agent.policy!r} left {compacted_len} tokens, over the budget of "
+            f"the context policy {agent.policy!r} left {len(compacted.token_ids)} tokens, over the budget of "
             f"{limit}; use one of agentkv.policies or raise max_prompt_len",
-            prompt_tokens=compacted_len,
+            prompt_tokens=len(compacted.token_ids),
             limit=limit,
         )
 
 
 def _prompt_limit(state: _RunState) -> int:
-    return state.agent.prompt_budget(state.session.context_len)
+    return state.agent.prompt_budget(state.conversation.context_len)
 
 
-async def _generate_with_retry(state: _RunState, step: int) -> AsyncIterator[TextDelta]:
-    """One model call; a tool call cut by the token limit is generated once more with room for
-    it (its text was streamed already, so the retry streams nothing). Sets ``state.last_result``."""
-    async with aclosing(_generate(state, step)) as generation:
+async def _generate_with_retry(state: _RunState, step: int,
+                               prompt: RenderedPrompt) -> AsyncGenerator[RunEvent, None]:
+    """One model call on ``prompt``; a tool call cut by the token limit is generated once more
+    with room for it (its text was streamed already, so the retry streams nothing). Sets
+    ``state.last_result``."""
+    async with aclosing(_generate(state, step, prompt)) as generation:
         async for delta in generation:
             yield delta
     result = state.last_result
     assert result is not None
-    room = _room(state, len(state.session.render(state.agent).token_ids))
-    budget = min(room, max(2 * result.metrics.generated_tokens, CALL_RETRY_MIN_TOKENS))
-    if _read_reply(state.agent, result).finish == "tool_call_cut" and budget > result.metrics.generated_tokens:
-        state.session.next_break_cause = "retry of a cut tool call"
-        async with aclosing(_generate(state, step, max_new_tokens=budget)) as generation:
+    left = room(state.agent, state.conversation.context_len, len(prompt.token_ids))
+    budget = min(left, max(2 * result.metrics.generated_tokens, CALL_RETRY_MIN_TOKENS))
+    if read_reply(state.agent, result).finish == "tool_call_cut" and budget > result.metrics.generated_tokens:
+        state.conversation.call_checks.expect("retry of a cut tool call")
+        async with aclosing(_generate(state, step, prompt, max_new_tokens=budget)) as generation:
             async for _ in generation:
                 pass
 
 
-async def _generate(state: _RunState, step: int, *, max_new_tokens: int | None = None) -> AsyncIterator[TextDelta]:
-    """One model call on the session's KV; streams visible text, then sets ``state.last_result``."""
-    agent, session = state.agent, state.session
-    prompt = session.render(agent)
-    config = _step_config(state, len(prompt.token_ids))
+async def _generate(state: _RunState, step: int, prompt: RenderedPrompt, *,
+                    max_new_tokens: int | None = None) -> AsyncGenerator[RunEvent, None]:
+    """One model call on the conversation's KV; streams visible text, then sets ``state.last_result``."""
+    agent, conversation = state.agent, state.conversation
+    checks = conversation.call_checks
+    config = call_config(agent, conversation.context_len, len(prompt.token_ids))
     if max_new_tokens is not None:
         config = config.model_copy(update={"max_new_tokens": max_new_tokens})
     visible = VisibleTokens(MarkupFilter(TOOL_CALL_OPEN) if agent.tools and agent.tool_choice != "none" else None)
-    found = cache_break_before(session, agent, prompt)
+    found = checks.break_before(agent, conversation.kv.tokens, prompt, conversation.renderer.tokenizer)
     state.breaks.append(found)
     if found is not None:
         yield CacheBroken(step, found)
-    with tracing.span("agentkv.model_call", session.trace_span, session_id=session.id, step=step) as call_span:
-        async with session.kv.stream(prompt.token_ids, config, _constraint(state, step)) as stream:
+    constraint = call_constraint(agent, conversation.engine, step)
+    with tracing.span("agentkv.model_call", conversation.trace_span, session_id=conversation.id,
+                      step=step) as call_span:
+        async with conversation.kv.stream(prompt.token_ids, config, constraint) as stream:
             async for delta in stream:
                 text, logprobs = visible.feed(delta)
                 if text:
@@ -315,51 +332,17 @@ async def _generate(state: _RunState, step: int, *, max_new_tokens: int | None =
     tail, logprobs = visible.flush()
     if tail:
         yield TextDelta(tail, logprobs)
-    checked = await after_call(session, prompt, step, stream.result.metrics, found)
+    checked = await checks.after_call(conversation.engine, conversation.kv, prompt, step, stream.result.metrics,
+                                      found, label=conversation.id)
     if checked is not None:
         state.checks.append(checked)
         if not checked.passed:
-            yield SelfCheckFailed(session.id, checked, tuple(session.operations))
-            session.operations.clear()
+            yield SelfCheckFailed(conversation.id, checked, checks.take_operations())
     state.metrics.append(stream.result.metrics)
     state.last_result = stream.result
 
 
-def _room(state: _RunState, prompt_len: int) -> int:
-    """Tokens the window leaves for an answer after a prompt of ``prompt_len``."""
-    return max(1, state.agent.max_prompt(state.session.context_len) - prompt_len)
-
-
-def _step_config(state: _RunState, prompt_len: int) -> GenerationConfig:
-    """The agent's config, with max_new_tokens capped to what the window leaves."""
-    agent = state.agent
-    room = _room(state, prompt_len)
-    if agent.generation.max_new_tokens <= room:
-        return agent.generation
-    return agent.generation.model_copy(update={"max_new_tokens": room})
-
-
-def _constraint(state: _RunState, step: int) -> TokenConstraint | None:
-    """A grammar for tool calls (when the agent has tools and the engine supports grammars)
-    whose answer, with an ``output_type``, is JSON under its schema."""
-    agent = state.agent
-    output = agent.output_spec
-    answer_schema = output.schema if output is not None else None
-    tools_on = bool(agent.tools) and agent.tool_choice != "none"
-    if tools_on and (agent.constrain_tool_calls or output is not None):
-        # The forced choice applies to the first model call only; after tool results the model
-        # must be free to answer (otherwise "required" could never finish).
-        choice = agent.tool_choice if step == 0 else "auto"
-        grammar = tool_call_grammar(agent.tool_schemas, choice, parallel=agent.parallel_tool_calls,
-                                    answer_schema=answer_schema)
-    elif answer_schema is not None:
-        grammar = answer_grammar(answer_schema)
-    else:
-        return None
-    return state.session.engine.make_constraint(grammar)
-
-
-def _final_result(state: _RunState, reply: _Reply) -> RunResult:
+def _final_result(state: _RunState, reply: Reply) -> RunResult:
     """The run's result from its last reply; with an ``output_type`` the answer parsed."""
     output = state.agent.output_spec
     if output is None or reply.finish != "stop":
@@ -371,35 +354,20 @@ def _final_result(state: _RunState, reply: _Reply) -> RunResult:
         return state.result(reply.content, "output_invalid")
 
 
-def _read_reply(agent: Agent, result: GenerationResult) -> _Reply:
-    """Sort one generation into an answer, tool calls, or a cut / invalid call."""
-    cut = result.finish_reason == "length"
-    if not agent.tools or agent.tool_choice == "none":
-        return _Reply("length" if cut else "stop", result.text)
-    parsed = parse_tool_calls(result.text)
-    if parsed.truncated:  # NOTE: with calls before it too: the cut call is retried, never dropped
-        return _Reply("tool_call_cut" if cut else "tool_call_invalid", parsed.content)
-    if parsed.tool_calls:
-        return _Reply("tool_calls", parsed.content, parsed.tool_calls)
-    if parsed.errors:
-        return _Reply("tool_call_cut" if cut else "tool_call_invalid", parsed.content)
-    return _Reply("length" if cut else "stop", parsed.content)
-
-
-async def _record_assistant(state: _RunState, result: GenerationResult, reply: _Reply) -> Message:
+async def _record_assistant(state: _RunState, result: GenerationResult, reply: Reply) -> Message:
     """Record the assistant message: generated ids kept verbatim, except for a broken call,
     whose markup is dropped (only the text around it stays in the history)."""
     broken = reply.finish in ("tool_call_cut", "tool_call_invalid")
     token_ids = None if broken else result.token_ids
     if broken:  # NOTE: the discarded markup leaves the KV too, so the KV stays a prefix of the history
-        await state.session.kv.trim(result.metrics.prompt_tokens)
+        await state.conversation.kv.trim(result.metrics.prompt_tokens)
     message = Message.assistant(reply.content, tool_calls=reply.calls, token_ids=token_ids)
     await _record(state, message)
     state.tool_calls.extend(reply.calls)
     return message
 
 
-async def _run_tools(state: _RunState, calls: tuple[ToolCall, ...]) -> AsyncIterator[RunEvent]:
+async def _run_tools(state: _RunState, calls: tuple[ToolCall, ...]) -> AsyncGenerator[RunEvent, None]:
     """Run the calls concurrently; record and announce each result in call order. Stopped
     before that, each call still without a result gets ``CANCELLED_RESULT``."""
     try:
@@ -408,7 +376,7 @@ async def _run_tools(state: _RunState, calls: tuple[ToolCall, ...]) -> AsyncIter
         outcomes = await run_tool_calls(state.agent.tools, calls, default_timeout_s=state.agent.tool_timeout_s)
         for outcome in outcomes:
             await _record(state, outcome.to_message())
-            tracing.finished("agentkv.tool_call", state.session.trace_span, outcome.duration_s,
+            tracing.finished("agentkv.tool_call", state.conversation.trace_span, outcome.duration_s,
                              tool=outcome.call.name, call_id=outcome.call.id, is_error=outcome.is_error)
             yield ToolReturned(outcome.call, outcome.content, outcome.is_error, outcome.duration_s)
     except BaseException:

@@ -2,6 +2,7 @@
 at a time per conversation, and persists each turn.
 
 - ``runtime``: ``Runtime`` (``await runtime.run(conversation, "hi")``);
+- ``branches``: forks, rewinds and edits of a stored conversation (their KV and window);
 - ``persistence``: what a run writes to the store (messages, calls, snapshots);
-- ``stored_agent``: an ``Agent`` rebuilt from its stored row.
+- ``stored_agent``: an ``Agent`` to and from its stored row.
 """

@@ -1,10 +1,10 @@
-"""Bridges agent sessions and the store: record messages, lease runs, snapshot KV after a turn, resume.
+"""Bridges conversations and the store: record messages, lease runs, snapshot KV after a turn, resume.
 
 Runtime-level glue (it knows Conversation and Store; the store itself knows neither the
 engine nor the runner). Used by ``Runtime`` when it is given a store::
 
     runtime = Runtime(engine, store=Store.from_env(), agents=[agent])
-    session = await runtime.resume(session_id)
+    conversation = await runtime.resume(session_id)
 """
 
 from __future__ import annotations
@@ -12,21 +12,21 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from agentkv.run.approvals import needs_approval
 from agentkv.chat.messages import Message, pending_tool_calls
-from agentkv.run.conversation import Conversation, WindowEntry
 from agentkv.engine.base import KVSession, common_prefix_len
 from agentkv.errors import SnapshotCorrupt, SnapshotIncompatible
+from agentkv.events import CacheBroken, ContextCompacted, ModelCallFinished, RunEvent
+from agentkv.memory import CallRecord, Store
 from agentkv.observe import tracing
 from agentkv.observe.cache_breaks import CacheBreak
-from agentkv.events import CacheBroken, ContextCompacted, RunEvent, ModelCallFinished
-from agentkv.memory import CallRecord, Store
 from agentkv.result import ResumeReport
+from agentkv.run.approvals import needs_approval
+from agentkv.run.conversation import Conversation, WindowEntry
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CallLog", "Restored", "ResumeReport", "StoreSink", "StoreWindowHook", "load_window", "record_interrupted_calls",
-           "restore_newest_snapshot", "save_snapshot"]
+__all__ = ["CallLog", "Restored", "ResumeReport", "StoreSink", "StoreWindowHook", "load_window",
+           "record_interrupted_calls", "restore_newest_snapshot", "save_snapshot"]
 
 
 class StoreSink:
@@ -35,9 +35,9 @@ class StoreSink:
     def __init__(self, store: Store) -> None:
         self.store = store
 
-    async def __call__(self, session: Conversation, message: Message, token_count: int, in_window: bool) -> int:
-        stored = await self.store.append_message(session.id, message, token_count=token_count, in_window=in_window,
-                                                 fence=session.lease_token)
+    async def __call__(self, conversation: Conversation, message: Message, token_count: int, in_window: bool) -> int:
+        stored = await self.store.append_message(conversation.id, message, token_count=token_count,
+                                                 in_window=in_window, fence=conversation.lease_token)
         return stored.seq
 
 
@@ -49,15 +49,17 @@ class StoreWindowHook:
     def __init__(self, store: Store) -> None:
         self.store = store
 
-    async def __call__(self, session: Conversation, removed: list[WindowEntry], replacement: WindowEntry | None) -> None:
+    async def __call__(self, conversation: Conversation, removed: list[WindowEntry],
+                       replacement: WindowEntry | None) -> None:
         seqs = [entry.seq for entry in removed if entry.seq is not None]
         if replacement is not None:
             stored = await self.store.replace_in_window(
-                session.id, seqs, replacement.message, token_count=replacement.token_count, fence=session.lease_token
+                conversation.id, seqs, replacement.message, token_count=replacement.token_count,
+                fence=conversation.lease_token,
             )
             replacement.seq = stored.seq
         elif seqs:
-            await self.store.mark_out_of_window(session.id, seqs, fence=session.lease_token)
+            await self.store.mark_out_of_window(conversation.id, seqs, fence=conversation.lease_token)
 
 
 async def load_window(store: Store, session_id: str) -> list[WindowEntry]:
@@ -82,7 +84,7 @@ async def load_window(store: Store, session_id: str) -> list[WindowEntry]:
 INTERRUPTED_RESULT = "error: interrupted (the process stopped before the tool returned)"
 
 
-async def record_interrupted_calls(session: Conversation) -> int:
+async def record_interrupted_calls(conversation: Conversation) -> int:
     """Record an ``INTERRUPTED_RESULT`` for every call of the agent's own tools in the window
     that has no result (a process died mid-tool), so the history is a valid message sequence
     again; returns how many. Calls of caller-executed tools wait for the caller's results, and
@@ -90,21 +92,21 @@ async def record_interrupted_calls(session: Conversation) -> int:
     Idempotent: a call that has a result is left alone.
 
     NOTE: results are appended at the end, which is where a crash leaves its orphans (the
-    last assistant turn); the caller holds the session's lease.
+    last assistant turn); the caller holds the conversation's lease.
     """
-    agent = session.agent  # calls the caller answers, or a person approves, are pending by design
-    orphans = [call for call in pending_tool_calls(session.messages).values()
+    agent = conversation.agent  # calls the caller answers, or a person approves, are pending by design
+    orphans = [call for call in pending_tool_calls(conversation.messages).values()
                if call.name not in agent.external_tool_names and not needs_approval(agent, call)]
     for call in orphans:
-        await session.record(Message.tool(INTERRUPTED_RESULT, tool_call_id=call.id, name=call.name))
+        await conversation.record(Message.tool(INTERRUPTED_RESULT, tool_call_id=call.id, name=call.name))
     if orphans:
         logger.warning("session %s: %d tool call(s) had no result (interrupted); recorded one each",
-                       session.id, len(orphans))
+                       conversation.id, len(orphans))
     return len(orphans)
 
 
-async def save_snapshot(store: Store, session: Conversation) -> None:
-    """Snapshot the session's KV to a file and reference it (a failure is one warning line,
+async def save_snapshot(store: Store, conversation: Conversation) -> None:
+    """Snapshot the conversation's KV to a file and reference it (a failure is one warning line,
     never raised: it only costs a longer prefill on resume).
 
     Only the part of the KV that the stored history renders to is kept: after a failed or
@@ -112,28 +114,28 @@ async def save_snapshot(store: Store, session: Conversation) -> None:
     snapshot of it could never be restored.
     """
     try:
-        history = session.render(session.agent, add_generation_prompt=False).token_ids
-        usable = common_prefix_len(session.kv.tokens, history)
+        history = conversation.render(conversation.agent, add_generation_prompt=False).token_ids
+        usable = common_prefix_len(conversation.kv.tokens, history)
         if usable == 0:
             return
-        with tracing.span("agentkv.snapshot.save", session.trace_span, session_id=session.id) as span:
-            snapshot = await session.kv.snapshot()
+        with tracing.span("agentkv.snapshot.save", conversation.trace_span, session_id=conversation.id) as span:
+            snapshot = await conversation.kv.snapshot()
             if usable < snapshot.num_tokens:
                 snapshot = snapshot.prefix(usable)
-            await store.save_snapshot(session.id, snapshot, fence=session.lease_token)
+            await store.save_snapshot(conversation.id, snapshot, fence=conversation.lease_token)
             span.set(tokens=snapshot.num_tokens, bytes=snapshot.nbytes, precision=snapshot.precision)
     except Exception as error:  # NOTE: no traceback: a full disk would print one every turn
-        logger.warning("could not save a KV snapshot of session %s (%s: %s); %s", session.id,
-                       type(error).__name__, error, await _what_resume_uses(store, session))
+        logger.warning("could not save a KV snapshot of session %s (%s: %s); %s", conversation.id,
+                       type(error).__name__, error, await _what_resume_uses(store, conversation))
 
 
-async def _what_resume_uses(store: Store, session: Conversation) -> str:
-    """What a resume of ``session`` would restore now, as the end of a warning line."""
+async def _what_resume_uses(store: Store, conversation: Conversation) -> str:
+    """What a resume of ``conversation`` would restore now, as the end of a warning line."""
     try:
-        records = await store.snapshots(session.id)
+        records = await store.snapshots(conversation.id)
     except Exception as error:
         return f"the store cannot say which older snapshot a resume would use ({error})"
-    fingerprint = session.engine.fingerprint
+    fingerprint = conversation.engine.fingerprint
     usable = [r for r in records if r.fingerprint == fingerprint and store.files.looks_whole(str(r.path), r.nbytes)]
     if not usable:
         return "no older snapshot exists: a resume will prefill its history from the start"
@@ -149,7 +151,7 @@ class Restored:
     tokens: int
     """Tokens of KV restored (a prefix of the prompt; 0: none)."""
     held: int
-    """Tokens the newest stored snapshot of this model held: the KV the session had when it
+    """Tokens the newest stored snapshot of this model held: the KV the conversation had when it
     was last saved (0: no snapshot). Restoring fewer than this lost KV: a cache break."""
     skipped: tuple[str, ...]
     """Why snapshots were passed over."""
@@ -161,7 +163,7 @@ async def restore_newest_snapshot(
     """Restore into ``kv`` the newest valid snapshot that shares a prefix with ``prompt`` — the
     whole snapshot, or its part up to where they diverge (a rewound or forked history).
 
-    A corrupt or missing file, or one from another model, is skipped and logged: the session
+    A corrupt or missing file, or one from another model, is skipped and logged: the conversation
     then re-prefills, losing nothing.
     """
     skipped: list[str] = []
@@ -193,7 +195,7 @@ class CallLog:
     metrics, the cache break and the compaction before it. A failed write is logged, never
     raised (figures are not worth a run)::
 
-        log = CallLog(store, session.id)
+        log = CallLog(store, conversation.id)
         async for event in events:
             await log.see(event)
     """

@@ -1,42 +1,47 @@
-"""Runtime: owns one engine and optionally one store; opens, runs and resumes agent sessions.
+"""Runtime: owns one engine and optionally one store; opens, runs and resumes conversations.
 
 ::
 
     engine = open_engine()                     # PagedEngine on CPU
     runtime = Runtime(engine, store=Store.from_env(), agents=[agent])
-    session = await runtime.open_conversation(agent)
-    result = await runtime.run(session, "hello")
+    conversation = await runtime.open_conversation(agent)
+    result = await runtime.run(conversation, "hello")
     ...                                   # next day, another process:
-    session = await runtime.resume(session_id)
+    conversation = await runtime.resume(session_id)
 
 Each agent's system prompt + tool schemas is registered with the engine as a shared prefix.
-With a store, every message is committed as it is recorded, a run holds the session's lease
+With a store, every message is committed as it is recorded, a run holds the conversation's lease
 (a second process gets ``SessionBusy``; a heartbeat renews it, and a holder whose process died
 on this host is taken over at once), and the KV is snapshotted to a file after each run. A tool
-call left without a result by a crash gets an "interrupted" result when the session is resumed.
+call left without a result by a crash gets an "interrupted" result when the conversation is resumed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import aclosing, asynccontextmanager
 
 import anyio
 
-from agentkv.observe import tracing
 from agentkv.agent import Agent
-from agentkv.run.approvals import Decisions, awaiting_approval
-from agentkv.observe.cache_breaks import locate
 from agentkv.chat.messages import Message, ToolCall
 from agentkv.chat.render import ChatRenderer
-from agentkv.run.conversation import Conversation, render_for
-from agentkv.engine.base import Engine, KVSession, common_prefix_len
+from agentkv.engine.base import Engine, KVSession
 from agentkv.errors import SessionBusy, UserError
 from agentkv.events import RunEvent, RunFinished
-from agentkv.memory.leases import DEFAULT_LEASE_TTL_S, LeaseKeeper, holder_id
 from agentkv.memory import Store
+from agentkv.memory.leases import DEFAULT_LEASE_TTL_S, LeaseKeeper, holder_id
+from agentkv.observe import tracing
+from agentkv.observe.cache_breaks import locate
+from agentkv.observe.self_check import fraction_from
+from agentkv.result import RunResult
+from agentkv.run.approvals import Decisions, awaiting_approval
+from agentkv.run.conversation import Conversation, render_for
+from agentkv.run.input import RunInput
+from agentkv.run.loop import run_turns
+from agentkv.runtime.branches import check_user_message, rewind_window, seed_branch_kv
 from agentkv.runtime.persistence import (
     CallLog,
     ResumeReport,
@@ -47,14 +52,11 @@ from agentkv.runtime.persistence import (
     restore_newest_snapshot,
     save_snapshot,
 )
-from agentkv.result import RunResult
-from agentkv.run.input import RunInput
-from agentkv.run.loop import run_turns
-from agentkv.observe.self_check import fraction_from
+from agentkv.runtime.stored_agent import agent_from_record, agent_settings
 
 
 class Runtime:
-    """One engine, many concurrent sessions; one run at a time per session."""
+    """One engine, many concurrent conversations; one run at a time per conversation."""
 
     def __init__(
         self,
@@ -78,12 +80,12 @@ class Runtime:
         """How long a run's lease lasts without renewal (renewed every third of it while it runs)."""
         self.self_check = fraction_from(self_check)
         self._agents: dict[str, Agent] = {}
-        self._sessions: dict[str, Conversation] = {}
+        self._conversations: dict[str, Conversation] = {}
         for agent in agents:
             self.add_agent(agent)
 
     def add_agent(self, agent: Agent) -> None:
-        """Make ``agent`` known (needed to resume its sessions) and register its shared prefix."""
+        """Make ``agent`` known (needed to resume its conversations) and register its shared prefix."""
         self._know(agent, "")
 
     def _know(self, agent: Agent, salt: str) -> None:
@@ -94,13 +96,13 @@ class Runtime:
         self.register_agent_prefix(agent, salt=salt)
 
     def forget_agent(self, name: str) -> None:
-        """Drop a registered agent (its open sessions keep running it; resuming its sessions
-        then needs the Agent again): ``runtime.forget_agent("helper")``."""
+        """Drop a registered agent (its open conversations keep running it; resuming its
+        conversations then needs the Agent again): ``runtime.forget_agent("helper")``."""
         self._agents.pop(name, None)
 
     def register_agent_prefix(self, agent: Agent, *, salt: str = "") -> None:
         """Register the prompt prefix every conversation of ``agent`` starts with (system prompt
-        and tools) as shared, for the sessions of tenant ``salt``."""
+        and tools) as shared, for the conversations of tenant ``salt``."""
         # NOTE: without instructions the shared prefix is what the template puts before a first
         # user turn (its default system prompt, or the tools' system turn)
         probe = [Message.user("")] if agent.instructions is None else []
@@ -110,35 +112,35 @@ class Runtime:
 
     async def open_conversation(self, agent: Agent, *, session_id: str | None = None, salt: str = "") -> Conversation:
         """A new conversation for ``agent`` (stored, if the runtime has a store). ``salt``: the
-        tenant whose cached prefixes the session may share (``open_conversation(agent, salt="team-a")``)."""
+        tenant whose cached prefixes the conversation may share (``open_conversation(agent, salt="team-a")``)."""
         self._know(agent, salt)
         sid = session_id or uuid.uuid4().hex
-        if sid in self._sessions:
+        if sid in self._conversations:
             raise UserError(f"session {sid!r} is already open in this runtime")
         if self.store is not None:
             await self.store.upsert_agent(
-                agent.name, agent.instructions, [t.name for t in agent.tools], _agent_settings(agent)
+                agent.name, agent.instructions, [t.name for t in agent.tools], agent_settings(agent)
             )
             await self.store.create_session(agent.name, session_id=sid)
         return await self._attach(sid, agent, [], salt)
 
     async def resume(self, session_id: str, agent: Agent | None = None, *, salt: str = "") -> Conversation:
-        """Reopen a stored session: its window of messages and, from the newest valid snapshot,
-        its KV; ``session.resume_report`` says what came back. Raises ``SessionNotFound`` for an
-        unknown id. ``salt``: the tenant, as for ``open_conversation``. A session already open in this
+        """Reopen a stored conversation: its window of messages and, from the newest valid snapshot,
+        its KV; ``conversation.resume_report`` says what came back. Raises ``SessionNotFound`` for an
+        unknown id. ``salt``: the tenant, as for ``open_conversation``. A conversation already open in this
         runtime is returned as it is; asking for it with another agent or salt raises ``UserError``."""
         store = self._require_store("resume")
-        if session_id in self._sessions:
-            return self._open_as(self._sessions[session_id], agent, salt)
+        if session_id in self._conversations:
+            return self._open_as(self._conversations[session_id], agent, salt)
         record = await store.get_session(session_id)
         if agent is not None:
             self._know(agent, salt)  # its shared prefix is registered like any other agent's
         agent = agent or await self._agent_for(record.agent_name)
-        session = await self._attach(session_id, agent, await load_window(store, session_id), salt)
-        repaired = await self._repair_if_free(session)
-        rendered = session.render(agent, add_generation_prompt=False)
+        conversation = await self._attach(session_id, agent, await load_window(store, session_id), salt)
+        repaired = await self._repair_if_free(conversation)
+        rendered = conversation.render(agent, add_generation_prompt=False)
         prompt = rendered.token_ids
-        restored = await restore_newest_snapshot(store, session_id, session.kv, prompt, self.engine.fingerprint)
+        restored = await restore_newest_snapshot(store, session_id, conversation.kv, prompt, self.engine.fingerprint)
         # NOTE: a break is KV lost: less restored than the newest snapshot held (without one,
         # than the history). The tokens a snapshot never held (the unfed last token of a cut
         # answer, the end-of-turn markup) are prefilled by the next call, but nothing is lost.
@@ -146,40 +148,42 @@ class Runtime:
         held = min(restored.held, len(prompt)) if restored.held else len(prompt)
         if restored.tokens < held:
             found = locate(restored.tokens, prompt, rendered, self.renderer.tokenizer, cause="partial restore")
-            session.pending_break = dataclasses.replace(found, held=held, kv_excerpt="")
-        session.resume_report = ResumeReport(len(session.window), restored.tokens, restored.skipped, repaired)
-        session.operations.append(f"resumed: {restored.tokens} of {len(prompt)} history tokens restored "
-                                  "from a snapshot")
-        return session
+            conversation.call_checks.hold(dataclasses.replace(found, held=held, kv_excerpt=""))
+        conversation.resume_report = ResumeReport(len(conversation.window), restored.tokens, restored.skipped,
+                                                  repaired)
+        conversation.call_checks.note(f"resumed: {restored.tokens} of {len(prompt)} history tokens restored "
+                                      "from a snapshot")
+        return conversation
 
-    def _open_as(self, session: Conversation, agent: Agent | None, salt: str) -> Conversation:
-        """``session`` (open here), now run by ``agent`` if one is given (as a resume of a closed
-        session would be: its KV aligns with the new rendering by prefix); ``UserError`` for
-        another salt, whose tenant the open KV cannot move to."""
-        if salt != session.salt:
+    def _open_as(self, conversation: Conversation, agent: Agent | None, salt: str) -> Conversation:
+        """``conversation`` (open here), now run by ``agent`` if one is given (as a resume of a
+        closed conversation would be: its KV aligns with the new rendering by prefix);
+        ``UserError`` for another salt, whose tenant the open KV cannot move to."""
+        if salt != conversation.salt:
             raise UserError(
-                f"session {session.id!r} is already open in this runtime for tenant salt {session.salt!r}, not "
-                f"{salt!r}; its KV cannot change tenant: close_conversation it and resume it with the salt you want")
+                f"session {conversation.id!r} is already open in this runtime for tenant salt "
+                f"{conversation.salt!r}, not {salt!r}; its KV cannot change tenant: close_conversation it and "
+                "resume it with the salt you want")
         if agent is not None:
-            session.agent = agent
-        return session
+            conversation.agent = agent
+        return conversation
 
-    async def _repair_if_free(self, session: Conversation) -> int:
+    async def _repair_if_free(self, conversation: Conversation) -> int:
         """Give orphaned tool calls their "interrupted" result, unless a live run holds the
-        session (its calls are not orphans: that run will record their results)."""
+        conversation (its calls are not orphans: that run will record their results)."""
         try:
-            async with LeaseKeeper(self._require_store("resume"), session.id, self.holder,
+            async with LeaseKeeper(self._require_store("resume"), conversation.id, self.holder,
                                    ttl_s=self.lease_ttl_s) as lease:
-                session.lease_token = lease.token
-                return await record_interrupted_calls(session)
+                conversation.lease_token = lease.token
+                return await record_interrupted_calls(conversation)
         except SessionBusy:
             return 0
 
     async def release_lease(self, session_id: str, *, force: bool = False) -> str | None:
-        """Release a session's run lease. Without ``force`` only this runtime's own; with
+        """Release a conversation's run lease. Without ``force`` only this runtime's own; with
         ``force=True`` whoever holds it (an operator's unlock, e.g. after a crash on another
         host): ``await runtime.release_lease("abc", force=True)``. Returns the previous holder
-        when forced. A holder still running loses the session: its next write raises ``LeaseLost``
+        when forced. A holder still running loses the conversation: its next write raises ``LeaseLost``
         (nothing of it is recorded after that), and a tool call it was running gets no result from it."""
         store = self._require_store("release_lease")
         if force:
@@ -187,96 +191,58 @@ class Runtime:
         await store.release_lease(session_id, self.holder)
         return None
 
-    async def fork(self, session: Conversation | str, *, at: int | None = None, session_id: str | None = None,
+    async def fork(self, conversation: Conversation | str, *, at: int | None = None, session_id: str | None = None,
                    agent: Agent | None = None, salt: str = "", edit: bool = False) -> Conversation:
-        """A new stored session sharing ``session``'s messages 1..``at`` (default: all) — rows are
-        shared, not copied — with their KV: the parent's live KV forked and trimmed when it is
-        open here, else the newest snapshot up its lineage that covers a prefix. Both go on
-        independently: ``branch = await runtime.fork(session, at=4)``; a fork of a fork works.
+        """A new stored conversation sharing ``conversation``'s messages 1..``at`` (default: all) —
+        rows are shared, not copied — with their KV: the parent's live KV forked and trimmed when
+        it is open here, else the newest snapshot up its lineage that covers a prefix. Both go on
+        independently: ``branch = await runtime.fork(conversation, at=4)``; a fork of a fork works.
         ``edit=True``: the fork replaces what follows (its first call reports the KV it dropped)."""
         store = self._require_store("fork")
-        parent_id = session if isinstance(session, str) else session.id
+        parent_id = conversation if isinstance(conversation, str) else conversation.id
         record = await store.fork_session(parent_id, at=at, new_id=session_id)
-        parent = self._sessions.get(parent_id)
+        parent = self._conversations.get(parent_id)
         agent = agent or (parent.agent if parent is not None else await self._agent_for(record.agent_name))
         self._know(agent, salt)
         live = parent is not None and not parent.running
         kv = await parent.kv.fork() if live and parent is not None else None
         branch = await self._attach(record.id, agent, await load_window(store, record.id), salt, kv=kv)
-        prompt = branch.render(agent, add_generation_prompt=False).token_ids
-        if kv is not None:
-            if edit:
-                branch.note_break(agent, "edit")
-            restored, skipped = common_prefix_len(kv.tokens, prompt), ()
-            await kv.trim(restored)
-        else:
-            restored, skipped = await self._restore_from_lineage(record.parent_id, branch, prompt)
-        branch.resume_report = ResumeReport(len(branch.window), restored, skipped)
-        branch.operations.append(f"fork of {parent_id} at message {record.fork_seq}: {restored} tokens of KV "
-                                 f"{'from its live KV' if kv is not None else 'from a snapshot'}")
+        await seed_branch_kv(store, branch, parent_id=parent_id, fork_seq=record.fork_seq, forked=kv is not None,
+                             edit=edit)
         return branch
 
-    async def _restore_from_lineage(self, session_id: str | None, branch: Conversation,
-                                    prompt: tuple[int, ...]) -> tuple[int, tuple[str, ...]]:
-        """Restore the newest snapshot of the nearest ancestor that has one sharing a prefix."""
-        store = self._require_store("fork")
-        skipped: list[str] = []
-        while session_id is not None:
-            restored = await restore_newest_snapshot(store, session_id, branch.kv, prompt, self.engine.fingerprint)
-            skipped += restored.skipped
-            if restored.tokens:
-                return restored.tokens, tuple(skipped)
-            session_id = (await store.get_session(session_id)).parent_id
-        return 0, tuple(skipped)
-
-    async def rewind(self, session: Conversation, *, before: int) -> int:
+    async def rewind(self, conversation: Conversation, *, before: int) -> int:
         """Take message ``before`` (a seq) and every later one out of the window — they stay
-        stored, as this session's history — and trim the KV to where the window now diverges
-        (never a re-prefill from zero); returns how many messages left. To keep them in the
-        window of the original instead, ``fork(session, at=before - 1)``."""
+        stored, as this conversation's history — and trim the KV to where the window now
+        diverges (never a re-prefill from zero); returns how many messages left. To keep them in
+        the window of the original instead, ``fork(conversation, at=before - 1)``."""
         store = self._require_store("rewind")
-        if before < 1:
-            raise UserError(f"before must be a message seq >= 1, got {before}")
-        async with session.run_guard(), LeaseKeeper(store, session.id, self.holder, ttl_s=self.lease_ttl_s) as lease:
-            session.lease_token = lease.token
-            left = await store.rewind(session.id, before - 1)
-            session.reload_window(await load_window(store, session.id))
-            session.operations.append(f"rewind before message {before}")
-            found = session.note_break(session.agent, "rewind")
-            if found is not None:
-                await session.kv.trim(found.position)
-        return left
+        return await rewind_window(store, conversation, before, holder=self.holder, lease_ttl_s=self.lease_ttl_s)
 
-    async def edit(self, session: Conversation, seq: int, content: str) -> tuple[Conversation, RunResult]:
+    async def edit(self, conversation: Conversation, seq: int, content: str) -> tuple[Conversation, RunResult]:
         """Edit user message ``seq``: a fork at ``seq - 1`` answers ``content`` instead (the
-        original stays as it was): ``branch, result = await runtime.edit(session, 3, "Paris?")``."""
-        store = self._require_store("edit")
-        stored = {m.seq: m for m in await store.messages(session.id)}
-        if seq not in stored or stored[seq].message.role != "user":
-            users = sorted(n for n, m in stored.items() if m.message.role == "user")
-            raise UserError(f"message {seq} of session {session.id!r} is not a user message; user messages: {users}")
-        branch = await self.fork(session, at=seq - 1, agent=session.agent, edit=True)
+        original stays as it was): ``branch, result = await runtime.edit(conversation, 3, "Paris?")``."""
+        await check_user_message(self._require_store("edit"), conversation.id, seq)
+        branch = await self.fork(conversation, at=seq - 1, agent=conversation.agent, edit=True)
         return branch, await self.run(branch, content)
 
     async def _attach(self, sid: str, agent: Agent, window: list, salt: str,  # type: ignore[type-arg]
                       kv: KVSession | None = None) -> Conversation:
         kv = kv if kv is not None else await self.engine.open_session(salt=salt)
-        session = Conversation(
+        conversation = Conversation(
             sid, agent, self.engine, kv, self.renderer, window=window,
             sink=StoreSink(self.store) if self.store is not None else None,
             on_window_change=StoreWindowHook(self.store) if self.store is not None else None, salt=salt,
+            self_check=self.self_check,
         )
-        session.self_check = self.self_check
-        self._sessions[sid] = session
-        return session
+        self._conversations[sid] = conversation
+        return conversation
 
     async def _agent_for(self, name: str) -> Agent:
         """The registered agent, else the stored one rebuilt (built-in tools and policies only;
         ``UserError`` says to pass the Agent itself otherwise)."""
         if name in self._agents:
             return self._agents[name]
-        from agentkv.runtime.stored_agent import agent_from_record
-
         agent = agent_from_record(await self._require_store("resume").get_agent(name))
         self.add_agent(agent)
         return agent
@@ -286,63 +252,63 @@ class Runtime:
             raise UserError(f"{action} needs a store: Runtime(engine, store=Store.from_env())")
         return self.store
 
-    async def run(self, session: Conversation, user_input: RunInput | Decisions, *,
+    async def run(self, conversation: Conversation, user_input: RunInput | Decisions, *,
                   continue_from: int | None = None) -> RunResult:
-        """Run the session's agent on ``user_input`` to its final answer: a user message's text,
+        """Run the conversation's agent on ``user_input`` to its final answer: a user message's text,
         or messages — OpenAI chat dicts or ``Message``s, e.g. the results of the calls a run
         left pending (``result.pending_tool_calls``)::
 
-            result = await runtime.run(session, "Weather in Paris?")
+            result = await runtime.run(conversation, "Weather in Paris?")
             if result.finish_reason == "tool_calls":
                 call = result.pending_tool_calls[0]
-                result = await runtime.run(session, [{"role": "tool", "tool_call_id": call.id, "content": "18 C"}])
+                result = await runtime.run(conversation, [{"role": "tool", "tool_call_id": call.id, "content": "18 C"}])
 
         A message that cannot follow the history (a user turn before pending results, a result
         for no pending call) raises ``UserError`` and records nothing. ``Decisions`` about calls
         waiting for approval continue a run that stopped on them (``approve`` / ``reject``).
         ``continue_from``: see ``run_stream``."""
         result: RunResult | None = None
-        async for event in self.run_stream(session, user_input, continue_from=continue_from):
+        async for event in self.run_stream(conversation, user_input, continue_from=continue_from):
             if isinstance(event, RunFinished):
                 result = event.result
         assert result is not None
         return result
 
-    async def approve(self, session: Conversation, call_id: str) -> RunResult:
+    async def approve(self, conversation: Conversation, call_id: str) -> RunResult:
         """Run a call that waited for approval and continue the run: once no call waits, the
         model goes on on the same KV (``finish_reason="approval_required"`` again while others
-        wait): ``result = await runtime.approve(session, result.pending_approvals[0].id)``."""
-        return await self.run(session, Decisions(approve=[call_id]))
+        wait): ``result = await runtime.approve(conversation, result.pending_approvals[0].id)``."""
+        return await self.run(conversation, Decisions(approve=[call_id]))
 
-    async def reject(self, session: Conversation, call_id: str, reason: str = "") -> RunResult:
+    async def reject(self, conversation: Conversation, call_id: str, reason: str = "") -> RunResult:
         """Refuse a call that waited for approval: the model reads that it was rejected (and
         ``reason``) and the run continues as with ``approve``."""
-        return await self.run(session, Decisions(reject={call_id: reason}))
+        return await self.run(conversation, Decisions(reject={call_id: reason}))
 
-    def pending_approvals(self, session: Conversation) -> tuple[ToolCall, ...]:
-        """The session's calls waiting for approval (also after a resume in another process)."""
-        return awaiting_approval(session.agent, session.messages)
+    def pending_approvals(self, conversation: Conversation) -> tuple[ToolCall, ...]:
+        """The conversation's calls waiting for approval (also after a resume in another process)."""
+        return awaiting_approval(conversation.agent, conversation.messages)
 
-    async def run_stream(self, session: Conversation, user_input: RunInput | Decisions, *,
-                         continue_from: int | None = None) -> AsyncIterator[RunEvent]:
+    async def run_stream(self, conversation: Conversation, user_input: RunInput | Decisions, *,
+                         continue_from: int | None = None) -> AsyncGenerator[RunEvent, None]:
         """The one way to run a conversation: yields typed events, the last ``RunFinished``.
 
-        With a store the run holds the session's lease (a heartbeat renews it), first reloads a
-        window another process changed and gives interrupted tool calls their result, and
+        With a store the run holds the conversation's lease (a heartbeat renews it), first reloads
+        a window another process changed and gives interrupted tool calls their result, and
         snapshots the KV when it ends. Close the stream to stop early (``aclosing``).
-        ``continue_from=seq`` (stored sessions) continues from that message: later ones — e.g.
+        ``continue_from=seq`` (stored conversations) continues from that message: later ones — e.g.
         the input of a run that never finished — leave the window first (``Store.rewind``)."""
         if continue_from is not None and self.store is None:
             raise UserError("continue_from needs a store: Runtime(engine, store=Store.from_env())")
         # NOTE: the in-process guard comes first: a second run here must not touch (and then
         # release) the lease the first run holds.
-        async with session.run_guard():
-            run_span = session.trace_span = tracing.start("agentkv.run", session_id=session.id,
-                                                          agent=session.agent.name)
+        async with conversation.run_guard():
+            run_span = conversation.trace_span = tracing.start("agentkv.run", session_id=conversation.id,
+                                                               agent=conversation.agent.name)
             try:
-                async with self._stored_run(session, continue_from):
-                    calls = CallLog(self.store, session.id) if self.store is not None else None
-                    async with aclosing(run_turns(session.agent, session, user_input)) as events:
+                async with self._stored_run(conversation, continue_from):
+                    calls = CallLog(self.store, conversation.id) if self.store is not None else None
+                    async with aclosing(run_turns(conversation.agent, conversation, user_input)) as events:
                         async for event in events:
                             if calls is not None:
                                 await calls.see(event)
@@ -354,50 +320,34 @@ class Runtime:
                 run_span.fail(error)
                 raise
             finally:
-                session.trace_span = None
+                conversation.trace_span = None
                 run_span.end()
 
     @asynccontextmanager
-    async def _stored_run(self, session: Conversation, continue_from: int | None) -> AsyncIterator[None]:
+    async def _stored_run(self, conversation: Conversation, continue_from: int | None) -> AsyncIterator[None]:
         """What a run does around its turns when there is a store (nothing without one)."""
         if self.store is None:
             yield
             return
-        async with LeaseKeeper(self.store, session.id, self.holder, ttl_s=self.lease_ttl_s) as lease:
-            session.lease_token = lease.token
+        async with LeaseKeeper(self.store, conversation.id, self.holder, ttl_s=self.lease_ttl_s) as lease:
+            conversation.lease_token = lease.token
             try:
                 if continue_from is not None:
-                    await self.store.rewind(session.id, continue_from)
-                session.reload_window(await load_window(self.store, session.id))
-                await record_interrupted_calls(session)
+                    await self.store.rewind(conversation.id, continue_from)
+                conversation.reload_window(await load_window(self.store, conversation.id))
+                await record_interrupted_calls(conversation)
                 yield
             finally:
                 with anyio.CancelScope(shield=True):
-                    await save_snapshot(self.store, session)
+                    await save_snapshot(self.store, conversation)
 
-    async def close_conversation(self, session: Conversation) -> None:
-        """Release the session's KV (its stored history stays)."""
-        self._sessions.pop(session.id, None)
-        await session.close()
+    async def close_conversation(self, conversation: Conversation) -> None:
+        """Release the conversation's KV (its stored history stays)."""
+        self._conversations.pop(conversation.id, None)
+        await conversation.close()
 
     async def aclose(self) -> None:
-        """Close every session (the engine and the store stay usable)."""
-        for session in list(self._sessions.values()):
-            await self.close_conversation(session)
+        """Close every conversation (the engine and the store stay usable)."""
+        for conversation in list(self._conversations.values()):
+            await self.close_conversation(conversation)
 
-
-def _agent_settings(agent: Agent) -> dict:  # type: ignore[type-arg]
-    return {
-        "generation": agent.generation.model_dump(mode="json"),
-        "tool_choice": agent.tool_choice,
-        "max_model_calls": agent.max_model_calls,
-        "max_prompt_len": agent.max_prompt_len,
-        "min_response_len": agent.min_response_len,
-        "truncate_oversized_messages": agent.truncate_oversized_messages,
-        "constrain_tool_calls": agent.constrain_tool_calls,
-        "parallel_tool_calls": agent.parallel_tool_calls,
-        "tool_timeout_s": agent.tool_timeout_s,
-        "policy": type(agent.policy).__name__ if agent.policy is not None else None,
-        "output_schema": agent.output_spec.schema if agent.output_spec is not None else None,
-        **agent.settings,
-    }

@@ -1,7 +1,8 @@
-"""Rebuild an ``Agent`` from its stored row: instructions, tools by name, settings, policy by class.
+"""An ``Agent`` to and from its stored row: instructions, tools by name, settings, policy by class.
 
 ::
 
+    settings = agent_settings(agent)           # what the row keeps besides name, instructions, tools
     record = await store.get_agent("helper")
     agent = agent_from_record(record)          # built-in tools and policies only
 
@@ -18,7 +19,12 @@ from agentkv.agent import Agent
 from agentkv.engine.base import GenerationConfig
 from agentkv.errors import UserError
 from agentkv.memory.records import AgentRecord
-from agentkv.policies import ContextPolicy, SlidingWindow, SummarizeAndReprefill, Truncation
+from agentkv.policies import (
+    ContextPolicy,
+    SlidingWindow,
+    SummarizeAndReprefill,
+    Truncation,
+)
 from agentkv.tools import Tool, calculator, clock
 
 BUILTIN_TOOLS: Mapping[str, Tool] = {t.name: t for t in (calculator, clock)}
@@ -41,7 +47,26 @@ _PLAIN_FIELDS = (
     "parallel_tool_calls",
     "tool_timeout_s",
 )
-"""Stored settings copied to the ``Agent`` field of the same name (``Runtime._agent_settings``)."""
+"""Stored settings copied to the ``Agent`` field of the same name (``agent_settings``)."""
+
+def agent_settings(agent: Agent) -> dict[str, Any]:
+    """The settings a stored agent row keeps (``agent_from_record`` reads them back):
+    ``agent_settings(agent)["max_model_calls"]``."""
+    return {
+        "generation": agent.generation.model_dump(mode="json"),
+        "tool_choice": agent.tool_choice,
+        "max_model_calls": agent.max_model_calls,
+        "max_prompt_len": agent.max_prompt_len,
+        "min_response_len": agent.min_response_len,
+        "truncate_oversized_messages": agent.truncate_oversized_messages,
+        "constrain_tool_calls": agent.constrain_tool_calls,
+        "parallel_tool_calls": agent.parallel_tool_calls,
+        "tool_timeout_s": agent.tool_timeout_s,
+        "policy": type(agent.policy).__name__ if agent.policy is not None else None,
+        "output_schema": agent.output_spec.schema if agent.output_spec is not None else None,
+        **agent.settings,
+    }
+
 
 _RENAMED_FIELDS = {"max_turns": "max_model_calls"}
 """Keys rows written before a rename carry → the field's name now."""
