@@ -8,7 +8,8 @@
     app = create_app(engine, store=Store("sqlite:///responses.db"))   # /v1/responses kept and chained
 
 Routes: ``GET /v1/models``, ``POST /v1/chat/completions`` and ``POST /v1/responses`` (``stream`` as
-server-sent events), ``GET`` / ``DELETE /v1/responses/{id}``, ``GET /health``. ``X-Session-Id`` (or
+server-sent events), ``GET`` / ``DELETE /v1/responses/{id}``, ``GET /health``, ``GET /metrics``
+(Prometheus text: queued and running requests, KV-cache use…, ``agentkv.observe.metrics``). ``X-Session-Id`` (or
 the body's ``user``) pins a chat request to one KV session. The key is checked before the body is
 read; every error is an OpenAI error object; each request leaves one line on the access log
 (``agentkv.server.access``); on shutdown, open streams end with a last event.
@@ -24,14 +25,17 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
+from openai.types import Model
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agentkv.engine.base import Engine
 from agentkv.errors import AgentKVError
 from agentkv.memory import Store
+from agentkv.observe.metrics import ServerCollector, ServerLoad, registry_of
 from agentkv.runtime.runtime import Runtime
 from agentkv.server.access_log import AccessLog, AccessNote
 from agentkv.server.auth import BearerAuth
@@ -50,7 +54,7 @@ from agentkv.server.request_agents import AgentDefaults, RequestAgents
 from agentkv.server.response_wire import ResponseRequest
 from agentkv.server.responses import Responses
 from agentkv.server.runs import Runs
-from agentkv.server.wire import ChatCompletionRequest
+from agentkv.server.wire import ChatCompletionRequest, as_wire
 
 SHUTDOWN_GRACE_S = 5.0
 """Seconds a stream has to end itself once the server shuts down (below uvicorn's
@@ -113,10 +117,19 @@ def create_app(
         return {"status": "ok", "live_sessions": len(live), "running": runs.running,
                 "open_conversations": len(conversations) if conversations is not None else 0}
 
+    collector = ServerCollector(engine, lambda: ServerLoad(
+        running=runs.running - runs.waiting, waiting=runs.waiting,
+        live_conversations=len(live) + (len(conversations) if conversations is not None else 0)))
+    registry = registry_of(collector)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
-                                            "owned_by": "agentkv"}]}
+        model = Model(id=model_id, object="model", created=created, owned_by="agentkv")
+        return {"object": "list", "data": [as_wire(model)]}
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:

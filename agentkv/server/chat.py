@@ -16,27 +16,31 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
 import anyio
+from openai.types.chat import ChatCompletionMessage
+from openai.types.chat.chat_completion_chunk import ChoiceDelta
 
 from agentkv.chat.openai_messages import messages_from_openai
 from agentkv.engine.base import TokenLogprob
 from agentkv.events import RunFinished, TextDelta
 from agentkv.result import RunResult
 from agentkv.server.access_log import AccessNote
-from agentkv.server.logprobs_wire import logprob_entries
+from agentkv.server.logprobs_wire import token_logprobs
 from agentkv.server.request_agents import RequestAgents, reserving_answer
 from agentkv.server.runs import Prepared, Runs, kv_namespace, leading_system
 from agentkv.server.wire import (
     ChatCompletionRequest,
     FinishReason,
+    TokenCounts,
     cache_break_field,
     chunk,
     completion,
-    tool_call_dicts,
+    delta_tool_calls,
+    tool_calls,
     usage,
 )
 
@@ -65,7 +69,7 @@ class ChatCompletions:
                                  param="max_completion_tokens" if request.max_completion_tokens else "max_tokens")
         return self.runs.prepare(agent, messages, salt=salt)
 
-    async def _result(self, prepared: Prepared, pin: str | None) -> AsyncIterator[TextDelta | RunResult]:
+    async def _result(self, prepared: Prepared, pin: str | None) -> AsyncGenerator[TextDelta | RunResult, None]:
         """Text as it is generated, then the run's result (the KV session is held throughout)."""
         async with self.runs.admitted():
             async for event in self.runs.on_live_session(prepared, pin):
@@ -88,10 +92,11 @@ class ChatCompletions:
             else:
                 logprobs.extend(event.logprobs)
         assert result is not None
-        entries = logprob_entries(logprobs) if request.logprobs else None
+        entries = token_logprobs(logprobs) if request.logprobs else None
+        counts = TokenCounts.of(result.step_metrics)
         body = completion(request_id, self.model_id, int(time.time()), _message(result), _finish(result),
-                          usage(result.step_metrics), cache_break_field(result.cache_breaks), entries)
-        note.update(cached_tokens=body["usage"]["prompt_tokens_details"]["cached_tokens"])
+                          usage(counts), cache_break_field(result.cache_breaks), entries)
+        note.update(cached_tokens=counts.cached)
         return body
 
     async def stream(self, request: ChatCompletionRequest, prepared: Prepared, *, pin: str | None = None,
@@ -103,28 +108,29 @@ class ChatCompletions:
         request_id, created = _request_id(), int(time.time())
         note = note or AccessNote()
         note.update(id=request_id, session=pin)
-        yield chunk(request_id, self.model_id, created, {"role": "assistant", "content": ""})
+        yield chunk(request_id, self.model_id, created, ChoiceDelta(role="assistant", content=""))
         result = None
         async with aclosing(self._result(prepared, pin)) as run:
             async for event in run:
                 if stop is not None and stop.is_set():
                     break
                 if isinstance(event, TextDelta):
-                    entries = logprob_entries(event.logprobs) if request.logprobs else None
-                    yield chunk(request_id, self.model_id, created, {"content": event.text}, logprobs=entries)
+                    entries = token_logprobs(event.logprobs) if request.logprobs else None
+                    yield chunk(request_id, self.model_id, created, ChoiceDelta(content=event.text),
+                                logprobs=entries)
                 else:
                     result = event
         if result is None:  # stopped: the server is shutting down
-            yield chunk(request_id, self.model_id, created, {}, "length")
+            yield chunk(request_id, self.model_id, created, ChoiceDelta(), "length")
             return
-        counts = usage(result.step_metrics)
-        note.update(cached_tokens=counts["prompt_tokens_details"]["cached_tokens"])
+        counts = TokenCounts.of(result.step_metrics)
+        note.update(cached_tokens=counts.cached)
         if result.pending_tool_calls:
             yield chunk(request_id, self.model_id, created,
-                        {"tool_calls": tool_call_dicts(result.pending_tool_calls, with_index=True)})
-        yield chunk(request_id, self.model_id, created, {}, _finish(result))
+                        ChoiceDelta(tool_calls=delta_tool_calls(result.pending_tool_calls)))
+        yield chunk(request_id, self.model_id, created, ChoiceDelta(), _finish(result))
         if request.stream_options is not None and request.stream_options.include_usage:
-            yield chunk(request_id, self.model_id, created, {}, usage_=counts)
+            yield chunk(request_id, self.model_id, created, ChoiceDelta(), usage_=usage(counts))
 
 
 def _request_id() -> str:
@@ -137,10 +143,9 @@ def _finish(result: RunResult) -> FinishReason:
     return "length" if result.finish_reason in ("length", "tool_call_cut") else "stop"
 
 
-def _message(result: RunResult) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": result.final_text or None, "refusal": None}
+def _message(result: RunResult) -> ChatCompletionMessage:
+    """The answer: its text (null beside tool calls when it wrote none, else at least "")."""
     if result.pending_tool_calls:
-        message["tool_calls"] = tool_call_dicts(result.pending_tool_calls)
-    elif message["content"] is None:
-        message["content"] = ""
-    return message
+        return ChatCompletionMessage(role="assistant", content=result.final_text or None, refusal=None,
+                                     tool_calls=list(tool_calls(result.pending_tool_calls)))
+    return ChatCompletionMessage(role="assistant", content=result.final_text or "", refusal=None)

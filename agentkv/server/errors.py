@@ -1,5 +1,6 @@
 """OpenAI-style error responses: agentkv's exceptions mapped to the status and error object an
-OpenAI client expects (``{"error": {"message", "type", "param", "code"}}``).
+OpenAI client expects (``{"error": {"message", "type", "param", "code"}}``, the openai package's
+``ErrorObject``).
 
 ::
 
@@ -14,6 +15,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from openai.types.shared import ErrorObject
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agentkv.errors import ConstraintError, ContextOverflowError, ResponseNotFound, SessionBusy, UserError
@@ -33,8 +35,12 @@ class ApiError(Exception):
 
 
 def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": code}}
+    """The body of an error answer: the openai package's ``ErrorObject`` under ``error``::
+
+        error_body(404, "no stored response 'resp_1'", "response_not_found")
+    """
+    error = ErrorObject(message=message, type=_TYPES.get(status, "invalid_request_error"), param=param, code=code)
+    return {"error": error.model_dump(mode="json", exclude_unset=True)}
 
 
 def as_api_error(error: BaseException) -> ApiError:
@@ -83,8 +89,8 @@ async def http_error_handler(request: Request, error: Exception) -> JSONResponse
     assert isinstance(error, StarletteHTTPException)
     route = f"{request.method} {request.url.path}"
     if error.status_code == 404:
-        return _answer(404, f"no route {route}: the routes are /v1/models, /v1/chat/completions, /v1/responses "
-                            "and /health", "not_found")
+        return _answer(404, f"no route {route}: the routes are /v1/models, /v1/chat/completions, /v1/responses, "
+                            "/health and /metrics", "not_found")
     if error.status_code == 405:
         return _answer(405, f"{route} is not allowed: see the Allow header for the methods this route takes",
                        "method_not_allowed", headers=error.headers)

@@ -1,11 +1,11 @@
-"""Log-probabilities in the OpenAI wire format: a run's ``TokenLogprob`` s as the ``{token,
-logprob, bytes, top_logprobs}`` entries both APIs share (chat ``logprobs.content``, Responses
-``output_text.logprobs``).
+"""Log-probabilities in the OpenAI wire format: a run's ``TokenLogprob`` s as the openai package's
+``ChatCompletionTokenLogprob`` (``{token, logprob, bytes, top_logprobs}``), the entry both APIs
+share (chat ``logprobs.content``, Responses ``output_text.logprobs``).
 
 ::
 
-    entries = logprob_entries(text_delta.logprobs)
-    choice["logprobs"] = chat_logprobs(entries)
+    entries = token_logprobs(text_delta.logprobs)       # chat: a choice's logprobs.content
+    part["logprobs"] = logprob_entries(text_delta.logprobs)   # Responses: the same entries as dicts
 """
 
 from __future__ import annotations
@@ -13,21 +13,26 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from openai.types.chat import ChatCompletionTokenLogprob
+from openai.types.chat.chat_completion_token_logprob import TopLogprob
+
 from agentkv.engine.base import TokenLogprob
 
 
-def logprob_entries(logprobs: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
+def token_logprobs(logprobs: Sequence[TokenLogprob]) -> list[ChatCompletionTokenLogprob]:
     """One entry per token: its text, log-probability, UTF-8 bytes, and its alternatives'
     (``bytes`` are those of the token's decoded text: a token that is part of a character
-    decodes to U+FFFD)."""
-    return [{**_entry(lp.token, lp.logprob), "top_logprobs": [_entry(t.token, t.logprob) for t in lp.top]}
+    decodes to U+FFFD)::
+
+        token_logprobs(text_delta.logprobs)[0].top_logprobs
+    """
+    return [ChatCompletionTokenLogprob(token=lp.token, logprob=lp.logprob, bytes=list(lp.token.encode("utf-8")),
+                                       top_logprobs=[TopLogprob(token=t.token, logprob=t.logprob,
+                                                                bytes=list(t.token.encode("utf-8")))
+                                                     for t in lp.top])
             for lp in logprobs]
 
 
-def chat_logprobs(entries: list[dict[str, Any]] | None) -> dict[str, Any] | None:
-    """A chat choice's ``logprobs`` (None when the request did not ask for them)."""
-    return None if entries is None else {"content": entries, "refusal": None}
-
-
-def _entry(token: str, logprob: float) -> dict[str, Any]:
-    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+def logprob_entries(logprobs: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
+    """``token_logprobs`` as wire dicts (a Responses ``output_text`` part's ``logprobs``)."""
+    return [entry.model_dump(mode="json", exclude_unset=True) for entry in token_logprobs(logprobs)]

@@ -24,7 +24,7 @@ from agentkv.agent import Agent
 from agentkv.policies.protocol import ContextPolicy
 from agentkv.runtime.runtime import Runtime
 from agentkv.server.errors import ApiError
-from agentkv.tools import Tool
+from agentkv.tools import Tool, tool
 
 KEPT_AGENTS = 256
 """Distinct request agents (system prompt + tools + format) kept, with their shared prefix registered."""
@@ -90,7 +90,7 @@ class RequestAgents:
         agent = self._agents.get(key)  # a hit makes it the most recently used
         if agent is None:
             defaults = self.defaults
-            agent = Agent(name=f"api-{key}", instructions=system, tools=(*defaults.tools, *tools),
+            agent = Agent(name=f"api-{key}", instructions=system, tools=(*defaults.tools, *(tool(t) for t in tools)),
                           tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls, output_type=output,
                           policy=defaults.policy, max_prompt_len=defaults.max_prompt_len,
                           min_response_len=_reserved(defaults),

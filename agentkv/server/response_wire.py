@@ -1,5 +1,7 @@
-"""The OpenAI Responses wire format: the request as pydantic validates it, its input items read
-into chat messages, and the output items, usage and ``response`` object as plain dicts.
+"""The OpenAI Responses wire format: the request as our pydantic model validates it, its input
+items read into chat messages, and the output items, usage and ``response`` object built with the
+``openai`` package's types (``ResponseOutputMessage``, ``ResponseFunctionToolCall``, ``Response``…),
+sent as JSON dicts (the stream fills them in as it goes).
 
 ::
 
@@ -14,17 +16,29 @@ import json
 import uuid
 from typing import Any, Literal
 
+from openai.types.responses import (
+    Response,
+    ResponseFunctionToolCall,
+    ResponseFunctionToolCallOutputItem,
+    ResponseOutputMessage,
+    ResponseOutputText,
+    ResponseUsage,
+)
+from openai.types.responses.response_output_message import Content
+from openai.types.responses.response_usage import InputTokensDetails, OutputTokensDetails
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from agentkv.chat.messages import ToolCall
 from agentkv.engine.base import MAX_LOGPROBS, GenerationConfig
 from agentkv.server.request_agents import AgentDefaults
-from agentkv.server.wire import TokenCounts, sampling, tool_choice_name
+from agentkv.server.wire import TokenCounts, as_wire, sampling, tool_choice_name
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 """The ``include`` entry that asks for log-probabilities."""
 
 ResponseStatus = Literal["completed", "incomplete", "in_progress", "failed"]
+ItemStatus = Literal["completed", "incomplete", "in_progress"]
+"""An output item's status (a response can also have failed; an item cannot)."""
 
 
 class ResponseRequest(BaseModel):
@@ -185,46 +199,54 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def message_item(item_id: str, text: str, status: ResponseStatus = "completed") -> dict[str, Any]:
-    """An assistant ``message`` output item with one ``output_text`` part."""
-    content = [text_part(text)] if status != "in_progress" else []
-    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
+def message_item(item_id: str, text: str, status: ItemStatus = "completed") -> dict[str, Any]:
+    """An assistant ``message`` output item with one ``output_text`` part (none while in progress)."""
+    content: list[Content] = [_output_text(text)] if status != "in_progress" else []
+    return as_wire(ResponseOutputMessage(type="message", id=item_id, status=status, role="assistant",
+                                         content=content))
 
 
 def text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """An ``output_text`` part (``logprobs``: its tokens' ``logprob_entries``, when asked for)."""
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+    return as_wire(_output_text(text, logprobs))
 
 
-def function_call_item(item_id: str, call: ToolCall, status: ResponseStatus = "completed") -> dict[str, Any]:
+def _output_text(text: str, logprobs: list[dict[str, Any]] | None = None) -> ResponseOutputText:
+    return ResponseOutputText.model_validate({"type": "output_text", "text": text, "annotations": [],
+                                              "logprobs": logprobs or []})
+
+
+def function_call_item(item_id: str, call: ToolCall, status: ItemStatus = "completed") -> dict[str, Any]:
     """A ``function_call`` output item (arguments as a JSON string)."""
-    return {"type": "function_call", "id": item_id, "call_id": call.id, "name": call.name,
-            "arguments": json.dumps(call.arguments), "status": status}
+    return as_wire(ResponseFunctionToolCall(type="function_call", id=item_id, call_id=call.id, name=call.name,
+                                            arguments=json.dumps(call.arguments), status=status))
 
 
 def function_output_item(item_id: str, call_id: str, output: str) -> dict[str, Any]:
     """A ``function_call_output`` item: the result of a tool the server ran."""
-    return {"type": "function_call_output", "id": item_id, "call_id": call_id, "output": output,
-            "status": "completed"}
+    return as_wire(ResponseFunctionToolCallOutputItem(type="function_call_output", id=item_id, call_id=call_id,
+                                                      output=output, status="completed"))
 
 
 def response_usage(counts: TokenCounts) -> dict[str, Any]:
     """Responses ``usage``: ``input_tokens_details.cached_tokens`` are input tokens whose KV was
-    reused; the rest were prefilled (written to the session's KV)."""
-    return {"input_tokens": counts.prompt,
-            "input_tokens_details": {"cached_tokens": counts.cached,
-                                     "cache_write_tokens": counts.prompt - counts.cached},
-            "output_tokens": counts.generated, "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": counts.prompt + counts.generated}
+    reused; the rest were prefilled (written to the session's KV: ``cache_write_tokens``, an
+    extension field the openai type keeps)."""
+    details = InputTokensDetails.model_validate({"cached_tokens": counts.cached,
+                                                 "cache_write_tokens": counts.prompt - counts.cached})
+    return as_wire(ResponseUsage(input_tokens=counts.prompt, input_tokens_details=details,
+                                 output_tokens=counts.generated,
+                                 output_tokens_details=OutputTokensDetails(reasoning_tokens=0),
+                                 total_tokens=counts.prompt + counts.generated))
 
 
 def response_object(request: ResponseRequest, response_id: str, model: str, created: int,
                     output: list[dict[str, Any]], *, status: ResponseStatus = "completed",
                     incomplete_reason: str | None = None, usage: dict[str, Any] | None = None,
                     error: dict[str, str] | None = None) -> dict[str, Any]:
-    """The ``response`` object (what ``GET /v1/responses/{id}`` returns later); ``error`` the
-    ``{"code", "message"}`` of a failed one."""
-    return {
+    """The ``response`` object (what ``GET /v1/responses/{id}`` returns later), checked by the
+    openai package's ``Response``; ``error`` the ``{"code", "message"}`` of a failed one."""
+    checked = as_wire(Response.model_validate({
         "id": response_id, "object": "response", "created_at": created, "status": status,
         "error": error,
         "incomplete_details": {"reason": incomplete_reason} if incomplete_reason else None,
@@ -233,8 +255,12 @@ def response_object(request: ResponseRequest, response_id: str, model: str, crea
         "parallel_tool_calls": request.parallel_tool_calls is not False,
         "previous_response_id": request.previous_response_id,
         "store": request.store, "temperature": request.temperature, "top_p": request.top_p,
-        "text": request.text or {"format": {"type": "text"}},
-        "tool_choice": request.tool_choice or "auto", "tools": request.tools or [],
+        "tool_choice": "auto", "tools": [],
         "truncation": request.truncation or "disabled", "user": request.user,
         "metadata": request.metadata or {}, "usage": usage,
-    }
+    }))
+    # NOTE: the request's own settings are echoed as the client sent them (we accept what clients
+    # send, the openai type may not: a json_schema format without a name); created_at in whole
+    # seconds, as the API sends it (the openai type holds a float)
+    return {**checked, "created_at": created, "text": request.text or {"format": {"type": "text"}},
+            "tool_choice": request.tool_choice or "auto", "tools": request.tools or []}

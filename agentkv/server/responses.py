@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from contextlib import aclosing, contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -159,7 +159,8 @@ class Responses:
         output = ResponseOutput()
         body: dict[str, Any] | None = None
         async with self.runs.admitted():
-            session = await self._conversation(plan) if plan.request.store else None
+            with self.runs.waiting_for_kv():
+                session = await self._conversation(plan) if plan.request.store else None
             note.update(session=session.id if session is not None else plan.request.user)
             try:
                 events = self._stored_events(plan, session) if session else self._unstored_events(plan)
@@ -213,7 +214,7 @@ class Responses:
         session.agent = plan.agent
         return session
 
-    async def _stored_events(self, plan: ResponsePlan, session: Conversation) -> AsyncIterator[RunEvent]:
+    async def _stored_events(self, plan: ResponsePlan, session: Conversation) -> AsyncGenerator[RunEvent, None]:
         """The run on the stored conversation, from the previous response's last message (what a
         run that never finished left after it leaves the window first)."""
         assert self.conversations is not None
@@ -223,7 +224,7 @@ class Responses:
             async for event in run:
                 yield event
 
-    async def _unstored_events(self, plan: ResponsePlan) -> AsyncIterator[RunEvent]:
+    async def _unstored_events(self, plan: ResponsePlan) -> AsyncGenerator[RunEvent, None]:
         """``store=false``: the previous response's history (if any) and the input, run on the
         live KV session sharing the longest prefix (as a chat completion)."""
         assert plan.prepared is not None

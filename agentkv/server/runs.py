@@ -14,8 +14,8 @@ session that shares the longest prefix with it.
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Sequence
-from contextlib import aclosing, asynccontextmanager
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
+from contextlib import AsyncExitStack, aclosing, asynccontextmanager, contextmanager
 from dataclasses import dataclass
 
 from agentkv.agent import Agent
@@ -69,6 +69,9 @@ class Runs:
         self.live = live
         self.max_running = max_running
         self.running = 0
+        """Requests admitted (at most ``max_running``), those waiting for their KV session included."""
+        self.waiting = 0
+        """Admitted requests still waiting for their KV session (``waiting_for_kv``)."""
 
     def refuse_if_full(self) -> None:
         """``ApiError`` 429 when ``max_running`` requests are running (checked again on admission)."""
@@ -85,6 +88,19 @@ class Runs:
             yield
         finally:
             self.running -= 1
+
+    @contextmanager
+    def waiting_for_kv(self) -> Iterator[None]:
+        """Count an admitted request as waiting while the block gets its KV session::
+
+            with runs.waiting_for_kv():
+                session = await conversations.get(session_id, agent)
+        """
+        self.waiting += 1
+        try:
+            yield
+        finally:
+            self.waiting -= 1
 
     def prepare(self, agent: Agent, messages: Sequence[Message], *, salt: str) -> Prepared:
         """``messages`` (no system turn: the agent has it) split at the last assistant turn and
@@ -111,13 +127,16 @@ class Runs:
                 prompt_tokens=len(prompt), limit=limit)
         return tuple(prompt)
 
-    async def on_live_session(self, prepared: Prepared, pin: str | None) -> AsyncIterator[RunEvent]:
+    async def on_live_session(self, prepared: Prepared, pin: str | None) -> AsyncGenerator[RunEvent, None]:
         """The run's events on the live KV session that shares the longest prefix with it (or
         the one ``pin`` names), held for the run; the answers it generates are remembered."""
-        async with self.live.checkout(prepared.prompt_ids, pin=pin, salt=prepared.salt) as kv:
+        async with AsyncExitStack() as held:
+            with self.waiting_for_kv():
+                kv = await held.enter_async_context(self.live.checkout(prepared.prompt_ids, pin=pin,
+                                                                       salt=prepared.salt))
             conversation = Conversation(f"api-{uuid.uuid4().hex[:12]}", prepared.agent, self.runtime.engine, kv,
                                         self.runtime.renderer, window=[WindowEntry(m) for m in prepared.history])
-            conversation.self_check = self.runtime.self_check
+            conversation.call_checks.self_check = self.runtime.self_check
             async with aclosing(self.runtime.run_stream(conversation, prepared.tail)) as run:
                 async for event in run:
                     if isinstance(event, RunFinished):

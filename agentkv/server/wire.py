@@ -1,11 +1,12 @@
-"""The OpenAI chat-completions wire format: the request as pydantic validates it, and the response
-and stream chunks as plain dicts (exactly the fields the OpenAI spec names).
+"""The OpenAI chat-completions wire format: the request as our pydantic model validates it (we
+accept what clients send), and the response and stream chunks built with the ``openai`` package's
+own types (``ChatCompletion``, ``ChatCompletionChunk``, ``CompletionUsage``), sent as JSON dicts.
 
 ::
 
     request = ChatCompletionRequest.model_validate(body)
-    config = request.generation_config()
-    completion(request_id, model, created, message_dict, "stop", usage_dict)
+    config = request.generation_config(defaults)
+    completion(request_id, model, created, message, "stop", usage(counts))
 """
 
 from __future__ import annotations
@@ -15,12 +16,24 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from openai.types.chat import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionMessage,
+    ChatCompletionMessageFunctionToolCall,
+    ChatCompletionTokenLogprob,
+)
+from openai.types.chat.chat_completion import Choice, ChoiceLogprobs
+from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
+from openai.types.chat.chat_completion_chunk import ChoiceDelta, ChoiceDeltaToolCall, ChoiceDeltaToolCallFunction
+from openai.types.chat.chat_completion_chunk import ChoiceLogprobs as ChunkLogprobs
+from openai.types.chat.chat_completion_message_function_tool_call import Function
+from openai.types.completion_usage import CompletionUsage, PromptTokensDetails
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from agentkv.observe.cache_breaks import CacheBreak
 from agentkv.chat.messages import ToolCall
 from agentkv.engine.base import MAX_LOGPROBS, GenerationConfig, GenerationMetrics
-from agentkv.server.logprobs_wire import chat_logprobs
 from agentkv.server.request_agents import AgentDefaults
 
 
@@ -125,14 +138,22 @@ def sampling(defaults: AgentDefaults, *, max_tokens: int | None, temperature: fl
     )
 
 
-def tool_call_dicts(calls: tuple[ToolCall, ...], *, with_index: bool = False) -> list[dict[str, Any]]:
-    """Calls as the ``tool_calls`` of an OpenAI message (or stream delta, ``with_index``)."""
-    out = []
-    for index, call in enumerate(calls):
-        item: dict[str, Any] = {"id": call.id, "type": "function",
-                                "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
-        out.append({"index": index, **item} if with_index else item)
-    return out
+def tool_calls(calls: tuple[ToolCall, ...]) -> list[ChatCompletionMessageFunctionToolCall]:
+    """Calls as the ``tool_calls`` of an OpenAI assistant message::
+
+        ChatCompletionMessage(role="assistant", content=None, tool_calls=tool_calls(result.pending_tool_calls))
+    """
+    return [ChatCompletionMessageFunctionToolCall(id=call.id, type="function", function=Function(
+        name=call.name, arguments=json.dumps(call.arguments))) for call in calls]
+
+
+def delta_tool_calls(calls: tuple[ToolCall, ...]) -> list[ChoiceDeltaToolCall]:
+    """Calls as the ``tool_calls`` of a stream delta (each whole, with its ``index``)::
+
+        ChoiceDelta(tool_calls=delta_tool_calls(result.pending_tool_calls))
+    """
+    return [ChoiceDeltaToolCall(index=index, id=call.id, type="function", function=ChoiceDeltaToolCallFunction(
+        name=call.name, arguments=json.dumps(call.arguments))) for index, call in enumerate(calls)]
 
 
 @dataclass(frozen=True)
@@ -151,13 +172,15 @@ class TokenCounts:
                    generated=sum(m.generated_tokens for m in steps))
 
 
-def usage(steps: Sequence[GenerationMetrics]) -> dict[str, Any]:
+def usage(counts: TokenCounts) -> CompletionUsage:
     """Chat ``usage`` with ``prompt_tokens_details.cached_tokens``: prompt tokens whose KV was
-    reused instead of computed."""
-    counts = TokenCounts.of(steps)
-    return {"prompt_tokens": counts.prompt, "completion_tokens": counts.generated,
-            "total_tokens": counts.prompt + counts.generated,
-            "prompt_tokens_details": {"cached_tokens": counts.cached}}
+    reused instead of computed::
+
+        usage(TokenCounts.of(result.step_metrics)).prompt_tokens_details
+    """
+    return CompletionUsage(prompt_tokens=counts.prompt, completion_tokens=counts.generated,
+                           total_tokens=counts.prompt + counts.generated,
+                           prompt_tokens_details=PromptTokensDetails(cached_tokens=counts.cached))
 
 
 def cache_break_field(breaks: Sequence[CacheBreak | None]) -> dict[str, Any]:
@@ -172,24 +195,40 @@ def cache_break_field(breaks: Sequence[CacheBreak | None]) -> dict[str, Any]:
 FinishReason = Literal["stop", "length", "tool_calls"]
 
 
-def completion(request_id: str, model: str, created: int, message: dict[str, Any], finish: FinishReason,
-               usage_: dict[str, Any], extension: dict[str, Any] | None = None,
-               logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def as_wire(model: BaseModel) -> dict[str, Any]:
+    """An openai wire object as JSON-ready dict: exactly the fields it was given (a field set to
+    None is sent as null; one never set is left out)::
+
+        as_wire(CompletionUsage(prompt_tokens=5, completion_tokens=2, total_tokens=7))
+    """
+    return model.model_dump(mode="json", exclude_unset=True)
+
+
+def completion(request_id: str, model: str, created: int, message: ChatCompletionMessage, finish: FinishReason,
+               usage_: CompletionUsage, extension: dict[str, Any] | None = None,
+               logprobs: list[ChatCompletionTokenLogprob] | None = None) -> dict[str, Any]:
     """A ``chat.completion`` object with one choice (and agentkv's ``extension`` field);
-    ``logprobs`` the answer's ``logprob_entries`` when the request asked for them."""
-    body = {"id": request_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": message, "finish_reason": finish,
-                         "logprobs": chat_logprobs(logprobs)}],
-            "usage": usage_}
+    ``logprobs`` the answer's ``token_logprobs`` when the request asked for them."""
+    body = as_wire(ChatCompletion(id=request_id, object="chat.completion", created=created, model=model,
+                                  choices=[Choice(index=0, message=message, finish_reason=finish,
+                                                  logprobs=None if logprobs is None else
+                                                  ChoiceLogprobs(content=logprobs, refusal=None))],
+                                  usage=usage_))
     return {**body, "agentkv": extension} if extension is not None else body
 
 
-def chunk(request_id: str, model: str, created: int, delta: dict[str, Any], finish: FinishReason | None = None,
-          usage_: dict[str, Any] | None = None, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def chunk(request_id: str, model: str, created: int, delta: ChoiceDelta, finish: FinishReason | None = None,
+          usage_: CompletionUsage | None = None,
+          logprobs: list[ChatCompletionTokenLogprob] | None = None) -> dict[str, Any]:
     """A ``chat.completion.chunk``; with ``usage_`` the final usage chunk (no choices);
-    ``logprobs`` the ``logprob_entries`` of the tokens behind the delta's text."""
-    body: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
+    ``logprobs`` the ``token_logprobs`` of the tokens behind the delta's text::
+
+        chunk("chatcmpl-1", "SmolLM2", 1700000000, ChoiceDelta(content="Hi"))
+    """
     if usage_ is not None:
-        return {**body, "choices": [], "usage": usage_}
-    return {**body, "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
-                                 "logprobs": chat_logprobs(logprobs)}]}
+        return as_wire(ChatCompletionChunk(id=request_id, object="chat.completion.chunk", created=created,
+                                           model=model, choices=[], usage=usage_))
+    choice = ChunkChoice(index=0, delta=delta, finish_reason=finish,
+                         logprobs=None if logprobs is None else ChunkLogprobs(content=logprobs, refusal=None))
+    return as_wire(ChatCompletionChunk(id=request_id, object="chat.completion.chunk", created=created, model=model,
+                                       choices=[choice]))

@@ -1,0 +1,88 @@
+"""Prometheus metrics read from the counters agentkv already keeps: a ``prometheus_client``
+collector that, on each scrape, reads the server's load and the engine's ``counters()`` (nothing
+is counted twice).
+
+Queued and running requests and KV-cache utilisation carry the names of the Gateway API Inference
+Extension's model-server protocol (the defaults its endpoint picker scrapes, vLLM's:
+``vllm:num_requests_waiting``, ``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc``), so a
+router that balances vLLM balances agentkv unchanged; the rest are ``agentkv_*``::
+
+    collector = ServerCollector(engine, lambda: ServerLoad(running=2, waiting=0, live_conversations=5))
+    registry = CollectorRegistry()
+    registry.register(collector)
+    text = generate_latest(registry)          # GET /metrics
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from agentkv.engine.base import Engine, EngineCounters
+
+QUEUED_REQUESTS = "vllm:num_requests_waiting"
+"""The model-server protocol's TotalQueuedRequests (gauge)."""
+RUNNING_REQUESTS = "vllm:num_requests_running"
+"""The model-server protocol's TotalRunningRequests (gauge)."""
+KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"
+"""The model-server protocol's KVCacheUtilization (gauge, 0..1: the fraction of KV blocks in use)."""
+
+
+@dataclass(frozen=True)
+class ServerLoad:
+    """What the server holds now."""
+
+    running: int
+    """Requests admitted and holding their KV session."""
+    waiting: int
+    """Requests admitted and still waiting for their KV session."""
+    live_conversations: int
+    """Conversations whose KV the server keeps between requests (live chat sessions and open
+    stored conversations)."""
+
+
+class ServerCollector(Collector):
+    """Reads ``load()`` and the engine's counters on every scrape (see the module docstring)."""
+
+    def __init__(self, engine: Engine, load: Callable[[], ServerLoad]) -> None:
+        self.engine = engine
+        self.load = load
+
+    def collect(self) -> Iterator[Metric]:
+        """The metric families now."""
+        load = self.load()
+        yield GaugeMetricFamily(QUEUED_REQUESTS, "Requests waiting for their KV session.", value=load.waiting)
+        yield GaugeMetricFamily(RUNNING_REQUESTS, "Requests running on their KV session.", value=load.running)
+        yield GaugeMetricFamily("agentkv_live_conversations", "Conversations whose KV is kept between requests.",
+                                value=load.live_conversations)
+        yield from engine_metrics(self.engine.counters())
+
+
+def engine_metrics(counters: EngineCounters) -> Iterator[Metric]:
+    """The metric families of an engine's ``counters``::
+
+        families = list(engine_metrics(engine.counters()))
+    """
+    total = counters.kv_blocks_total
+    yield GaugeMetricFamily(KV_CACHE_USAGE, "Fraction of the KV cache's blocks in use (0..1).",
+                            value=counters.kv_blocks_used / total if total else 0.0)
+    yield GaugeMetricFamily("agentkv_kv_blocks_used", "KV blocks held by sessions and shared prefixes.",
+                            value=counters.kv_blocks_used)
+    yield GaugeMetricFamily("agentkv_kv_blocks_free", "KV blocks free.", value=total - counters.kv_blocks_used)
+    yield CounterMetricFamily("agentkv_model_steps", "Forward passes of the model.", value=counters.model_steps)
+    yield CounterMetricFamily("agentkv_prefix_cache_hit_tokens", "Prompt tokens the prefix cache supplied.",
+                              value=counters.prefix_cache_hit_tokens)
+
+
+def registry_of(collector: Collector) -> CollectorRegistry:
+    """A registry of its own holding ``collector`` (not the process-wide default one, so two apps
+    in one process never share or clash)::
+
+        text = generate_latest(registry_of(collector))
+    """
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    return registry
