@@ -6,8 +6,8 @@
 
     engine = open_engine()                     # the default offline model, paged engine on CPU
     runtime = Runtime(engine)
-    session = await runtime.open_conversation(Agent(name="helper"))
-    result = await runtime.run(session, "Hello!")
+    conversation = await runtime.open_conversation(Agent(name="helper"))
+    result = await runtime.run(conversation, "Hello!")
 
 Importing agentkv does not load a model: the engines (and OpenVINO) load on first use.
 """
@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 from agentkv.agent import Agent
 from agentkv.chat.messages import Message, ToolCall
 from agentkv.chat.openai_messages import messages_from_openai
-from agentkv.run.conversation import Conversation
 from agentkv.engine.base import (
     Engine,
     GenerationConfig,
@@ -27,8 +26,9 @@ from agentkv.engine.base import (
     GenerationResult,
     GenerationStream,
     KVSession,
+    TokenLogprob,
+    TopLogprob,
 )
-from agentkv.kv.snapshot import KVSnapshot
 from agentkv.errors import (
     AgentKVError,
     ConstraintError,
@@ -51,21 +51,23 @@ from agentkv.errors import (
     UnknownStateLayout,
     UserError,
 )
-from agentkv.engine.base import TokenLogprob, TopLogprob
-from agentkv.observe.cache_breaks import CacheBreak
 from agentkv.events import (
     ApprovalRequired,
     CacheBroken,
     ContextCompacted,
+    ModelCallFinished,
     RunEvent,
     RunFinished,
+    SelfCheckFailed,
     TextDelta,
     ToolCalled,
     ToolReturned,
-    ModelCallFinished,
 )
-from agentkv.run.approvals import Decisions
+from agentkv.kv.snapshot import KVSnapshot
+from agentkv.observe.cache_breaks import CacheBreak
 from agentkv.result import RunResult
+from agentkv.run.approvals import Decisions
+from agentkv.run.conversation import Conversation
 from agentkv.run.input import RunInput
 from agentkv.runtime.runtime import Runtime
 from agentkv.tools import Tool, ToolOutcome, calculator, clock, run_tool_calls, tool
@@ -76,17 +78,17 @@ if TYPE_CHECKING:
     from agentkv.engine.stateful.engine import StatefulEngine
 
 __all__ = [
-    "Agent", "AgentKVError", "ApprovalRequired", "CacheBreak", "CacheBroken", "ConstraintError", "ContextCompacted", "ContextOverflowError", "Conversation",
-    "Decisions", "Engine", "GenerationConfig", "GenerationMetrics", "GenerationResult", "GenerationStream", "KVSession",
-    "KVSnapshot", "MaxModelCallsExceeded", "Message", "ModelNotFound", "PagedEngine", "RunEvent", "RunFinished",
-    "RunInput", "RunResult", "Runtime", "ResponseNotFound", "SessionBusy", "SessionClosed", "SessionNotFound", "SnapshotCorrupt",
-    "SnapshotIncompatible", "StatefulEngine", "open_engine", "ModelCallFinished", "TextDelta", "Tool", "ToolCall", "ToolCalled",
-    "ToolOutcome", "ToolReturned", "UserError", "calculator", "clock", "messages_from_openai", "run_tool_calls",
-    "tool",
-    "KVLogCorrupt", "KVPoolCorrupt", "KVPoolExhausted", "ModelCompileFailed", "ToolResultNotText",
-    "UnknownStateLayout",
-    "LeaseLost", "StoreUnavailable",
-    "TokenLogprob", "TopLogprob",
+    "Agent", "AgentKVError", "ApprovalRequired", "CacheBreak", "CacheBroken", "ConstraintError",
+    "ContextCompacted", "ContextOverflowError", "Conversation", "Decisions", "Engine",
+    "GenerationConfig", "GenerationMetrics", "GenerationResult", "GenerationStream", "KVLogCorrupt",
+    "KVPoolCorrupt", "KVPoolExhausted", "KVSession", "KVSnapshot", "LeaseLost",
+    "MaxModelCallsExceeded", "Message", "ModelCallFinished", "ModelCompileFailed", "ModelNotFound",
+    "PagedEngine", "ResponseNotFound", "RunEvent", "RunFinished", "RunInput", "RunResult",
+    "Runtime", "SelfCheckFailed", "SessionBusy", "SessionClosed", "SessionNotFound",
+    "SnapshotCorrupt", "SnapshotIncompatible", "StatefulEngine", "StoreUnavailable", "TextDelta",
+    "TokenLogprob", "Tool", "ToolCall", "ToolCalled", "ToolOutcome", "ToolResultNotText",
+    "ToolReturned", "TopLogprob", "UnknownStateLayout", "UserError", "calculator", "clock",
+    "messages_from_openai", "open_engine", "run_tool_calls", "tool",
 ]
 
 

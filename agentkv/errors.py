@@ -81,7 +81,7 @@ class SnapshotIncompatible(AgentKVError):
 
 
 class MaxModelCallsExceeded(AgentKVError):
-    """An agent run used more model turns than ``Agent.max_model_calls`` allows."""
+    """An agent run used more model calls than ``Agent.max_model_calls`` allows."""
 
     def __init__(self, max_model_calls: int, result: Any = None) -> None:
         super().__init__(

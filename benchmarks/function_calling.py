@@ -9,7 +9,7 @@ names an offered tool and its arguments validate against the tool's JSON schema,
 the run (``final_text``, the recorded messages) holds tool-call markup. Whether the model chose
 the expected tool is reported beside it, not counted. The last line is one JSON object.
 Run: ``python benchmarks/function_calling.py [--cases N] [--max-new-tokens 256]``; the
-real-model test (``tests/test_function_calling_model.py``) runs a fixed subset of the same cases.
+real-model test (``tests/model/test_function_calling_model.py``) runs a fixed subset of the same cases.
 """
 
 from __future__ import annotations

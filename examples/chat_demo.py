@@ -6,7 +6,7 @@ The instructions and questions are chosen so the answers hold on every CPU-plugi
 (bf16 compute on CPUs with avx512_bf16/AMX, dynamic quantisation on avx512, plain f32
 elsewhere): a 135M model's answer to an open prompt can be a near-tie that the numerics flip
 ("Answer in two sentences." made the first token a 0.1-logit tie, answered "La Dnор …" in
-bf16). ``tests/test_demo_model.py`` runs ``converse`` under the three profiles.
+bf16). ``tests/model/test_demo_model.py`` runs ``converse`` under the three profiles.
 """
 
 from __future__ import annotations
@@ -41,19 +41,19 @@ def show(event: RunEvent) -> None:
 
 
 async def converse(engine: Engine, on_event: Callable[[RunEvent], None] = show) -> list[str]:
-    """Ask ``QUESTIONS`` in one session of ``AGENT`` on ``engine``; the answers, in order."""
+    """Ask ``QUESTIONS`` in one conversation with ``AGENT`` on ``engine``; the answers, in order."""
     runtime = Runtime(engine)
-    session = await runtime.open_conversation(AGENT)
+    conversation = await runtime.open_conversation(AGENT)
     answers = []
     for question in QUESTIONS:
         print(f"\nuser> {question}\nassistant> ", end="", flush=True)
         text = ""
-        async for event in runtime.run_stream(session, question):
+        async for event in runtime.run_stream(conversation, question):
             on_event(event)
             if event.type == "text_delta":
                 text += event.text
         answers.append(text)
-    await runtime.close_conversation(session)
+    await runtime.close_conversation(conversation)
     return answers
 
 

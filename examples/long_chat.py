@@ -3,7 +3,7 @@
 Runs on the scripted engine (no model needed, about a second): 30 user turns, some with a
 tool call, under each context-window policy with ``max_prompt_len=600``. Every
 ``ContextCompacted`` event is printed, and what left the window is reported through the
-session's ``on_window_change`` hook (where a store would flag it out-of-window)::
+conversation's ``on_window_change`` hook (where a store would flag it out-of-window)::
 
     python examples/long_chat.py                  # all three policies
     python examples/long_chat.py --policy sliding
@@ -61,28 +61,28 @@ async def run(policy_name: str, turns: int) -> None:
         min_response_len=64,
     )
     runtime = Runtime(engine)
-    session = await runtime.open_conversation(agent)
+    conversation = await runtime.open_conversation(agent)
     left: list[WindowEntry] = []
 
     async def on_window_change(
-        session: Conversation, removed: list[WindowEntry], replacement: WindowEntry | None
+        conversation: Conversation, removed: list[WindowEntry], replacement: WindowEntry | None
     ) -> None:
         left.extend(removed)
 
-    session.on_window_change = on_window_change
+    conversation.on_window_change = on_window_change
     print(f"== {policy_name} ==")
     for turn in range(1, turns + 1):
-        async for event in runtime.run_stream(session, user_message(turn)):
+        async for event in runtime.run_stream(conversation, user_message(turn)):
             if isinstance(event, ContextCompacted):
                 print(
                     f"turn {turn:2d}: {event.policy}: {event.tokens_before} → {event.tokens_after} tokens, "
                     f"{event.messages_removed} messages left the window ({event.cost_ms:.1f} ms)"
                 )
-    roles = [entry.message.role for entry in session.window]
+    roles = [entry.message.role for entry in conversation.window]
     print(f"window now: {len(roles)} messages {json.dumps(roles)}; {len(left)} messages left it in total")
-    if session.window and session.window[0].replaces:
-        print(f"first message: {session.window[0].message.content[:90]!r}")
-    print(f"KV shifted: {session.kv.shifted}\n")
+    if conversation.window and conversation.window[0].replaces:
+        print(f"first message: {conversation.window[0].message.content[:90]!r}")
+    print(f"KV shifted: {conversation.kv.shifted}\n")
     await runtime.aclose()
 
 

@@ -1,7 +1,7 @@
 """Run it twice: the second run resumes the first run's session from its KV snapshot.
 
 State lives in ./.agentkv-example/ (a SQLite database and snapshot files). The questions are the
-demo's, whose answers hold on every CPU-plugin profile (tests/test_demo_model.py); the second
+demo's, whose answers hold on every CPU-plugin profile (tests/model/test_demo_model.py); the second
 is asked after the resume, on the restored KV.
 """
 
@@ -26,16 +26,16 @@ async def main() -> None:
     runtime = Runtime(open_engine(), store, agents=[AGENT])
     ids = {s.id for s in await store.list_sessions()}
     if SESSION in ids:
-        session = await runtime.resume(SESSION)
-        report = session.resume_report
+        conversation = await runtime.resume(SESSION)
+        report = conversation.resume_report
         print(f"resumed {SESSION}: {report.messages} messages; {report.restored_tokens} tokens of KV "
               "restored from the snapshot instead of re-prefilled")
         question = "Tell me one famous landmark there."
     else:
-        session = await runtime.open_conversation(AGENT, session_id=SESSION)
+        conversation = await runtime.open_conversation(AGENT, session_id=SESSION)
         print(f"new session {SESSION} (run me again to resume it)")
         question = "What is the capital of France?"
-    result = await runtime.run(session, question)
+    result = await runtime.run(conversation, question)
     m = result.step_metrics[0]
     print(f"user> {question}\nassistant> {result.final_text}")
     print(f"[reused {m.reused_tokens} tokens, prefilled {m.prefilled_tokens}]")

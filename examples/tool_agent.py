@@ -1,10 +1,10 @@
-"""An agent with the calculator and the clock on the default model: streamed events and per-step metrics.
+"""An agent with the calculator and the clock on the default model: streamed events and per-model-call metrics.
 
-The first step is grammar-constrained to one valid tool call (tool_choice="required",
-parallel_tool_calls=False); the second step reads the tool result on top of the same KV
+The first model call is grammar-constrained to one valid tool call (tool_choice="required",
+parallel_tool_calls=False); the second reads the tool result on top of the same KV
 session. The default model (SmolLM2-135M) writes the right call (``calculator({"expression":
 "123 * 45"})``) but does not read a result back: it echoes it in ``<tool_response>`` markup,
-so the answer step stops there and the tool's result is the answer. A model that reads
+so the answer's model call stops there and the tool's result is the answer. A model that reads
 results back (``AGENTKV_MODEL``) runs without the stop string.
 """
 
@@ -29,9 +29,9 @@ QUESTION = "What is 123 * 45?"
 async def main() -> None:
     engine = open_engine()
     runtime = Runtime(engine)
-    session = await runtime.open_conversation(AGENT)
+    conversation = await runtime.open_conversation(AGENT)
     print(f"user> {QUESTION}")
-    async for event in runtime.run_stream(session, QUESTION):
+    async for event in runtime.run_stream(conversation, QUESTION):
         if event.type == "text_delta":
             print(event.text, end="", flush=True)
         elif event.type == "tool_called":
@@ -40,7 +40,7 @@ async def main() -> None:
             print(f"← {event.content}{' (error)' if event.is_error else ''}")
         elif event.type == "model_call_finished":
             m = event.metrics
-            print(f"  [step {event.step}: reused {m.reused_tokens}, prefilled {m.prefilled_tokens}, "
+            print(f"  [model call {event.step}: reused {m.reused_tokens}, prefilled {m.prefilled_tokens}, "
                   f"generated {m.generated_tokens}, TTFT {m.ttft_s * 1000:.0f} ms]")
     await runtime.aclose()
     await engine.aclose()

@@ -187,7 +187,9 @@ def test_refs_to_defs_in_a_tool_schema_are_followed(factory, tokenizer):
 @given(st.text(alphabet="abc ,.?0123456789\n", min_size=1, max_size=40))
 def test_eos_is_allowed_exactly_when_the_grammar_accepts(factory, tokenizer, text):
     constraint = factory('start: "A" /[a-c ,.?0-9\\n]*/ "!"')
-    assert walk(constraint, tokenizer.encode("A" + text + "!"))  # every step checks EOS ⇔ accepting
+    assert walk(constraint, tokenizer.encode("A" + text))  # every step checks EOS ⇔ accepting
+    assert not constraint.allowed_mask()[EOS] and not constraint.is_accepting()  # "!" still due
+    assert walk(constraint, tokenizer.encode("!"))
     assert constraint.allowed_mask()[EOS] and constraint.is_accepting()
 
 

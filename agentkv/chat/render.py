@@ -330,8 +330,9 @@ class ChatRenderer:
         for probe in probes:
             texts = [self._apply(probe[:k], False, None) for k in range(1, len(probe) + 1)]
             texts.append(self._apply(probe, True, None))
-            if any(t is None for t in texts) or any(
-                not b.startswith(a) for a, b in zip(texts, texts[1:])  # type: ignore[union-attr]
+            rendered = [t for t in texts if t is not None]
+            if len(rendered) < len(texts) or any(
+                not b.startswith(a) for a, b in zip(rendered, rendered[1:])
             ):
                 logger.warning(
                     "the chat template is not prefix-stable (rendering more messages changes the "

@@ -7,7 +7,7 @@ exceptions), and writes the llguidance grammar that forces the model to produce 
     text = format_tool_calls([ToolCall(name="calculator", arguments={"expression": "2+2"})])
     parsed = parse_tool_calls(text)        # parsed.tool_calls[0].name == "calculator"
     grammar = tool_call_grammar([calculator.schema_for_prompt()], "required")
-    constraint = factory(grammar)          # engine/constraints.py: ConstraintFactory
+    constraint = factory(grammar)          # engine/decode/constraints.py: ConstraintFactory
 """
 
 from __future__ import annotations

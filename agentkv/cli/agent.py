@@ -16,8 +16,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import TypedDict
 
 from pydantic import ValidationError
 
@@ -30,6 +32,20 @@ from agentkv.policies import ContextPolicy, SlidingWindow, SummarizeAndReprefill
 from agentkv.runtime.stored_agent import BUILTIN_TOOLS, agent_from_record
 from agentkv.tools import Tool
 
+
+class AgentChanges(TypedDict, total=False):
+    """The ``Agent`` fields the CLI's options may change: ``dataclasses.replace(agent, **changes)``."""
+
+    instructions: str | None
+    tools: Sequence[Tool]
+    tool_choice: str
+    parallel_tool_calls: bool
+    generation: GenerationConfig
+    policy: ContextPolicy
+    max_prompt_len: int
+    min_response_len: int
+
+
 DEFAULT_AGENT = "assistant"
 DEFAULT_INSTRUCTIONS = "You are a helpful assistant. Answer briefly."
 CLI_TOOLS: tuple[Tool, ...] = tuple(BUILTIN_TOOLS.values())
@@ -37,10 +53,10 @@ CLI_TOOLS: tuple[Tool, ...] = tuple(BUILTIN_TOOLS.values())
 TOOL_RESULT_ECHO = "<tool_response>"
 """What the default model writes after a tool result: it wraps the result in the markup it was
 trained on instead of answering (measured: every time, on each plugin profile)."""
-TOOLS_SETTINGS: dict[str, object] = {"tool_choice": "required", "parallel_tool_calls": False}
+TOOLS_SETTINGS: AgentChanges = {"tool_choice": "required", "parallel_tool_calls": False}
 """How ``--tools`` runs: the default model (135M) never chose a tool by itself (it looped
-"17 * 23 = 17 * 23 = …"), so each message's first step is a grammar-forced call, one per step;
-the answer step stops at ``TOOL_RESULT_ECHO``, so the tool's result is the answer."""
+"17 * 23 = 17 * 23 = …"), so each message's first model call is grammar-forced to make one tool
+call; the answer's model call stops at ``TOOL_RESULT_ECHO``, so the tool's result is the answer."""
 
 
 class PolicyName(str, Enum):
@@ -149,7 +165,7 @@ def refuse_clash(record: AgentRecord, options: AgentOptions) -> None:
 
 def apply_options(base: Agent, options: AgentOptions) -> Agent:
     """``base`` with the given options applied (``CLIUsageError`` for an invalid combination)."""
-    changes: dict[str, object] = {}
+    changes: AgentChanges = {}
     config = base.generation
     if options.system is not None:
         changes["instructions"] = options.system

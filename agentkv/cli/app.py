@@ -8,19 +8,19 @@
     agentkv sessions list
     agentkv sessions export ID > chat.jsonl
     agentkv sessions unlock ID        # release the lease a crashed process left behind
-    agentkv serve --port 8000         # an OpenAI-compatible server (``cli_serve``)
+    agentkv serve --port 8000         # an OpenAI-compatible server (``cli.serve``)
 
-Configuration is read here, at the edge (``cli_config``): ``--db``, ``$AGENTKV_DB_URL`` or
+Configuration is read here, at the edge (``cli.config``): ``--db``, ``$AGENTKV_DB_URL`` or
 ``$AGENTKV_HOME`` for the store, ``--model`` or ``$AGENTKV_MODEL`` for the model, ``$AGENTKV_ENGINE``
 for the engine (``open_engine``: paged on CPU/GPU unless it says ``stateful``). The chat
-loop is in ``cli_chat``, the agent options in ``cli_agent``, printing in ``cli_display``.
+loop is in ``cli.chat``, the agent options in ``cli.agent``, printing in ``cli.display``.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import anyio
 import typer
@@ -37,6 +37,9 @@ from agentkv.errors import AgentKVError, UserError
 from agentkv.memory.leases import live_pid_here
 from agentkv.memory.session_stats import session_stats
 
+if TYPE_CHECKING:
+    from agentkv.engine.factory import Backend
+
 # NOTE: rich_markup_mode=None: click's plain help wraps at any width; rich's tables cut words at 80 columns
 app = typer.Typer(help="agentkv: agents whose conversations keep their KV cache alive.",
                   epilog=ENVIRONMENT_HELP, no_args_is_help=True, rich_markup_mode=None)
@@ -48,6 +51,8 @@ err = Console(stderr=True)
 DB_HELP = "SQLAlchemy URL of the store (default: $AGENTKV_DB_URL, else $AGENTKV_HOME/agentkv.db)."
 MODEL_HELP = ("GGUF file or OpenVINO IR directory (default: $AGENTKV_MODEL, else SmolLM2-135M); "
               "$AGENTKV_ENGINE=stateful runs it on the stateful engine instead of the paged one.")
+ENGINES: dict[str, Backend] = {"paged": "paged", "stateful": "stateful"}
+"""``--engine`` values, and the engine backend each picks."""
 
 
 @app.command(epilog=ENVIRONMENT_HELP)
@@ -59,7 +64,7 @@ def chat(
         "A stored agent is used as stored; options may not give it other instructions or tools."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
     db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
-    metrics: bool = typer.Option(False, "--metrics", help="Print per-turn token and timing metrics."),
+    metrics: bool = typer.Option(False, "--metrics", help="Print token and timing metrics after each model call."),
     tools: Optional[bool] = typer.Option(
         None, "--tools/--no-tools", help="Give the agent the calculator and clock tools (or none). Each "
         "message is then answered by one tool call, whose result is the answer: the default model "
@@ -87,7 +92,7 @@ def resume(
     session_id: str = typer.Argument(..., help="The stored session's id."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
     db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
-    metrics: bool = typer.Option(False, "--metrics", help="Print per-turn token and timing metrics."),
+    metrics: bool = typer.Option(False, "--metrics", help="Print token and timing metrics after each model call."),
 ) -> None:
     """Continue a stored session with its stored agent, from its KV snapshot."""
     _run_chat(ChatRequest(session_id, None, AgentOptions(), model, db, metrics))
@@ -315,11 +320,12 @@ def serve(
     from agentkv.cli.serve import ServeOptions
     from agentkv.cli.serve import serve as run_server
 
-    if engine is not None and engine not in ("paged", "stateful"):
+    if engine is not None and engine not in ENGINES:
         raise typer.BadParameter("--engine must be paged or stateful")
     agent = AgentOptions(system=system, tools=tools, policy=policy, max_prompt_len=max_prompt_len,
                          max_new_tokens=max_new_tokens, temperature=temperature)
-    options = ServeOptions(host, port, api_key, db, model, engine, max_sessions, max_running, kv_reuse, agent)
+    backend = None if engine is None else ENGINES[engine]
+    options = ServeOptions(host, port, api_key, db, model, backend, max_sessions, max_running, kv_reuse, agent)
     _guard(lambda: run_server(options))
 
 

@@ -134,7 +134,7 @@ class LineReader:
         token = anyio.lowlevel.current_token()
         threading.Thread(target=self._pump, args=(token,), name="agentkv-stdin", daemon=True).start()
 
-    def _pump(self, token: object) -> None:
+    def _pump(self, token: anyio.lowlevel.EventLoopToken) -> None:
         line: InputLine | None = None
         try:
             while (line := self._next_line()) is not None:
@@ -315,7 +315,7 @@ class _Chat:
                 self.failed = True
             except anyio.get_cancelled_exc_class():
                 with anyio.CancelScope(shield=True):
-                    await keep_partial(session, printer.step_text)
+                    await keep_partial(session, printer.call_text)
                 if not printer.finished:
                     printer.cancelled()
                 raise

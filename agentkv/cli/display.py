@@ -82,7 +82,7 @@ def finish_reason(result: RunResult, eos_token_id: int | None, max_new_tokens: i
 
 class TurnPrinter:
     """Prints one run's events: answer text on stdout, metrics and notes on stderr, each
-    starting on a line of its own. ``step_text`` is the text of the model call in progress."""
+    starting on a line of its own. ``call_text`` is the text of the model call in progress."""
 
     def __init__(self, out: Console, err: Console, *, metrics: bool, eos_token_id: int | None,
                  max_new_tokens: int) -> None:
@@ -90,7 +90,7 @@ class TurnPrinter:
         self.metrics = metrics
         self.eos_token_id = eos_token_id
         self.max_new_tokens = max_new_tokens
-        self.step_text = ""
+        self.call_text = ""
         self.finished = False
         self._at_line_start = True
 
@@ -103,7 +103,7 @@ class TurnPrinter:
         elif event.type == "tool_returned":
             self._line(f"[dim]← {_escape(event.content)}[/dim]")
         elif event.type == "model_call_finished":
-            self.step_text = ""
+            self.call_text = ""
             if self.metrics:
                 m = event.metrics
                 self._line(f"[dim]prompt {m.prompt_tokens} tok, reused {m.reused_tokens}, prefilled "
@@ -136,7 +136,7 @@ class TurnPrinter:
     def _text(self, text: str) -> None:
         self.out.print(text, end="", markup=False, highlight=False)
         self.out.file.flush()
-        self.step_text += text
+        self.call_text += text
         self._at_line_start = text.endswith("\n")
 
     def _line(self, markup: str, *, console: Console | None = None) -> None:

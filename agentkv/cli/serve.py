@@ -20,10 +20,14 @@ import os
 import signal
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from agentkv.agent import Agent
 from agentkv.cli.agent import CLI_TOOLS, AgentOptions, apply_options, check_window
 from agentkv.server.request_agents import AgentDefaults
+
+if TYPE_CHECKING:
+    from agentkv.engine.factory import Backend
 
 API_KEY_ENV = "AGENTKV_API_KEY"
 
@@ -37,7 +41,7 @@ class ServeOptions:
     api_key: str | None
     db: str | None
     model: str | None
-    engine: str | None
+    engine: Backend | None
     max_sessions: int
     max_running: int
     kv_reuse: bool
@@ -74,7 +78,7 @@ def serve(options: ServeOptions) -> None:
     if api_key is None and not _is_loopback(options.host):
         print(f"warning: serving on {options.host} without an API key: anyone who can reach it can use it "
               f"(pass --api-key or set {API_KEY_ENV})", file=sys.stderr)
-    engine = open_engine(model_choice(options.model), backend=options.engine)  # type: ignore[arg-type]
+    engine = open_engine(model_choice(options.model), backend=options.engine)
     model_id = _model_id(engine)
     app = create_app(engine, store=open_store(options.db), api_key=api_key, model_id=model_id,
                      max_sessions=options.max_sessions, max_running=options.max_running, reuse_kv=options.kv_reuse,

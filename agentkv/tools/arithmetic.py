@@ -185,10 +185,12 @@ def _power(base: Number, exponent: Number) -> Number:
     return _checked(base**exponent)
 
 
-def _checked(value: Any) -> Number:
+def _checked(value: object) -> Number:
     """Refuse complex, non-finite and oversized results."""
     if isinstance(value, complex):
         raise ValueError("the result is not a real number (e.g. a fractional power of a negative number)")
+    if not isinstance(value, (int, float)):
+        raise ValueError(f"the result is not a number, got {value!r}")
     if isinstance(value, float) and not math.isfinite(value):
         raise ValueError("the result is not a finite number")
     if isinstance(value, int) and value.bit_length() > MAX_INT_BITS:

@@ -1,4 +1,4 @@
-"""Run the tool calls of one model turn: concurrently, each under a timeout, failures as results.
+"""Run the tool calls of one model call: concurrently, each under a timeout, failures as results.
 
 ::
 

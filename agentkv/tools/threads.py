@@ -27,14 +27,15 @@ async def run_on_daemon_thread(call: Callable[[], T], *, name: str = "agentkv-to
     it raised. Cancelling the wait abandons the thread: it runs on, and exit does not wait for it."""
     token = anyio.lowlevel.current_token()
     done = anyio.Event()
-    outcome: list[tuple[bool, object]] = []
+    results: list[T] = []
+    errors: list[BaseException] = []
     context = contextvars.copy_context()
 
     def work() -> None:
         try:
-            outcome.append((True, context.run(call)))
+            results.append(context.run(call))
         except BaseException as error:  # handed to the awaiting task, which raises it
-            outcome.append((False, error))
+            errors.append(error)
         try:
             anyio.from_thread.run_sync(done.set, token=token)
         except RuntimeError:  # the event loop is gone: nobody waits any more
@@ -42,8 +43,6 @@ async def run_on_daemon_thread(call: Callable[[], T], *, name: str = "agentkv-to
 
     threading.Thread(target=work, name=name, daemon=True).start()
     await done.wait()
-    succeeded, value = outcome[0]
-    if not succeeded:
-        assert isinstance(value, BaseException)
-        raise value
-    return value  # type: ignore[return-value]
+    if errors:
+        raise errors[0]
+    return results[0]

@@ -37,7 +37,7 @@ def test_the_caller_tools_snippet_runs_on_the_default_model(engine):
     messages = found["session"].messages
     first_calls = {c.id for c in messages[1].tool_calls}
     answered = {m.tool_call_id for m in messages if m.role == "tool"}
-    assert first_calls and first_calls <= answered      # every call of the first step got its result
+    assert first_calls and first_calls <= answered      # every call of the first model call got its result
     assert "<tool" not in found["result"].final_text
 
 
