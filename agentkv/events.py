@@ -55,7 +55,8 @@ class CacheBroken:
     """A model call reuses less KV than its conversation held: where, in what, and why
     (``agentkv.observe.cache_breaks``). Comes before the call's text."""
 
-    step: int
+    call_index: int
+    """0-based index of the model call within the run."""
     cache_break: CacheBreak
     type: Literal["cache_broken"] = "cache_broken"
 
@@ -83,7 +84,7 @@ class ApprovalRequired:
 class ModelCallFinished:
     """What one model call cost and reused."""
 
-    step: int
+    call_index: int
     """0-based index of the model call within the run."""
     metrics: GenerationMetrics
     type: Literal["model_call_finished"] = "model_call_finished"

@@ -1,4 +1,4 @@
-"""RunResult: what a run returns — the final text, the calls made, the cost of each step — and ResumeReport,
+"""RunResult: what a run returns — the final text, the calls made, the cost of each model call — and ResumeReport,
 what a resume found."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class RunResult:
     """Messages this run added (user input, assistant turns, tool results)."""
     tool_calls: tuple[ToolCall, ...]
     """Every tool call made, in order."""
-    step_metrics: tuple[GenerationMetrics, ...]
+    call_metrics: tuple[GenerationMetrics, ...]
     """One entry per model call."""
     finish_reason: FinishReason = "stop"
     """Why the run ended; ``final_text`` never holds tool-call markup, whatever the reason.
@@ -44,7 +44,7 @@ class RunResult:
     """Calls of caller-executed tools (made from raw schemas) waiting for results: continue the
     run with ``runtime.run(conversation, [{"role": "tool", "tool_call_id": call.id, "content": ...}])``."""
     cache_breaks: tuple[CacheBreak | None, ...] = ()
-    """Per model call (as ``step_metrics``): where and why it reused less KV than its conversation
+    """Per model call (as ``call_metrics``): where and why it reused less KV than its conversation
     held, None where it reused all of it."""
     self_checks: tuple[SelfCheckResult, ...] = ()
     """The calls of this run that self-check mode checked (``Runtime(self_check=...)``)."""
@@ -54,8 +54,8 @@ class RunResult:
 
     @property
     def prefilled_tokens(self) -> int:
-        """Tokens run through the model across all steps (excluding decoding)."""
-        return sum(m.prefilled_tokens for m in self.step_metrics)
+        """Tokens run through the model across all model calls (excluding decoding)."""
+        return sum(m.prefilled_tokens for m in self.call_metrics)
 
 
 @dataclass(frozen=True)

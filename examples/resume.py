@@ -36,7 +36,7 @@ async def main() -> None:
         print(f"new session {SESSION} (run me again to resume it)")
         question = "What is the capital of France?"
     result = await runtime.run(conversation, question)
-    m = result.step_metrics[0]
+    m = result.call_metrics[0]
     print(f"user> {question}\nassistant> {result.final_text}")
     print(f"[reused {m.reused_tokens} tokens, prefilled {m.prefilled_tokens}]")
     await runtime.aclose()

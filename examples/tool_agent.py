@@ -40,7 +40,7 @@ async def main() -> None:
             print(f"← {event.content}{' (error)' if event.is_error else ''}")
         elif event.type == "model_call_finished":
             m = event.metrics
-            print(f"  [model call {event.step}: reused {m.reused_tokens}, prefilled {m.prefilled_tokens}, "
+            print(f"  [model call {event.call_index}: reused {m.reused_tokens}, prefilled {m.prefilled_tokens}, "
                   f"generated {m.generated_tokens}, TTFT {m.ttft_s * 1000:.0f} ms]")
     await runtime.aclose()
     await engine.aclose()

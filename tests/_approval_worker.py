@@ -53,7 +53,7 @@ async def approve(url: str, session_id: str, call_id: str) -> None:
     session = await runtime.resume(session_id)
     waiting = [c.id for c in runtime.pending_approvals(session)]
     result = await runtime.approve(session, call_id)
-    m = result.step_metrics[0]
+    m = result.call_metrics[0]
     print(json.dumps({"waiting": waiting, "restored": session.resume_report.restored_tokens,
                       "interrupted": session.resume_report.interrupted_calls, "finish": result.finish_reason,
                       "tool_result": [x.content for x in result.new_messages if x.role == "tool"],

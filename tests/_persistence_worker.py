@@ -38,7 +38,7 @@ async def resume_turn(url: str, session_id: str, text: str) -> None:
     runtime = Runtime(engine, store, agents=[AGENT])
     session = await runtime.resume(session_id)
     result = await runtime.run(session, text)
-    m = result.step_metrics[0]
+    m = result.call_metrics[0]
     print(json.dumps({
         "text": result.final_text,
         "token_ids": list(session.messages[-1].token_ids or ()),

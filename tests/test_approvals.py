@@ -73,7 +73,7 @@ async def test_a_call_needing_approval_stops_the_run_and_an_approval_continues_o
     done = await runtime.approve(session, waiting.id)
     assert deleted == ["a.txt"] and done.final_text == "Deleted a.txt." and done.finish_reason == "stop"
     result_turn = session.render_with(AGENT, [session.messages[-2]]).token_ids  # only the tool result is new
-    assert done.step_metrics[0].prefilled_tokens <= len(result_turn)
+    assert done.call_metrics[0].prefilled_tokens <= len(result_turn)
     assert runtime.pending_approvals(session) == ()
     engine.assert_complete()
 
@@ -91,7 +91,7 @@ async def test_an_approval_survives_a_restart_and_the_continuation_prefills_only
     assert [c.id for c in later.pending_approvals(resumed)] == [waiting.id]
     done = await later.approve(resumed, waiting.id)
     assert deleted == ["b.txt"] and done.final_text == "Done."
-    metrics = done.step_metrics[0]
+    metrics = done.call_metrics[0]
     assert metrics.reused_tokens >= history_tokens - 2 and metrics.prefilled_tokens < 30
     assert "deleted b.txt" in engine.calls[0].prompt_text
 
@@ -130,7 +130,7 @@ async def test_free_calls_run_at_once_and_each_decision_continues_only_when_none
     first, second = result.pending_approvals
     partial = await runtime.approve(session, first.id)
     assert partial.finish_reason == "approval_required" and partial.pending_approvals == (second,)
-    assert partial.step_metrics == ()  # no model call while a call waits
+    assert partial.call_metrics == ()  # no model call while a call waits
     done = await runtime.reject(session, second.id, "keep b")
     assert done.final_text == "Deleted a.txt only." and deleted == ["a.txt"]
     engine.assert_complete()

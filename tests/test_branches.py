@@ -134,7 +134,7 @@ async def test_a_fork_of_a_live_session_reuses_its_kv_and_goes_its_own_way(db):
     branch = await runtime.fork(session)
     assert branch.resume_report.restored_tokens >= shared - 2
     result = await runtime.run(branch, "Capital of Germany?")
-    assert result.final_text == "Berlin." and result.step_metrics[0].reused_tokens >= shared - 2
+    assert result.final_text == "Berlin." and result.call_metrics[0].reused_tokens >= shared - 2
     other = await runtime.run(session, "Capital of Italy?")
     assert other.final_text == "Rome."
     assert "Germany" not in engine.calls[2].prompt_text and "Italy" not in engine.calls[1].prompt_text
@@ -154,7 +154,7 @@ async def test_a_fork_after_a_restart_takes_its_kv_from_the_parents_snapshot(db)
     assert branch.resume_report.restored_tokens >= after_one - 2
     result = await later.run(branch, "Third city?")
     assert result.final_text == "Marseille." and "Second city" not in engine.calls[0].prompt_text
-    assert result.step_metrics[0].prefilled_tokens < 20
+    assert result.call_metrics[0].prefilled_tokens < 20
 
 
 async def test_rewind_takes_messages_out_of_the_window_and_trims_the_kv(db):
@@ -170,7 +170,7 @@ async def test_rewind_takes_messages_out_of_the_window_and_trims_the_kv(db):
     assert len(await store.messages(session.id)) == 4  # stored still
     assert len(session.kv.tokens) >= kept - 2
     result = await runtime.run(session, "Another?")
-    assert result.step_metrics[0].reused_tokens >= kept - 2 and result.step_metrics[0].prefilled_tokens < 20
+    assert result.call_metrics[0].reused_tokens >= kept - 2 and result.call_metrics[0].prefilled_tokens < 20
     assert "Second?" not in engine.calls[2].prompt_text
 
 

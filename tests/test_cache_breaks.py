@@ -153,7 +153,7 @@ async def test_a_resume_after_an_answer_cut_by_max_new_tokens_reports_no_break(d
     resumed = await later.resume(session.id)
     [held] = [r.num_tokens for r in await store.snapshots(session.id)][:1]
     result = await later.run(resumed, "Second?")
-    assert result.step_metrics[0].reused_tokens == held  # every token of KV the snapshot held was reused
+    assert result.call_metrics[0].reused_tokens == held  # every token of KV the snapshot held was reused
     assert result.cache_breaks == (None,)
     assert (await session_stats(store, session.id)).cache_breaks == ()  # `sessions show --kv` counts none
 

@@ -73,8 +73,8 @@ async def test_a_run_stops_at_a_caller_executed_call_and_the_results_continue_it
     assert second.finish_reason == "stop" and second.final_text == "It is 18 C in Paris."
     assert [m.role for m in session.messages] == ["user", "assistant", "tool", "assistant"]
     assert session.messages[2].name == "get_weather"  # named after the call it answers
-    [step] = second.step_metrics
-    assert step.reused_tokens >= first.step_metrics[0].prompt_tokens and step.prefilled_tokens < 40
+    [step] = second.call_metrics
+    assert step.reused_tokens >= first.call_metrics[0].prompt_tokens and step.prefilled_tokens < 40
     engine.assert_complete()
 
 

@@ -145,7 +145,7 @@ OPERATIONS = st.lists(
 @given(operations=OPERATIONS)
 async def test_the_kv_invariant_holds_through_any_sequence_of_session_operations(operations):
     engine = ScriptedEngine(num_slots=2)
-    engine.add_steps(*(["ok then"] * len(operations)))
+    engine.add_replies(*(["ok then"] * len(operations)))
     sessions = [await engine.open_session()]
     current = sessions[0]
     for name, x, y in operations:

@@ -67,7 +67,7 @@ class Harness:
     """Messages cut to fit (their new content differs from what the KV may hold)."""
 
     async def open(self) -> Conversation:
-        self.engine.add_steps(*([self.step] * 400))
+        self.engine.add_replies(*([self.step] * 400))
         self.runtime = Runtime(self.engine)
         self.session = await self.runtime.open_conversation(self.agent)
         self.session.on_window_change = self.on_window_change

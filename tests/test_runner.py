@@ -101,7 +101,7 @@ async def test_second_step_prefills_only_the_tool_result_delta():
     agent = Agent(name="math", tools=[add])
     runtime, session = await open_session(engine, agent)
     result = await runtime.run(session, "1+1?")
-    first, second = result.step_metrics
+    first, second = result.call_metrics
     assert second.reused_tokens >= first.prompt_tokens
     assert second.prefilled_tokens < 40
 
@@ -152,7 +152,7 @@ async def test_max_turns_exceeded_raises_and_keeps_the_history():
         await runtime.run(session, "loop")
     assert [m.role for m in session.messages].count("tool") == 3
     # the session stays usable
-    engine.add_steps("fine")
+    engine.add_replies("fine")
     result = await runtime.run(session, "stop now")
     assert result.final_text == "fine"
 
@@ -225,7 +225,7 @@ async def test_turn_metrics_are_reported_per_model_call():
     runtime, session = await open_session(engine, agent)
     events = [e async for e in runtime.run_stream(session, "6*7?")]
     metrics = [e for e in events if isinstance(e, ModelCallFinished)]
-    assert [m.step for m in metrics] == [0, 1]
+    assert [m.call_index for m in metrics] == [0, 1]
     assert session.messages[2].content == "42"
 
 

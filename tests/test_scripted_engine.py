@@ -97,7 +97,7 @@ async def test_a_prompt_equal_to_the_log_prefills_nothing_only_when_its_logits_a
     # A prompt shorter than the log: the last prompt token is fed again to get its logits.
     shorter = await session.generate(prompt, CFG)
     assert (shorter.metrics.reused_tokens, shorter.metrics.prefilled_tokens) == (len(prompt) - 1, 1)
-    assert engine.remaining_steps == 0
+    assert engine.remaining_replies == 0
 
 
 async def test_ttft_includes_the_scripted_prefill_time():
@@ -111,7 +111,7 @@ async def test_ttft_includes_the_scripted_prefill_time():
 # ---- steps -------------------------------------------------------------------------------
 async def test_steps_are_consumed_in_fifo_order_across_sessions():
     engine = ScriptedEngine(["first", "second"])
-    engine.add_steps("third")
+    engine.add_replies("third")
     a, b = await engine.open_session(), await engine.open_session()
     texts = [(await s.generate(user_prompt(engine), CFG)).text for s in (a, b, a)]
     assert texts == ["first", "second", "third"]
@@ -153,7 +153,7 @@ async def test_running_out_of_steps_names_the_call():
     engine = ScriptedEngine("only")
     session = await engine.open_session()
     await session.generate(user_prompt(engine), CFG)
-    with pytest.raises(AssertionError, match=r"ran out of steps at call #1 .*add_steps"):
+    with pytest.raises(AssertionError, match=r"ran out of replies at call #1 .*add_replies"):
         await session.generate(user_prompt(engine, "again"), CFG)
     assert len(engine.calls) == 2
 
@@ -162,14 +162,14 @@ async def test_assert_complete_fails_while_steps_remain():
     engine = ScriptedEngine(["used", "left over"])
     session = await engine.open_session()
     await session.generate(user_prompt(engine), CFG)
-    with pytest.raises(AssertionError, match="1 scripted step"):
+    with pytest.raises(AssertionError, match="1 scripted reply"):
         engine.assert_complete()
     await session.generate(user_prompt(engine), CFG)
     engine.assert_complete()
 
 
 def test_steps_of_another_type_are_refused():
-    with pytest.raises(UserError, match="scripted step"):
+    with pytest.raises(UserError, match="scripted reply"):
         ScriptedEngine([42])  # type: ignore[list-item]
 
 

@@ -26,9 +26,9 @@ async def test_every_checked_call_agrees_with_a_fresh_prefill_when_the_kv_is_sou
         result = await runtime.run(session, question)
         [check] = result.self_checks
         assert check.passed and check.max_abs_diff == 0.0 and check.argmax_agrees
-        assert check.prompt_tokens == result.step_metrics[0].prompt_tokens and check.cost_s > 0
+        assert check.prompt_tokens == result.call_metrics[0].prompt_tokens and check.cost_s > 0
     held = len(session.kv.tokens)  # the checks left the session's own KV as it was: the next call reuses it
-    assert (await runtime.run(session, "D?")).step_metrics[0].reused_tokens >= held - 1
+    assert (await runtime.run(session, "D?")).call_metrics[0].reused_tokens >= held - 1
 
 
 async def test_a_corrupted_kv_is_caught_with_the_operations_since_the_last_check():

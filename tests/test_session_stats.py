@@ -36,13 +36,13 @@ async def test_every_call_is_kept_and_the_figures_add_up(tmp_path: Path):
     store = Store(db)
     calls = await store.calls(session_id)
     assert len(calls) == 4
-    assert [c.prefilled_tokens for c in calls] == [r.step_metrics[0].prefilled_tokens for r in results]
+    assert [c.prefilled_tokens for c in calls] == [r.call_metrics[0].prefilled_tokens for r in results]
     assert calls[1].compaction["policy"] and calls[1].cache_break["cause"] == "window compaction"
     assert calls[3].cache_break["cause"] == "instructions changed"
     stats = await session_stats(store, session_id)
     assert stats.calls == 4 and stats.compactions >= 1 and len(stats.cache_breaks) >= 2
-    assert stats.reused_tokens == sum(m.reused_tokens + m.prefix_cache_tokens for r in results for m in r.step_metrics)
-    assert stats.saved_s >= 0 and stats.kv_tokens == results[-1].step_metrics[-1].kv_tokens
+    assert stats.reused_tokens == sum(m.reused_tokens + m.prefix_cache_tokens for r in results for m in r.call_metrics)
+    assert stats.saved_s >= 0 and stats.kv_tokens == results[-1].call_metrics[-1].kv_tokens
     assert stats.snapshots and stats.window_tokens > 0
 
 

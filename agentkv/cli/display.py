@@ -72,10 +72,10 @@ def finish_reason(result: RunResult, eos_token_id: int | None, max_new_tokens: i
     if reason is not None:
         return str(reason)
     answers = [m for m in result.new_messages if m.role == "assistant"]
-    if not answers or not result.step_metrics:
+    if not answers or not result.call_metrics:
         return "stop"
     ids = answers[-1].token_ids or ()
-    generated = result.step_metrics[-1].generated_tokens
+    generated = result.call_metrics[-1].generated_tokens
     ended = bool(ids) and ids[-1] == eos_token_id
     return "length" if generated >= max_new_tokens and not ended else "stop"
 

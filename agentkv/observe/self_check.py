@@ -54,7 +54,8 @@ default model (``engine/numerics.py``); a cache fault is far larger."""
 class SelfCheckResult:
     """One checked call: the cached path against a fresh prefill of the same prompt."""
 
-    step: int
+    call_index: int
+    """0-based index of the model call within the run."""
     prompt_tokens: int
     max_abs_diff: float
     kl: float
@@ -70,7 +71,7 @@ class SelfCheckResult:
 
     def describe(self) -> str:
         verdict = "ok" if self.passed else "VIOLATION"
-        return (f"self-check {verdict}: step {self.step}, {self.prompt_tokens} prompt tokens, max abs logit diff "
+        return (f"self-check {verdict}: model call {self.call_index}, {self.prompt_tokens} prompt tokens, max abs logit diff "
                 f"{self.max_abs_diff:.3g} (≤ {self.tolerance.max_abs:g}), KL {self.kl:.3g} (≤ {self.tolerance.kl:g}), "
                 f"argmax {'agrees' if self.argmax_agrees else 'differs'}, {self.cost_s * 1000:.0f} ms")
 
@@ -93,7 +94,7 @@ def tolerance_for(engine: Engine) -> Tolerance:
     return EXACT_TOLERANCE if bool(getattr(engine, "exact", False)) else DEFAULT_TOLERANCE
 
 
-async def check_call(engine: Engine, kv: KVSession, prompt: Sequence[int], step: int) -> SelfCheckResult:
+async def check_call(engine: Engine, kv: KVSession, prompt: Sequence[int], call_index: int) -> SelfCheckResult:
     """Compare the logits after ``prompt`` on ``kv`` (which holds it, and maybe an answer after
     it) with a scratch session's cold prefill; ``kv`` itself is left as it was."""
     started = time.perf_counter()
@@ -109,7 +110,7 @@ async def check_call(engine: Engine, kv: KVSession, prompt: Sequence[int], step:
         fresh = np.asarray(await scratch.next_token_logits(), dtype=np.float64)
     finally:
         await scratch.close()
-    return SelfCheckResult(step, len(prompt), float(np.max(np.abs(cached - fresh))), _kl(fresh, cached),
+    return SelfCheckResult(call_index, len(prompt), float(np.max(np.abs(cached - fresh))), _kl(fresh, cached),
                            int(np.argmax(cached)) == int(np.argmax(fresh)), tolerance_for(engine),
                            time.perf_counter() - started)
 

@@ -7,7 +7,7 @@ A ``Conversation`` owns one ``CallChecks`` (``conversation.call_checks``); the r
     found = conversation.call_checks.break_before(agent, conversation.kv.tokens, prompt, tokenizer)
     describe_call(span, result.metrics, found)                  # the call's figures on its span
     checked = await conversation.call_checks.after_call(conversation.engine, conversation.kv, prompt,
-                                                        step, result.metrics, found, label=conversation.id)
+                                                        call_index, result.metrics, found, label=conversation.id)
 """
 
 from __future__ import annotations
@@ -81,17 +81,17 @@ class CallChecks:
             cause = "instructions changed" if before[0] != shape[0] else "tool schemas changed"
         return find_break(held, prompt, tokenizer, cause=cause)
 
-    async def after_call(self, engine: Engine, kv: KVSession, prompt: RenderedPrompt, step: int,
+    async def after_call(self, engine: Engine, kv: KVSession, prompt: RenderedPrompt, call_index: int,
                          m: GenerationMetrics, found: CacheBreak | None, *, label: str) -> SelfCheckResult | None:
         """Log the call in the operations; when self-check mode samples it, check it (logged
         under ``label``; the operations start again after a passed check):
         ``checked = await checks.after_call(engine, kv, prompt, 0, metrics, None, label="c1")``."""
-        self.note(f"call {step}: prompt {m.prompt_tokens} tokens, reused {m.reused_tokens}, prefix cache "
+        self.note(f"call {call_index}: prompt {m.prompt_tokens} tokens, reused {m.reused_tokens}, prefix cache "
                   f"{m.prefix_cache_tokens}, prefilled {m.prefilled_tokens}, generated {m.generated_tokens}"
                   + (f"; {found.describe()}" if found is not None else ""))
         if not self.self_check or random.random() >= self.self_check:
             return None
-        checked = await check_call(engine, kv, prompt.token_ids, step)
+        checked = await check_call(engine, kv, prompt.token_ids, call_index)
         if checked.passed:
             logger.info("session %s: %s", label, checked.describe())
             self.operations.clear()

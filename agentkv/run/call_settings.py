@@ -2,7 +2,7 @@
 window leaves, and the grammar its tool calls (or typed answer) must follow::
 
     config = call_config(agent, conversation.context_len, len(prompt.token_ids))
-    constraint = call_constraint(agent, conversation.engine, step)
+    constraint = call_constraint(agent, conversation.engine, call_index)
 """
 
 from __future__ import annotations
@@ -27,17 +27,17 @@ def call_config(agent: Agent, context_len: int, prompt_len: int) -> GenerationCo
     return agent.generation.model_copy(update={"max_new_tokens": left})
 
 
-def call_constraint(agent: Agent, engine: Engine, step: int) -> TokenConstraint | None:
+def call_constraint(agent: Agent, engine: Engine, call_index: int) -> TokenConstraint | None:
     """A grammar for tool calls (when the agent has tools and the engine supports grammars)
     whose answer, with an ``output_type``, is JSON under its schema (None: unconstrained):
-    ``call_constraint(agent, engine, step=0)``."""
+    ``call_constraint(agent, engine, call_index=0)``."""
     output = agent.output_spec
     answer_schema = output.schema if output is not None else None
     tools_on = bool(agent.tools) and agent.tool_choice != "none"
     if tools_on and (agent.constrain_tool_calls or output is not None):
         # The forced choice applies to the first model call only; after tool results the model
         # must be free to answer (otherwise "required" could never finish).
-        choice = agent.tool_choice if step == 0 else "auto"
+        choice = agent.tool_choice if call_index == 0 else "auto"
         grammar = tool_call_grammar(agent.tool_schemas, choice, parallel=agent.parallel_tool_calls,
                                     answer_schema=answer_schema)
     elif answer_schema is not None:

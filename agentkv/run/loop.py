@@ -1,6 +1,6 @@
 """The agent loop: render → fit the window → generate → parse tool calls → run tools → repeat.
 
-``run_turns`` reads as the turn's outline; each step is a small function over ``_RunState``.
+``run_turns`` reads as the turn's outline; each part is a small function over ``_RunState``.
 Each model call's prompt is rendered once (again only after a compaction changed the window)
 and that ``RenderedPrompt`` is carried to window fitting, cache-break attribution, generation and
 the self-check.
@@ -12,7 +12,7 @@ Runs go through the runtime, which adds the conversation's lease, window refresh
 
 The user message is recorded (committed) before the first model call; each assistant message
 and tool result as it happens. Cancellation leaves the KV session consistent (the engine
-guarantees it per step) and the recorded messages intact. A user message that cannot fit the
+guarantees it per operation) and the recorded messages intact. A user message that cannot fit the
 window is refused before it is recorded, or (when only the policy could tell) taken out of the
 window again, so it never blocks later turns. A tool call cut by the token limit (a parallel one
 after complete calls too) is retried once with room for it; tool-call markup, a cut opening tag
@@ -101,7 +101,7 @@ class _RunState:
             final_text=final_text,
             new_messages=tuple(self.new_messages),
             tool_calls=tuple(self.tool_calls),
-            step_metrics=tuple(self.metrics),
+            call_metrics=tuple(self.metrics),
             cache_breaks=tuple(self.breaks),
             self_checks=tuple(self.checks),
             finish_reason=finish_reason,
@@ -126,7 +126,7 @@ async def run_turns(agent: Agent, conversation: Conversation,
                     return
     else:
         recorded = await _record_input(state, user_input)
-    for step in range(agent.max_model_calls):
+    for call_index in range(agent.max_model_calls):
         async with aclosing(_fit_window(state)) as compactions:
             try:
                 async for event in compactions:
@@ -139,12 +139,12 @@ async def run_turns(agent: Agent, conversation: Conversation,
                                          tokens_after=event.tokens_after, fallback=event.fallback)
                     yield event
             except ContextOverflowError:
-                if step == 0:  # NOTE: out of the window (still stored): it must not block later turns
+                if call_index == 0:  # NOTE: out of the window (still stored): it must not block later turns
                     with anyio.CancelScope(shield=True):
                         await conversation.replace_in_window(recorded)
                 raise
         assert state.prompt is not None
-        async with aclosing(_generate_with_retry(state, step, state.prompt)) as generation:
+        async with aclosing(_generate_with_retry(state, call_index, state.prompt)) as generation:
             async for delta in generation:
                 yield delta
         result = state.last_result
@@ -154,7 +154,7 @@ async def run_turns(agent: Agent, conversation: Conversation,
         external = agent.external_tool_names
         ours = tuple(c for c in reply.calls if c.name not in external and not needs_approval(agent, c))
         try:
-            yield ModelCallFinished(step, result.metrics)
+            yield ModelCallFinished(call_index, result.metrics)
             if reply.finish != "tool_calls":
                 yield RunFinished(_final_result(state, reply))
                 return
@@ -287,12 +287,12 @@ def _prompt_limit(state: _RunState) -> int:
     return state.agent.prompt_budget(state.conversation.context_len)
 
 
-async def _generate_with_retry(state: _RunState, step: int,
+async def _generate_with_retry(state: _RunState, call_index: int,
                                prompt: RenderedPrompt) -> AsyncGenerator[RunEvent, None]:
     """One model call on ``prompt``; a tool call cut by the token limit is generated once more
     with room for it (its text was streamed already, so the retry streams nothing). Sets
     ``state.last_result``."""
-    async with aclosing(_generate(state, step, prompt)) as generation:
+    async with aclosing(_generate(state, call_index, prompt)) as generation:
         async for delta in generation:
             yield delta
     result = state.last_result
@@ -301,12 +301,12 @@ async def _generate_with_retry(state: _RunState, step: int,
     budget = min(left, max(2 * result.metrics.generated_tokens, CALL_RETRY_MIN_TOKENS))
     if read_reply(state.agent, result).finish == "tool_call_cut" and budget > result.metrics.generated_tokens:
         state.conversation.call_checks.expect("retry of a cut tool call")
-        async with aclosing(_generate(state, step, prompt, max_new_tokens=budget)) as generation:
+        async with aclosing(_generate(state, call_index, prompt, max_new_tokens=budget)) as generation:
             async for _ in generation:
                 pass
 
 
-async def _generate(state: _RunState, step: int, prompt: RenderedPrompt, *,
+async def _generate(state: _RunState, call_index: int, prompt: RenderedPrompt, *,
                     max_new_tokens: int | None = None) -> AsyncGenerator[RunEvent, None]:
     """One model call on the conversation's KV; streams visible text, then sets ``state.last_result``."""
     agent, conversation = state.agent, state.conversation
@@ -318,10 +318,10 @@ async def _generate(state: _RunState, step: int, prompt: RenderedPrompt, *,
     found = checks.break_before(agent, conversation.kv.tokens, prompt, conversation.renderer.tokenizer)
     state.breaks.append(found)
     if found is not None:
-        yield CacheBroken(step, found)
-    constraint = call_constraint(agent, conversation.engine, step)
+        yield CacheBroken(call_index, found)
+    constraint = call_constraint(agent, conversation.engine, call_index)
     with tracing.span("agentkv.model_call", conversation.trace_span, session_id=conversation.id,
-                      step=step) as call_span:
+                      call_index=call_index) as call_span:
         async with conversation.kv.stream(prompt.token_ids, config, constraint) as stream:
             async for delta in stream:
                 text, logprobs = visible.feed(delta)
@@ -332,7 +332,7 @@ async def _generate(state: _RunState, step: int, prompt: RenderedPrompt, *,
     tail, logprobs = visible.flush()
     if tail:
         yield TextDelta(tail, logprobs)
-    checked = await checks.after_call(conversation.engine, conversation.kv, prompt, step, stream.result.metrics,
+    checked = await checks.after_call(conversation.engine, conversation.kv, prompt, call_index, stream.result.metrics,
                                       found, label=conversation.id)
     if checked is not None:
         state.checks.append(checked)

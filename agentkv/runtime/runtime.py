@@ -314,7 +314,7 @@ class Runtime:
                                 await calls.see(event)
                             if isinstance(event, RunFinished):
                                 run_span.set(finish_reason=event.result.finish_reason,
-                                             model_calls=len(event.result.step_metrics))
+                                             model_calls=len(event.result.call_metrics))
                             yield event
             except BaseException as error:
                 run_span.fail(error)

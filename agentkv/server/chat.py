@@ -93,7 +93,7 @@ class ChatCompletions:
                 logprobs.extend(event.logprobs)
         assert result is not None
         entries = token_logprobs(logprobs) if request.logprobs else None
-        counts = TokenCounts.of(result.step_metrics)
+        counts = TokenCounts.of(result.call_metrics)
         body = completion(request_id, self.model_id, int(time.time()), _message(result), _finish(result),
                           usage(counts), cache_break_field(result.cache_breaks), entries)
         note.update(cached_tokens=counts.cached)
@@ -123,7 +123,7 @@ class ChatCompletions:
         if result is None:  # stopped: the server is shutting down
             yield chunk(request_id, self.model_id, created, ChoiceDelta(), "length")
             return
-        counts = TokenCounts.of(result.step_metrics)
+        counts = TokenCounts.of(result.call_metrics)
         note.update(cached_tokens=counts.cached)
         if result.pending_tool_calls:
             yield chunk(request_id, self.model_id, created,

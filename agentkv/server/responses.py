@@ -244,7 +244,7 @@ class Responses:
                                output.items(result, len(plan.input)),
                                status="incomplete" if cut else "completed",
                                incomplete_reason="max_output_tokens" if cut else None,
-                               usage=response_usage(TokenCounts.of(result.step_metrics)))
+                               usage=response_usage(TokenCounts.of(result.call_metrics)))
         return {**body, "agentkv": cache_break_field(result.cache_breaks)}
 
     # ---- stored responses ---------------------------------------------------------------

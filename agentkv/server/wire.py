@@ -176,7 +176,7 @@ def usage(counts: TokenCounts) -> CompletionUsage:
     """Chat ``usage`` with ``prompt_tokens_details.cached_tokens``: prompt tokens whose KV was
     reused instead of computed::
 
-        usage(TokenCounts.of(result.step_metrics)).prompt_tokens_details
+        usage(TokenCounts.of(result.call_metrics)).prompt_tokens_details
     """
     return CompletionUsage(prompt_tokens=counts.prompt, completion_tokens=counts.generated,
                            total_tokens=counts.prompt + counts.generated,

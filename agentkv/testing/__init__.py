@@ -17,9 +17,9 @@ suite wraps every test not marked ``model`` in it), and ``FakeClock``, a clock f
 from agentkv.testing.clock import FakeClock
 from agentkv.testing.engine_guard import RealEngineForbidden, forbid_real_engines
 from agentkv.testing.fake_kv import FakeSlot
-from agentkv.testing.scripted import ScriptedCall, ScriptedEngine, Step
+from agentkv.testing.scripted import ScriptedCall, ScriptedEngine, ScriptedReply
 from agentkv.testing.session import ScriptedSession
 from agentkv.testing.tokenizer import ScriptedTokenizer
 
 __all__ = ["FakeClock", "FakeSlot", "RealEngineForbidden", "ScriptedCall", "ScriptedEngine", "ScriptedSession",
-           "ScriptedTokenizer", "Step", "forbid_real_engines"]
+           "ScriptedTokenizer", "ScriptedReply", "forbid_real_engines"]

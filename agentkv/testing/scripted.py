@@ -1,6 +1,6 @@
 """ScriptedEngine: a deterministic engine that replays scripted replies through the real session code.
 
-Each ``generate`` call pops the next step — a reply string, a function of the call, or an
+Each ``generate`` call pops the next reply — a reply string, a function of the call, or an
 exception to raise — and decodes the reply's tokens (then ``<|im_end|>``). It is a
 ``SlotEngine`` over fake KV slots (``testing/fake_kv.py``): alignment, the token log, metrics,
 streaming, stop strings, ``max_new_tokens``, trim / fork / offload / snapshot / restore / drop
@@ -60,7 +60,7 @@ class ScriptedCall:
     grammar: str | None = None
     """The grammar last requested through ``engine.make_constraint`` before this call, if any."""
     reply: str | None = None
-    """The scripted reply text used (None when the step raised)."""
+    """The scripted reply text used (None when the reply was an exception)."""
     result: GenerationResult | None = None
     """Set once the call finished."""
 
@@ -70,15 +70,15 @@ class ScriptedCall:
         return None if self.result is None else self.result.metrics
 
 
-Step = str | Callable[[ScriptedCall], str | Awaitable[str]] | Exception
+ScriptedReply = str | Callable[[ScriptedCall], str | Awaitable[str]] | Exception
 """A scripted reply: its text, a (sync or async) function of the call returning it, or an error."""
 
 
-def _check_step(step: object) -> None:
-    if not (isinstance(step, (str, Exception)) or callable(step)):
+def _check_reply(reply: object) -> None:
+    if not (isinstance(reply, (str, Exception)) or callable(reply)):
         raise UserError(
-            f"a scripted step is a reply str, a callable (ScriptedCall) -> str, or an Exception "
-            f"instance; got {type(step).__name__}"
+            f"a scripted reply is a str, a callable (ScriptedCall) -> str, or an Exception "
+            f"instance; got {type(reply).__name__}"
         )
 
 
@@ -89,7 +89,7 @@ class ScriptedEngine(SlotEngine):
 
     def __init__(
         self,
-        steps: Iterable[Step] | Step = (),
+        replies: Iterable[ScriptedReply] | ScriptedReply = (),
         *,
         max_context_len: int = 8192,
         prefill_s_per_token: float = 0.0,
@@ -120,7 +120,7 @@ class ScriptedEngine(SlotEngine):
         self._scripted_tokenizer = tokenizer
         self.prefill_s_per_token = prefill_s_per_token
         self.decode_s_per_token = decode_s_per_token
-        self._steps: deque[Step] = deque()
+        self._replies: deque[ScriptedReply] = deque()
         self.calls: list[ScriptedCall] = []
         """Every generate call, in the order they started."""
         self.registered_prefixes: list[tuple[int, ...]] = []
@@ -128,9 +128,9 @@ class ScriptedEngine(SlotEngine):
         self.requested_grammars: list[str] = []
         """Every ``make_constraint`` argument, in order."""
         self._pending_grammar: str | None = None
-        if isinstance(steps, (str, Exception)) or callable(steps):
-            steps = [steps]
-        self.add_steps(*steps)
+        if isinstance(replies, (str, Exception)) or callable(replies):
+            replies = [replies]
+        self.add_replies(*replies)
 
     # ---- Engine protocol ---------------------------------------------------------------
     @property
@@ -152,23 +152,23 @@ class ScriptedEngine(SlotEngine):
         return len(self.calls)
 
     # ---- the script --------------------------------------------------------------------
-    def add_steps(self, *steps: Step) -> None:
-        """Append replies to the FIFO: ``engine.add_steps("ok", ValueError("boom"))``."""
-        for step in steps:
-            _check_step(step)
-        self._steps.extend(steps)
+    def add_replies(self, *replies: ScriptedReply) -> None:
+        """Append replies to the FIFO: ``engine.add_replies("ok", ValueError("boom"))``."""
+        for reply in replies:
+            _check_reply(reply)
+        self._replies.extend(replies)
 
     @property
-    def remaining_steps(self) -> int:
+    def remaining_replies(self) -> int:
         """Steps not yet consumed."""
-        return len(self._steps)
+        return len(self._replies)
 
     def assert_complete(self) -> None:
-        """Raise ``AssertionError`` if scripted steps were never used."""
-        if self._steps:
-            listed = ", ".join(repr(step) for step in list(self._steps)[:5])
+        """Raise ``AssertionError`` if scripted replies were never used."""
+        if self._replies:
+            listed = ", ".join(repr(reply) for reply in list(self._replies)[:5])
             raise AssertionError(
-                f"{len(self._steps)} scripted step(s) were never used after {len(self.calls)} "
+                f"{len(self._replies)} scripted reply(ies) were never used after {len(self.calls)} "
                 f"call(s): {listed}; remove them or make the code under test call the model again"
             )
 
@@ -190,21 +190,21 @@ class ScriptedEngine(SlotEngine):
         return call
 
     async def reply_for(self, call: ScriptedCall) -> str:
-        """Pop the next step and turn it into reply text (raising scripted errors)."""
-        if not self._steps:
+        """Pop the next reply and turn it into reply text (raising scripted errors)."""
+        if not self._replies:
             tail = call.prompt_text[-120:]
             raise AssertionError(
-                f"ScriptedEngine ran out of steps at call #{call.index} (session {call.session_id}, "
-                f"prompt ending {tail!r}); script a reply with engine.add_steps(...)"
+                f"ScriptedEngine ran out of replies at call #{call.index} (session {call.session_id}, "
+                f"prompt ending {tail!r}); script a reply with engine.add_replies(...)"
             )
-        step = self._steps.popleft()
-        if isinstance(step, Exception):
-            raise step
-        reply = step if isinstance(step, str) else step(call)
+        scripted = self._replies.popleft()
+        if isinstance(scripted, Exception):
+            raise scripted
+        reply = scripted if isinstance(scripted, str) else scripted(call)
         if inspect.isawaitable(reply):
             reply = await reply
         if not isinstance(reply, str):
-            raise UserError(f"a scripted step function must return str, got {type(reply).__name__}")
+            raise UserError(f"a scripted reply function must return str, got {type(reply).__name__}")
         call.reply = reply
         return reply
 

@@ -23,7 +23,7 @@ async def test_two_step_tool_loop_prefills_only_the_tool_result_delta(engine):
     result = await runtime.run(session, "What is 12 * 7?")
     # the model call that produced the call and the one after its result (on some CPUs the first
     # call is cut at 48 tokens and generated once more with room: that retry is the one that counts)
-    first, second = result.step_metrics[-2:]
+    first, second = result.call_metrics[-2:]
     assert len(result.tool_calls) == 1
     assert result.tool_calls[0].name in {"calculator", "clock"}
     tool_message = session.messages[2]

@@ -25,7 +25,7 @@ async def test_a_forks_answers_are_the_parents_would_have_been_answers(engine, t
     assert branch.resume_report.restored_tokens >= shared - 1
     fork_next = await runtime.run(branch, "Name a colour.")
     assert fork_next.final_text == parent_next.final_text
-    first = fork_next.step_metrics[0]
+    first = fork_next.call_metrics[0]
     assert first.reused_tokens >= shared - 1 and first.prefilled_tokens == first.prompt_tokens - first.reused_tokens
     diverged = await runtime.run(branch, "Name an animal.")
     assert "animal" not in " ".join(m.content for m in session.messages)

@@ -29,7 +29,7 @@ async def test_on_the_model_a_caller_executed_call_follows_its_schema_and_the_re
         result = json.dumps({"city": pending.arguments["city"], "temperature_c": 18})
         second = await runtime.run(session, [{"role": "tool", "tool_call_id": pending.id, "content": result}])
         assert second.finish_reason in ("stop", "length", "tool_calls")
-        step, before = second.step_metrics[0], first.step_metrics[-1]
+        step, before = second.call_metrics[0], first.call_metrics[-1]
         # everything the first run read and wrote is reused: only the tool turn is prefilled
         assert step.reused_tokens >= before.prompt_tokens + before.generated_tokens - 1
         # + the turn's markup: the template wraps a tool result in 24 tokens here (measured)

@@ -31,7 +31,7 @@ async def test_a_conversation_on_the_paged_engine_prefills_only_each_new_turn(pa
         await runtime.run(session, "What is the capital of France?")  # reads the system prompt too
         for question in ("And of Italy?", "Which one is older?"):
             result = await runtime.run(session, question)
-            metrics = result.step_metrics[-1]
+            metrics = result.call_metrics[-1]
             new_turn = len(paged.tokenizer.encode(question))
             assert metrics.prefilled_tokens <= new_turn + 12 and metrics.kv_exact
         assert metrics.reused_tokens > 40

@@ -74,11 +74,11 @@ async def test_corrupt_snapshot_falls_back_to_reprefill_and_loses_nothing(backen
         assert session.resume_report.restored_tokens == 0
         assert session.resume_report.skipped_snapshots
         result = await runtime.run(session, "Say bye.")
-        assert result.step_metrics[0].reused_tokens == 0  # re-prefilled
+        assert result.call_metrics[0].reused_tokens == 0  # re-prefilled
         # the same answer the intact KV gives
         prompt = session.render(AGENT).token_ids
         assert len([m for m in await store.messages("c")]) == 4
-        expected_prompt = prompt[: result.step_metrics[0].prompt_tokens]
+        expected_prompt = prompt[: result.call_metrics[0].prompt_tokens]
         check = await reference.generate(expected_prompt, AGENT.generation)
         assert check.text == result.final_text
         await reference.close()

@@ -67,6 +67,6 @@ async def test_a_resume_after_an_answer_cut_by_max_new_tokens_reuses_all_held_kv
     held = resumed.resume_report.restored_tokens
     assert held > 0
     result = await later.run(resumed, "Go on.")
-    assert result.step_metrics[0].reused_tokens >= held  # all the KV the snapshot held was used
+    assert result.call_metrics[0].reused_tokens >= held  # all the KV the snapshot held was used
     assert result.cache_breaks[0] is None
     await later.aclose()
