@@ -7,15 +7,19 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Hashable
+from typing import Any
 
 import anyio
 import numpy as np
+
+import agentkv.kv.log as kv_log
 
 from agentkv.engine.base import GenerationConfig
 from agentkv.engine.paged.backend import PagedBackend
 from agentkv.engine.paged.batcher import StepBatcher
 from agentkv.engine.paged.block_pool import BlockPool
 from agentkv.engine.paged.model import BLOCK_SIZE, SequenceStep
+from agentkv.engine.paged.shared_blocks import SharedBlocks
 from agentkv.engine.paged.slot import PagedSlot
 from agentkv.engine.session.session import SlotSession
 from agentkv.testing import ScriptedTokenizer
@@ -159,5 +163,91 @@ async def test_room_reserved_for_a_step_that_never_ran_goes_back_when_the_slot_i
         assert pool.reserved(slot) == 2 and pool.unreserved_blocks == 0
     await SlotSession(backend).prefill(list(range(200, 210)))  # the one slot changes hands: emptied
     assert pool.reserved(slot) == 0 and session.held_kv is not None
+    await backend.close_sessions()
+    assert_pool_empty(pool)
+
+
+class StrictPool(BlockPool):
+    """A block pool that refuses any allocation nobody made room for: each must fit in what is
+    reserved for its holder."""
+
+    def allocate(self, n: int, holder: Hashable | None = None) -> list[int]:
+        assert holder is not None and n <= self.reserved(holder), f"{n} blocks allocated without room made"
+        return super().allocate(n, holder)
+
+
+async def test_a_restore_over_kv_a_fork_shares_makes_room_for_all_of_its_blocks():
+    pool = BlockPool(6)
+    backend = make_backend(pool, num_slots=2)
+    session = SlotSession(backend)
+    await session.prefill(list(range(100, 228)))  # 4 blocks
+    snapshot = await session.snapshot()
+    fork = await session.fork()  # holds the same 4 blocks: the restore frees none of them
+    assert pool.free_blocks == 2
+    await session.restore(snapshot)  # 4 fresh blocks: the fork moves to host to make room
+    assert session.tokens == snapshot.tokens and fork.held_kv is not None and not isinstance(fork.held_kv, SharedBlocks)
+    for each in (session, fork):
+        await assert_kv_is_tokens(each)
+    await backend.close_sessions()
+    assert_pool_empty(pool)
+
+
+async def test_a_span_drop_over_kv_a_fork_shares_makes_room_for_the_rewritten_blocks(monkeypatch: Any):
+    def cut_span(keys: np.ndarray, values: np.ndarray, start: int, end: int, convention: object
+                 ) -> tuple[np.ndarray, np.ndarray]:  # no RoPE in the fake model: the span goes
+        return np.delete(keys, range(start, end), axis=3), np.delete(values, range(start, end), axis=3)
+
+    monkeypatch.setattr(kv_log, "drop_span", cut_span)
+    pool = BlockPool(6)
+    backend = make_backend(pool, num_slots=2)
+
+    async def convention() -> object:
+        return object()
+
+    monkeypatch.setattr(backend, "rope_convention", convention)
+    session = SlotSession(backend)
+    await session.prefill(list(range(100, 228)))  # 4 blocks
+    fork = await session.fork()
+    await session.drop(0, 32)  # 96 positions: 3 fresh blocks, 2 free until the fork moves to host
+    assert session.tokens == tuple(range(132, 228)) and fork.tokens == tuple(range(100, 228))
+    for each in (session, fork):
+        await assert_kv_is_tokens(each)
+    await backend.close_sessions()
+    assert_pool_empty(pool)
+
+
+async def test_room_made_for_a_step_cancelled_before_it_ran_goes_back_at_once():
+    pool = BlockPool(4)
+    backend = make_backend(pool, num_slots=2)
+    running, other = SlotSession(backend), SlotSession(backend)
+    await running.prefill(list(range(100, 132)))  # 1 block
+    make_room = backend.make_room
+    with anyio.CancelScope() as scope:
+        async def make_room_then_cancelled(slot: Any, tokens: int, *, rows: int = 1) -> None:
+            await make_room(slot, tokens, rows=rows)  # 3 blocks set aside for the step ...
+            scope.cancel()  # ... then the call is cancelled before its step starts
+            await anyio.lowlevel.checkpoint()
+
+        backend.make_room = make_room_then_cancelled  # type: ignore[method-assign]
+        await running.prefill(list(range(100, 228)))
+    backend.make_room = make_room  # type: ignore[method-assign]
+    assert running.tokens == tuple(range(100, 132)) and pool.unreserved_blocks == pool.free_blocks == 3
+    async with backend.pool.lease(running):  # it runs on: its blocks cannot be offloaded
+        await other.prefill(list(range(500, 540)))  # 2 blocks of the 3 nobody holds
+    await backend.close_sessions()
+    assert_pool_empty(pool)
+
+
+async def test_a_beam_search_makes_room_for_every_block_it_takes_its_final_collapse_included():
+    pool = StrictPool(64)
+    backend = make_backend(pool, num_slots=2)
+    session = SlotSession(backend)
+    prompt = list(range(100, 150))  # the collapse copies the winner's partly filled block
+    await session.prefill(prompt)
+    result = await session.generate(prompt, GenerationConfig(max_new_tokens=20, num_beams=3))
+    assert len(result.token_ids) == 20 and session.tokens[: len(prompt)] == tuple(prompt)
+    await assert_kv_is_tokens(session)
+    await session.check_integrity()
+    assert pool.unreserved_blocks == pool.free_blocks
     await backend.close_sessions()
     assert_pool_empty(pool)

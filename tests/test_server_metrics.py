@@ -41,7 +41,8 @@ async def test_metrics_carry_the_protocol_names_and_move_with_a_request():
         after = await scrape(client)
     assert after["agentkv_model_steps_total"] == 1 and after["agentkv_live_conversations"] == 1
     assert after["agentkv_kv_blocks_used"] >= 1
-    assert after[KV_CACHE_USAGE] == after["agentkv_kv_blocks_used"] / 64
+    # the conversation is idle now: its KV stays, evictable, and counts as not in use (as vLLM's)
+    assert after[KV_CACHE_USAGE] == 0 and after["agentkv_kv_blocks_evictable"] == after["agentkv_kv_blocks_used"]
     assert after["agentkv_kv_blocks_free"] == 64 - after["agentkv_kv_blocks_used"]
     assert after["agentkv_prefix_cache_hit_tokens_total"] == 0
     engine.assert_complete()
@@ -58,6 +59,7 @@ async def test_a_request_counts_as_running_while_it_generates():
             await anyio.sleep(0.2)
             seen = await scrape(client)
         assert seen[RUNNING_REQUESTS] == 1 and seen[QUEUED_REQUESTS] == 0
+        assert seen[KV_CACHE_USAGE] == 1 / 16 and seen["agentkv_kv_blocks_evictable"] == 0  # its slot runs
         assert (await scrape(client))[RUNNING_REQUESTS] == 0
 
 
@@ -65,6 +67,7 @@ async def test_an_idle_engine_shows_the_requests_and_its_counters_at_rest():
     async with client_for(ScriptedEngine([])) as client:
         samples = await scrape(client)
     assert set(samples) == {QUEUED_REQUESTS, RUNNING_REQUESTS, "agentkv_live_conversations", KV_CACHE_USAGE,
-                            "agentkv_kv_blocks_used", "agentkv_kv_blocks_free", "agentkv_model_steps_total",
+                            "agentkv_kv_blocks_used", "agentkv_kv_blocks_free", "agentkv_kv_blocks_evictable",
+                            "agentkv_model_steps_total",
                             "agentkv_prefix_cache_hit_tokens_total"}
     assert samples["agentkv_kv_blocks_free"] == 16 and samples["agentkv_model_steps_total"] == 0

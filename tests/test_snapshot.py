@@ -347,3 +347,25 @@ def test_every_single_byte_flip_of_a_small_file_is_refused(tmp_path: Path) -> No
         path.write_bytes(bytes(damaged))
         with pytest.raises((SnapshotCorrupt, SnapshotIncompatible)):
             KVSnapshot.from_file(path)
+
+
+@pytest.mark.parametrize("lie", [{"shape": [1 << 40]}, {"shape": [1 << 62, 4]}, {"dtype": "<U"},
+                                 {"dtype": "V1099511627776"}, {"shape": 5}])
+def test_an_old_file_whose_header_lies_about_an_array_is_refused_as_corrupt(tmp_path, lie):
+    """A lying size or dtype in a format 1-2 header must not become a MemoryError or ValueError
+    (a resume re-prefills only on SnapshotCorrupt / SnapshotIncompatible)."""
+    import struct
+
+    keys = np.random.default_rng(0).random((2, 1, 2, 5, 4), dtype=np.float32)
+    snapshot = KVSnapshot.from_float(tuple(range(5)), keys, keys.copy(), precision="f32", fingerprint="fp",
+                                     shifted=False, lossless=True)
+    path = tmp_path / "old.agkv"
+    write_legacy(snapshot, path)
+    raw = path.read_bytes()
+    magic, version, header_len = struct.unpack("<8sII", raw[:16])
+    header = json.loads(raw[16:16 + header_len])
+    header["arrays"][1].update(lie)
+    body = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<8sII", magic, version, len(body)) + body + raw[16 + header_len:])
+    with pytest.raises(SnapshotCorrupt):
+        KVSnapshot.from_file(path)

@@ -386,8 +386,13 @@ class EngineCounters:
     """What an engine holds and has done, read when metrics are scraped."""
 
     kv_blocks_used: int
-    """KV blocks held by sessions and shared prefixes (the stateful form: slots bound)."""
+    """KV blocks held by sessions, forks and cached prefixes (the stateful form: slots bound)."""
     kv_blocks_total: int
+    kv_blocks_active: int
+    """Blocks of sessions running a call, plus those reserved for a step (stateful: slots leased)."""
+    kv_blocks_evictable: int
+    """Held blocks freed on demand, failing no call: only cached prefixes, unrun forks or idle
+    sessions (to host) hold them (stateful: bound slots not leased)."""
     model_steps: int
     """Forward passes run since the engine was made."""
     prefix_cache_hit_tokens: int

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 import os
 import struct
 import tempfile
@@ -168,6 +169,10 @@ def _read_legacy_header(f: io.BufferedReader, path: Path) -> dict[str, Any]:
     return header
 
 
+_LEGACY_KINDS = frozenset("biuf")
+"""Array kinds old files hold (bool, ints, floats); anything else is a damaged header."""
+
+
 def _read_legacy_arrays(f: io.BufferedReader, header: dict[str, Any], path: Path) -> dict[str, np.ndarray]:
     arrays: dict[str, np.ndarray] = {}
     for spec in header["arrays"]:
@@ -177,9 +182,11 @@ def _read_legacy_arrays(f: io.BufferedReader, header: dict[str, Any], path: Path
             name = str(spec["name"])
         except (KeyError, TypeError, ValueError) as e:
             raise corrupt(path, "has a damaged header") from e
-        if dtype.hasobject or any(d < 0 for d in shape):
+        if dtype.kind not in _LEGACY_KINDS or dtype.itemsize == 0 or any(d < 0 for d in shape):
             raise corrupt(path, "has a damaged header")
-        size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        size = math.prod(shape) * dtype.itemsize  # Python ints: a lying shape cannot overflow
+        if size > os.fstat(f.fileno()).st_size - f.tell():
+            raise corrupt(path, "is truncated (its header names more bytes than the file holds)")
         buffer = bytearray(size)
         if f.readinto(buffer) != size:
             raise corrupt(path, "is truncated")

@@ -67,11 +67,16 @@ def engine_metrics(counters: EngineCounters) -> Iterator[Metric]:
         families = list(engine_metrics(engine.counters()))
     """
     total = counters.kv_blocks_total
-    yield GaugeMetricFamily(KV_CACHE_USAGE, "Fraction of the KV cache's blocks in use (0..1).",
-                            value=counters.kv_blocks_used / total if total else 0.0)
-    yield GaugeMetricFamily("agentkv_kv_blocks_used", "KV blocks held by sessions and shared prefixes.",
+    # NOTE: as vLLM's: blocks only cached prefixes or idle conversations hold are not in use
+    # (agentkv keeps them by design and frees them on demand), else the gauge nears 1 at rest
+    yield GaugeMetricFamily(KV_CACHE_USAGE, "Fraction of the KV cache's blocks running calls need (0..1).",
+                            value=counters.kv_blocks_active / total if total else 0.0)
+    yield GaugeMetricFamily("agentkv_kv_blocks_used", "KV blocks held by sessions, forks and cached prefixes.",
                             value=counters.kv_blocks_used)
     yield GaugeMetricFamily("agentkv_kv_blocks_free", "KV blocks free.", value=total - counters.kv_blocks_used)
+    yield GaugeMetricFamily("agentkv_kv_blocks_evictable",
+                            "KV blocks held only by cached prefixes, unrun forks or idle sessions: freed on demand.",
+                            value=counters.kv_blocks_evictable)
     yield CounterMetricFamily("agentkv_model_steps", "Forward passes of the model.", value=counters.model_steps)
     yield CounterMetricFamily("agentkv_prefix_cache_hit_tokens", "Prompt tokens the prefix cache supplied.",
                               value=counters.prefix_cache_hit_tokens)

@@ -226,9 +226,14 @@ async def test_counters_move_with_a_generate_on_both_engines(paged, engine_f32):
         try:
             await session.generate(prompt(engine, "Name a colour."), CFG)
             during = engine.counters()
+            async with engine.backend.pool.lease(session):  # a call running on its KV
+                running = engine.counters()
         finally:
             await session.close()
         assert 0 < during.kv_blocks_used <= during.kv_blocks_total
+        # idle, its KV is kept but evictable (to host on demand): not in use, as vLLM counts it
+        assert during.kv_blocks_active == 0 and during.kv_blocks_evictable == during.kv_blocks_used
+        assert running.kv_blocks_active == running.kv_blocks_used - running.kv_blocks_evictable > 0
         assert during.model_steps > before.model_steps
     tok = paged.tokenizer
     system = tok.encode("<|im_start|>system\n" + "You answer in one word only. " * 6 + "<|im_end|>\n")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol
 
 import anyio
@@ -28,7 +29,8 @@ class BeamBackend(Protocol):
     def eos_token_ids(self) -> frozenset[int]: ...
     @property
     def tokenizer(self) -> Tokenizer: ...
-    async def make_room(self, slot: KVSlot | None, tokens: int, *, rows: int = 1) -> None: ...
+    def room(self, slot: KVSlot | None, tokens: int, *, rows: int = 1,
+             rewrite: bool = False) -> AbstractAsyncContextManager[None]: ...
 
 
 class BeamRun(Protocol):
@@ -62,14 +64,14 @@ async def run_beam_search(loop: BeamRun) -> GenerationResult:
         step = search.step(prompt_logits[None, :])
         while step is not None:
             ids = step.next_tokens[:, None]
-            await loop.engine.make_room(slot, 1, rows=len(ids))
-            logits = await run(slot.feed, ids, kv_len, step.beam_idx)  # rows diverge: the log waits
+            async with loop.engine.room(slot, 1, rows=len(ids)):
+                logits = await run(slot.feed, ids, kv_len, step.beam_idx)  # rows diverge: the log waits
             kv_len += 1
             if first_at is None:
                 first_at = time.perf_counter()
             step = search.step(logits)
         winner = search.winner
-        await run(_collapse_to_winner, log, slot, prompt, winner, kv_len, loop.engine.eos_token_ids)
+        await _collapse_to_winner(loop, winner, kv_len)
         collapsed = True
     finally:
         if not collapsed:
@@ -81,18 +83,21 @@ async def run_beam_search(loop: BeamRun) -> GenerationResult:
     return loop.finish(list(winner.token_ids), text, winner.finish_reason, first_at, beams)
 
 
-def _collapse_to_winner(
-    log: KVLog, slot: KVSlot, prompt: list[int], winner: BeamWinner, kv_len: int, eos_ids: frozenset[int]
-) -> None:
-    """Leave one row holding prompt + the winner's tokens (all but a final stop token)."""
+async def _collapse_to_winner(loop: BeamRun, winner: BeamWinner, kv_len: int) -> None:
+    """Leave one row holding prompt + the winner's tokens (all but a final stop token), room
+    made for the blocks the feed of its remaining tokens takes (a copy of the block it writes into
+    and its growth)."""
+    log, slot, run = loop.log, loop.slot, loop.run_blocking
     tokens = list(winner.token_ids)
-    keep = tokens[:-1] if tokens and tokens[-1] in eos_ids else tokens
+    keep = tokens[:-1] if tokens and tokens[-1] in loop.engine.eos_token_ids else tokens
     rest = keep[winner.common_tokens :]
     if winner.kv_len == kv_len and rest:
         # The winner's row is live: the cache reorder beam_idx=[row] collapses the batch on
         # the same infer that feeds its remaining tokens.
-        log.collapse_feeding(slot, winner.row, keep[: winner.common_tokens], rest)
+        async with loop.engine.room(slot, len(rest)):
+            await run(log.collapse_feeding, slot, winner.row, keep[: winner.common_tokens], rest)
         return
-    log.collapse(slot, winner.row, prompt + tokens[: winner.common_tokens])
+    await run(log.collapse, slot, winner.row, loop.prompt + tokens[: winner.common_tokens])
     if rest:
-        log.feed(slot, rest)
+        async with loop.engine.room(slot, len(rest)):
+            await run(log.feed, slot, rest)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -50,7 +51,8 @@ class DecodeBackend(Protocol):
     def max_context_len(self) -> int: ...
     def metrics_for(self, log: KVLog, align: Alignment, *, generated: int, ttft: float,
                     tpot: float) -> GenerationMetrics: ...
-    async def make_room(self, slot: KVSlot | None, tokens: int, *, rows: int = 1) -> None: ...
+    def room(self, slot: KVSlot | None, tokens: int, *, rows: int = 1,
+             rewrite: bool = False) -> AbstractAsyncContextManager[None]: ...
 
 RunBlocking = Callable[..., Awaitable[Any]]
 """``await run(fn, *args)``: a session's way to run a blocking step in a worker thread."""
@@ -194,8 +196,8 @@ class DecodeLoop:
         log = self.log
 
         async def feed(token: int) -> None:
-            await self.engine.make_room(self.slot, 1)
-            await self.run_blocking(log.feed, self.slot, [token])
+            async with self.engine.room(self.slot, 1):
+                await self.run_blocking(log.feed, self.slot, [token])
 
         events = decode_tokens(
             self.chooser(), feed, config=self.config, decode_text=self.engine.tokenizer.decode,

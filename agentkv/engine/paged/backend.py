@@ -3,19 +3,23 @@
 What differs from a backend whose slots own their storage: a u8 cache's snapshots are its raw
 blocks (bit-exact), a fork holds references on its parent's blocks (``SharedBlocks``, nothing
 copied), cached prefixes stay in the pool's blocks (``PagedPrefixCache``), and before a step that
-takes blocks the async code makes room (``make_room``): cached prefixes go first, then forks that
-have not run move to host, then idle sessions are offloaded, least recently used first, and the
-freed blocks are reserved for the slot that made room (sessions decoding together make room one
-by one, then allocate together in one batched step). The block pool itself only reserves,
-allocates or refuses::
+takes blocks the async code makes room (``room`` around the step): cached prefixes go first, then
+forks that have not run move to host, then idle sessions are offloaded, least recently used first,
+and the freed blocks are reserved for the slot that made room (sessions decoding together make
+room one by one, then allocate together in one batched step); what the step did not take goes
+back after it. A step that rewrites the KV (a restore, a span drop) counts the blocks it shares
+as taken anew. The block pool itself only reserves, allocates or refuses::
 
     backend = PagedBackend(model, BlockPool(model.num_blocks), slots=[...], tokenizer=tok, ...)
-    await backend.make_room(slot, len(ids))        # before the feed that takes the blocks
+    async with backend.room(slot, len(ids)):       # room for the feed that takes the blocks
+        await backend.run_blocking(log.feed, slot, ids)
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from typing import Any
 
 from agentkv.engine.paged.block_pool import BlockPool
@@ -92,27 +96,69 @@ class PagedBackend(SlotBackend):
                                 exact_partial_blocks=self.paged_model.kv_cache_precision != "u8")
 
     # ---- room for new KV -----------------------------------------------------------------
+    @asynccontextmanager
+    async def room(self, slot: KVSlot | None, tokens: int, *, rows: int = 1, rewrite: bool = False
+                   ) -> AsyncIterator[None]:
+        """Room for the one blocking step run inside: ``make_room`` (``make_room_to_rewrite``)
+        before it, and what the step did not take of the reservation goes back after it, also
+        when the call is cancelled before the step starts. O(1) and lock-free when the step
+        takes no new block (most decode steps)::
+
+            async with backend.room(slot, len(ids)):
+                await backend.run_blocking(log.feed, slot, ids)
+
+        ``rewrite``: the step replaces the slot's KV by ``tokens`` positions (a restore, a span drop)."""
+        holder = slot if isinstance(slot, PagedSlot) else None
+        if self.blocks_needed(slot, tokens, rows=rows, rewrite=rewrite) == 0:
+            if holder is not None and self.block_pool.reserved(holder):
+                self.block_pool.unreserve(holder)  # left over by a step that did not run
+            yield
+            return
+        try:
+            if rewrite:
+                await self.make_room_to_rewrite(slot, tokens)
+            else:
+                await self.make_room(slot, tokens, rows=rows)
+            yield
+        finally:
+            if holder is not None and self.block_pool.reserved(holder):
+                self.block_pool.unreserve(holder)
+
     async def make_room(self, slot: KVSlot | None, tokens: int, *, rows: int = 1) -> None:
         """Free and reserve for ``slot`` the blocks it takes to hold ``tokens`` more positions
         on ``rows`` rows: the prefix cache lets go first, then forks that have not run move to
         host, then idle sessions are offloaded, least recently used first, until the pool can
         set them aside for ``slot`` (its step then draws on them, whoever else allocates in the
-        same batched step) or nobody idle is left (the allocation then refuses). O(1) when the
-        step takes no new block (most decode steps)::
+        same batched step) or nobody idle is left (the allocation then refuses). The
+        reservation stays until a step takes it or the slot is emptied: ``room`` pairs it with
+        its step::
 
             await backend.make_room(slot, len(ids))
 
         ``slot`` None (nothing to reserve for): frees the blocks only."""
-        needed = self.blocks_needed(slot, tokens, rows=rows)
+        await self._make_room_for(slot, lambda: self.blocks_needed(slot, tokens, rows=rows), rewrite=False)
+
+    async def make_room_to_rewrite(self, slot: KVSlot | None, length: int) -> None:
+        """``make_room`` for a step that replaces ``slot``'s KV by ``length`` positions (a
+        restore, a span drop): the blocks only this slot holds go back first, the ones it shares
+        (a cached prefix, a fork) stay, so it may take up to all of the new blocks::
+
+            await backend.make_room_to_rewrite(slot, len(snapshot.tokens))
+        """
+        await self._make_room_for(slot, lambda: self.blocks_needed(slot, length, rewrite=True), rewrite=True)
+
+    async def _make_room_for(self, slot: KVSlot | None, needed: Callable[[], int], *, rewrite: bool) -> None:
+        """Free and reserve ``needed()`` blocks (counted again after each eviction: one can make
+        a step need fewer, the blocks it rewrites or copies being no longer shared)."""
         holder = slot if isinstance(slot, PagedSlot) else None
-        if needed == 0 or self._reserve(holder, needed):
+        if self._reserve(holder, needed()):
             return
         if isinstance(self.prefix_cache, PagedPrefixCache):
-            self.prefix_cache.reclaim(needed - self.block_pool.reserved(holder))
-            if self._reserve(holder, needed):
+            self.prefix_cache.reclaim(lambda: needed() - self.block_pool.reserved(holder))
+            if self._reserve(holder, needed()):
                 return
-        await self._spill_unbound_forks(holder, needed)
-        while not self._reserve(holder, needed):
+        await self._spill_unbound_forks(holder, needed, rewrite=rewrite)
+        while not self._reserve(holder, needed()):
             if not await self.pool.offload_idle():
                 return
 
@@ -122,31 +168,39 @@ class PagedBackend(SlotBackend):
             return self.block_pool.unreserved_blocks >= needed
         return self.block_pool.reserve(holder, needed)
 
-    def blocks_needed(self, slot: KVSlot | None, tokens: int, *, rows: int = 1) -> int:
+    def blocks_needed(self, slot: KVSlot | None, tokens: int, *, rows: int = 1, rewrite: bool = False) -> int:
         """Fresh blocks a step that adds ``tokens`` positions on ``rows`` rows of ``slot`` takes:
         the blocks it grows by, plus the copy of a shared block it writes into
-        (``backend.blocks_needed(slot, 1)``)."""
+        (``backend.blocks_needed(slot, 1)``). ``rewrite``: a step that replaces the KV by
+        ``tokens`` positions takes their blocks less those only this slot holds (freed first)."""
         if not isinstance(slot, PagedSlot):
             return rows * blocks_for(tokens)
+        if rewrite:
+            return max(0, blocks_for(tokens) - slot.private_blocks())
         length, table = slot.length(), slot.blocks
         grow = max(0, blocks_for(length + tokens) - len(table))
         index = length // BLOCK_SIZE
-        # NOTE: rows of a beam share their parent's table, so each copies the block it writes into
-        shared = index < len(table) and (rows > 1 or self.block_pool.holders(table[index]) > 1)
+        # NOTE: a feed on a beam's rows (or onto one of them, its end) starts each row as a share
+        # of its parent's table, so each copies the block it writes into
+        beam = rows > 1 or slot.rows > 1
+        shared = index < len(table) and (beam or self.block_pool.holders(table[index]) > 1)
         return rows * (grow + int(shared and tokens > 0))
 
-    async def _spill_unbound_forks(self, holder: PagedSlot | None, blocks_needed: int) -> None:
+    async def _spill_unbound_forks(self, holder: PagedSlot | None, needed: Callable[[], int], *,
+                                   rewrite: bool) -> None:
         """Move to host the KV of sessions that hold blocks without a slot (forks that have not
-        run) and are the blocks' last holders, those freeing the most first, until ``holder``'s
-        ``blocks_needed`` blocks can be set aside."""
+        run) and are the blocks' last holders (``rewrite``: but for ``holder``, which lets go of
+        its own), those freeing the most first, until ``holder``'s ``needed()`` blocks can be set aside."""
+        own = Counter(b for table in holder.tables for b in table) if rewrite and holder is not None else Counter()
+
         def gain(session: OpenSession) -> int:
             held = session.held_kv
             if not isinstance(held, SharedBlocks):
                 return 0
-            return sum(1 for b in set(held.blocks) if self.block_pool.holders(b) == 1)
+            return sum(1 for b in set(held.blocks) if self.block_pool.holders(b) == 1 + own[b])
 
         for session in sorted(self.sessions, key=gain, reverse=True):
-            short = blocks_needed - self.block_pool.reserved(holder) - self.block_pool.unreserved_blocks
+            short = needed() - self.block_pool.reserved(holder) - self.block_pool.unreserved_blocks
             if short <= 0 or gain(session) == 0:
                 return
             await session.spill_held_blocks()

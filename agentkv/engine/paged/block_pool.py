@@ -49,6 +49,11 @@ class BlockPool:
         """Free blocks no reservation sets aside: what an allocation without one can take."""
         return len(self._free) - self._reserved_total
 
+    @property
+    def reserved_blocks(self) -> int:
+        """Free blocks reservations set aside, all holders together: ``pool.reserved_blocks``."""
+        return self._reserved_total
+
     def reserved(self, holder: Hashable) -> int:
         """Free blocks set aside for ``holder`` now: ``pool.reserved(slot)``."""
         return self._reserved.get(holder, 0)

@@ -107,11 +107,16 @@ class PagedEngine(OpenVINOEngine):
                              vocab_size=model.vocab_size, kv_bytes_per_token=model.block_bytes // BLOCK_SIZE)
 
     def counters(self) -> EngineCounters:
-        """The pool's blocks (held by sessions, forks or cached prefixes: used), the model's
-        forward passes (batched, beam and probe steps) and the prompt tokens cached prefixes
-        supplied: ``engine.counters().kv_blocks_used``."""
-        return replace(super().counters(), kv_blocks_total=self.block_pool.num_blocks,
-                       kv_blocks_used=self.block_pool.num_blocks - self.block_pool.free_blocks)
+        """The pool's blocks (held by sessions, forks or cached prefixes: used; in the tables of
+        sessions running a call, or reserved for a step: active; the other held ones:
+        evictable), the model's forward passes (batched, beam and probe steps) and the prompt
+        tokens cached prefixes supplied: ``engine.counters().kv_blocks_active``."""
+        pool = self.block_pool
+        running = {block for slot in self.backend.pool.leased_slots() if isinstance(slot, PagedSlot)
+                   for table in slot.tables for block in table}
+        used = pool.num_blocks - pool.free_blocks
+        return replace(super().counters(), kv_blocks_total=pool.num_blocks, kv_blocks_used=used,
+                       kv_blocks_active=len(running) + pool.reserved_blocks, kv_blocks_evictable=used - len(running))
 
     def _model_steps(self) -> int:
         return self.paged_model.steps_run

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from agentkv.engine.paged.block_pool import BlockPool
 from agentkv.kv.chunking import PrefixBoundaries
@@ -103,12 +103,14 @@ class PagedPrefixCache:
             return max((len(m) for (s, m) in self._entries if s == salt and key[: len(m)] == m), default=0)
 
     # ---- eviction --------------------------------------------------------------------
-    def reclaim(self, blocks_needed: int) -> None:
+    def reclaim(self, blocks_needed: int | Callable[[], int]) -> None:
         """Drop least recently used entries until the pool has ``blocks_needed`` free blocks no
         reservation sets aside, or the cache is empty (the paged backend's ``make_room``, before
-        a step that allocates)."""
+        a step that allocates): ``cache.reclaim(4)``. A function is counted again after each
+        eviction (a step rewriting or copying blocks the cache shared then needs fewer)."""
+        count = blocks_needed if callable(blocks_needed) else lambda: blocks_needed
         with self._lock:
-            while self._entries and self.pool.unreserved_blocks < blocks_needed:
+            while self._entries and self.pool.unreserved_blocks < count():
                 self._evict_oldest()
 
     def clear(self) -> None:

@@ -19,6 +19,7 @@ cache dequantised / quantised in the plugin's block layout, ``engine/u8_blocks.p
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
@@ -109,6 +110,22 @@ class PagedSlot:
 
     def length(self) -> int:
         return self._length
+
+    @property
+    def rows(self) -> int:
+        """Block tables the slot holds: 1, or a beam search's rows (``slot.rows``)."""
+        return 1 + len(self._extra_rows)
+
+    @property
+    def tables(self) -> list[list[int]]:
+        """Every row's block table, row 0 first (``slot.tables[0] is slot.blocks``)."""
+        return [self.blocks, *self._extra_rows]
+
+    def private_blocks(self) -> int:
+        """Blocks no other table holds (a cached prefix, a fork): what emptying the slot frees
+        (``slot.private_blocks()``)."""
+        held = Counter(block for table in self.tables for block in table)
+        return sum(1 for block, count in held.items() if self.pool.holders(block) == count)
 
     def reset(self) -> None:
         """Empty the slot: its blocks go back to the pool, and so does what the pool still had

@@ -13,14 +13,15 @@ engine (``SlotEngine``) reaches sessions only through its backend::
     await session.prefill(tok.encode("Hello"))
 
 A backend whose slots share storage (the paged engine's blocks) subclasses it and overrides
-``snapshot``, ``hold``, ``restores_exactly`` and ``make_room``.
+``snapshot``, ``hold``, ``restores_exactly``, ``make_room`` and ``room``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from contextlib import asynccontextmanager
 from typing import Any, Protocol, TypeVar
 
 import anyio
@@ -161,7 +162,20 @@ class SlotBackend:
         """Free what ``slot`` (None: a slot about to be filled) needs to take ``tokens`` more
         positions on ``rows`` rows, before the blocking step that takes them runs:
         ``await backend.make_room(slot, len(ids))``. Slots that own their storage need nothing
-        (this one); the paged backend evicts cached prefixes and offloads idle sessions."""
+        (this one); the paged backend evicts cached prefixes and offloads idle sessions, and
+        sets the room aside for ``slot`` until its step takes it or the slot is emptied."""
+
+    @asynccontextmanager
+    async def room(self, slot: KVSlot | None, tokens: int, *, rows: int = 1, rewrite: bool = False
+                   ) -> AsyncIterator[None]:
+        """Room for the one blocking step run inside (``rewrite``: a step replacing the KV by
+        ``tokens`` positions), what it did not take given back after it, even if the call is
+        cancelled before it starts. Slots that own their storage need none (this one)::
+
+            async with backend.room(slot, len(ids)):
+                await backend.run_blocking(log.feed, slot, ids)
+        """
+        yield
 
     # ---- KV: logs, snapshots, holds ----------------------------------------------------
     def new_log(self) -> KVLog:

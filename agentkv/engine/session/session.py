@@ -6,7 +6,7 @@ generate (align to the longest common prefix, prefill the rest, decode), trim, f
 snapshot/restore and slot offload; the token log and every KV change live in its ``KVLog``
 (``kv/log.py``). A session holds one object, its ``SlotBackend``, and never its engine. Every
 public method takes the session's lock, then a slot lease, makes room for what a step will
-write (``backend.make_room``), then runs the blocking step in a worker thread::
+write (``backend.room``), then runs the blocking step in a worker thread::
 
     session = await engine.open_session()
     async for delta in session.stream(ids, GenerationConfig(max_new_tokens=32)):
@@ -236,8 +236,8 @@ class SlotSession:
         else:
             reused_from_cache = reused
         fresh = prompt[reused_from_cache:]
-        await self._backend.make_room(slot, len(fresh))
-        await self._run(log.feed, slot, fresh)
+        async with self._backend.room(slot, len(fresh)):
+            await self._run(log.feed, slot, fresh)
         await self._backend.capture_prefixes(self, slot, salt=self.salt)
         return Alignment.counted(reused=reused, cached=cached, restored=restored, prefilled=len(fresh),
                                  recomputed=recomputed)
@@ -275,8 +275,8 @@ class SlotSession:
                 if log.last_logits is None:
                     last = log.tokens[-1]
                     await self._run(log.trim, slot, len(log) - 1)
-                    await self._backend.make_room(slot, 1)
-                    await self._run(log.feed, slot, [last])
+                    async with self._backend.room(slot, 1):
+                        await self._run(log.feed, slot, [last])
                 assert log.last_logits is not None
                 return log.last_logits.copy()
 
@@ -323,8 +323,8 @@ class SlotSession:
             self._log.forget()
             self.restored_tokens_pending = self.recomputed_tokens_pending = 0
             async with self._lease() as slot:
-                await self._backend.make_room(slot, snapshot.num_tokens - slot.length())
-                await self._run(self._load_blocking, slot, snapshot)
+                async with self._backend.room(slot, snapshot.num_tokens, rewrite=True):
+                    await self._run(self._load_blocking, slot, snapshot)
                 self.restored_tokens_pending = snapshot.num_tokens
 
     async def fork(self) -> SlotSession:
@@ -381,8 +381,8 @@ class SlotSession:
             self._ensure_open()
             self._check_span(start, end)
             async with self._lease() as slot:
-                await self._backend.make_room(slot, 0)
-                await self._run(self._log.drop, slot, start, end, convention)
+                async with self._backend.room(slot, len(self._log) - (end - start), rewrite=True):
+                    await self._run(self._log.drop, slot, start, end, convention)
 
     async def close(self) -> None:
         """Release the slot and the KV (idempotent)."""

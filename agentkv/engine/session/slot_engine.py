@@ -75,9 +75,13 @@ class SlotEngine:
         await self.backend.close_sessions()
 
     def counters(self) -> EngineCounters:
-        """The slots as the KV blocks (bound ones in use), the forward passes ``_model_steps``
-        counts, and the prompt tokens prefix-cache hits supplied: ``engine.counters().model_steps``."""
-        return EngineCounters(kv_blocks_used=self.backend.pool.bound, kv_blocks_total=self.backend.pool.size,
+        """The slots as the KV blocks (bound ones used, leased ones active, idle bound ones
+        evictable: offloaded on demand), the forward passes ``_model_steps`` counts, and the
+        prompt tokens prefix-cache hits supplied: ``engine.counters().model_steps``."""
+        pool = self.backend.pool
+        active = len(pool.leased_slots())
+        return EngineCounters(kv_blocks_used=pool.bound, kv_blocks_total=pool.size, kv_blocks_active=active,
+                              kv_blocks_evictable=pool.bound - active,
                               model_steps=self._model_steps(), prefix_cache_hit_tokens=self.backend.prefix_hit_tokens)
 
     def _model_steps(self) -> int:

@@ -153,6 +153,11 @@ class SlotPool:
         """How many slots sessions hold now: ``pool.bound``."""
         return len(self._bound)
 
+    def leased_slots(self) -> list[KVSlot]:
+        """The slots of sessions running a call now (holding a lease): ``len(pool.leased_slots())``;
+        the other bound ones are idle (offloaded when a slot or room is needed)."""
+        return [slot for owner, slot in self._bound.items() if owner in self._leased]
+
 
 @dataclass(frozen=True)
 class HostKVStats:
