@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test model bench clean
+.PHONY: demo test model bench clean zoo
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,20 @@ test: model
 
 bench: model
 	$(PY) benchmarks/multiturn.py
+
+# The model zoo (tests/data/zoo, kept in the repo): built in its own venv from the `zoo` extra.
+# torch==2.13.0 (the CPU wheel) goes in first and is held by a constraint; torchvision, which
+# optimum-intel lists but the export does not use, is removed (PyPI's build does not match the CPU
+# torch and breaks transformers' imports). The venv (1.6 GB) is in .gitignore.
+ZOO_VENV := .zoo-venv
+zoo:
+	$(PYTHON) -m venv $(ZOO_VENV)
+	$(ZOO_VENV)/bin/pip install -q torch==2.13.0
+	echo "torch==2.13.0" > $(ZOO_VENV)/constraints.txt
+	$(PYTHON) -c "import tomllib; print('\\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['zoo']))" > $(ZOO_VENV)/requirements.txt
+	$(ZOO_VENV)/bin/pip install -q -c $(ZOO_VENV)/constraints.txt -r $(ZOO_VENV)/requirements.txt
+	$(ZOO_VENV)/bin/pip uninstall -q -y torchvision
+	$(ZOO_VENV)/bin/python scripts/build_zoo.py
 
 clean:
 	rm -rf $(VENV)

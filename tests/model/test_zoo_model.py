@@ -11,11 +11,11 @@ second turn (prompt + answer + the template's next-turn markup) reuses all the K
 Greedy ties: the weights are rounded to fp16 before the reference is taken, so torch and the IR
 hold the same weights; they still differ a little (f32 summation order, and optimum-intel's fp16
 export stores the RoPE inverse frequencies in fp16): on the first step's top-8 log-probabilities
-the measured difference is 4e-5 (Mistral, Phi-3) to 3.6e-4 (Gemma 3), so ``LOGPROB_TOL`` is 1e-3.
-A greedy token is compared only while torch's top-2 logit gap at that step exceeds ``TIE_GAP``
-(2e-3, about 5x the largest measured difference): from the first step at or below it the two
-argmaxes may legitimately part, and the rest is not compared. The smallest gap in the current zoo
-is 6.5e-3 (Llama 3.1), so all 16 tokens are compared for every family.
+the measured difference is 5e-5 (Phi-3) to 5.3e-4 (Llama 3.1), so ``LOGPROB_TOL`` is 2e-3. A
+greedy token is compared only while torch's top-2 logit gap at that step exceeds ``TIE_GAP`` (2e-3,
+about 4x the largest measured difference): from the first step at or below it the two argmaxes may
+legitimately part, and the rest is not compared. The smallest gap in the current zoo is 2.04e-3
+(Llama 3.1; Phi-3 2.3e-3), so all 16 tokens are compared for every family, and all 16 match.
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ pytestmark = pytest.mark.model
 ZOO = Path(__file__).resolve().parent.parent / "data" / "zoo"
 FAMILIES = sorted(p.name for p in ZOO.iterdir() if (p / "reference.json").is_file()) if ZOO.is_dir() else []
 
-LOGPROB_TOL = 1e-3
-"""Max |log p| difference on the first step's top 8 (measured: 4e-5 to 3.6e-4, see above)."""
+LOGPROB_TOL = 2e-3
+"""Max |log p| difference on the first step's top 8 (measured: 5e-5 to 5.3e-4, see above)."""
 TIE_GAP = 2e-3
-"""A top-2 logit gap at or below this lets the two argmaxes part (~5x the largest measured noise)."""
+"""A top-2 logit gap at or below this lets the two argmaxes part (~4x the largest measured noise)."""
 
 PAGED_FALLBACK = {
     # issue 25 item 9: Gemma 2's final logit softcap (tanh after the LM head) breaks the paged
@@ -88,9 +88,12 @@ def test_the_fallback_is_the_documented_one(family: str) -> None:
         PagedEngine(ZOO / family, exact=True, num_slots=1, kv_cache_bytes=4 << 20)
 
 
-def test_tokenizer_ir_encodes_the_prompt_as_transformers(zoo: tuple[str, Any, dict[str, Any]]) -> None:
+def test_tokenizer_ir_encodes_as_transformers(zoo: tuple[str, Any, dict[str, Any]]) -> None:
     _, engine, ref = zoo
     assert engine.tokenizer.encode(ref["prompt_text"]) == ref["prompt_ids"]
+    # text outside the training text: byte fallback (<0xNN>) on the SentencePiece vocabulary
+    assert engine.tokenizer.encode(ref["probe_text"]) == ref["probe_ids"]
+    assert engine.tokenizer.decode(ref["probe_ids"]) == ref["probe_text"]
 
 
 async def test_greedy_tokens_equal_the_torch_reference(zoo: tuple[str, Any, dict[str, Any]]) -> None:
