@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from pathlib import Path
 
 import llguidance
 import numpy as np
@@ -223,6 +224,70 @@ def test_json_schema_grammars_from_llguidance_work_too(factory, tokenizer):
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     grammar = llguidance.grammar_from("json_schema", json.dumps(schema))
     assert walk(factory(grammar), tokenizer.encode('{"a": 12}') + [EOS])
+
+
+# ---- SentencePiece and tokenizer.json vocabularies (issue 25 items 1 and 2) ------------------
+
+ZOO = Path(__file__).resolve().parent / "data" / "zoo"
+SP_TOKENS = ["<unk>", "<s>", "</s>", "<start_of_turn>", "\u2581a", "<0x41>", "<tool_call>", "a", "\u2581", "b"]
+"""A SentencePiece vocabulary as a GGUF stores it: ▁ for a space, <0xNN> byte tokens."""
+SP_TYPES = [2, 3, 3, 3, 1, 6, 4, 1, 1, 1]
+"""llama.cpp token types: UNKNOWN, CONTROL ×3, NORMAL, BYTE, USER_DEFINED, NORMAL ×3."""
+
+
+def _allows_text(llt: llguidance.LLTokenizer, grammar: str, ids: Sequence[int]) -> bool:
+    """True when a matcher over ``llt`` accepts ``ids`` one by one and then the grammar accepts."""
+    matcher = llguidance.LLMatcher(llt, grammar, log_level=0)
+    return all(matcher.consume_token(i) for i in ids) and matcher.is_accepting()
+
+
+@pytest.mark.parametrize("tokenizer_model", ["llama", None])  # None: told by its <0xNN> tokens
+def test_sentencepiece_tokens_decode_to_their_bytes(tokenizer_model):
+    llt = llg_tokenizer_from_gguf_vocab(SP_TOKENS, eos_token_id=2, vocab_size=16, token_types=SP_TYPES,
+                                        tokenizer_model=tokenizer_model)
+    assert llt.decode_bytes([4]) == b" a" and llt.decode_bytes([5]) == b"A"
+    assert llt.decode_bytes([8, 9]) == b" b"
+    assert llt.is_special_token(3) and llt.is_special_token(2)
+    assert _allows_text(llt, 'start: " aA"', [4, 5])
+
+
+def test_a_user_defined_token_that_looks_like_markup_stays_ordinary_text():
+    llt = llg_tokenizer_from_gguf_vocab(SP_TOKENS, eos_token_id=2, vocab_size=16, token_types=SP_TYPES)
+    assert not llt.is_special_token(6)
+    assert _allows_text(llt, 'start: "<tool_call>" "a"', [6, 7])
+
+
+def test_a_gpt2_vocabulary_is_not_read_as_sentencepiece(vocab):
+    llt = llg_tokenizer_from_gguf_vocab(vocab["tokenizer.ggml.tokens"], eos_token_id=EOS, vocab_size=VOCAB,
+                                        tokenizer_model="gpt2")
+    assert llt.decode_bytes([vocab["tokenizer.ggml.tokens"].index("Ġthe")]) == b" the"
+
+
+def test_tokenizer_json_keeps_qwens_tool_call_ordinary_and_its_chatml_markers_special():
+    text = (ZOO / "qwen2_5" / "tokenizer.json").read_text()
+    factory = ConstraintFactory.from_tokenizer_json(text, eos_token_id=[2, 0], vocab_size=2400)
+    llt = factory.tokenizer
+    assert factory.vocab_size == llt.vocab_size == 2400
+    assert llt.is_special_token(2) and llt.is_special_token(1) and not llt.is_special_token(2382)
+    assert llt.decode_bytes([2382]) == b"<tool_call>"
+    constraint = factory('start: "<tool_call>" /[a-z]+/')
+    assert constraint.allowed_mask()[2382]
+    constraint.advance(2382)
+    assert not factory("start: /[a-z]+/").allowed_mask()[2384:].any()  # past the tokenizer: padding
+
+
+def test_tokenizer_json_of_a_sentencepiece_vocabulary_decodes_spaces_and_bytes():
+    text = (ZOO / "gemma3" / "tokenizer.json").read_text()
+    vocab = json.loads(text)["model"]["vocab"]
+    llt = ConstraintFactory.from_tokenizer_json(text, eos_token_id=[1, 5], vocab_size=3000).tokenizer
+    assert llt.decode_bytes([vocab["\u2581a"]]) == b" a" and llt.decode_bytes([vocab["<0x41>"]]) == b"A"
+    assert llt.is_special_token(5) and llt.eos_tokens == [1, 5]
+
+
+def test_tokenizer_json_wider_than_the_logits_is_refused():
+    text = (ZOO / "qwen2_5" / "tokenizer.json").read_text()
+    with pytest.raises(ConstraintError, match="vocab_size 2000"):
+        ConstraintFactory.from_tokenizer_json(text, eos_token_id=2, vocab_size=2000)
 
 
 # ---- the real model -------------------------------------------------------------------------

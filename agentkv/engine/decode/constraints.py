@@ -1,8 +1,14 @@
-"""Grammar-constrained decoding: llguidance token masks built from the GGUF vocabulary.
+"""Grammar-constrained decoding: llguidance token masks built from the model's vocabulary.
 
-The engine asks the constraint, per step, which tokens may come next; llguidance computes it
-from a Lark grammar (with inline ``%json`` schemas) or a JSON-schema grammar::
+The vocabulary comes from the Hugging Face ``tokenizer.json`` an IR directory ships (each token's
+bytes as llguidance's Rust ``tokenizers`` reads them, byte-level BPE and SentencePiece alike;
+control tokens from its ``added_tokens`` ``special`` flags) or from a GGUF's
+``tokenizer.ggml.tokens`` (GPT-2 byte-level or SentencePiece ``▁`` / ``<0xNN>`` tokens). The
+engine asks the constraint, per step, which tokens may come next; llguidance computes it from a
+Lark grammar (with inline ``%json`` schemas) or a JSON-schema grammar::
 
+    factory = ConstraintFactory.from_tokenizer_json(Path("tokenizer.json").read_text(),
+                                                    eos_token_id=[2, 0], vocab_size=152064)
     meta = resolve_model(None).gguf_metadata()
     factory = ConstraintFactory(meta["tokenizer.ggml.tokens"], eos_token_id=2, vocab_size=49152,
                                 token_types=meta["tokenizer.ggml.token_type"], encode=tokenizer.encode)
@@ -13,6 +19,8 @@ EOS is allowed exactly when the grammar accepts; ``is_finished`` once nothing el
 
 from __future__ import annotations
 
+import json
+import re
 import threading
 from collections.abc import Callable, Sequence
 from functools import lru_cache
@@ -25,8 +33,12 @@ from cachetools import LRUCache
 from agentkv.errors import ConstraintError
 
 _CONTROL = 3
-_USER_DEFINED = 4
-"""GGUF ``tokenizer.ggml.token_type`` values of special tokens (llama.cpp's convention)."""
+"""GGUF ``tokenizer.ggml.token_type`` of control tokens (llama.cpp's convention); USER_DEFINED (4)
+tokens are ordinary text that the tokenizer keeps whole (Qwen's ``<tool_call>``)."""
+_SENTENCEPIECE_SPACE = "\u2581"
+"""``▁``: how a SentencePiece vocabulary spells a space."""
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+"""A SentencePiece byte-fallback token such as ``<0x41>``: one raw byte."""
 
 
 @lru_cache(maxsize=1)
@@ -50,23 +62,37 @@ def _token_bytes(token: str, decoder: dict[str, int]) -> bytes:
     return token.encode("utf-8")
 
 
+def _sentencepiece_token_bytes(token: str) -> bytes:
+    """The bytes a SentencePiece token stands for: ``<0x41>`` → b"A", ``▁a`` → b" a"."""
+    byte = _BYTE_TOKEN.fullmatch(token)
+    if byte is not None:
+        return bytes([int(byte.group(1), 16)])
+    return token.replace(_SENTENCEPIECE_SPACE, " ").encode("utf-8")
+
+
+def _is_sentencepiece(tokens: Sequence[str], tokenizer_model: str | None) -> bool:
+    """True for a SentencePiece vocabulary: GGUF ``tokenizer.ggml.model`` "llama", or, when it
+    is not given, ``<0xNN>`` byte-fallback tokens in the vocabulary."""
+    if tokenizer_model is not None:
+        return tokenizer_model == "llama"
+    return any(_BYTE_TOKEN.fullmatch(token) for token in tokens)
+
+
 def _special_ids(
     tokens: Sequence[str], token_types: Sequence[int] | None, eos_ids: Sequence[int]
 ) -> list[int]:
-    """Ids of control tokens: from GGUF token types when given, else ``<|...|>`` names and EOS."""
+    """Ids of control tokens: GGUF CONTROL token types when given, else ``<|...|>`` names; and EOS."""
     special = set(eos_ids)
     for index, token in enumerate(tokens):
         if token_types is not None:
-            kind = token_types[index]
-            looks_special = token.startswith("<") and token.endswith(">")
-            if kind == _CONTROL or (kind == _USER_DEFINED and looks_special):
+            if token_types[index] == _CONTROL:
                 special.add(index)
         elif token.startswith("<|") and token.endswith("|>"):
             special.add(index)
     return sorted(special)
 
 
-class _GgufVocabulary:
+class _Vocabulary:
     """What ``llguidance.TokenizerWrapper`` wraps: token bytes, EOS, specials and an encoder."""
 
     def __init__(
@@ -107,12 +133,16 @@ def llg_tokenizer_from_gguf_vocab(
     vocab_size: int,
     token_types: Sequence[int] | None = None,
     encode: Callable[[str], list[int]] | None = None,
+    tokenizer_model: str | None = None,
 ) -> llguidance.LLTokenizer:
-    """An ``LLTokenizer`` for a GPT-2 byte-level GGUF vocabulary (~0.2 s: build it once).
+    """An ``LLTokenizer`` for a GGUF vocabulary (~0.2 s: build it once).
 
     ``tokens`` is ``tokenizer.ggml.tokens``; ``token_types`` (``tokenizer.ggml.token_type``) marks
-    special tokens such as ``<|im_end|>``. ``encode`` is the model's text → ids (used on text the
-    grammar forces); without it llguidance's greedy tokenisation stands in.
+    control tokens such as ``<|im_end|>``. ``tokenizer_model`` (``tokenizer.ggml.model``) says
+    how tokens spell bytes: "gpt2" (byte-level) or "llama" (SentencePiece: ``▁``, ``<0xNN>``);
+    when None, a vocabulary with ``<0xNN>`` tokens is SentencePiece. ``encode`` is the model's
+    text → ids (used on text the grammar forces); without it llguidance's greedy tokenisation
+    stands in.
     ``llg_tokenizer_from_gguf_vocab(meta["tokenizer.ggml.tokens"], eos_token_id=2, vocab_size=49152)``
     """
     eos_ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
@@ -123,10 +153,56 @@ def llg_tokenizer_from_gguf_vocab(
         )
     if token_types is not None and len(token_types) != len(tokens):
         raise ConstraintError("token_types must have one entry per token (tokenizer.ggml.token_type)")
-    decoder = _gpt2_byte_decoder()
-    token_bytes = [_token_bytes(token, decoder) for token in tokens]
+    if _is_sentencepiece(tokens, tokenizer_model):
+        token_bytes = [_sentencepiece_token_bytes(token) for token in tokens]
+    else:
+        decoder = _gpt2_byte_decoder()
+        token_bytes = [_token_bytes(token, decoder) for token in tokens]
     token_bytes += [b""] * (vocab_size - len(tokens))  # ids past the vocabulary: never allowed
-    vocabulary = _GgufVocabulary(token_bytes, eos_ids[0], _special_ids(tokens, token_types, eos_ids), encode)
+    return _llg_tokenizer(token_bytes, eos_ids, _special_ids(tokens, token_types, eos_ids), encode)
+
+
+def llg_tokenizer_from_tokenizer_json(
+    tokenizer_json: str,
+    *,
+    eos_token_id: int | Sequence[int],
+    vocab_size: int,
+    encode: Callable[[str], list[int]] | None = None,
+) -> llguidance.LLTokenizer:
+    """An ``LLTokenizer`` from a Hugging Face ``tokenizer.json`` text (~30 ms for 3k tokens).
+
+    Each token's bytes come from llguidance's reading of the file (the Rust ``tokenizers``
+    library: byte-level BPE and SentencePiece alike); control tokens are the ``added_tokens``
+    flagged ``special`` (llguidance alone would make every added token special, Qwen's ordinary
+    ``<tool_call>`` included), plus EOS. Ids from the tokenizer's size up to ``vocab_size`` (the
+    logits' width) are never allowed. ``encode`` is the model's text → ids for forced text
+    (default: the tokenizer.json's own tokenizer).
+    ``llg_tokenizer_from_tokenizer_json(text, eos_token_id=[2, 0], vocab_size=152064)``
+    """
+    eos_ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    try:
+        reader = llguidance.LLTokenizer(tokenizer_json, eos_token=eos_ids or None, slices=[])
+        added = json.loads(tokenizer_json).get("added_tokens") or []
+    except ValueError as error:  # json.JSONDecodeError is a ValueError too
+        raise ConstraintError(
+            f"llguidance cannot read this tokenizer.json: {error}; pass the model's own tokenizer.json"
+        ) from error
+    if not eos_ids or reader.vocab_size > vocab_size or any(not 0 <= i < vocab_size for i in eos_ids):
+        raise ConstraintError(
+            f"tokenizer.json of {reader.vocab_size} tokens, eos {eos_ids}, vocab_size {vocab_size} do not "
+            "fit; pass the model's logits width as vocab_size and EOS ids inside it"
+        )
+    token_bytes = [reader.decode_bytes([i]) for i in range(reader.vocab_size)]
+    token_bytes += [b""] * (vocab_size - reader.vocab_size)  # ids past the vocabulary: never allowed
+    special = sorted({int(token["id"]) for token in added if token.get("special")} | set(eos_ids))
+    return _llg_tokenizer(token_bytes, eos_ids, special, encode or reader.tokenize_str)
+
+
+def _llg_tokenizer(
+    token_bytes: list[bytes], eos_ids: list[int], special_ids: list[int], encode: Callable[[str], list[int]] | None
+) -> llguidance.LLTokenizer:
+    """The ``LLTokenizer`` over one vocabulary (its bytes per id, EOS, control ids, encoder)."""
+    vocabulary = _Vocabulary(token_bytes, eos_ids[0], special_ids, encode)
     tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(vocabulary), eos_token=eos_ids)
     vocabulary.greedy_encode = tokenizer.greedy_tokenize
     return tokenizer
@@ -194,12 +270,42 @@ class ConstraintFactory:
         vocab_size: int,
         token_types: Sequence[int] | None = None,
         encode: Callable[[str], list[int]] | None = None,
+        tokenizer_model: str | None = None,
         cache_size: int = 32,
     ) -> None:
-        self.vocab_size = vocab_size
-        self.tokenizer = llg_tokenizer_from_gguf_vocab(
-            tokens, eos_token_id=eos_token_id, vocab_size=vocab_size, token_types=token_types, encode=encode
+        """From a GGUF vocabulary (arguments as ``llg_tokenizer_from_gguf_vocab``)."""
+        self._start(llg_tokenizer_from_gguf_vocab(
+            tokens, eos_token_id=eos_token_id, vocab_size=vocab_size, token_types=token_types,
+            encode=encode, tokenizer_model=tokenizer_model,
+        ), cache_size)
+
+    @classmethod
+    def from_tokenizer_json(
+        cls,
+        tokenizer_json: str,
+        *,
+        eos_token_id: int | Sequence[int],
+        vocab_size: int,
+        encode: Callable[[str], list[int]] | None = None,
+        cache_size: int = 32,
+    ) -> ConstraintFactory:
+        """From a Hugging Face ``tokenizer.json`` text (arguments as
+        ``llg_tokenizer_from_tokenizer_json``)::
+
+            ConstraintFactory.from_tokenizer_json(text, eos_token_id=[2, 0], vocab_size=152064)
+        """
+        factory = cls.__new__(cls)
+        factory._start(
+            llg_tokenizer_from_tokenizer_json(
+                tokenizer_json, eos_token_id=eos_token_id, vocab_size=vocab_size, encode=encode
+            ),
+            cache_size,
         )
+        return factory
+
+    def _start(self, tokenizer: llguidance.LLTokenizer, cache_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size: int = tokenizer.vocab_size
         self._compiled: LRUCache[str, llguidance.LLMatcher] = LRUCache(maxsize=cache_size)
         self._lock = threading.Lock()
 

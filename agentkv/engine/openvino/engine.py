@@ -105,7 +105,7 @@ class OpenVINOEngine(SlotEngine):
         super().__init__(self._make_backend(
             slots=compiled.slots, tokenizer=self._ov_tokenizer,
             fingerprint=_fingerprint(self.files.model_xml, self.kv_cache_precision, device) + self._fingerprint_tag(),
-            eos_token_ids={self._ov_tokenizer.eos_token_id},
+            eos_token_ids={self._ov_tokenizer.eos_token_id, *self.files.generation_eos_ids()},
             max_context_len=max_context_len or _context_length(self.files) or DEFAULT_CONTEXT_LEN,
             kv_bytes_per_token=compiled.kv_bytes_per_token, restores_exact=self.numerics.restores_exact,
             prefill_chunk_size=prefill_chunk_size, snapshot_precision=snapshot_precision,
@@ -142,22 +142,34 @@ class OpenVINOEngine(SlotEngine):
             await session.generate(ids, cfg, constraint=c)
         """
         if self._constraints is None:
-            meta = self.files.gguf_metadata()
-            if "tokenizer.ggml.tokens" not in meta:
-                raise ConstraintError(
-                    "grammar-constrained decoding needs the model's vocabulary, read from its GGUF file; "
-                    "put the .gguf next to the IR or set Agent(constrain_tool_calls=False)"
-                )
-            from agentkv.engine.decode.constraints import ConstraintFactory
+            self._constraints = self._constraint_factory()
+        return self._constraints(grammar)
 
-            self._constraints = ConstraintFactory(
+    def _constraint_factory(self) -> ConstraintFactory:
+        """llguidance's view of the vocabulary: the IR's ``tokenizer.json``, else its GGUF's."""
+        from agentkv.engine.decode.constraints import ConstraintFactory
+
+        eos = sorted(self.eos_token_ids)
+        tokenizer_json = self.files.tokenizer_json()
+        if tokenizer_json is not None:
+            return ConstraintFactory.from_tokenizer_json(
+                tokenizer_json, eos_token_id=eos, vocab_size=self._vocab_size, encode=self.tokenizer.encode
+            )
+        meta = self.files.gguf_metadata()
+        if "tokenizer.ggml.tokens" in meta:
+            return ConstraintFactory(
                 meta["tokenizer.ggml.tokens"],
-                eos_token_id=sorted(self.eos_token_ids),
+                eos_token_id=eos,
                 vocab_size=self._vocab_size,
                 token_types=meta.get("tokenizer.ggml.token_type"),
                 encode=self.tokenizer.encode,
+                tokenizer_model=meta.get("tokenizer.ggml.model"),
             )
-        return self._constraints(grammar)
+        raise ConstraintError(
+            f"grammar-constrained decoding needs the model's vocabulary, and {self.files.ir_dir} has "
+            "neither tokenizer.json nor a .gguf; copy the model's tokenizer.json (from its Hugging Face "
+            "repo) next to openvino_model.xml, or set Agent(constrain_tool_calls=False)"
+        )
 
 
 def _context_length(files: ModelFiles) -> int | None:

@@ -50,6 +50,24 @@ class ModelFiles:
         path = self.ir_dir / "config.json"
         return dict(json.loads(path.read_text())) if path.is_file() else {}
 
+    def tokenizer_json(self) -> str | None:
+        """The Hugging Face ``tokenizer.json`` text beside the IR (optimum-intel exports it), or
+        None: ``ModelFiles(ir_dir=Path("qwen-ov"), gguf_path=None).tokenizer_json()``."""
+        path = self.ir_dir / "tokenizer.json"
+        return path.read_text(encoding="utf-8") if path.is_file() else None
+
+    def generation_eos_ids(self) -> list[int]:
+        """``eos_token_id`` from ``generation_config.json`` (an int or a list; Gemma's
+        ``<end_of_turn>``, Llama's ``<|eot_id|>``), [] when there is no such file or key:
+        ``resolve_model("gemma-3-ov").generation_eos_ids()`` → ``[1, 106]``."""
+        path = self.ir_dir / "generation_config.json"
+        if not path.is_file():
+            return []
+        value = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+        if value is None:
+            return []
+        return [int(value)] if isinstance(value, int) else [int(i) for i in value]
+
     def gguf_metadata(self) -> dict[str, Any]:
         """The GGUF's scalar metadata plus its vocabulary (``tokenizer.ggml.tokens``), read once
         and cached as JSON beside the IR (parsing the GGUF takes seconds; the JSON, milliseconds).
