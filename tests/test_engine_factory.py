@@ -86,3 +86,28 @@ def test_naming_the_compiled_cache_dir_never_fails_even_under_a_file(tmp_path, m
     blocker.write_text("")
     monkeypatch.setenv(CACHE_ENV, str(blocker / "cache"))
     assert compiled_cache_dir() == blocker / "cache" / "compiled"  # compile_for_device then warns and goes on
+
+
+def test_a_gguf_that_cannot_be_converted_fails_once_with_its_cause_not_a_paged_fallback(tmp_path, monkeypatch,
+                                                                                       caplog):
+    import openvino_genai
+
+    from agentkv.engine.openvino.models import CACHE_ENV
+    from agentkv.errors import ModelNotFound
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF\x03\x00\x00\x00 truncated")
+    real = openvino_genai.LLMPipeline
+    conversions = []
+
+    def counted(*args, **kwargs):
+        conversions.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(openvino_genai, "LLMPipeline", counted)
+    with caplog.at_level(logging.WARNING), pytest.raises(ModelNotFound, match="with gguf_open") as caught:
+        open_engine(broken)
+    assert len(conversions) == 1
+    assert str(broken) in str(caught.value) and "failed at" not in str(caught.value)
+    assert "paged engine is not available" not in caplog.text

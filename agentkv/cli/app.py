@@ -33,6 +33,7 @@ from agentkv.cli.chat import EXIT_INTERRUPTED, ChatRequest, run_chat
 from agentkv.cli.config import ENVIRONMENT_HELP, open_store, parse_age
 from agentkv.chat.messages import pending_tool_calls
 from agentkv.cli.display import format_call, sessions_table, show_message
+from agentkv.cli.models import models_app
 from agentkv.errors import AgentKVError, UserError
 from agentkv.memory.leases import live_pid_here
 from agentkv.memory.session_stats import session_stats
@@ -45,6 +46,7 @@ app = typer.Typer(help="agentkv: agents whose conversations keep their KV cache 
                   epilog=ENVIRONMENT_HELP, no_args_is_help=True, rich_markup_mode=None)
 sessions_app = typer.Typer(help="Stored sessions.", no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(sessions_app, name="sessions")
+app.add_typer(models_app, name="models")
 out = Console()
 err = Console(stderr=True)
 

@@ -10,16 +10,22 @@
 if the model cannot be turned into its PagedAttention form, it says why in a warning and uses
 the stateful engine. Options go to the engine chosen (``num_slots``, ``exact``,
 ``kv_cache_precision``…; ``kv_cache_bytes`` / ``max_batch`` only mean something to the paged one).
+
+The model is resolved first, once: a GGUF that cannot be converted raises ``ModelNotFound`` naming
+the file and openvino-genai's cause, never a paged-engine fallback that converts it again.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from typing import Any, Literal
 
+from agentkv.engine.openvino.compile import openvino_cause
 from agentkv.engine.openvino.engine import OpenVINOEngine
-from agentkv.errors import UserError
+from agentkv.engine.openvino.models import resolve_model
+from agentkv.errors import ModelNotFound, UserError
 
 logger = logging.getLogger(__name__)
 
@@ -42,24 +48,37 @@ def open_engine(
     if chosen not in BACKENDS:
         raise UserError(f"engine backend must be one of {', '.join(BACKENDS)}, got {chosen!r} "
                         f"(from {'the backend argument' if backend else ENGINE_ENV})")
+    ir_dir = _ir_dir(model)
     if chosen == "auto":
         chosen = "stateful" if device.upper().startswith("NPU") else "paged"
         if chosen == "paged":
             try:
-                return _paged(model, device, options)
+                return _paged(ir_dir, device, options)
             except (UserError, RuntimeError) as error:
                 logger.warning("the paged engine is not available for this model (%s); using the stateful "
                                "engine", error)
                 chosen = "stateful"
     if chosen == "paged":
-        return _paged(model, device, options)
+        return _paged(ir_dir, device, options)
     from agentkv.engine.stateful.engine import StatefulEngine
 
     stateful_options = {k: v for k, v in options.items() if k not in _PAGED_ONLY}
-    return StatefulEngine(model, device=device, **stateful_options)
+    return StatefulEngine(ir_dir, device=device, **stateful_options)
 
 
-def _paged(model: str | os.PathLike[str] | None, device: str, options: dict[str, Any]) -> OpenVINOEngine:
+def _ir_dir(model: str | os.PathLike[str] | None) -> Path:
+    """``resolve_model(model).ir_dir`` (a GGUF converted once); a conversion that fails is
+    ``ModelNotFound`` naming the file and the cause: ``_ir_dir("broken.gguf")``."""
+    try:
+        return resolve_model(model).ir_dir
+    except RuntimeError as error:
+        raise ModelNotFound(
+            f"could not convert {model or 'the default model'} to OpenVINO IR ({openvino_cause(error)}); "
+            "check that it is a complete GGUF file (download it again), or pass an OpenVINO IR directory "
+            "exported by optimum-intel") from error
+
+
+def _paged(ir_dir: Path, device: str, options: dict[str, Any]) -> OpenVINOEngine:
     from agentkv.engine.paged.engine import PagedEngine
 
-    return PagedEngine(model, device=device, **options)
+    return PagedEngine(ir_dir, device=device, **options)

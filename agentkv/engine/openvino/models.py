@@ -170,6 +170,12 @@ def _gguf_key(gguf: Path) -> str:
     return f"{gguf.stem}-{digest[:10]}"
 
 
+def gguf_ir_dir(gguf: Path) -> Path:
+    """Where ``gguf``'s IR is (or will be) cached: ``gguf_ir_dir(default_gguf_path())`` is the
+    default model's directory, whether or not it was converted yet."""
+    return _cache_root_path() / "models" / _gguf_key(gguf)
+
+
 def _ensure_ir_for_gguf(gguf: Path) -> ModelFiles:
     """Convert ``gguf`` to IR once; later calls return the cached directory."""
     target = cache_root() / "models" / _gguf_key(gguf)

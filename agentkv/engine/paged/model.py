@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import openvino as ov
 
-from agentkv.engine.openvino.compile import compile_for_device
+from agentkv.engine.openvino.compile import compile_for_device, lm_head
 from agentkv.engine.openvino.models import ModelFiles, compiled_cache_dir
 from agentkv.engine.openvino.numerics import EXACT_CONFIG, PluginNumerics, precision_name
 from agentkv.kv.u8_blocks import BlockLayout
@@ -213,13 +213,14 @@ def _state_kv_shape(model: ov.Model) -> tuple[int, int]:
 
 
 def _gather_last_positions(model: ov.Model) -> None:
-    """Insert ``hidden[subsequence_begins[1:] - 1]`` before the LM head MatMul."""
+    """Insert ``hidden[subsequence_begins[1:] - 1]`` before the LM head MatMul (behind any
+    elementwise tail: ``compile.lm_head``)."""
     import openvino.opset13 as ops
 
-    logits = model.output("logits")
-    matmul = logits.get_node().input_value(0).get_node()
-    if matmul.get_type_name() != "MatMul":
-        raise UserError("the model's logits do not come from a MatMul; cannot keep only the last positions")
+    matmul = lm_head(model)
+    if matmul is None:
+        raise UserError("the model's logits do not come from a MatMul through elementwise ops only; "
+                        "cannot keep only the last positions")
     begins = next(p for p in model.get_parameters() if p.get_output_tensor(0).get_any_name() == "subsequence_begins")
     ends = ops.slice(begins, np.array([1], np.int64), np.array([np.iinfo(np.int64).max], np.int64),
                      np.array([1], np.int64), np.array([0], np.int64))

