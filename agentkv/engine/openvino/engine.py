@@ -15,6 +15,7 @@ InferRequest per slot) and ``PagedEngine`` (block tables over a shared pool) are
 
 from __future__ import annotations
 
+import abc
 import hashlib
 import os
 from collections.abc import Sequence
@@ -58,7 +59,7 @@ class CompiledSlots:
     """Bytes one token's K and V take in this form's cache (all layers)."""
 
 
-class OpenVINOEngine(SlotEngine):
+class OpenVINOEngine(SlotEngine, abc.ABC):
     """A local OpenVINO model served as KV slots; ``StatefulEngine`` and ``PagedEngine`` compile it."""
 
     def __init__(
@@ -113,9 +114,9 @@ class OpenVINOEngine(SlotEngine):
             offload_bytes=offload_bytes, spill_dir=spill_dir, rope_reference=self._rope_reference,
         ))
 
+    @abc.abstractmethod
     def _compile(self, device: str, config: dict[str, str], num_slots: int) -> CompiledSlots:
         """Compile this engine's form of ``self.files`` with ``config`` into ``num_slots`` KV slots."""
-        raise NotImplementedError(f"{type(self).__name__} must define _compile")
 
     def _make_backend(self, **options: Any) -> SlotBackend:
         """The backend its sessions work through (``options``: as ``SlotBackend``)."""
