@@ -15,6 +15,7 @@ import pytest
 
 from agentkv.kv.rope import (
     RopeConvention,
+    RopeMetadata,
     drop_span,
     fit_convention,
     rope_metadata,
@@ -84,15 +85,14 @@ def test_drop_span_removes_tokens_and_rotates_only_later_keys():
     assert np.array_equal(kept_values, np.concatenate([values[..., :2, :], values[..., 6:, :]], axis=-2))
 
 
-# ---- real model ----------------------------------------------------------------------------
+# ---- metadata ------------------------------------------------------------------------------
 
 
 def test_rope_metadata_reads_theta_and_linear_scaling_from_config_or_gguf():
-    assert rope_metadata({}, {"llama.rope.freq_base": 100000.0}) == (100000.0, 1.0)
-    assert rope_metadata({"rope_theta": 5e5, "rope_scaling": {"rope_type": "linear", "factor": 4.0}}, {}) == (5e5, 4.0)
+    assert rope_metadata({}, {"llama.rope.freq_base": 100000.0}) == RopeMetadata(100000.0, 1.0)
+    linear = rope_metadata({"rope_theta": 5e5, "rope_scaling": {"rope_type": "linear", "factor": 4.0}}, {})
+    assert linear == RopeMetadata(5e5, 4.0)
     gguf = {"llama.rope.freq_base": 1e4, "llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.0}
-    assert rope_metadata({}, gguf) == (1e4, 2.0)
+    assert rope_metadata({}, gguf) == RopeMetadata(1e4, 2.0)
     assert rope_metadata({"rope_theta": 5e5, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, {}) is None
     assert rope_metadata({}, {}) is None
-
-

@@ -132,7 +132,8 @@ class OpenVINOEngine(SlotEngine, abc.ABC):
         return self._ov_tokenizer
 
     def _rope_reference(self) -> RopeReference:
-        """θ from the model's GGUF / config.json metadata; the floor of this KV precision."""
+        """RoPE from the model's config.json / GGUF metadata (θ, scaling, rotated dims, per-layer
+        θ); the floor of this KV precision."""
         metadata = rope_metadata(self.files.config(), self.files.gguf_metadata())
         return metadata, FIT_TOLERANCE.get(self.kv_cache_precision, max(FIT_TOLERANCE.values()))
 

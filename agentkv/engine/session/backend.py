@@ -35,12 +35,9 @@ from agentkv.engine.session.slot_pool import HostKVStore, OffloadedKV, SlotPool
 from agentkv.errors import AgentKVError
 from agentkv.kv.chunking import PrefixBoundaries
 from agentkv.kv.log import KVLog, KVSlot, KVSource
-from agentkv.kv.rope import (
-    FIT_TOLERANCE,
-    PROBE_TEXT,
-    RopeConvention,
-    measure_convention,
-)
+from agentkv.kv.rope import FIT_TOLERANCE, RopeConvention
+from agentkv.kv.rope_metadata import RopeMetadata
+from agentkv.kv.rope_probe import PROBE_TEXT, measure_convention
 from agentkv.kv.snapshot import KVSnapshot, PrecisionChoice
 
 T = TypeVar("T")
@@ -49,8 +46,8 @@ logger = logging.getLogger(__name__)
 MIN_PREFIX_HIT_TOKENS = 16
 """A prefix-cache hit is used only when it saves at least this many tokens of prefill."""
 
-RopeReference = tuple[tuple[float, float] | None, float]
-"""(θ and linear scale from the model's metadata, or None to fit them; the fit's tolerance floor)."""
+RopeReference = tuple[RopeMetadata | tuple[float, float] | None, float]
+"""(The model's RoPE metadata — or just θ and linear scale — or None to fit it; the fit's tolerance floor)."""
 
 
 class PrefixStore(Protocol):
