@@ -5,6 +5,8 @@
     async for event in runtime.run_stream(conversation, "hi"):
         if event.type == "text_delta":
             print(event.text, end="")
+        elif event.type == "reasoning_delta":   # a reasoning model thinking
+            print(event.text, end="", file=sys.stderr)
 """
 
 from __future__ import annotations
@@ -29,6 +31,15 @@ class TextDelta:
     logprobs: tuple[TokenLogprob, ...] = ()
     """With ``GenerationConfig.logprobs``: the tokens behind ``text`` (those of hidden text left out)."""
     type: Literal["text_delta"] = "text_delta"
+
+
+@dataclass(frozen=True)
+class ReasoningDelta:
+    """A reasoning model's thinking as it is generated (the ``<think>`` block's inside, never
+    part of ``TextDelta`` text nor of the answer)."""
+
+    text: str
+    type: Literal["reasoning_delta"] = "reasoning_delta"
 
 
 @dataclass(frozen=True)
@@ -115,5 +126,5 @@ class RunFinished:
     type: Literal["run_finished"] = "run_finished"
 
 
-RunEvent = Union[TextDelta, ToolCalled, ToolReturned, ModelCallFinished, ContextCompacted, CacheBroken, SelfCheckFailed,
-                 ApprovalRequired, RunFinished]
+RunEvent = Union[TextDelta, ReasoningDelta, ToolCalled, ToolReturned, ModelCallFinished, ContextCompacted, CacheBroken,
+                 SelfCheckFailed, ApprovalRequired, RunFinished]

@@ -27,7 +27,7 @@ class RunResult:
 
     session_id: str
     final_text: str
-    """The last assistant message's text."""
+    """The last assistant message's text (a reasoning model's thinking left out: ``reasoning``)."""
     new_messages: tuple[Message, ...]
     """Messages this run added (user input, assistant turns, tool results)."""
     tool_calls: tuple[ToolCall, ...]
@@ -48,6 +48,9 @@ class RunResult:
     held, None where it reused all of it."""
     self_checks: tuple[SelfCheckResult, ...] = ()
     """The calls of this run that self-check mode checked (``Runtime(self_check=...)``)."""
+    reasoning: str | None = None
+    """A reasoning model's thinking before ``final_text`` (the last model call's ``<think>``
+    block); None when it wrote none."""
     pending_approvals: tuple[ToolCall, ...] = ()
     """Calls waiting for a person's approval (``finish_reason="approval_required"``): continue
     with ``runtime.approve(conversation, call.id)`` or ``runtime.reject(conversation, call.id, reason)``."""

@@ -354,19 +354,6 @@ def test_native_tools_go_through_the_template_when_it_references_them() -> None:
     assert not ChatRenderer(FakeChatML()).native_tools
 
 
-def test_template_that_is_not_prefix_stable_falls_back_to_chatml_with_a_warning(caplog) -> None:
-    tok = FakeChatML(merge_system=True, default_system="Injected.")
-    with caplog.at_level(logging.WARNING, logger="agentkv.chat.render"):
-        renderer = ChatRenderer(tok)
-    assert not renderer.uses_template and "not prefix-stable" in caplog.text
-    messages = [Message.system("S"), Message.user("Hi")]
-    prompt = renderer.render(messages)
-    assert tok.decode(prompt.token_ids) == (
-        "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
-    )
-    assert_prefix_stable(lambda: renderer, messages, ())
-
-
 def test_message_the_template_cannot_render_is_rendered_in_chatml_with_a_warning(caplog) -> None:
     tok = FakeChatML(fail_on="BOOM")
     messages = [Message.user("Hi"), Message.assistant("BOOM"), Message.user("after")]

@@ -28,12 +28,13 @@ def user_prompt(engine: ScriptedEngine, text: str = "hi") -> list[int]:
 
 
 # ---- tokenizer ---------------------------------------------------------------------------
-def test_chatml_markers_are_single_special_ids_after_the_base_vocabulary():
+def test_chatml_markers_and_thinking_tags_are_single_special_ids_after_the_base_vocabulary():
     tok = ScriptedTokenizer()
     assert tok.encode("<|im_start|>") == [tok.bos_token_id]
     assert tok.encode("<|im_end|>") == [tok.eos_token_id]
     assert {tok.bos_token_id, tok.eos_token_id} == {100277, 100278}
-    assert tok.n_vocab == 100279
+    assert tok.encode("<think></think>") == [100279, 100280]  # a reasoning model's tags
+    assert tok.n_vocab == 100281
     assert tok.decode([tok.eos_token_id]) == "<|im_end|>"
 
 

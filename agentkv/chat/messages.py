@@ -53,8 +53,11 @@ class Message(BaseModel):
     """For a tool result: the tool's name."""
     token_ids: tuple[int, ...] | None = None
     """For an assistant message: the ids the model generated (rendered verbatim)."""
+    reasoning: str | None = None
+    """For an assistant message of a reasoning model: its thinking (the ``<think>`` block's
+    inside), kept out of ``content``; None when it wrote none."""
 
-    _utf8_only = field_validator("content", "name")(replace_lone_surrogates)  # NOTE: UTF-8 can hold the text
+    _utf8_only = field_validator("content", "name", "reasoning")(replace_lone_surrogates)  # NOTE: UTF-8 holds it
 
     @classmethod
     def system(cls, content: str) -> Message:
@@ -71,12 +74,15 @@ class Message(BaseModel):
         *,
         tool_calls: tuple[ToolCall, ...] | list[ToolCall] = (),
         token_ids: tuple[int, ...] | list[int] | None = None,
+        reasoning: str | None = None,
     ) -> Message:
+        """``Message.assistant("42", reasoning="6 * 7")``."""
         return cls(
             role="assistant",
             content=content,
             tool_calls=tuple(tool_calls),
             token_ids=tuple(token_ids) if token_ids is not None else None,
+            reasoning=reasoning,
         )
 
     @classmethod
@@ -99,6 +105,8 @@ class Message(BaseModel):
                 }
                 for c in self.tool_calls
             ]
+        if self.reasoning is not None:
+            out["reasoning_content"] = self.reasoning  # NOTE: vLLM's / DeepSeek's field
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
         if self.name is not None and self.role == "tool":

@@ -1,4 +1,4 @@
-"""Render a conversation to token ids, prefix-stably, recording each message's token span.
+"""Render a conversation to token ids exactly as its chat template does, recording each message's token span.
 
 ::
 
@@ -6,7 +6,10 @@
     prompt = renderer.render([Message.system("Be brief."), Message.user("hi")], tools=[schema])
     prompt.token_ids, prompt.spans[1].start, prompt.prefix_len, prompt.generation_prompt_len
 
-How the ids are built (rendering messages[:k] always gives a prefix of rendering messages[:k+1]):
+A template that is not prefix-stable (probed once, with and without tools: ``chat/template.py``)
+renders each conversation whole (``chat/render_whole.py``: Qwen3, Phi-3.5, Mistral Nemo, Gemma 2,
+Llama 3.1 with tools). A prefix-stable one renders message by message, and its ids are built so
+that rendering messages[:k] always gives a prefix of rendering messages[:k+1]:
 
 - A message's *segment* is the text the chat template adds for it: template(messages[:i+1]) minus
   template(messages[:i]). It depends only on messages[:i+1] and is tokenised on its own, so what
@@ -18,16 +21,22 @@ How the ids are built (rendering messages[:k] always gives a prefix of rendering
   message 0 never drops a system prompt, and a re-render after the drop re-injects the same ids.
 - Assistant messages with ``token_ids`` render verbatim: header ids + token_ids + footer ids; a
   footer starting with the EOS the generated ids already end with does not repeat it.
-- Tool calls without ``token_ids`` render as the content plus one ``<tool_call>`` block per call
-  (``toolcalls.format_tool_calls``, the format ``parse_tool_calls`` reads back).
+- Tool calls without ``token_ids`` go to the template as ``tool_calls`` when it renders them in
+  its own format, else render as the content plus the calls in the model's tool-call format
+  (``tool_format.format_calls``, what ``tool_format.parse`` reads back; ``<tool_call>`` blocks
+  for Hermes, the fallback). Call ids go through ``tool_format.call_id`` (Mistral's templates
+  need nine letters and digits).
 - Tool results render as role "tool" when the template shows their content verbatim; when it
   raises, or rewrites the content (openvino-genai's template polyfill turns it into JSON in a
   user turn), they render as a user turn ``<tool_response>\\n…\\n</tool_response>``.
-- Tools: ``tools_text(tools)`` is appended to the leading system message (a new one if there is
-  none); the template's native ``tools=`` is used only if its source mentions ``tools``.
-- A template that is not prefix-stable on a probe conversation is replaced by the default ChatML
-  rendering (a warning is logged); a single message the template cannot render (it raises, or
-  its rendering is not an extension of the shorter one) is rendered in ChatML, with a warning.
+- Tools: the template's native ``tools=`` is used when it shows them (probed); else
+  ``tools_text(tools)`` is appended to the leading system message (a new one if there is none).
+  Tool schemas are never dropped: a conversation the template cannot render at all is rendered
+  in ChatML with the tools text (a warning is logged).
+- A system prompt the template merges into the first user turn (Gemma 3) ends where that turn's
+  content starts: its span, and ``prefix_len``, cover all the text every conversation shares.
+- A single message the template cannot render (it raises, or its rendering is not an extension
+  of the shorter one) is rendered in ChatML, with a warning.
 """
 
 from __future__ import annotations
@@ -35,16 +44,18 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 from cachetools import LRUCache
 
-from agentkv.chat.messages import Message, ToolCall
-from agentkv.chat.toolcalls import format_tool_calls
+from agentkv.chat.messages import Message
+from agentkv.chat.prompt import Entry, MessageSpan, RenderedPrompt
+from agentkv.chat.render_whole import WholeConversation
+from agentkv.chat.template import PROBE_SYSTEM, ChatTemplate
+from agentkv.chat.tool_formats import HERMES, ToolCallFormat, detect_tool_format, markup_tokens
 from agentkv.engine.base import Tokenizer
 from agentkv.errors import UserError
 
@@ -52,53 +63,15 @@ logger = logging.getLogger(__name__)
 
 CHATML_GENERATION_PROMPT = "<|im_start|>assistant\n"
 _SENTINEL = "AGENTKV_GENERATED_CONTENT_7F3C"
-_PROBE_SYSTEM: dict[str, Any] = {"role": "system", "content": "You are a test."}
-_PROBE_TOOL_CONTENT = 'tool "result"\nline 2'
+_USER_CONTENT = "AGENTKV_FIRST_USER_CONTENT_7F3C"
 
-
-@dataclass(frozen=True)
-class MessageSpan:
-    """Where one message's tokens are in a rendered prompt."""
-
-    index: int
-    """Position of the message in the rendered list."""
-    role: str
-    """The message's role (``"tool"`` even when rendered as a user turn)."""
-    start: int
-    """First token of the message (inclusive)."""
-    end: int
-    """One past its last token."""
-
-    def __len__(self) -> int:
-        return self.end - self.start
-
-
-@dataclass(frozen=True)
-class RenderedPrompt:
-    """A conversation as token ids: synthetic prefix, one span per message, generation prompt."""
-
-    token_ids: tuple[int, ...]
-    spans: tuple[MessageSpan, ...]
-    """One per message, in order, contiguous; from the end of the synthetic prefix to the start
-    of the generation prompt."""
-    prefix_len: int
-    """End of the leading system message (tools text included) or of the synthetic prefix; 0 if
-    neither exists. The ids every conversation of the same agent starts with."""
-    generation_prompt_len: int
-    """Tokens of the trailing assistant header (0 without a generation prompt)."""
+__all__ = ["ChatRenderer", "MessageSpan", "RenderedPrompt", "chatml_segment", "default_tools_text"]
 
 
 def default_tools_text(tools: Sequence[dict[str, Any]]) -> str:
-    """An instruction, one JSON schema per line, and the ``<tool_call>`` format to call them."""
-    example = format_tool_calls([ToolCall(name="<tool name>", arguments={"<argument>": "<value>"})])
-    return "\n".join(
-        [
-            "You can call these tools (one JSON schema per line):",
-            *(json.dumps(tool, ensure_ascii=False) for tool in tools),
-            "To call a tool, answer with one block per call, each on its own lines:",
-            example,
-        ]
-    )
+    """An instruction, one JSON schema per line, and the ``<tool_call>`` format to call them
+    (the Hermes format's instructions): ``default_tools_text([calculator.schema_for_prompt()])``."""
+    return HERMES.instructions(tools)
 
 
 def chatml_segment(role: str, content: str) -> str:
@@ -107,23 +80,15 @@ def chatml_segment(role: str, content: str) -> str:
 
 
 @dataclass(frozen=True)
-class _Entry:
-    """One message as the template sees it."""
-
-    payload: dict[str, Any]
-    """The dict passed to the template."""
-    index: int | None
-    """Position in the caller's list; None for the system message created for the tools text."""
-    role: str
-    token_ids: tuple[int, ...] | None
-
-
-@dataclass(frozen=True)
 class _Segment:
     synthetic: tuple[int, ...]
     """Ids of the injected text that belongs to no message (only ever at position 0)."""
     own: tuple[int, ...]
     """Ids of the message itself (or of the generation prompt)."""
+    lead: tuple[int, ...] = ()
+    """Ids at the start of the first message after a system prompt that belong to that system
+    prompt: the text a template merging the system prompt into the first user turn puts before
+    that turn's content."""
 
 
 class ChatRenderer:
@@ -134,18 +99,39 @@ class ChatRenderer:
         tokenizer: Tokenizer,
         *,
         tools_text: Callable[[Sequence[dict[str, Any]]], str] | None = None,
+        stop_token_ids: Iterable[int] = (),
         cache_size: int = 4096,
     ) -> None:
+        """``stop_token_ids``: the ids that end a generated turn besides the tokenizer's EOS (the
+        engine's ``eos_token_ids``): a template footer repeating the one a generated message
+        ends in is not written twice."""
         self.tokenizer = tokenizer
-        self.tools_text = tools_text or default_tools_text
+        self.stop_ids = frozenset({tokenizer.eos_token_id, *stop_token_ids})
+        self.template = ChatTemplate(tokenizer)
+        self.tool_format: ToolCallFormat = detect_tool_format(self.template.source, markup_tokens(tokenizer.encode))
+        """How this model writes tool calls (``chat/tool_formats.py``): what the grammar forces,
+        the parser reads and, for a template that does not render calls itself, what they render
+        as."""
+        self.tools_text = tools_text or self.tool_format.instructions
+        self.reasoning_tags: tuple[str, str] | None = (
+            ("<think>", "</think>") if "<think>" in self.template.source and "</think>" in self.template.source else None)
+        """The tags a reasoning model writes its thinking between (Qwen3: ``<think>``, ``</think>``),
+        when its template handles them; None for other models."""
+        tag_ids = [tokenizer.encode(tag) for tag in self.reasoning_tags or ()]
+        reasoning_ids = (tag_ids[0][0], tag_ids[1][0]) if tag_ids and all(len(i) == 1 for i in tag_ids) else None
+        self._whole = WholeConversation(self.template, tokenizer.encode, stop_ids=self.stop_ids,
+                                        reasoning_ids=reasoning_ids, cache_size=cache_size)
         self._cache: LRUCache[bytes, _Segment] = LRUCache(maxsize=cache_size)
-        source = str(getattr(tokenizer, "chat_template", "") or "")
-        self.native_tools = bool(re.search(r"\btools\b", source))
-        """True when the template renders ``tools=`` itself (its source mentions ``tools``)."""
-        self.uses_template = self._template_is_prefix_stable()
-        """False when the template failed the prefix-stability probe: default ChatML is used."""
-        self.native_tool_role = self.uses_template and self._template_shows_tool_content()
+        self.native_tools = self.template.native_tools
+        """True when the template shows the schemas passed as ``tools=`` (probed)."""
+        self.native_tool_calls = self.template.native_tool_calls
+        """True when assistants' tool calls go to the template as ``tool_calls`` (it renders them)."""
+        self.native_tool_role = self.template.native_tool_role
         """True when tool results go through the template as role "tool"."""
+        self.uses_template = self._template_renders_a_conversation()
+        """False when the template cannot render even a probe conversation: ChatML is used."""
+        self.whole_conversations = self.uses_template and not self.template.prefix_stable(tools=False)
+        """True when conversations are rendered whole (the template is not prefix-stable)."""
 
     def render(
         self,
@@ -155,17 +141,34 @@ class ChatRenderer:
         add_generation_prompt: bool = True,
     ) -> RenderedPrompt:
         """Token ids and spans for ``messages``: ``renderer.render([Message.user("hi")])``."""
-        entries = self._entries(messages, tools)
-        native = list(tools) if tools and self.native_tools else None
-        digest = hashlib.blake2b(_json(native).encode(), digest_size=16).digest()
+        native = list(tools) if tools and self.native_tools and self.uses_template else None
+        entries = self._entries(messages, tools, chatml=False)
+        if entries and self.uses_template and not self.template.prefix_stable(tools=native is not None):
+            prompt = self._whole.render(entries, tools=native, add_generation_prompt=add_generation_prompt)
+            if prompt is not None:
+                return prompt
+            logger.warning("the chat template could not render this conversation (%d messages); "
+                           "rendering it in ChatML, tools as text", len(entries))
+            entries, native = self._entries(messages, tools, chatml=True), None
+            return self._render_segments(entries, None, add_generation_prompt, use_template=False)
+        return self._render_segments(entries, native, add_generation_prompt, use_template=self.uses_template)
+
+    def _render_segments(self, entries: list[Entry], native: list[Any] | None, add_generation_prompt: bool,
+                         *, use_template: bool) -> RenderedPrompt:
+        digest = hashlib.blake2b(_json([native, use_template]).encode(), digest_size=16).digest()
         ids: list[int] = []
         spans: list[MessageSpan] = []
         prefix_len = 0
         for position, entry in enumerate(entries):
             digest = _chain(digest, _json([entry.payload, entry.token_ids]))
-            segment = self._cached(digest, partial(self._segment, entries, position, native))
+            segment = self._cached(digest, partial(self._segment, entries, position, native, use_template))
             ids += segment.synthetic
             if segment.synthetic:
+                prefix_len = len(ids)
+            if segment.lead:  # the system prompt's text at the start of the first user turn
+                ids += segment.lead
+                if spans and spans[-1].index == 0 and spans[-1].role == "system":
+                    spans[-1] = MessageSpan(0, "system", spans[-1].start, len(ids))
                 prefix_len = len(ids)
             start = len(ids)
             ids += segment.own
@@ -178,86 +181,124 @@ class ChatRenderer:
         generation: tuple[int, ...] = ()
         if add_generation_prompt:
             key = _chain(digest, "generation prompt")
-            generation = self._cached(key, partial(self._generation_segment, entries, native)).own
+            compute = partial(self._generation_segment, entries, native, use_template)
+            generation = self._cached(key, compute).own
         return RenderedPrompt(tuple(ids) + generation, tuple(spans), prefix_len, len(generation))
 
     def message_tokens(self, message: Message, *, position: int) -> int:
         """Tokens of ``message``'s span at ``position`` (tools text not counted), for budgets:
-        ``renderer.message_tokens(Message.user("hi"), position=3)``."""
+        ``renderer.message_tokens(Message.user("hi"), position=3)``. Counted after the first
+        context the template accepts (templates that check role order reject some)."""
         if position < 0:
             raise UserError(f"position must be >= 0, got {position}")
-        context = [Message.system(_PROBE_SYSTEM["content"])] if position > 0 else []
+        system, user = Message.system(PROBE_SYSTEM["content"]), Message.user("Hi")
+        contexts: list[list[Message]] = [[]] if position == 0 else []
+        contexts += [[system], [system, user], [user], [system, user, Message.assistant("Hello")]]
+        for context in contexts:
+            dicts = [self._payload(m, chatml=False) for m in (*context, message)]
+            if not self.uses_template or self.template.apply(dicts, generation=False) is not None:
+                break
         prompt = self.render([*context, message], add_generation_prompt=False)
         return len(prompt.spans[-1])
 
     # -- entries: messages as template dicts -------------------------------------------------
 
-    def _entries(
-        self, messages: Sequence[Message], tools: Sequence[dict[str, Any]]
-    ) -> list[_Entry]:
+    def _entries(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]], *,
+                 chatml: bool) -> list[Entry]:
         entries = []
         for index, message in enumerate(messages):
             if not isinstance(message, Message):
                 kind = type(message).__name__
                 raise UserError(f"messages[{index}] is a {kind}; pass Message objects")
-            payload = self._payload(message)
+            payload = self._payload(message, chatml=chatml)
             token_ids = message.token_ids if message.role == "assistant" else None
-            entries.append(_Entry(payload, index, message.role, token_ids))
-        if tools and not self.native_tools:
+            entries.append(Entry(payload, index, message.role, token_ids))
+        if tools and (chatml or not self.native_tools or not self.uses_template):
             text = self.tools_text(tools)
             if entries and entries[0].role == "system":
                 first = entries[0]
                 content = "\n\n".join(p for p in (first.payload["content"], text) if p)
-                entries[0] = _Entry({**first.payload, "content": content}, 0, "system", None)
+                entries[0] = Entry({**first.payload, "content": content}, 0, "system", None)
             else:
-                entries.insert(0, _Entry({"role": "system", "content": text}, None, "system", None))
+                entries.insert(0, Entry({"role": "system", "content": text}, None, "system", None))
         return entries
 
-    def _payload(self, message: Message) -> dict[str, Any]:
+    def _payload(self, message: Message, *, chatml: bool) -> dict[str, Any]:
+        native = self.native_tool_calls and not chatml
+        if message.role == "assistant" and message.tool_calls and native and message.token_ids is None:
+            calls = [{"id": self.tool_format.call_id(call.id), "type": "function",
+                      "function": {"name": call.name, "arguments": call.arguments}}
+                     for call in message.tool_calls]
+            return {"role": "assistant", "content": message.content, "tool_calls": calls}
         if message.role == "assistant" and message.tool_calls:
-            calls = format_tool_calls(message.tool_calls)
-            content = "\n".join(p for p in (message.content, calls) if p)
+            calls_text = self.tool_format.format_calls(message.tool_calls)
+            content = "\n".join(p for p in (message.content, calls_text) if p)
             return {"role": "assistant", "content": content}
         if message.role == "tool":
-            if not self.native_tool_role:
+            if not self.native_tool_role or chatml:
                 wrapped = f"<tool_response>\n{message.content}\n</tool_response>"
                 return {"role": "user", "content": wrapped}
             payload = {"role": "tool", "content": message.content}
             if message.tool_call_id is not None:
-                payload["tool_call_id"] = message.tool_call_id
+                payload["tool_call_id"] = self.tool_format.call_id(message.tool_call_id)
             if message.name is not None:
                 payload["name"] = message.name
             return payload
+        if message.role == "assistant" and message.reasoning and message.token_ids is None and self.reasoning_tags:
+            if "reasoning_content" in self.template.source:  # Qwen3 reads it as a field
+                return {"role": "assistant", "content": message.content, "reasoning_content": message.reasoning}
+            opening, closing = self.reasoning_tags
+            return {"role": "assistant", "content": f"{opening}\n{message.reasoning}\n{closing}\n\n{message.content}"}
         return {"role": message.role, "content": message.content}
 
     # -- segments ----------------------------------------------------------------------------
 
-    def _segment(self, entries: list[_Entry], position: int, tools: list[Any] | None) -> _Segment:
+    def _segment(self, entries: list[Entry], position: int, tools: list[Any] | None,
+                 use_template: bool) -> _Segment:
         entry = entries[position]
         dicts = [e.payload for e in entries[: position + 1]]
         if entry.token_ids is not None:
-            dicts[-1] = {**dicts[-1], "content": _SENTINEL}
-        text = self._segment_text(dicts, tools)
-        injected = ""
-        if position == 0 and entry.payload["role"] != "system":
+            dicts[-1] = {k: v for k, v in dicts[-1].items() if k != "tool_calls"} | {"content": _SENTINEL}
+        text = self._segment_text(dicts, tools, use_template)
+        injected = lead = ""
+        if position == 0 and entry.payload["role"] != "system" and use_template:
             injected, text = self._split_injected(dicts[0], text, tools)
+        if position == 1 and entries[0].payload["role"] == "system" and use_template:
+            lead = self._system_lead(entries[0].payload, tools)
+            lead = lead if lead and text.startswith(lead) and len(text) > len(lead) else ""
+            text = text[len(lead):]
         encode = self.tokenizer.encode
+        lead_ids = tuple(encode(lead)) if lead else ()
         if entry.token_ids is None:
-            return _Segment(tuple(encode(injected)), tuple(encode(text)))
+            return _Segment(tuple(encode(injected)), tuple(encode(text)), lead_ids)
         header, found, footer = text.partition(_SENTINEL)
         if not found:
             logger.warning("the chat template hid an assistant message's content; using ChatML")
             header, _, footer = chatml_segment("assistant", _SENTINEL).partition(_SENTINEL)
         footer_ids = encode(footer)
-        eos = self.tokenizer.eos_token_id
-        if entry.token_ids[-1:] == (eos,) and footer_ids[:1] == [eos]:
-            footer_ids = footer_ids[1:]  # NOTE: the generated EOS is the footer's first token
-        return _Segment(tuple(encode(injected)), (*encode(header), *entry.token_ids, *footer_ids))
+        if entry.token_ids[-1:] and entry.token_ids[-1] in self.stop_ids and footer_ids[:1] == [entry.token_ids[-1]]:
+            footer_ids = footer_ids[1:]  # NOTE: the generated stop token is the footer's first token
+        own = (*encode(header), *entry.token_ids, *footer_ids)
+        return _Segment(tuple(encode(injected)), own, lead_ids)
 
-    def _segment_text(self, dicts: list[dict[str, Any]], tools: list[Any] | None) -> str:
+    def _system_lead(self, system: dict[str, Any], tools: list[Any] | None) -> str:
+        """The text a template that merges the system prompt into the first user turn puts
+        before that turn's content, after the system message's own text ("" when the system
+        message renders its content itself, as ChatML does)."""
+        alone = self.template.apply([system], generation=False, tools=tools)
+        content = str(system.get("content") or "")
+        if alone is None or not content or content in alone:
+            return ""
+        probe = self.template.apply([system, {"role": "user", "content": _USER_CONTENT}],
+                                    generation=False, tools=tools)
+        if probe is None or _USER_CONTENT not in probe or not probe.startswith(alone):
+            return ""
+        return probe[len(alone): probe.index(_USER_CONTENT)]
+
+    def _segment_text(self, dicts: list[dict[str, Any]], tools: list[Any] | None, use_template: bool) -> str:
         """The template's text for ``dicts[-1]``, or its ChatML text (warning) when that fails."""
-        if self.uses_template:
-            text = self._template_diff(dicts, tools)
+        if use_template:
+            text = self.template.diff(dicts, tools)
             if text is not None:
                 return text
             logger.warning(
@@ -273,44 +314,22 @@ class ChatRenderer:
     ) -> tuple[str, str]:
         """(injected, own) for a first message that is not a system message: its own text is what
         the template adds for it after a system message; the rest before it was injected."""
-        if not self.uses_template:
-            return "", text
-        own = self._template_diff([_PROBE_SYSTEM, first], tools)
+        own = self.template.diff([PROBE_SYSTEM, first], tools)
         if own and len(own) < len(text) and text.endswith(own):
             return text[: -len(own)], own
         return "", text
 
-    def _generation_segment(self, entries: list[_Entry], tools: list[Any] | None) -> _Segment:
+    def _generation_segment(self, entries: list[Entry], tools: list[Any] | None, use_template: bool) -> _Segment:
         text = CHATML_GENERATION_PROMPT
-        if self.uses_template:
+        if use_template:
             dicts = [e.payload for e in entries]
-            with_prompt = self._apply(dicts, True, tools)
-            without = self._apply(dicts, False, tools) if dicts else ""
+            with_prompt = self.template.apply(dicts, generation=True, tools=tools)
+            without = self.template.apply(dicts, generation=False, tools=tools) if dicts else ""
             if with_prompt is not None and without is not None and with_prompt.startswith(without):
                 text = with_prompt[len(without) :]
             else:
                 logger.warning("the template's generation prompt is no extension; using ChatML's")
         return _Segment((), tuple(self.tokenizer.encode(text)))
-
-    def _template_diff(self, dicts: list[dict[str, Any]], tools: list[Any] | None) -> str | None:
-        """template(dicts) minus template(dicts[:-1]); None if either raises or it is no
-        extension of the shorter text."""
-        before = self._apply(dicts[:-1], False, tools) if len(dicts) > 1 else ""
-        after = self._apply(dicts, False, tools)
-        if before is None or after is None or not after.startswith(before):
-            return None
-        return after[len(before) :]
-
-    def _apply(
-        self, dicts: list[dict[str, Any]], generation: bool, tools: list[Any] | None
-    ) -> str | None:
-        try:
-            return self.tokenizer.apply_chat_template(
-                dicts, add_generation_prompt=generation, tools=tools
-            )
-        except Exception as error:  # templates raise anything (jinja, RuntimeError, ValueError)
-            logger.debug("chat template raised on %d messages: %s", len(dicts), error)
-            return None
 
     def _cached(self, key: bytes, compute: Callable[[], _Segment]) -> _Segment:
         value = self._cache.get(key)  # a hit makes the entry the most recently used
@@ -321,30 +340,15 @@ class ChatRenderer:
 
     # -- probes (run once, at construction) --------------------------------------------------
 
-    def _template_is_prefix_stable(self) -> bool:
-        turns = [
-            {"role": role, "content": content}
-            for role, content in (("user", "Hi"), ("assistant", "Hello"), ("user", "Bye"))
-        ]
-        probes = [[_PROBE_SYSTEM, *turns, {"role": "assistant", "content": "Bye"}], turns]
-        for probe in probes:
-            texts = [self._apply(probe[:k], False, None) for k in range(1, len(probe) + 1)]
-            texts.append(self._apply(probe, True, None))
-            rendered = [t for t in texts if t is not None]
-            if len(rendered) < len(texts) or any(
-                not b.startswith(a) for a, b in zip(rendered, rendered[1:])
-            ):
-                logger.warning(
-                    "the chat template is not prefix-stable (rendering more messages changes the "
-                    "text of earlier ones); rendering every conversation in default ChatML instead"
-                )
-                return False
-        return True
-
-    def _template_shows_tool_content(self) -> bool:
-        tool = {"role": "tool", "content": _PROBE_TOOL_CONTENT, "tool_call_id": "c1", "name": "t"}
-        text = self._template_diff([_PROBE_SYSTEM, {"role": "user", "content": "Hi"}, tool], None)
-        return text is not None and _PROBE_TOOL_CONTENT in text
+    def _template_renders_a_conversation(self) -> bool:
+        turns = [{"role": role, "content": content}
+                 for role, content in (("user", "Hi"), ("assistant", "Hello"), ("user", "Bye"))]
+        for probe in ([PROBE_SYSTEM, *turns], turns):
+            if self.template.apply(probe, generation=True) is not None:
+                return True
+        logger.warning("the chat template cannot render a plain conversation; rendering every "
+                       "conversation in default ChatML instead")
+        return False
 
 
 def _json(value: Any) -> str:

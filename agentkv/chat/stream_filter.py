@@ -1,4 +1,5 @@
-"""Hide tool-call markup from streamed text: emit what precedes ``<tool_call>``, hold back what might start it.
+"""Hide tool-call markup from streamed text: emit what precedes ``<tool_call>``, hold back what might start it
+(a reasoning model's thinking goes apart first: ``VisibleTokens.step``).
 
 ::
 
@@ -10,7 +11,20 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from agentkv.engine.base import TokenDelta, TokenLogprob
+
+
+class ThoughtSplitter(Protocol):
+    """What ``VisibleTokens`` needs of ``agentkv.chat.reasoning.ReasoningSplitter``."""
+
+    @property
+    def thinking(self) -> bool: ...
+
+    def feed(self, text: str) -> tuple[str, str]: ...
+
+    def flush(self) -> tuple[str, str]: ...
 
 
 def tag_start_at_end(text: str, tag: str) -> int:
@@ -72,11 +86,38 @@ class VisibleTokens:
         visible = VisibleTokens(MarkupFilter("<tool_call>"))
         text, logprobs = visible.feed(delta)   # ("Sure. ", (TokenLogprob(...),))
         text, logprobs = visible.flush()
+
+    With a ``ReasoningSplitter`` the thinking goes apart first (tool-call markup written while
+    thinking is neither hidden from it nor ends the answer); its tokens' log-probabilities are
+    not reported::
+
+        visible = VisibleTokens(MarkupFilter("<tool_call>"), ReasoningSplitter(("<think>", "</think>")))
+        thought, text, logprobs = visible.step(delta)
+        thought, text, logprobs = visible.end()
     """
 
-    def __init__(self, hide: MarkupFilter | None) -> None:
+    def __init__(self, hide: MarkupFilter | None, reasoning: ThoughtSplitter | None = None) -> None:
         self._hide = hide
+        self._reasoning = reasoning
         self._pending: list[TokenLogprob] = []
+
+    def step(self, delta: TokenDelta) -> tuple[str, str, tuple[TokenLogprob, ...]]:
+        """The thinking and the answer text of ``delta`` safe to show now, and the answer's
+        log-probabilities."""
+        if self._reasoning is None:
+            return ("", *self.feed(delta))
+        thought, answer = self._reasoning.feed(delta.text)
+        if self._reasoning.thinking:  # NOTE: thinking tokens' log-probabilities are not the answer's
+            self._pending.clear()
+            return thought, "", ()
+        return (thought, *self.feed(TokenDelta(delta.token_id, answer, delta.logprob)))
+
+    def end(self) -> tuple[str, str, tuple[TokenLogprob, ...]]:
+        """What ``step`` held back, at the end of the stream."""
+        thought, answer = self._reasoning.flush() if self._reasoning is not None else ("", "")
+        text, logprobs = self.feed(TokenDelta(-1, answer)) if answer else ("", ())
+        tail, more = self.flush()
+        return thought, text + tail, logprobs + more
 
     def feed(self, delta: TokenDelta) -> tuple[str, tuple[TokenLogprob, ...]]:
         """The text of ``delta`` safe to show now, and the log-probabilities that go with it."""

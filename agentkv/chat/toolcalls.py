@@ -91,7 +91,7 @@ def parse_tool_calls(text: str) -> ParsedOutput:
         if isinstance(parsed, str):
             errors.append(parsed)
             truncated = position == len(text) and not text.endswith(TOOL_CALL_CLOSE)
-        elif (key := _call_key(parsed)) in calls:
+        elif (key := call_key(parsed)) in calls:
             repeats += 1
         else:
             calls[key] = parsed
@@ -110,7 +110,7 @@ def partial_open_tag(text: str) -> int:
     return cut_tag_at_line_start(text, TOOL_CALL_OPEN)
 
 
-def _call_key(call: ToolCall) -> str:
+def call_key(call: ToolCall) -> str:
     """What makes two calls the same: the name and the arguments (key order aside)."""
     return json.dumps([call.name, call.arguments], sort_keys=True, ensure_ascii=False)
 
@@ -193,8 +193,8 @@ def tool_call_grammar(
 
     ``factory(tool_call_grammar([calculator.schema_for_prompt()], "required"))``
     """
-    chosen = _chosen_tools(tools, tool_choice)
-    open_tag, close_tag = _lark_literal(TOOL_CALL_OPEN + "\n"), _lark_literal("\n" + TOOL_CALL_CLOSE)
+    chosen = chosen_tools(tools, tool_choice)
+    open_tag, close_tag = lark_literal(TOOL_CALL_OPEN + "\n"), lark_literal("\n" + TOOL_CALL_CLOSE)
     answer = "answer" if answer_schema is not None else "TEXT"
     lines = [
         f"start: tool_calls | {answer}" if tool_choice == "auto" else "start: tool_calls",
@@ -203,7 +203,7 @@ def tool_call_grammar(
         "call_body: " + " | ".join(f"call_{i}" for i in range(len(chosen))),
     ]
     for i, (name, parameters) in enumerate(chosen):
-        head = _lark_literal('{"name": ' + json.dumps(name) + ', "arguments": ')
+        head = lark_literal('{"name": ' + json.dumps(name) + ', "arguments": ')
         schema = bounded_schema(parameters, max_string_length=max_string_length, max_items=max_items)
         schema["x-guidance"] = {**schema.get("x-guidance", {}), **JSON_LAYOUT}
         lines.append(f'call_{i}: {head} arguments_{i} "}}"')
@@ -247,7 +247,7 @@ def _call_list(max_calls: int) -> list[str]:
     return rules
 
 
-def _chosen_tools(tools: Sequence[dict[str, Any]], tool_choice: str) -> list[tuple[str, dict[str, Any]]]:
+def chosen_tools(tools: Sequence[dict[str, Any]], tool_choice: str) -> list[tuple[str, dict[str, Any]]]:
     """``(name, parameters)`` of the tools ``tool_choice`` lets the model call."""
     specs = [_name_and_parameters(tool) for tool in tools]
     names = [name for name, _ in specs]
@@ -283,6 +283,21 @@ def _name_and_parameters(tool: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     return name, parameters
 
 
-def _lark_literal(text: str) -> str:
+def lark_literal(text: str) -> str:
     """A Lark string literal matching exactly ``text`` (JSON escapes are Lark escapes)."""
     return json.dumps(text, ensure_ascii=False)
+
+
+def tools_instructions(tools: Sequence[dict[str, Any]]) -> str:
+    """An instruction, one JSON schema per line, and the ``<tool_call>`` format to call them
+    (the system text for a template that cannot show tools itself):
+    ``tools_instructions([calculator.schema_for_prompt()])``."""
+    example = format_tool_calls([ToolCall(name="<tool name>", arguments={"<argument>": "<value>"})])
+    return "\n".join(
+        [
+            "You can call these tools (one JSON schema per line):",
+            *(json.dumps(tool, ensure_ascii=False) for tool in tools),
+            "To call a tool, answer with one block per call, each on its own lines:",
+            example,
+        ]
+    )

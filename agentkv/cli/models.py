@@ -28,6 +28,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from agentkv.chat.messages import ToolCall
 from agentkv.engine.openvino.models import (
     IR_FILES,
     ModelFiles,
@@ -55,16 +56,6 @@ class OptimumIntelMissing(AgentKVError):
             f"{path} is a Hugging Face model; converting it needs optimum-intel, which agentkv does "
             f"not install: {OPTIMUM_INSTALL}, then run this command again (or `optimum-cli export "
             f"openvino --model {path} {path}-ov`)")
-
-
-TOOL_FORMATS: tuple[tuple[str, str], ...] = (
-    ("[TOOL_CALLS]", "mistral: [TOOL_CALLS][{name, arguments}]"),
-    ("<|python_tag|>", "llama3: {name, parameters} (<|python_tag|>)"),
-    ("<|tool_call|>", "phi4: <|tool_call|>…<|/tool_call|>"),
-    ("<tool_call>", "hermes: <tool_call>{name, arguments}</tool_call>"),
-)
-"""Markers in a chat template or its vocabulary → the tool-call format the model was trained on,
-checked in this order; none found means the template has no call format of its own."""
 
 
 @dataclass(frozen=True)
@@ -124,11 +115,15 @@ def _token_text(value: Any) -> str:
 
 
 def _tool_format(template: str, tokenizer_config: dict[str, Any]) -> str:
-    added = " ".join(_token_text(t) for t in (tokenizer_config.get("added_tokens_decoder") or {}).values())
-    for marker, name in TOOL_FORMATS:
-        if marker in template or (marker.startswith("<|") and marker in added):
-            return name
-    return "none in the template (agentkv uses hermes <tool_call>)"
+    """The tool-call format agentkv gives the model (``chat.tool_formats.detect_tool_format``, the
+    table the runner uses), from its template and its added tokens."""
+    from agentkv.chat.tool_formats import detect_tool_format
+
+    added = {_token_text(t) for t in (tokenizer_config.get("added_tokens_decoder") or {}).values()}
+    found = detect_tool_format(template, added)
+    example = found.format_calls([ToolCall(id="a1b2c3d4e", name="name", arguments={})]).replace("\n", " ")
+    fallback = "" if found.name != "hermes" or "<tool_call>" in template else " (the fallback: the template names none)"
+    return f"{found.name}: {example}{fallback}"
 
 
 def _rope(c: dict[str, Any]) -> str:

@@ -51,6 +51,7 @@ def message_fields(message: Message) -> dict[str, Any]:
         "tool_call_id": message.tool_call_id,
         "name": message.name,
         "token_ids": None if message.token_ids is None else list(message.token_ids),
+        "reasoning": message.reasoning,
     }
 
 
@@ -65,6 +66,7 @@ def stored_message(row: MessageRow, *, in_window: bool | None = None, replaced_b
         "tool_call_id": row.tool_call_id,
         "name": row.name,
         "token_ids": row.token_ids,
+        "reasoning": row.reasoning,
     })
     own = in_window is None
     return StoredMessage(session_id=row.session_id, seq=row.seq, message=message,

@@ -203,6 +203,12 @@ def _m007_lease_epoch(conn: Connection) -> None:
     conn.execute(text("ALTER TABLE sessions ADD COLUMN lease_epoch INTEGER NOT NULL DEFAULT 0"))
 
 
+def _m008_message_reasoning(conn: Connection) -> None:
+    """8: messages.reasoning — a reasoning model's thinking, kept apart from the answer's
+    content (NULL for every message before: none had any)."""
+    conn.execute(text("ALTER TABLE messages ADD COLUMN reasoning TEXT"))
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "initial", _m001_initial),
     Migration(2, "sessions_by_recency", _m002_sessions_by_recency),
@@ -211,6 +217,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(5, "branches", _m005_branches),
     Migration(6, "calls", _m006_calls),
     Migration(7, "lease_epoch", _m007_lease_epoch),
+    Migration(8, "message_reasoning", _m008_message_reasoning),
 )
 LATEST_VERSION = MIGRATIONS[-1].version
 

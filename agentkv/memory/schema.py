@@ -103,6 +103,8 @@ class MessageRow(Base):
     tool_call_id: Mapped[str | None] = mapped_column(String(255))
     name: Mapped[str | None] = mapped_column(String(255))
     token_ids: Mapped[list[Any] | None] = mapped_column(JSON)
+    reasoning: Mapped[str | None] = mapped_column(Text)
+    """A reasoning model's thinking (``Message.reasoning``; schema 8)."""
     token_count: Mapped[int] = mapped_column(Integer)
     in_window: Mapped[bool] = mapped_column(Boolean)
     replaced_by_seq: Mapped[int | None] = mapped_column(Integer)

@@ -2,13 +2,17 @@
 window leaves, and the grammar its tool calls (or typed answer) must follow::
 
     config = call_config(agent, conversation.context_len, len(prompt.token_ids))
-    constraint = call_constraint(agent, conversation.engine, call_index)
+    constraint = call_constraint(agent, conversation.engine, call_index,
+                                 tool_format=tool_format_of(conversation.renderer),
+                                 reasoning_tags=reasoning_tags_of(conversation.renderer))
 """
 
 from __future__ import annotations
 
 from agentkv.agent import Agent
-from agentkv.chat.toolcalls import answer_grammar, tool_call_grammar
+from agentkv.chat.reasoning import ReasoningTags, with_reasoning
+from agentkv.chat.tool_formats import HERMES, ToolCallFormat
+from agentkv.chat.toolcalls import answer_grammar
 from agentkv.engine.base import Engine, GenerationConfig, TokenConstraint
 
 
@@ -27,10 +31,27 @@ def call_config(agent: Agent, context_len: int, prompt_len: int) -> GenerationCo
     return agent.generation.model_copy(update={"max_new_tokens": left})
 
 
-def call_constraint(agent: Agent, engine: Engine, call_index: int) -> TokenConstraint | None:
-    """A grammar for tool calls (when the agent has tools and the engine supports grammars)
-    whose answer, with an ``output_type``, is JSON under its schema (None: unconstrained):
-    ``call_constraint(agent, engine, call_index=0)``."""
+def tool_format_of(renderer: object) -> ToolCallFormat:
+    """The tool-call format a conversation's renderer detected for its model (Hermes when it
+    names none): ``tool_format_of(conversation.renderer).name``."""
+    found = getattr(renderer, "tool_format", HERMES)
+    return found if isinstance(found, ToolCallFormat) else HERMES
+
+
+def reasoning_tags_of(renderer: object) -> ReasoningTags | None:
+    """The thinking tags of a conversation's model (``ChatRenderer.reasoning_tags``; None: it
+    does not reason): ``reasoning_tags_of(conversation.renderer)``."""
+    found = getattr(renderer, "reasoning_tags", None)
+    return (found[0], found[1]) if isinstance(found, tuple) and len(found) == 2 else None
+
+
+def call_constraint(agent: Agent, engine: Engine, call_index: int, *,
+                    tool_format: ToolCallFormat = HERMES,
+                    reasoning_tags: ReasoningTags | None = None) -> TokenConstraint | None:
+    """A grammar for tool calls in ``tool_format`` (when the agent has tools and the engine
+    supports grammars) whose answer, with an ``output_type``, is JSON under its schema (None:
+    unconstrained); with ``reasoning_tags`` one thinking block may come first (``with_reasoning``):
+    ``call_constraint(agent, engine, call_index=0, tool_format=HERMES)``."""
     output = agent.output_spec
     answer_schema = output.schema if output is not None else None
     tools_on = bool(agent.tools) and agent.tool_choice != "none"
@@ -38,10 +59,10 @@ def call_constraint(agent: Agent, engine: Engine, call_index: int) -> TokenConst
         # The forced choice applies to the first model call only; after tool results the model
         # must be free to answer (otherwise "required" could never finish).
         choice = agent.tool_choice if call_index == 0 else "auto"
-        grammar = tool_call_grammar(agent.tool_schemas, choice, parallel=agent.parallel_tool_calls,
-                                    answer_schema=answer_schema)
+        grammar = tool_format.grammar(agent.tool_schemas, choice, parallel=agent.parallel_tool_calls,
+                                      answer_schema=answer_schema)
     elif answer_schema is not None:
         grammar = answer_grammar(answer_schema)
     else:
         return None
-    return engine.make_constraint(grammar)
+    return engine.make_constraint(with_reasoning(grammar, reasoning_tags))

@@ -34,17 +34,18 @@ import anyio
 
 from agentkv.agent import Agent
 from agentkv.chat.messages import Message, ToolCall, pending_tool_calls
+from agentkv.chat.reasoning import ReasoningSplitter
 from agentkv.chat.render import RenderedPrompt
 from agentkv.chat.stream_filter import MarkupFilter, VisibleTokens
 from agentkv.chat.structured_output import OutputInvalid
-from agentkv.chat.toolcalls import TOOL_CALL_OPEN
-from agentkv.engine.base import GenerationMetrics, GenerationResult
+from agentkv.engine.base import GenerationMetrics, GenerationResult, TokenLogprob
 from agentkv.errors import ContextOverflowError, MaxModelCallsExceeded
 from agentkv.events import (
     ApprovalRequired,
     CacheBroken,
     ContextCompacted,
     ModelCallFinished,
+    ReasoningDelta,
     RunEvent,
     RunFinished,
     SelfCheckFailed,
@@ -64,9 +65,10 @@ from agentkv.run.approvals import (
     rejected_result,
 )
 from agentkv.run.call_checks import describe_call
-from agentkv.run.call_settings import call_config, call_constraint, room
+from agentkv.run.call_settings import call_config, call_constraint, reasoning_tags_of, room, tool_format_of
 from agentkv.run.conversation import Conversation, WindowEntry
 from agentkv.run.input import RunInput, checked_input
+from agentkv.run.past_reasoning import drop_left_out_reasoning
 from agentkv.run.reply import Reply, read_reply
 from agentkv.tools import run_tool_calls
 
@@ -95,7 +97,7 @@ class _RunState:
 
     def result(self, final_text: str, finish_reason: FinishReason = "stop",
                pending: tuple[ToolCall, ...] = (), output: Any = None, *,
-               approvals: tuple[ToolCall, ...] = ()) -> RunResult:
+               approvals: tuple[ToolCall, ...] = (), reasoning: str | None = None) -> RunResult:
         return RunResult(
             session_id=self.conversation.id,
             final_text=final_text,
@@ -108,6 +110,7 @@ class _RunState:
             pending_tool_calls=pending,
             pending_approvals=approvals,
             output=output,
+            reasoning=reasoning,
         )
 
 
@@ -149,7 +152,7 @@ async def run_turns(agent: Agent, conversation: Conversation,
                 yield delta
         result = state.last_result
         assert result is not None
-        reply = read_reply(agent, result)
+        reply = read_reply(state.agent, result, renderer=state.conversation.renderer)
         await _record_assistant(state, result, reply)
         external = agent.external_tool_names
         ours = tuple(c for c in reply.calls if c.name not in external and not needs_approval(agent, c))
@@ -172,7 +175,7 @@ async def run_turns(agent: Agent, conversation: Conversation,
         for call in reply.calls:
             if call.name in external:
                 yield ToolCalled(call)
-        async with aclosing(_stop_if_waiting(state, reply.content)) as stop:
+        async with aclosing(_stop_if_waiting(state, reply.content, reply.reasoning)) as stop:
             async for event in stop:
                 yield event
                 if isinstance(event, RunFinished):
@@ -188,7 +191,7 @@ async def _answer_cancelled(state: _RunState, calls: tuple[ToolCall, ...]) -> No
             await _record(state, Message.tool(CANCELLED_RESULT, tool_call_id=call.id, name=call.name))
 
 
-async def _stop_if_waiting(state: _RunState, content: str) -> AsyncGenerator[RunEvent, None]:
+async def _stop_if_waiting(state: _RunState, content: str, reasoning: str | None) -> AsyncGenerator[RunEvent, None]:
     """End the run when calls wait: for a person's approval (``approval_required``), or for the
     caller's results (``tool_calls``); otherwise yield nothing and the run goes on."""
     agent, messages = state.agent, state.conversation.messages
@@ -196,9 +199,10 @@ async def _stop_if_waiting(state: _RunState, content: str) -> AsyncGenerator[Run
     theirs = tuple(c for c in pending_tool_calls(messages).values() if c.name in agent.external_tool_names)
     if approvals:
         yield ApprovalRequired(approvals)
-        yield RunFinished(state.result(content, "approval_required", theirs, approvals=approvals))
+        yield RunFinished(state.result(content, "approval_required", theirs, approvals=approvals,
+                                       reasoning=reasoning))
     elif theirs:  # the caller runs these and continues the run with their results
-        yield RunFinished(state.result(content, "tool_calls", theirs))
+        yield RunFinished(state.result(content, "tool_calls", theirs, reasoning=reasoning))
 
 
 async def _apply_decisions(state: _RunState, decisions: Decisions) -> AsyncGenerator[RunEvent, None]:
@@ -212,7 +216,7 @@ async def _apply_decisions(state: _RunState, decisions: Decisions) -> AsyncGener
         async with aclosing(_run_tools(state, approved)) as tools:
             async for event in tools:
                 yield event
-    async with aclosing(_stop_if_waiting(state, "")) as stop:
+    async with aclosing(_stop_if_waiting(state, "", None)) as stop:
         async for event in stop:
             yield event
 
@@ -299,7 +303,8 @@ async def _generate_with_retry(state: _RunState, call_index: int,
     assert result is not None
     left = room(state.agent, state.conversation.context_len, len(prompt.token_ids))
     budget = min(left, max(2 * result.metrics.generated_tokens, CALL_RETRY_MIN_TOKENS))
-    if read_reply(state.agent, result).finish == "tool_call_cut" and budget > result.metrics.generated_tokens:
+    reply = read_reply(state.agent, result, renderer=state.conversation.renderer)
+    if reply.finish == "tool_call_cut" and budget > result.metrics.generated_tokens:
         state.conversation.call_checks.expect("retry of a cut tool call")
         async with aclosing(_generate(state, call_index, prompt, max_new_tokens=budget)) as generation:
             async for _ in generation:
@@ -308,30 +313,33 @@ async def _generate_with_retry(state: _RunState, call_index: int,
 
 async def _generate(state: _RunState, call_index: int, prompt: RenderedPrompt, *,
                     max_new_tokens: int | None = None) -> AsyncGenerator[RunEvent, None]:
-    """One model call on the conversation's KV; streams visible text, then sets ``state.last_result``."""
+    """One model call on the conversation's KV; streams visible text (and, apart, a reasoning
+    model's thinking), then sets ``state.last_result``."""
     agent, conversation = state.agent, state.conversation
     checks = conversation.call_checks
     config = call_config(agent, conversation.context_len, len(prompt.token_ids))
     if max_new_tokens is not None:
         config = config.model_copy(update={"max_new_tokens": max_new_tokens})
-    visible = VisibleTokens(MarkupFilter(TOOL_CALL_OPEN) if agent.tools and agent.tool_choice != "none" else None)
+    tool_format = tool_format_of(conversation.renderer)
+    tags = reasoning_tags_of(conversation.renderer)
+    visible = VisibleTokens(MarkupFilter(tool_format.open_tag) if agent.tools and agent.tool_choice != "none" else None,
+                            ReasoningSplitter(tags) if tags is not None else None)
+    await drop_left_out_reasoning(conversation, agent, prompt)  # NOTE: before the break check: no KV is lost
     found = checks.break_before(agent, conversation.kv.tokens, prompt, conversation.renderer.tokenizer)
     state.breaks.append(found)
     if found is not None:
         yield CacheBroken(call_index, found)
-    constraint = call_constraint(agent, conversation.engine, call_index)
+    constraint = call_constraint(agent, conversation.engine, call_index, tool_format=tool_format, reasoning_tags=tags)
     with tracing.span("agentkv.model_call", conversation.trace_span, session_id=conversation.id,
                       call_index=call_index) as call_span:
         async with conversation.kv.stream(prompt.token_ids, config, constraint) as stream:
             async for delta in stream:
-                text, logprobs = visible.feed(delta)
-                if text:
-                    yield TextDelta(text, logprobs)
+                for event in _shown(*visible.step(delta)):
+                    yield event
         assert stream.result is not None
         describe_call(call_span, stream.result.metrics, found)
-    tail, logprobs = visible.flush()
-    if tail:
-        yield TextDelta(tail, logprobs)
+    for event in _shown(*visible.end()):
+        yield event
     checked = await checks.after_call(conversation.engine, conversation.kv, prompt, call_index, stream.result.metrics,
                                       found, label=conversation.id)
     if checked is not None:
@@ -342,16 +350,21 @@ async def _generate(state: _RunState, call_index: int, prompt: RenderedPrompt, *
     state.last_result = stream.result
 
 
+def _shown(thought: str, text: str, logprobs: tuple[TokenLogprob, ...]) -> list[RunEvent]:
+    """The events of what one step of the stream shows: thinking, then answer text."""
+    return [*([ReasoningDelta(thought)] if thought else []), *([TextDelta(text, logprobs)] if text else [])]
+
+
 def _final_result(state: _RunState, reply: Reply) -> RunResult:
     """The run's result from its last reply; with an ``output_type`` the answer parsed."""
-    output = state.agent.output_spec
+    output, reasoning = state.agent.output_spec, reply.reasoning
     if output is None or reply.finish != "stop":
-        return state.result(reply.content, reply.finish)
+        return state.result(reply.content, reply.finish, reasoning=reasoning)
     try:
-        return state.result(reply.content, "stop", output=output.parse(reply.content))
+        return state.result(reply.content, "stop", output=output.parse(reply.content), reasoning=reasoning)
     except OutputInvalid as error:
         logger.warning("run of agent %r: %s", state.agent.name, error)
-        return state.result(reply.content, "output_invalid")
+        return state.result(reply.content, "output_invalid", reasoning=reasoning)
 
 
 async def _record_assistant(state: _RunState, result: GenerationResult, reply: Reply) -> Message:
@@ -361,7 +374,7 @@ async def _record_assistant(state: _RunState, result: GenerationResult, reply: R
     token_ids = None if broken else result.token_ids
     if broken:  # NOTE: the discarded markup leaves the KV too, so the KV stays a prefix of the history
         await state.conversation.kv.trim(result.metrics.prompt_tokens)
-    message = Message.assistant(reply.content, tool_calls=reply.calls, token_ids=token_ids)
+    message = Message.assistant(reply.content, tool_calls=reply.calls, token_ids=token_ids, reasoning=reply.reasoning)
     await _record(state, message)
     state.tool_calls.extend(reply.calls)
     return message

@@ -74,7 +74,7 @@ class Runtime:
             raise UserError(f"lease_ttl_s must be > 0 seconds, got {lease_ttl_s}")
         self.engine = engine
         self.store = store
-        self.renderer = ChatRenderer(engine.tokenizer)
+        self.renderer = ChatRenderer(engine.tokenizer, stop_token_ids=engine.eos_token_ids)
         self.holder = holder or holder_id()
         self.lease_ttl_s = lease_ttl_s
         """How long a run's lease lasts without renewal (renewed every third of it while it runs)."""
@@ -103,10 +103,12 @@ class Runtime:
     def register_agent_prefix(self, agent: Agent, *, salt: str = "") -> None:
         """Register the prompt prefix every conversation of ``agent`` starts with (system prompt
         and tools) as shared, for the conversations of tenant ``salt``."""
-        # NOTE: without instructions the shared prefix is what the template puts before a first
-        # user turn (its default system prompt, or the tools' system turn)
-        probe = [Message.user("")] if agent.instructions is None else []
-        prefix = render_for(self.renderer, agent, probe, add_generation_prompt=False)
+        # NOTE: rendered before a first user turn: without instructions the shared prefix is what
+        # the template puts there (its default system prompt, or the tools' system turn); a
+        # template that merges the system prompt into that turn shares it up to the turn's content.
+        # The turn is not empty: Gemma 2's template trims it, closing the turn right after the
+        # system prompt, as no real first turn does.
+        prefix = render_for(self.renderer, agent, [Message.user("Hello.")], add_generation_prompt=False)
         if prefix.prefix_len:
             self.engine.register_prefix(prefix.token_ids[: prefix.prefix_len], salt=salt)
 

@@ -46,6 +46,7 @@ _PLAIN_FIELDS = (
     "constrain_tool_calls",
     "parallel_tool_calls",
     "tool_timeout_s",
+    "past_reasoning",
 )
 """Stored settings copied to the ``Agent`` field of the same name (``agent_settings``)."""
 
@@ -62,6 +63,7 @@ def agent_settings(agent: Agent) -> dict[str, Any]:
         "constrain_tool_calls": agent.constrain_tool_calls,
         "parallel_tool_calls": agent.parallel_tool_calls,
         "tool_timeout_s": agent.tool_timeout_s,
+        "past_reasoning": agent.past_reasoning,
         "policy": type(agent.policy).__name__ if agent.policy is not None else None,
         "output_schema": agent.output_spec.schema if agent.output_spec is not None else None,
         **agent.settings,

@@ -3,6 +3,10 @@
 the live KV session that shares the longest prefix with it; the run's result becomes the
 completion.
 
+A reasoning model's thinking goes out as ``message.reasoning_content`` (streamed:
+``delta.reasoning_content``), never in ``content`` or a call's arguments, as vLLM and DeepSeek do;
+an assistant message sent back with ``reasoning_content`` keeps it (``Message.reasoning``).
+
 Every tool in a request is executed by the client (``tool(dict)``): a run that calls one ends
 with ``finish_reason="tool_calls"`` and the client sends the results in its next request::
 
@@ -24,9 +28,8 @@ import anyio
 from openai.types.chat import ChatCompletionMessage
 from openai.types.chat.chat_completion_chunk import ChoiceDelta
 
-from agentkv.chat.openai_messages import messages_from_openai
 from agentkv.engine.base import TokenLogprob
-from agentkv.events import RunFinished, TextDelta
+from agentkv.events import ReasoningDelta, RunFinished, TextDelta
 from agentkv.result import RunResult
 from agentkv.server.access_log import AccessNote
 from agentkv.server.logprobs_wire import token_logprobs
@@ -42,6 +45,7 @@ from agentkv.server.wire import (
     delta_tool_calls,
     tool_calls,
     usage,
+    with_reasoning_content,
 )
 
 
@@ -58,7 +62,7 @@ class ChatCompletions:
         namespace); ``UserError`` / ``ValueError`` (400) or ``ContextOverflowError`` (413) before
         anything runs."""
         salt = kv_namespace(tenant, request.cache_salt)
-        instructions, messages = leading_system(messages_from_openai(request.messages))
+        instructions, messages = leading_system(with_reasoning_content(request.messages))
         output = request.response_format if (request.response_format or {}).get("type") not in (None, "text") else None
         agent = self.agents.agent(instructions=instructions, tools=request.tools or (),
                                   tool_choice=request.tool_choice_name(),
@@ -69,11 +73,13 @@ class ChatCompletions:
                                  param="max_completion_tokens" if request.max_completion_tokens else "max_tokens")
         return self.runs.prepare(agent, messages, salt=salt)
 
-    async def _result(self, prepared: Prepared, pin: str | None) -> AsyncGenerator[TextDelta | RunResult, None]:
-        """Text as it is generated, then the run's result (the KV session is held throughout)."""
+    async def _result(self, prepared: Prepared,
+                      pin: str | None) -> AsyncGenerator[TextDelta | ReasoningDelta | RunResult, None]:
+        """Text (and thinking) as it is generated, then the run's result (the KV session is held
+        throughout)."""
         async with self.runs.admitted():
             async for event in self.runs.on_live_session(prepared, pin):
-                if isinstance(event, TextDelta):
+                if isinstance(event, (TextDelta, ReasoningDelta)):
                     yield event
                 elif isinstance(event, RunFinished):
                     yield event.result
@@ -89,7 +95,7 @@ class ChatCompletions:
         async for event in self._result(prepared, pin):
             if isinstance(event, RunResult):
                 result = event
-            else:
+            elif isinstance(event, TextDelta):
                 logprobs.extend(event.logprobs)
         assert result is not None
         entries = token_logprobs(logprobs) if request.logprobs else None
@@ -118,6 +124,9 @@ class ChatCompletions:
                     entries = token_logprobs(event.logprobs) if request.logprobs else None
                     yield chunk(request_id, self.model_id, created, ChoiceDelta(content=event.text),
                                 logprobs=entries)
+                elif isinstance(event, ReasoningDelta):
+                    yield chunk(request_id, self.model_id, created,
+                                ChoiceDelta.model_validate({"reasoning_content": event.text}))
                 else:
                     result = event
         if result is None:  # stopped: the server is shutting down
@@ -144,8 +153,13 @@ def _finish(result: RunResult) -> FinishReason:
 
 
 def _message(result: RunResult) -> ChatCompletionMessage:
-    """The answer: its text (null beside tool calls when it wrote none, else at least "")."""
+    """The answer: its text (null beside tool calls when it wrote none, else at least ""), and
+    the thinking before it as ``reasoning_content`` when the model wrote any."""
+    thinking = {"reasoning_content": result.reasoning} if result.reasoning is not None else {}
     if result.pending_tool_calls:
-        return ChatCompletionMessage(role="assistant", content=result.final_text or None, refusal=None,
-                                     tool_calls=list(tool_calls(result.pending_tool_calls)))
-    return ChatCompletionMessage(role="assistant", content=result.final_text or "", refusal=None)
+        return ChatCompletionMessage.model_validate({
+            "role": "assistant", "content": result.final_text or None, "refusal": None,
+            "tool_calls": list(tool_calls(result.pending_tool_calls)), **thinking})
+    return ChatCompletionMessage.model_validate(
+        {"role": "assistant", "content": result.final_text or "", "refusal": None, **thinking})
+

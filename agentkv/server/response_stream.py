@@ -1,7 +1,9 @@
 """ResponseOutput: a run's events turned into a response's output items and the Responses stream
 events that announce them (``response.output_text.delta``, ``response.output_item.added``…), each
 with its ``sequence_number`` and checked by the openai package's event types. The final output
-keeps the streamed order and item ids; a message's text is the recorded answer.
+keeps the streamed order and item ids; a message's text is the recorded answer. A reasoning
+model's thinking is a ``reasoning`` item before its model call's message or calls
+(``response.reasoning_text.delta`` while it streams).
 
 ::
 
@@ -18,7 +20,7 @@ from typing import Any, get_args
 from openai import BaseModel
 from openai.types.responses import ResponseStreamEvent
 
-from agentkv.events import RunEvent, ModelCallFinished, TextDelta, ToolCalled, ToolReturned
+from agentkv.events import ModelCallFinished, ReasoningDelta, RunEvent, TextDelta, ToolCalled, ToolReturned
 from agentkv.result import RunResult
 from agentkv.server.logprobs_wire import logprob_entries
 from agentkv.server.response_wire import (
@@ -26,6 +28,7 @@ from agentkv.server.response_wire import (
     function_output_item,
     message_item,
     new_id,
+    reasoning_item,
     text_part,
 )
 from agentkv.server.wire import as_wire
@@ -43,6 +46,8 @@ class ResponseOutput:
         self._sequence = 0
         self._items: list[dict[str, Any]] = []
         self._open: dict[str, Any] | None = None
+        self._thinking: dict[str, Any] | None = None
+        """The reasoning item being streamed (its text so far under ``"_text"``)."""
         self._step_items: list[dict[str, Any] | None] = []
         """Per model call: its message item (None when it streamed no text)."""
 
@@ -67,6 +72,12 @@ class ResponseOutput:
 
     def feed(self, run_event: RunEvent) -> list[dict[str, Any]]:
         """The stream events ``run_event`` makes (none for events the format has no place for)."""
+        if isinstance(run_event, ReasoningDelta):
+            return self._think(run_event.text)
+        done = self._close_thinking()
+        return [*done, *self._feed(run_event)]
+
+    def _feed(self, run_event: RunEvent) -> list[dict[str, Any]]:
         if isinstance(run_event, TextDelta):
             events = [] if self._open is not None else self._open_message()
             self._open_text().append(run_event.text)
@@ -108,6 +119,30 @@ class ResponseOutput:
             elif message.content:
                 self._items.append(message_item(new_id("msg"), message.content))
         return self._items
+
+    # ---- the reasoning item being streamed ------------------------------------------------------
+    def _think(self, text: str) -> list[dict[str, Any]]:
+        events = []
+        if self._thinking is None:
+            item = reasoning_item(new_id("rs"), "", status="in_progress")
+            self._thinking = {**item, "_text": []}
+            self._items.append(self._thinking)
+            events.append(self.event("response.output_item.added", output_index=len(self._items) - 1, item=item))
+        self._thinking["_text"].append(text)
+        index = self._items.index(self._thinking)
+        return [*events, self.event("response.reasoning_text.delta", item_id=self._thinking["id"], output_index=index,
+                                    content_index=0, delta=text)]
+
+    def _close_thinking(self) -> list[dict[str, Any]]:
+        if self._thinking is None:
+            return []
+        item, index = self._thinking, self._items.index(self._thinking)
+        text = "".join(item.pop("_text"))
+        item.update(reasoning_item(item["id"], text))
+        self._thinking = None
+        return [self.event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
+                           text=text),
+                self.event("response.output_item.done", output_index=index, item=dict(item))]
 
     # ---- the message item being streamed --------------------------------------------------------
     def _open_message(self) -> list[dict[str, Any]]:

@@ -22,6 +22,7 @@ from openai.types.responses import (
     ResponseFunctionToolCallOutputItem,
     ResponseOutputMessage,
     ResponseOutputText,
+    ResponseReasoningItem,
     ResponseUsage,
 )
 from openai.types.responses.response_output_message import Content
@@ -154,7 +155,8 @@ class ResponseRequest(BaseModel):
             if kind == "message":
                 content = _text_content(index, item.get("content"))
                 last = messages[-1] if messages else None
-                if item.get("role") == "assistant" and last is not None and _calls_without_text(last):
+                if item.get("role") == "assistant" and last is not None and (_calls_without_text(last)
+                                                                             or _thinking_only(last)):
                     last["content"] = content  # NOTE: the text of the step that made those calls (any order)
                 else:
                     messages.append({"role": item.get("role"), "content": content})
@@ -166,13 +168,15 @@ class ResponseRequest(BaseModel):
                     last = {"role": "assistant", "content": None}
                     messages.append(last)
                 last.setdefault("tool_calls", []).append(call)
+            elif kind == "reasoning":  # NOTE: the thinking of the assistant turn that follows
+                messages.append({"role": "assistant", "content": None, "reasoning_content": _reasoning_text(item)})
             elif kind == "function_call_output":
                 output = item.get("output")
                 messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
                                  "content": output if isinstance(output, str) else json.dumps(output)})
             else:
                 raise ValueError(f"input[{index}]: items of type {kind!r} are not supported (message, "
-                                 "function_call and function_call_output are)")
+                                 "reasoning, function_call and function_call_output are)")
         if not messages:
             raise ValueError("input is empty: send a string or at least one message")
         return messages
@@ -182,6 +186,19 @@ def _calls_without_text(message: dict[str, Any]) -> bool:
     """An assistant turn made of function calls only, so far: a message item that follows them
     before their outputs is the text the model wrote in the same step."""
     return message["role"] == "assistant" and bool(message.get("tool_calls")) and not message.get("content")
+
+
+def _thinking_only(message: dict[str, Any]) -> bool:
+    """An assistant turn holding only the thinking of a ``reasoning`` item, so far."""
+    return message["role"] == "assistant" and "reasoning_content" in message and not message.get("content") \
+        and not message.get("tool_calls")
+
+
+def _reasoning_text(item: dict[str, Any]) -> str:
+    """The thinking a ``reasoning`` input item carries: its ``reasoning_text`` parts (else its
+    summary's texts), joined."""
+    parts = item.get("content") or item.get("summary") or []
+    return "".join(str(part.get("text", "")) for part in parts if isinstance(part, dict))
 
 
 def _text_content(index: int, content: Any) -> Any:
@@ -204,6 +221,14 @@ def message_item(item_id: str, text: str, status: ItemStatus = "completed") -> d
     content: list[Content] = [_output_text(text)] if status != "in_progress" else []
     return as_wire(ResponseOutputMessage(type="message", id=item_id, status=status, role="assistant",
                                          content=content))
+
+
+def reasoning_item(item_id: str, text: str, status: ItemStatus = "completed") -> dict[str, Any]:
+    """A ``reasoning`` output item: a reasoning model's thinking as one ``reasoning_text`` part
+    (none while in progress), no summary: ``reasoning_item("rs_1", "plan")``."""
+    content = [{"type": "reasoning_text", "text": text}] if status != "in_progress" else []
+    return as_wire(ResponseReasoningItem.model_validate({"type": "reasoning", "id": item_id, "summary": [],
+                                                         "content": content, "status": status}))
 
 
 def text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:

