@@ -11,6 +11,7 @@ scripted stream here cuts the tags across deltas.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -201,3 +202,44 @@ async def test_the_stored_message_keeps_its_reasoning(tmp_path):
         stored = await store.messages("s1")
     assert [(m.message.role, m.message.content, m.message.reasoning) for m in stored] == [
         ("user", "Question?", None), ("assistant", "The answer.", "plan")]
+
+
+class _AnyToken:
+    """A constraint that allows every token of a 10-token vocabulary."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    def allowed_mask(self) -> Any:
+        import numpy as np
+
+        return np.ones(10, dtype=bool)
+
+    def advance(self, token_id: int) -> None:
+        self.seen.append(token_id)
+
+    def is_finished(self) -> bool:
+        return False
+
+
+def test_a_thinking_budget_closes_the_block_once_it_is_spent_and_then_lets_the_answer_through() -> None:
+    from agentkv.chat.reasoning import ThinkingBudget
+
+    inner = _AnyToken()
+    budget = ThinkingBudget(inner, open_id=1, close_id=2, max_tokens=3)
+    budget.advance(1)
+    for token in (5, 6, 7):
+        assert budget.allowed_mask().all()
+        budget.advance(token)
+    assert budget.allowed_mask().tolist() == [i == 2 for i in range(10)]  # spent: only the close
+    budget.advance(2)
+    assert budget.allowed_mask().all() and inner.seen == [1, 5, 6, 7, 2]
+
+
+def test_a_thinking_budget_ignores_answers_that_do_not_open_with_thinking() -> None:
+    from agentkv.chat.reasoning import ThinkingBudget
+
+    budget = ThinkingBudget(_AnyToken(), open_id=1, close_id=2, max_tokens=1)
+    for token in (5, 1, 6, 7):
+        budget.advance(token)
+        assert budget.allowed_mask().all()

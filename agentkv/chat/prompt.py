@@ -48,3 +48,9 @@ class Entry:
     """Position in the caller's list; None for the system message created for the tools text."""
     role: str
     token_ids: tuple[int, ...] | None
+
+
+def ends_prefix(entry: Entry) -> bool:
+    """The entry closes the prefix every conversation of an agent shares: the system message made
+    for the tools text, or the caller's leading system message."""
+    return entry.index is None or (entry.index == 0 and entry.role == "system")

@@ -17,6 +17,10 @@ that does not open with the tag is all answer.
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
+
 from agentkv.chat.stream_filter import tag_start_at_end
 from agentkv.chat.toolcalls import lark_literal
 
@@ -130,13 +134,14 @@ class ReasoningSplitter:
         return thought
 
 
-def with_reasoning(grammar: str, tags: ReasoningTags | None) -> str:
+def with_reasoning(grammar: str, tags: ReasoningTags | None, *, tag_ids: tuple[int, int] | None = None) -> str:
     """``grammar`` (llguidance Lark text with a ``start:`` rule) letting the model first write
     one thinking block, ``OPEN THINK CLOSE "\\n\\n"``, THINK any text up to the first close tag
     (a lazy lexeme); ``grammar`` itself when ``tags`` is None. Free text (a ``TEXT`` terminal)
-    then never starts with the open tag. THINK is not bounded by the grammar: a model that thinks
-    until ``max_new_tokens`` ends its call cut (finish "length", the answer empty), as an
-    unconstrained call would:
+    then never starts with the open tag. With ``tag_ids`` (the tags are single tokens of the
+    vocabulary, as in Qwen3's) the block is written with those tokens, as the template renders it,
+    not spelled out in text. THINK is not bounded by the grammar (llguidance's ``max_tokens``
+    ends the lexeme without its close tag): ``ThinkingBudget`` closes it:
     ``with_reasoning(HERMES.grammar(tools, "required"), ("<think>", "</think>"))``."""
     if tags is None:
         return grammar
@@ -151,14 +156,52 @@ def with_reasoning(grammar: str, tags: ReasoningTags | None) -> str:
     # the block (and a call after it), so the answer's TEXT never starts with it.
     lines = [f"{line} & ~/{_regex_literal(open_tag)}(?s:.*)/" if line.startswith("TEXT:") else line
              for line in lines]
-    return "\n".join([
-        f"start: {REASONING_RULE}? {_ANSWER_RULE}",
-        *lines,
-        f'{REASONING_RULE}: {lark_literal(open_tag)} {_THINK_RULE} "\\n\\n"',
-        f"{_THINK_RULE}[lazy]: /(?s:.*){_regex_literal(close_tag)}/",
-    ]) + "\n"
+    if tag_ids is not None:  # NOTE: the tags as the control tokens the template renders (Qwen3's)
+        block = [f'{REASONING_RULE}: <[{tag_ids[0]}]> {_THINK_RULE} <[{tag_ids[1]}]> "\\n\\n"',
+                 f"{_THINK_RULE}: /(?s:.*)/"]
+    else:
+        block = [f'{REASONING_RULE}: {lark_literal(open_tag)} {_THINK_RULE} "\\n\\n"',
+                 f"{_THINK_RULE}[lazy]: /(?s:.*){_regex_literal(close_tag)}/"]
+    return "\n".join([f"start: {REASONING_RULE}? {_ANSWER_RULE}", *lines, *block]) + "\n"
 
 
 def _regex_literal(text: str) -> str:
     """``text`` as a regex matching it literally (inside Lark's ``/…/``)."""
     return "".join(f"\\x{ord(c):02x}" if c.isascii() and not c.isalnum() else c for c in text)
+
+
+class ThinkingBudget:
+    """A token constraint (``engine.base.TokenConstraint``) that closes a reasoning model's
+    thinking block once it holds ``max_tokens`` tokens: from then on only the close tag's id is
+    allowed (where the wrapped constraint allows it), so a call ``tool_choice="required"`` forces
+    still fits in the call's budget. A block counts only when the answer opens with it:
+    ``ThinkingBudget(engine.make_constraint(grammar), think_id, end_think_id, max_tokens=128)``."""
+
+    def __init__(self, inner: Any, open_id: int, close_id: int, *, max_tokens: int) -> None:
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        self.inner, self.open_id, self.close_id, self.max_tokens = inner, open_id, close_id, max_tokens
+        self._started = self._thinking = False
+        self.thought = 0
+        """Tokens written inside the block so far."""
+
+    def allowed_mask(self) -> Any:
+        mask = self.inner.allowed_mask()
+        if self._thinking and self.thought >= self.max_tokens and bool(mask[self.close_id]):
+            closing = np.zeros_like(mask)
+            closing[self.close_id] = True
+            return closing
+        return mask
+
+    def advance(self, token_id: int) -> None:
+        self.inner.advance(token_id)
+        if not self._started:
+            self._started, self._thinking = True, token_id == self.open_id
+        elif self._thinking:
+            if token_id == self.close_id:
+                self._thinking = False
+            else:
+                self.thought += 1
+
+    def is_finished(self) -> bool:
+        return bool(self.inner.is_finished())

@@ -52,7 +52,7 @@ from typing import Any
 from cachetools import LRUCache
 
 from agentkv.chat.messages import Message
-from agentkv.chat.prompt import Entry, MessageSpan, RenderedPrompt
+from agentkv.chat.prompt import Entry, MessageSpan, RenderedPrompt, ends_prefix
 from agentkv.chat.render_whole import WholeConversation
 from agentkv.chat.template import PROBE_SYSTEM, ChatTemplate
 from agentkv.chat.tool_formats import HERMES, ToolCallFormat, detect_tool_format, markup_tokens
@@ -172,12 +172,10 @@ class ChatRenderer:
                 prefix_len = len(ids)
             start = len(ids)
             ids += segment.own
-            if entry.index is None:  # the system message created for the tools text
+            if ends_prefix(entry):
                 prefix_len = len(ids)
-                continue
-            spans.append(MessageSpan(entry.index, entry.role, start, len(ids)))
-            if entry.index == 0 and entry.role == "system":
-                prefix_len = len(ids)
+            if entry.index is not None:  # None: the system message created for the tools text
+                spans.append(MessageSpan(entry.index, entry.role, start, len(ids)))
         generation: tuple[int, ...] = ()
         if add_generation_prompt:
             key = _chain(digest, "generation prompt")

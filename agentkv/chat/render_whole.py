@@ -40,7 +40,7 @@ from typing import Any
 
 from cachetools import LRUCache
 
-from agentkv.chat.prompt import Entry, MessageSpan, RenderedPrompt
+from agentkv.chat.prompt import Entry, MessageSpan, RenderedPrompt, ends_prefix
 from agentkv.chat.template import ChatTemplate, common_prefix
 
 MARKER = "AGENTKV_GENERATED_CONTENT_7F3C_"
@@ -141,12 +141,10 @@ class WholeConversation:
             piece, generated = self._encode_piece(text[start:end], verbatim, generated)
             ids += piece
             start = end
-            if entry.index is None:  # the system message created for the tools text
+            if ends_prefix(entry):
                 prefix_len = len(ids)
-                continue
-            spans.append(MessageSpan(entry.index, entry.role, first, len(ids)))
-            if entry.index == 0 and entry.role == "system":
-                prefix_len = len(ids)
+            if entry.index is not None:  # None: the system message created for the tools text
+                spans.append(MessageSpan(entry.index, entry.role, first, len(ids)))
         generation = tuple(self._after(generated, self._encode(full[history_end:]))) if add_generation_prompt else ()
         return RenderedPrompt(tuple(ids) + generation, tuple(spans), prefix_len, len(generation))
 

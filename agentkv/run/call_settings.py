@@ -10,7 +10,7 @@ window leaves, and the grammar its tool calls (or typed answer) must follow::
 from __future__ import annotations
 
 from agentkv.agent import Agent
-from agentkv.chat.reasoning import ReasoningTags, with_reasoning
+from agentkv.chat.reasoning import ReasoningTags, ThinkingBudget, with_reasoning
 from agentkv.chat.tool_formats import HERMES, ToolCallFormat
 from agentkv.chat.toolcalls import answer_grammar
 from agentkv.engine.base import Engine, GenerationConfig, TokenConstraint
@@ -50,7 +50,8 @@ def call_constraint(agent: Agent, engine: Engine, call_index: int, *,
                     reasoning_tags: ReasoningTags | None = None) -> TokenConstraint | None:
     """A grammar for tool calls in ``tool_format`` (when the agent has tools and the engine
     supports grammars) whose answer, with an ``output_type``, is JSON under its schema (None:
-    unconstrained); with ``reasoning_tags`` one thinking block may come first (``with_reasoning``):
+    unconstrained); with ``reasoning_tags`` one thinking block of at most half of
+    ``max_new_tokens`` may come first (``with_reasoning``):
     ``call_constraint(agent, engine, call_index=0, tool_format=HERMES)``."""
     output = agent.output_spec
     answer_schema = output.schema if output is not None else None
@@ -65,4 +66,10 @@ def call_constraint(agent: Agent, engine: Engine, call_index: int, *,
         grammar = answer_grammar(answer_schema)
     else:
         return None
-    return engine.make_constraint(with_reasoning(grammar, reasoning_tags))
+    encoded = [engine.tokenizer.encode(tag) for tag in reasoning_tags or ()]
+    tag_ids = (encoded[0][0], encoded[1][0]) if len(encoded) == 2 and all(len(i) == 1 for i in encoded) else None
+    constraint = engine.make_constraint(with_reasoning(grammar, reasoning_tags, tag_ids=tag_ids))
+    if constraint is None or tag_ids is None:
+        return constraint
+    # NOTE: thinking may take half of the call's tokens: the answer (a forced call) needs the rest
+    return ThinkingBudget(constraint, *tag_ids, max_tokens=max(1, agent.generation.max_new_tokens // 2))
