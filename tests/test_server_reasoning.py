@@ -17,7 +17,7 @@ import pytest
 from agentkv.memory import Store
 from agentkv.server import create_app
 from agentkv.server.response_wire import ResponseRequest
-from agentkv.server.wire import with_reasoning_content
+from agentkv.chat.openai_messages import messages_from_openai
 from agentkv.testing import ScriptedEngine
 from agentkv.testing.tokenizer import CHAT_TEMPLATE, ScriptedTokenizer
 
@@ -73,7 +73,7 @@ async def test_thinking_before_a_tool_call_is_reasoning_content_not_arguments(tm
 
 
 def test_an_assistant_message_sent_with_reasoning_content_keeps_it():
-    messages = with_reasoning_content([{"role": "user", "content": "Q?"},
+    messages = messages_from_openai([{"role": "user", "content": "Q?"},
                                        {"role": "assistant", "content": "A.", "reasoning_content": "plan"},
                                        {"role": "user", "content": "And?"}])
     assert [(m.role, m.content, m.reasoning) for m in messages] == [
@@ -111,6 +111,6 @@ def test_a_reasoning_input_item_becomes_the_next_assistant_turns_reasoning():
         {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "plan"}]},
         {"role": "assistant", "content": [{"type": "output_text", "text": "A."}]},
         {"role": "user", "content": "And?"}]})
-    messages = with_reasoning_content(request.input_messages())
+    messages = messages_from_openai(request.input_messages())
     assert [(m.role, m.content, m.reasoning) for m in messages] == [
         ("user", "Q?", None), ("assistant", "A.", "plan"), ("user", "And?", None)]

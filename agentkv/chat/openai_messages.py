@@ -66,6 +66,8 @@ class _Assistant(_Base):
     role: Literal["assistant"]
     content: Content = None
     tool_calls: list[_ToolCall] = Field(default_factory=list)
+    reasoning_content: str | None = None
+    """A reasoning model's thinking, as vLLM and DeepSeek send it back."""
 
 
 class _Tool(_Base):
@@ -117,7 +119,7 @@ def _to_message(index: int, parsed: Any, names: dict[str, str]) -> Message:
                 raise UserError(f"message {index}: tool call {call.id} arguments must be a JSON object")
             names[call.id] = call.function.name
             calls.append(ToolCall(id=call.id, name=call.function.name, arguments=arguments))
-        return Message.assistant(text, tool_calls=calls)
+        return Message.assistant(text, tool_calls=calls, reasoning=parsed.reasoning_content)
     return Message(role="tool", content=text, tool_call_id=parsed.tool_call_id, name=names.get(parsed.tool_call_id))
 
 

@@ -28,6 +28,7 @@ import anyio
 from openai.types.chat import ChatCompletionMessage
 from openai.types.chat.chat_completion_chunk import ChoiceDelta
 
+from agentkv.chat.openai_messages import messages_from_openai
 from agentkv.engine.base import TokenLogprob
 from agentkv.events import ReasoningDelta, RunFinished, TextDelta
 from agentkv.result import RunResult
@@ -45,7 +46,6 @@ from agentkv.server.wire import (
     delta_tool_calls,
     tool_calls,
     usage,
-    with_reasoning_content,
 )
 
 
@@ -62,7 +62,7 @@ class ChatCompletions:
         namespace); ``UserError`` / ``ValueError`` (400) or ``ContextOverflowError`` (413) before
         anything runs."""
         salt = kv_namespace(tenant, request.cache_salt)
-        instructions, messages = leading_system(with_reasoning_content(request.messages))
+        instructions, messages = leading_system(messages_from_openai(request.messages))
         output = request.response_format if (request.response_format or {}).get("type") not in (None, "text") else None
         agent = self.agents.agent(instructions=instructions, tools=request.tools or (),
                                   tool_choice=request.tool_choice_name(),

@@ -27,6 +27,7 @@ import anyio
 
 from agentkv.agent import Agent
 from agentkv.chat.messages import Message
+from agentkv.chat.openai_messages import messages_from_openai
 from agentkv.run.conversation import Conversation
 from agentkv.errors import ContextOverflowError, SessionBusy, UserError
 from agentkv.events import RunEvent, RunFinished
@@ -42,7 +43,7 @@ from agentkv.server.request_agents import RequestAgents, reserving_answer
 from agentkv.server.response_stream import ResponseOutput
 from agentkv.server.response_wire import ResponseRequest, new_id, response_object, response_usage
 from agentkv.server.runs import Prepared, Runs, kv_namespace, leading_system
-from agentkv.server.wire import TokenCounts, cache_break_field, with_reasoning_content
+from agentkv.server.wire import TokenCounts, cache_break_field
 
 
 SHUTTING_DOWN = "the server is shutting down: the response was stopped before its end; send it again"
@@ -90,7 +91,7 @@ class Responses:
         input breaks names ``input`` as its ``param``."""
         salt = kv_namespace(tenant, request.cache_salt)
         with _about_input():
-            from_input, messages = leading_system(with_reasoning_content(request.input_messages()))
+            from_input, messages = leading_system(messages_from_openai(request.input_messages()))
         instructions = "\n\n".join(t for t in (request.instructions, from_input) if t is not None) or None
         base = self.agents.agent(instructions=instructions, tools=request.function_tools(),
                                  tool_choice=request.tool_choice_name(),

@@ -32,8 +32,7 @@ from openai.types.completion_usage import CompletionUsage, PromptTokensDetails
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from agentkv.observe.cache_breaks import CacheBreak
-from agentkv.chat.messages import Message, ToolCall
-from agentkv.chat.openai_messages import messages_from_openai
+from agentkv.chat.messages import ToolCall
 from agentkv.engine.base import MAX_LOGPROBS, GenerationConfig, GenerationMetrics
 from agentkv.server.request_agents import AgentDefaults
 
@@ -233,12 +232,3 @@ def chunk(request_id: str, model: str, created: int, delta: ChoiceDelta, finish:
                          logprobs=None if logprobs is None else ChunkLogprobs(content=logprobs, refusal=None))
     return as_wire(ChatCompletionChunk(id=request_id, object="chat.completion.chunk", created=created, model=model,
                                        choices=[choice]))
-
-
-def with_reasoning_content(items: list[dict[str, Any]]) -> list[Message]:
-    """``messages_from_openai(items)``, an assistant's ``reasoning_content`` (a string, as vLLM and
-    DeepSeek send it back) kept as its ``Message.reasoning``: ``with_reasoning_content(request.messages)``."""
-    messages = messages_from_openai(items)  # NOTE: one message per item, in order
-    return [Message.model_validate({**message.model_dump(), "reasoning": item["reasoning_content"]})
-            if message.role == "assistant" and isinstance(item.get("reasoning_content"), str) else message
-            for item, message in zip(items, messages)]
