@@ -98,6 +98,9 @@ class TurnPrinter:
         """Print ``event`` (text deltas as they come, the rest on lines of their own)."""
         if event.type == "text_delta":
             self._text(event.text)
+        elif event.type == "reasoning_delta":  # a reasoning model's thinking, dim, apart from the answer
+            self.err.print(event.text, end="", style="dim", markup=False, highlight=False)
+            self.err.file.flush()
         elif event.type == "tool_called":
             self._line(f"[dim]→ {_escape(format_call(event.call))}[/dim]")
         elif event.type == "tool_returned":
