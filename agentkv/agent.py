@@ -86,7 +86,8 @@ class Agent:
     out (Qwen3 shows only the answers of turns before the last user message): ``"shift"`` drops
     it by a span drop + RoPE shift (no re-prefill; the answers' KV was computed with the thinking
     in view, as after a sliding-window drop), ``"reprefill"`` re-reads everything after it (the KV
-    then equals a fresh prefill). Models whose KV cannot shift re-prefill either way."""
+    then equals a fresh prefill; choose it for exact numerics). A shifted KV is no longer captured
+    into the prefix cache, as after any shift. Models whose KV cannot shift re-read either way."""
     settings: dict[str, Any] = field(default_factory=dict)
     """Free-form settings stored with the agent."""
 

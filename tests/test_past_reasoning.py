@@ -193,3 +193,52 @@ async def test_the_next_turn_drops_the_last_turns_thinking_from_the_kv_or_reread
         assert not conversation.kv.shifted
         assert metrics.reused_tokens < held - think_block  # re-read from the thinking on
     await runtime.aclose()
+
+
+async def test_a_model_whose_kv_cannot_shift_rereads_after_the_thinking_instead_of_failing() -> None:
+    agent = Agent(name="thinker", instructions="Be brief.")
+    runtime, engine = qwen3_runtime(["<think>\nplan\n</think>\n\nFirst.", "Second."], agent)
+
+    async def no_rope() -> None:
+        return None
+
+    engine.backend.rope_convention = no_rope  # type: ignore[method-assign]  # its keys fit no rotation
+    conversation = await runtime.open_conversation(agent)
+    await runtime.run(conversation, "Hi")
+    second = await runtime.run(conversation, "Again")
+    assert second.final_text == "Second." and not conversation.kv.shifted
+    assert any("re-read, not shifted" in note for note in conversation.call_checks.operations)
+    await runtime.aclose()
+
+
+async def test_a_snapshot_keeps_the_last_answers_thinking_and_a_resume_shifts_it_out(tmp_path) -> None:
+    """The history a snapshot is cut to leaves the last answer's thinking out (the next user turn
+    will), yet the KV holding it is all usable: the snapshot keeps it, and a resume in a new
+    runtime restores all of it and drops the block by a shift, prefilling only the new turn."""
+    from agentkv.memory import Store
+
+    agent = Agent(name="thinker", instructions="Be brief.")
+    url = f"sqlite:///{tmp_path / 'agentkv.db'}"
+    store = Store(url)
+    engine = ScriptedEngine(["<think>\nplan the answer with care\n</think>\n\nFirst answer."])
+    runtime = Runtime(engine, store, agents=[agent])
+    runtime.renderer = ChatRenderer(ScriptedQwen3(), stop_token_ids=engine.eos_token_ids)
+    conversation = await runtime.open_conversation(agent)
+    await runtime.run(conversation, "Hi")
+    held = conversation.kv.tokens
+    [record, *_] = await store.snapshots(conversation.id)
+    assert record.num_tokens == len(held)
+    await runtime.aclose()
+    await store.close()
+
+    store = Store(url)
+    engine = ScriptedEngine(["Second answer."])
+    runtime = Runtime(engine, store, agents=[agent])
+    runtime.renderer = ChatRenderer(ScriptedQwen3(), stop_token_ids=engine.eos_token_ids)
+    resumed = await runtime.resume(conversation.id, agent)
+    assert resumed.kv.tokens == held
+    second = await runtime.run(resumed, "Again")
+    think_block = len(engine.tokenizer.encode("<think>\nplan the answer with care\n</think>\n\n"))
+    assert second.call_metrics[0].reused_tokens == len(held) - think_block and resumed.kv.shifted
+    await runtime.aclose()
+    await store.close()

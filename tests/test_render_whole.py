@@ -214,3 +214,16 @@ def test_whole_renders_are_cached() -> None:
     tok.calls = 0
     assert renderer.render(CONVERSATION) == ChatRenderer(FakeFamily("system_last")).render(CONVERSATION)
     assert tok.calls == 0
+
+
+@pytest.mark.parametrize("style", ["segments", "system_last"])
+def test_a_generated_stop_token_gives_way_to_the_different_one_the_footer_starts_with(style: str) -> None:
+    """Llama 3.1 may stop a call on <|eom_id|> while its template closes the turn with <|eot_id|>:
+    the rendering holds the template's token only (the generated stop token is never read)."""
+    tok = FakeChatML() if style == "segments" else FakeFamily(style)
+    other_stop = 7  # a second stop token (the model stopped on it), not the footer's <|im_end|> (2)
+    renderer = ChatRenderer(tok, stop_token_ids=[other_stop])
+    answer = Message.assistant("Hi", token_ids=(*tok.encode("Hi"), other_stop))
+    prompt = renderer.render([Message.user("Q"), answer, Message.user("R")])
+    assert other_stop not in prompt.token_ids
+    assert tok.decode(prompt.token_ids).count("Hi<|im_end|>") == 1

@@ -250,3 +250,10 @@ async def test_the_agent_loop_uses_the_renderers_format_for_grammar_parse_and_hi
     if fmt is MISTRAL:
         assert tool_message.tool_call_id == "a1b2c3d4e"
     engine.assert_complete()
+
+
+def test_two_different_mistral_calls_the_model_gave_one_id_get_ids_of_their_own() -> None:
+    parsed = MISTRAL.parse('[TOOL_CALLS][{"name": "a", "arguments": {"x": 1}, "id": "abcdefghi"}, '
+                           '{"name": "a", "arguments": {"x": 2}, "id": "abcdefghi"}]')
+    assert [c.arguments for c in parsed.tool_calls] == [{"x": 1}, {"x": 2}]
+    assert parsed.tool_calls[0].id == "abcdefghi" and len({c.id for c in parsed.tool_calls}) == 2

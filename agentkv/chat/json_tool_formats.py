@@ -126,6 +126,8 @@ class JsonCallFormat(ToolCallFormat):
             elif (key := call_key(call)) in calls:
                 repeats += 1
             else:
+                if any(call.id == other.id for other in calls.values()):
+                    call = ToolCall(name=call.name, arguments=call.arguments)  # NOTE: its results need an id of their own
                 calls[key] = call
         if problem is not None:
             errors.append(problem)

@@ -185,19 +185,29 @@ class ChatRenderer:
 
     def message_tokens(self, message: Message, *, position: int) -> int:
         """Tokens of ``message``'s span at ``position`` (tools text not counted), for budgets:
-        ``renderer.message_tokens(Message.user("hi"), position=3)``. Counted after the first
-        context the template accepts (templates that check role order reject some)."""
+        ``renderer.message_tokens(Message.user("hi"), position=3)``. Counted among the first
+        neighbours the template accepts that give the message its usual place: a user turn after
+        an answer (not the first user turn, which a merging template shares with the system
+        prompt: that one is over-counted by its header), a system prompt before a user turn
+        (which may hold its text)."""
         if position < 0:
             raise UserError(f"position must be >= 0, got {position}")
         system, user = Message.system(PROBE_SYSTEM["content"]), Message.user("Hi")
-        contexts: list[list[Message]] = [[]] if position == 0 else []
-        contexts += [[system], [system, user], [user], [system, user, Message.assistant("Hello")]]
-        for context in contexts:
-            dicts = [self._payload(m, chatml=False) for m in (*context, message)]
+        answer = Message.assistant("Hello")
+        places: list[tuple[list[Message], list[Message]]]
+        if position == 0:
+            places = [([], [user] if message.role == "system" else []), ([], [])]
+        elif message.role == "assistant":  # NOTE: no system prompt first: Mistral's moves it around
+            places = [([user], []), ([system, user], []), ([system], [])]
+        else:
+            places = [([user, answer], []), ([system, user, answer], []), ([system], []), ([system, user], [])]
+        before, after = places[-1]
+        for before, after in places:
+            dicts = [self._payload(m, chatml=False) for m in (*before, message, *after)]
             if not self.uses_template or self.template.apply(dicts, generation=False) is not None:
                 break
-        prompt = self.render([*context, message], add_generation_prompt=False)
-        return len(prompt.spans[-1])
+        prompt = self.render([*before, message, *after], add_generation_prompt=False)
+        return len(prompt.spans[len(before)])
 
     # -- entries: messages as template dicts -------------------------------------------------
 
@@ -222,32 +232,33 @@ class ChatRenderer:
         return entries
 
     def _payload(self, message: Message, *, chatml: bool) -> dict[str, Any]:
-        native = self.native_tool_calls and not chatml
-        if message.role == "assistant" and message.tool_calls and native and message.token_ids is None:
-            calls = [{"id": self.tool_format.call_id(call.id), "type": "function",
-                      "function": {"name": call.name, "arguments": call.arguments}}
-                     for call in message.tool_calls]
-            return {"role": "assistant", "content": message.content, "tool_calls": calls}
-        if message.role == "assistant" and message.tool_calls:
-            calls_text = self.tool_format.format_calls(message.tool_calls)
-            content = "\n".join(p for p in (message.content, calls_text) if p)
-            return {"role": "assistant", "content": content}
         if message.role == "tool":
             if not self.native_tool_role or chatml:
                 wrapped = f"<tool_response>\n{message.content}\n</tool_response>"
                 return {"role": "user", "content": wrapped}
-            payload = {"role": "tool", "content": message.content}
+            result = {"role": "tool", "content": message.content}
             if message.tool_call_id is not None:
-                payload["tool_call_id"] = self.tool_format.call_id(message.tool_call_id)
+                result["tool_call_id"] = self.tool_format.call_id(message.tool_call_id)
             if message.name is not None:
-                payload["name"] = message.name
-            return payload
-        if message.role == "assistant" and message.reasoning and message.token_ids is None and self.reasoning_tags:
+                result["name"] = message.name
+            return result
+        if message.role != "assistant":
+            return {"role": message.role, "content": message.content}
+        payload: dict[str, Any] = {"role": "assistant", "content": message.content}
+        if message.tool_calls and self.native_tool_calls and not chatml and message.token_ids is None:
+            payload["tool_calls"] = [{"id": self.tool_format.call_id(call.id), "type": "function",
+                                      "function": {"name": call.name, "arguments": call.arguments}}
+                                     for call in message.tool_calls]
+        elif message.tool_calls:
+            calls_text = self.tool_format.format_calls(message.tool_calls)
+            payload["content"] = "\n".join(p for p in (message.content, calls_text) if p)
+        if message.reasoning and message.token_ids is None and self.reasoning_tags and not chatml:
             if "reasoning_content" in self.template.source:  # Qwen3 reads it as a field
-                return {"role": "assistant", "content": message.content, "reasoning_content": message.reasoning}
-            opening, closing = self.reasoning_tags
-            return {"role": "assistant", "content": f"{opening}\n{message.reasoning}\n{closing}\n\n{message.content}"}
-        return {"role": message.role, "content": message.content}
+                payload["reasoning_content"] = message.reasoning
+            else:
+                opening, closing = self.reasoning_tags
+                payload["content"] = f"{opening}\n{message.reasoning}\n{closing}\n\n{payload['content']}"
+        return payload
 
     # -- segments ----------------------------------------------------------------------------
 
@@ -274,9 +285,13 @@ class ChatRenderer:
             logger.warning("the chat template hid an assistant message's content; using ChatML")
             header, _, footer = chatml_segment("assistant", _SENTINEL).partition(_SENTINEL)
         footer_ids = encode(footer)
-        if entry.token_ids[-1:] and entry.token_ids[-1] in self.stop_ids and footer_ids[:1] == [entry.token_ids[-1]]:
-            footer_ids = footer_ids[1:]  # NOTE: the generated stop token is the footer's first token
-        own = (*encode(header), *entry.token_ids, *footer_ids)
+        generated = entry.token_ids
+        if generated[-1:] and generated[-1] in self.stop_ids and footer_ids[:1] and footer_ids[0] in self.stop_ids:
+            if footer_ids[0] == generated[-1]:
+                footer_ids = footer_ids[1:]  # NOTE: the generated stop token is the footer's first token
+            else:
+                generated = generated[:-1]  # NOTE: Llama's <|eom_id|> gives way to the footer's <|eot_id|>
+        own = (*encode(header), *generated, *footer_ids)
         return _Segment(tuple(encode(injected)), own, lead_ids)
 
     def _system_lead(self, system: dict[str, Any], tools: list[Any] | None) -> str:

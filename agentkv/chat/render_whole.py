@@ -98,7 +98,7 @@ class WholeConversation:
         add_generation_prompt=True)``."""
         if not add_generation_prompt and entries and entries[-1].role == "assistant":
             return self._history(entries, tools)
-        key = _digest([tools, [(e.payload, e.token_ids) for e in entries], add_generation_prompt])
+        key = _digest([tools, [(e.payload, e.token_ids, e.index, e.role) for e in entries], add_generation_prompt])
         if key not in self._prompts:
             prompt = self._render(entries, tools, add_generation_prompt, split_thinking=True)
             if prompt is None and self.reasoning_ids is not None:
@@ -266,7 +266,9 @@ class WholeConversation:
         position = 0
         for match in _MARKERS.finditer(text):
             ids += self._after(generated, self._encode(text[position: match.start()]))
-            generated = verbatim[match.group()]
+            following = _MARKERS.search(text, match.end())
+            generated = self._generated_ids(verbatim[match.group()],
+                                            text[match.end(): following.start() if following else len(text)])
             ids += generated
             position = match.end()
         if position == len(text):
@@ -277,6 +279,16 @@ class WholeConversation:
         if generated[-1:] and generated[-1] in self.stop_ids and footer[:1] == generated[-1:]:
             return list(footer[1:])  # NOTE: the generated stop token is the footer's first token
         return list(footer)
+
+    def _generated_ids(self, generated: tuple[int, ...], text_after: str) -> tuple[int, ...]:
+        """A generated message's ids as rendered: a stop token the model ended on (Llama's
+        ``<|eom_id|>``) gives way to another one the template's footer starts with (its
+        ``<|eot_id|>``); the stop token is generated, never read, so the KV holds neither."""
+        footer = self._encode(text_after)
+        if generated[-1:] and generated[-1] in self.stop_ids and footer[:1] and footer[0] in self.stop_ids \
+                and footer[0] != generated[-1]:
+            return generated[:-1]
+        return generated
 
 
 def _merged(system: dict[str, Any], text: str, alone: str | None, end: int) -> bool:

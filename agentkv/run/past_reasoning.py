@@ -18,9 +18,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from agentkv.engine.base import common_prefix_len
+from agentkv.errors import KVShiftUnsupported
+
 if TYPE_CHECKING:
     from agentkv.agent import Agent
-    from agentkv.chat.render import RenderedPrompt
+    from agentkv.chat.render import ChatRenderer, RenderedPrompt
     from agentkv.run.conversation import Conversation
 
 MAX_NEWLINES_AFTER = 4
@@ -28,39 +31,68 @@ MAX_NEWLINES_AFTER = 4
 
 
 def left_out_reasoning(kv: Sequence[int], prompt: Sequence[int], think_id: int, end_think_id: int) -> list[tuple[int, int]]:
+    """See ``_walk``: the spans only."""
+    return _walk(kv, prompt, think_id, end_think_id)[0]
+
+
+def _walk(kv: Sequence[int], prompt: Sequence[int], think_id: int,
+          end_think_id: int) -> tuple[list[tuple[int, int]], int]:
     """The ``(start, end)`` spans of ``kv`` that are thinking blocks the prompt leaves out, in
     order: walking both, each place they differ must be a ``<think>`` block in the KV after which
     the KV goes on as the prompt does; the walk stops at the first other difference.
-    ``left_out_reasoning([1, 7, 5, 8, 2], [1, 2, 3], think_id=7, end_think_id=8) == [(1, 4)]``."""
+    ``left_out_reasoning([1, 7, 5, 8, 2], [1, 2, 3], think_id=7, end_think_id=8) == [(1, 4)]``.
+    Also returns how much of ``kv`` the walk covered (the spans included)."""
     spans: list[tuple[int, int]] = []
     i = j = 0
     while True:
         while i < len(kv) and j < len(prompt) and kv[i] == prompt[j]:
             i, j = i + 1, j + 1
         if i >= len(kv) or j >= len(prompt) or kv[i] != think_id or end_think_id not in kv[i:]:
-            return spans
+            return spans, i
         close = i + list(kv[i:]).index(end_think_id)
         resume = next((end for end in range(close + 1, min(close + 2 + MAX_NEWLINES_AFTER, len(kv)))
                        if kv[end] == prompt[j]), None)
         if resume is None:
-            return spans
+            return spans, i
         spans.append((i, resume))
         i = resume
 
 
+def _tag_ids(renderer: ChatRenderer, agent: Agent) -> tuple[int, int] | None:
+    """The ids of the thinking tags when earlier thinking leaves the KV by a shift."""
+    if renderer.reasoning_tags is None or agent.past_reasoning != "shift":
+        return None
+    ids = [renderer.tokenizer.encode(tag) for tag in renderer.reasoning_tags]
+    return (ids[0][0], ids[1][0]) if all(len(tag_ids) == 1 for tag_ids in ids) else None
+
+
+def reusable_kv_len(renderer: ChatRenderer, agent: Agent, kv: Sequence[int], history: Sequence[int]) -> int:
+    """How much of ``kv`` (a live KV, a snapshot's tokens) a conversation rendering ``history``
+    can keep: the common prefix, and past it the thinking blocks the history leaves out and what
+    follows them as the history does (the next model call drops the blocks by a shift):
+    ``usable = reusable_kv_len(conversation.renderer, agent, kv.tokens, history)``."""
+    tag_ids = _tag_ids(renderer, agent)
+    if tag_ids is None:
+        return common_prefix_len(kv, history)
+    return _walk(kv, history, *tag_ids)[1]
+
+
 async def drop_left_out_reasoning(conversation: Conversation, agent: Agent, prompt: RenderedPrompt) -> int:
     """Drop from ``conversation``'s KV the thinking blocks ``prompt`` leaves out (when the agent's
-    ``past_reasoning`` is ``"shift"`` and the KV can shift); returns the tokens dropped."""
-    tags = conversation.renderer.reasoning_tags
-    if tags is None or agent.past_reasoning != "shift" or not conversation.supports_drop:
+    ``past_reasoning`` is ``"shift"`` and the KV can shift); returns the tokens dropped. A model
+    whose keys fit no RoPE rotation keeps its KV: the session then re-reads from the first block."""
+    tag_ids = _tag_ids(conversation.renderer, agent)
+    if tag_ids is None or not conversation.supports_drop:
         return 0
-    ids = [conversation.renderer.tokenizer.encode(tag) for tag in tags]
-    if any(len(tag_ids) != 1 for tag_ids in ids):
-        return 0
-    spans = left_out_reasoning(conversation.kv_tokens, prompt.token_ids, ids[0][0], ids[1][0])
+    spans = left_out_reasoning(conversation.kv_tokens, prompt.token_ids, *tag_ids)
     dropped = sum(end - start for start, end in spans)
-    if spans:
+    if not spans:
+        return 0
+    try:
         await conversation.drop_spans(spans)
-        conversation.call_checks.note(f"earlier thinking left out by the template: {dropped} tokens in "
-                                      f"{len(spans)} block(s) dropped from the KV (span drop + RoPE shift)")
+    except KVShiftUnsupported as error:
+        conversation.call_checks.note(f"earlier thinking left out by the template is re-read, not shifted: {error}")
+        return 0
+    conversation.call_checks.note(f"earlier thinking left out by the template: {dropped} tokens in "
+                                  f"{len(spans)} block(s) dropped from the KV (span drop + RoPE shift)")
     return dropped

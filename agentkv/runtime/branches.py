@@ -9,12 +9,16 @@ a rewind of the window, and the check an edit starts with. ``Runtime.fork``, ``r
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from functools import partial
+
 from agentkv.engine.base import KVSession, common_prefix_len
 from agentkv.errors import UserError
 from agentkv.memory import Store
 from agentkv.memory.leases import LeaseKeeper
 from agentkv.result import ResumeReport
 from agentkv.run.conversation import Conversation
+from agentkv.run.past_reasoning import reusable_kv_len
 from agentkv.runtime.persistence import load_window, restore_newest_snapshot
 
 
@@ -31,24 +35,27 @@ async def seed_branch_kv(store: Store, branch: Conversation, *, parent_id: str, 
     if forked:
         if edit:
             branch.note_break(agent, "edit")
-        restored = common_prefix_len(branch.kv.tokens, prompt)
+        restored = reusable_kv_len(branch.renderer, agent, branch.kv.tokens, prompt)
         await branch.kv.trim(restored)
     else:
-        restored, skipped = await restore_from_lineage(store, parent_id, branch.kv, prompt, branch.engine.fingerprint)
+        restored, skipped = await restore_from_lineage(store, parent_id, branch.kv, prompt, branch.engine.fingerprint,
+                                                       partial(reusable_kv_len, branch.renderer, agent))
     branch.resume_report = ResumeReport(len(branch.window), restored, skipped)
     branch.call_checks.note(f"fork of {parent_id} at message {fork_seq}: {restored} tokens of KV "
                             f"{'from its live KV' if forked else 'from a snapshot'}")
 
 
 async def restore_from_lineage(store: Store, session_id: str | None, kv: KVSession, prompt: tuple[int, ...],
-                               fingerprint: str) -> tuple[int, tuple[str, ...]]:
+                               fingerprint: str,
+                               reusable: Callable[[Sequence[int], Sequence[int]], int] = common_prefix_len,
+                               ) -> tuple[int, tuple[str, ...]]:
     """Restore into ``kv`` the newest snapshot of the nearest conversation up from
     ``session_id`` (itself, its parent, ...) that has one sharing a prefix with ``prompt``;
     returns the tokens restored and why snapshots were passed over:
     ``restored, skipped = await restore_from_lineage(store, "abc", kv, prompt, engine.fingerprint)``."""
     skipped: list[str] = []
     while session_id is not None:
-        restored = await restore_newest_snapshot(store, session_id, kv, prompt, fingerprint)
+        restored = await restore_newest_snapshot(store, session_id, kv, prompt, fingerprint, reusable)
         skipped += restored.skipped
         if restored.tokens:
             return restored.tokens, tuple(skipped)

@@ -10,6 +10,7 @@ engine nor the runner). Used by ``Runtime`` when it is given a store::
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from agentkv.chat.messages import Message, pending_tool_calls
@@ -22,6 +23,7 @@ from agentkv.observe.cache_breaks import CacheBreak
 from agentkv.result import ResumeReport
 from agentkv.run.approvals import needs_approval
 from agentkv.run.conversation import Conversation, WindowEntry
+from agentkv.run.past_reasoning import reusable_kv_len
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +117,7 @@ async def save_snapshot(store: Store, conversation: Conversation) -> None:
     """
     try:
         history = conversation.render(conversation.agent, add_generation_prompt=False).token_ids
-        usable = common_prefix_len(conversation.kv.tokens, history)
+        usable = reusable_kv_len(conversation.renderer, conversation.agent, conversation.kv.tokens, history)
         if usable == 0:
             return
         with tracing.span("agentkv.snapshot.save", conversation.trace_span, session_id=conversation.id) as span:
@@ -158,10 +160,13 @@ class Restored:
 
 
 async def restore_newest_snapshot(
-    store: Store, session_id: str, kv: KVSession, prompt: tuple[int, ...], fingerprint: str
+    store: Store, session_id: str, kv: KVSession, prompt: tuple[int, ...], fingerprint: str,
+    reusable: Callable[[Sequence[int], Sequence[int]], int] = common_prefix_len,
 ) -> Restored:
     """Restore into ``kv`` the newest valid snapshot that shares a prefix with ``prompt`` — the
-    whole snapshot, or its part up to where they diverge (a rewound or forked history).
+    whole snapshot, or its part up to where they diverge (a rewound or forked history), as
+    ``reusable(snapshot_tokens, prompt)`` measures it (default: the common prefix; a reasoning
+    model's conversation also keeps the thinking its template leaves out: ``reusable_kv_len``).
 
     A corrupt or missing file, or one from another model, is skipped and logged: the conversation
     then re-prefills, losing nothing.
@@ -179,7 +184,7 @@ async def restore_newest_snapshot(
             logger.warning("skipping snapshot %s of session %s: %s", record.path, session_id, error)
             skipped.append(f"{record.path.name}: {error}")
             continue
-        shared = common_prefix_len(snapshot.tokens, prompt)
+        shared = reusable(snapshot.tokens, prompt)
         if shared == 0:
             skipped.append(f"{record.path.name}: it shares no prefix with the rendered history")
             continue

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
+from functools import partial
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import aclosing, asynccontextmanager
 
@@ -41,6 +42,7 @@ from agentkv.run.approvals import Decisions, awaiting_approval
 from agentkv.run.conversation import Conversation, render_for
 from agentkv.run.input import RunInput
 from agentkv.run.loop import run_turns
+from agentkv.run.past_reasoning import reusable_kv_len
 from agentkv.runtime.branches import check_user_message, rewind_window, seed_branch_kv
 from agentkv.runtime.persistence import (
     CallLog,
@@ -142,7 +144,8 @@ class Runtime:
         repaired = await self._repair_if_free(conversation)
         rendered = conversation.render(agent, add_generation_prompt=False)
         prompt = rendered.token_ids
-        restored = await restore_newest_snapshot(store, session_id, conversation.kv, prompt, self.engine.fingerprint)
+        restored = await restore_newest_snapshot(store, session_id, conversation.kv, prompt, self.engine.fingerprint,
+                                                 partial(reusable_kv_len, self.renderer, agent))
         # NOTE: a break is KV lost: less restored than the newest snapshot held (without one,
         # than the history). The tokens a snapshot never held (the unfed last token of a cut
         # answer, the end-of-turn markup) are prefilled by the next call, but nothing is lost.

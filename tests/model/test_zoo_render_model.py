@@ -39,6 +39,7 @@ FAMILIES = sorted(p.name for p in ZOO.iterdir() if (p / "reference.json").is_fil
 END_OF_TURN = {"gemma2": "<end_of_turn>", "gemma3": "<end_of_turn>", "llama3_1": "<|eot_id|>",
                "mistral_nemo": "</s>", "phi3_5": "<|end|>", "qwen2_5": "<|im_end|>", "qwen3": "<|im_end|>"}
 MOVES_THE_SYSTEM_PROMPT = {"mistral_nemo"}
+MERGES_THE_SYSTEM_PROMPT = {"gemma2", "gemma3"}
 SCHEMA = {"type": "function", "function": {"name": "calc", "description": "Evaluate.", "parameters": {
     "type": "object", "properties": {"expr": {"type": "string"}}, "required": ["expr"]}}}
 CONVERSATION = [Message.system("Be brief."), Message.user("Hi"), Message.assistant("Hello"), Message.user("Bye")]
@@ -143,3 +144,21 @@ def test_message_budgets_are_counted_by_the_template(family: str, caplog) -> Non
     with caplog.at_level(logging.WARNING, logger="agentkv.chat"):
         counts = [chat.message_tokens(m, position=i) for i, m in enumerate(CONVERSATION)]
     assert all(count > 0 for count in counts[1:]) and "ChatML" not in caplog.text
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_messages_budget_is_its_span_in_a_real_conversation(family: str) -> None:
+    """``message_tokens`` counts a message where it usually sits; in a conversation its span has
+    that many tokens (the system prompt with the text a merging template puts before the first
+    user turn's content; later user turns with their own header)."""
+    chat = renderer(family)
+    conversation = [*CONVERSATION, Message.assistant("Goodbye")]
+    spans = chat.render(conversation, add_generation_prompt=False).spans
+    if family in MOVES_THE_SYSTEM_PROMPT:  # the system prompt sits in the last user turn: no fixed place
+        conversation, spans = conversation[1:], spans[1:]
+    counts = [chat.message_tokens(m, position=i) for i, m in enumerate(conversation, start=len(CONVERSATION) + 1 - len(conversation))]
+    real = [len(span) for span in spans]
+    if family in MERGES_THE_SYSTEM_PROMPT:  # the first user turn's header is in the system span
+        assert counts[1] - real[1] == real[3] - len(tokenizer(family).encode("Bye<end_of_turn>\n"))
+        counts, real = [counts[0], *counts[2:]], [real[0], *real[2:]]
+    assert counts == real
