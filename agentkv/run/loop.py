@@ -74,9 +74,6 @@ from agentkv.tools import run_tool_calls
 
 logger = logging.getLogger(__name__)
 CANCELLED_RESULT = "error: the run was cancelled before this tool returned"
-CALL_RETRY_MIN_TOKENS = 256
-"""A tool call cut by ``max_new_tokens`` is generated again with at least this many tokens
-(the grammar bounds every string, so a call fits; never more than the window leaves)."""
 
 
 @dataclass
@@ -294,15 +291,17 @@ def _prompt_limit(state: _RunState) -> int:
 async def _generate_with_retry(state: _RunState, call_index: int,
                                prompt: RenderedPrompt) -> AsyncGenerator[RunEvent, None]:
     """One model call on ``prompt``; a tool call cut by the token limit is generated once more
-    with room for it (its text was streamed already, so the retry streams nothing). Sets
+    with all the room the window leaves (its text was streamed already, so the retry streams
+    nothing). Sets
     ``state.last_result``."""
     async with aclosing(_generate(state, call_index, prompt)) as generation:
         async for delta in generation:
             yield delta
     result = state.last_result
     assert result is not None
-    left = room(state.agent, state.conversation.context_len, len(prompt.token_ids))
-    budget = min(left, max(2 * result.metrics.generated_tokens, CALL_RETRY_MIN_TOKENS))
+    # NOTE: all the room the window leaves: the grammar bounds every call (strings, arrays, how
+    # many calls), so the retry ends with the calls, and a fixed budget could cut them again
+    budget = room(state.agent, state.conversation.context_len, len(prompt.token_ids))
     reply = read_reply(state.agent, result, renderer=state.conversation.renderer)
     if reply.finish == "tool_call_cut" and budget > result.metrics.generated_tokens:
         state.conversation.call_checks.expect("retry of a cut tool call")

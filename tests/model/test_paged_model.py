@@ -2,7 +2,8 @@
 caller-owned KV blocks, a block pool, and a paged slot that KVLog runs on.
 
 Exactness as measured here (f32 KV, exact numerics): any multi-token chunking equals a one-pass
-prefill bit for bit; a prefix shared by block table (no copy) equals a cold prefill bit for bit;
+prefill bit for bit on avx512 CPUs (within f32 rounding on avx2-only ones); a prefix shared by
+block table (no copy) equals a cold prefill bit for bit;
 paged vs stateful one-pass ~4e-5; two sequences in one step vs each alone ~5e-5.
 
 The tests here run the real model; the scripted ones are in ``tests/test_paged.py``."""
@@ -31,13 +32,30 @@ def exact_paged():
     return PagedModel(resolve_model(None), num_blocks=64, kv_cache_precision="f32", exact=True)
 
 
-def test_any_multi_token_chunking_equals_a_one_pass_prefill_exactly(exact_paged):
+F32_CHUNKING_RELATIVE = 1e-5
+"""Largest chunked-vs-one-pass logit difference, relative to the largest logit, where the CPU's
+kernels sum in another order per chunk (measured on an AMD EPYC with avx2 only: 3.1e-5 max abs
+on logits up to 25.7, 1.2e-6 relative; bit for bit on the avx512 CPUs measured)."""
+
+
+def _cpu_has_avx512() -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            return " avx512f" in info.read()
+    except OSError:
+        return False
+
+
+def test_any_multi_token_chunking_equals_a_one_pass_prefill_bit_for_bit_on_avx512_and_within_rounding_on_avx2(exact_paged):
     from agentkv.engine.paged.model import SequenceStep
 
     one = exact_paged.step([SequenceStep(IDS[:100], 0, [0, 1, 2, 3])])
     exact_paged.step([SequenceStep(IDS[:37], 0, [4, 5, 6, 7])])
     chunked = exact_paged.step([SequenceStep(IDS[37:100], 37, [4, 5, 6, 7])])
-    assert np.array_equal(one, chunked)
+    if _cpu_has_avx512():
+        assert np.array_equal(one, chunked)
+    else:  # avx2 kernels: float rounding only
+        assert np.max(np.abs(one - chunked)) <= F32_CHUNKING_RELATIVE * np.max(np.abs(one))
 
 
 async def test_a_paged_prefill_equals_the_stateful_engine_within_float_rounding(exact_paged):

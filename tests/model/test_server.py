@@ -93,7 +93,7 @@ def test_a_completion_and_its_stream_with_usage(client):
 def test_a_client_executed_tool_round_trip_prefills_only_the_result(client):
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     first = client.chat.completions.create(model="any", messages=messages, tools=[WEATHER], tool_choice="required",
-                                           temperature=0, max_tokens=48)
+                                           parallel_tool_calls=False, temperature=0, max_tokens=48)
     choice = first.choices[0]
     assert choice.finish_reason == "tool_calls"
     [tool_call] = choice.message.tool_calls
@@ -103,7 +103,8 @@ def test_a_client_executed_tool_round_trip_prefills_only_the_result(client):
     second = client.chat.completions.create(model="any", messages=messages, tools=[WEATHER], temperature=0,
                                             max_tokens=24)
     cached = second.usage.prompt_tokens_details.cached_tokens
-    assert cached >= first.usage.prompt_tokens
+    # NOTE: not cached >= first.usage.prompt_tokens: a call cut by max_tokens is generated again,
+    # and usage sums the prompts of both model calls
     assert second.usage.prompt_tokens - cached <= 48  # the tool turn, not the history
 
 
