@@ -98,8 +98,9 @@ async def test_a_parallel_call_cut_by_max_tokens_is_retried_for_chat_and_respons
 
 
 async def test_a_parallel_call_still_cut_is_reported_as_cut_with_no_markup_for_chat_and_responses(tmp_path):
-    long_second = call("Boston", "Paris") + "\n" + call("Rome", "O" * 4000)
-    engine = ScriptedEngine([long_second] * 4)
+    # NOTE: a retry gets all the room the window leaves: the second call outgrows it
+    long_second = call("Boston", "Paris") + "\n" + call("Rome", "O" * 12000)
+    engine = ScriptedEngine([long_second] * 4, max_context_len=1024)
     limit = cut_tokens(engine, long_second)
     async with client_for(engine, tmp_path) as client:
         completion = await chat(client, limit)
