@@ -69,5 +69,6 @@ async def test_an_idle_engine_shows_the_requests_and_its_counters_at_rest():
     assert set(samples) == {QUEUED_REQUESTS, RUNNING_REQUESTS, "agentkv_live_conversations", KV_CACHE_USAGE,
                             "agentkv_kv_blocks_used", "agentkv_kv_blocks_free", "agentkv_kv_blocks_evictable",
                             "agentkv_model_steps_total",
-                            "agentkv_prefix_cache_hit_tokens_total"}
+                            "agentkv_prefix_cache_hit_tokens_total", "agentkv_snapshot_saves_total",
+                            "agentkv_snapshot_restores_total", "agentkv_prompt_cached_tokens_total"}
     assert samples["agentkv_kv_blocks_free"] == 16 and samples["agentkv_model_steps_total"] == 0

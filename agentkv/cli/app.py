@@ -316,6 +316,9 @@ def serve(
         None, "--max-new-tokens", min=1, help="Answer length of requests that set no max_tokens (default 512)."),
     temperature: Optional[float] = typer.Option(
         None, "--temperature", min=0.0, help="Temperature of requests that set none (default 1, as OpenAI)."),
+    snapshots: Optional[str] = typer.Option(
+        None, "--snapshots", help="Where KV snapshots go: s3://bucket/prefix (AWS_* credentials and endpoint), "
+        "file:///dir or a directory (default: $AGENTKV_SNAPSHOT_URL, else beside the database)."),
 ) -> None:
     """Serve the model over the OpenAI API: /v1/chat/completions, /v1/responses (stored, chained by
     previous_response_id across restarts), /v1/models. Prints the URL when ready; stops on SIGTERM."""
@@ -327,7 +330,8 @@ def serve(
     agent = AgentOptions(system=system, tools=tools, policy=policy, max_prompt_len=max_prompt_len,
                          max_new_tokens=max_new_tokens, temperature=temperature)
     backend = None if engine is None else ENGINES[engine]
-    options = ServeOptions(host, port, api_key, db, model, backend, max_sessions, max_running, kv_reuse, agent)
+    options = ServeOptions(host, port, api_key, db, model, backend, max_sessions, max_running, kv_reuse, agent,
+                           snapshots=snapshots)
     _guard(lambda: run_server(options))
 
 

@@ -1,9 +1,11 @@
 """The CLI's configuration from the environment: where the store lives, and the variables' help.
 
-Read once, at the edge (the library itself reads only ``$AGENTKV_DB_URL`` in ``Store.from_env``,
-``$AGENTKV_HOME`` for its default data directory and ``$AGENTKV_CACHE_DIR`` for the model cache)::
+Read once, at the edge (the library itself reads only ``$AGENTKV_DB_URL`` and ``$AGENTKV_SNAPSHOT_URL``
+in ``Store.from_env``, ``$AGENTKV_HOME`` for its default data directory and ``$AGENTKV_CACHE_DIR`` for
+the model cache)::
 
     store = open_store(None)          # --db, else $AGENTKV_DB_URL, else $AGENTKV_HOME, else the default
+    store = open_store(None, "s3://bucket/kv")    # snapshots: --snapshots, else $AGENTKV_SNAPSHOT_URL
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from datetime import timedelta
 from agentkv.cli.agent import CLIUsageError
 from agentkv.memory import Store
 from agentkv.memory.database import ENV_HOME
+from agentkv.memory.snapshots import ENV_SNAPSHOT_URL
 from agentkv.memory.store import ENV_DB_URL
 
 ENV_MODEL = "AGENTKV_MODEL"
@@ -28,6 +31,8 @@ ENVIRONMENT_HELP = f"""Environment variables:
 
 {ENV_DB_URL}: SQLAlchemy URL of the store, e.g. postgresql+psycopg2://u:p@host/db (--db wins over it; it wins over {ENV_HOME}'s database).
 
+{ENV_SNAPSHOT_URL}: where KV snapshots go: s3://bucket/prefix (credentials and endpoint from AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL_S3, AWS_REGION), file:///dir or a directory (--snapshots wins); default: a directory beside the database.
+
 {ENV_MODEL}: GGUF file or OpenVINO IR directory (--model wins); default: SmolLM2-135M-Instruct.
 
 {ENV_CACHE_DIR}: where the default model is converted to OpenVINO IR and compiled blobs are cached; default: the user cache directory.
@@ -35,10 +40,12 @@ ENVIRONMENT_HELP = f"""Environment variables:
 """The ``--help`` epilog (typer's rich help keeps paragraphs separated by blank lines)."""
 
 
-def open_store(db: str | None) -> Store:
+def open_store(db: str | None, snapshots: str | None = None) -> Store:
     """The store the CLI uses: ``--db``, else ``$AGENTKV_DB_URL``, else ``$AGENTKV_HOME/agentkv.db``,
-    else the default file (the library resolves the last two: ``memory.database.data_root``)."""
-    return Store(db or os.environ.get(ENV_DB_URL) or None)
+    else the default file (the library resolves the last two: ``memory.database.data_root``); its
+    snapshots at ``--snapshots``, else ``$AGENTKV_SNAPSHOT_URL``, else beside the database."""
+    return Store(db or os.environ.get(ENV_DB_URL) or None,
+                 snapshots=snapshots or os.environ.get(ENV_SNAPSHOT_URL) or None)
 
 
 def model_choice(model: str | None) -> str | None:

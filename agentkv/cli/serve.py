@@ -4,6 +4,7 @@
 
     agentkv serve --port 8000 --api-key sk-local --db sqlite:///srv/agentkv.db --system "Be brief."
     # → agentkv serving SmolLM2-135M-Instruct at http://127.0.0.1:8000/v1
+    agentkv serve --db postgresql+psycopg2://u:p@db/agentkv --snapshots s3://bucket/kv   # KV snapshots on S3
 
 uvicorn stops cleanly on SIGTERM and SIGINT: streams still going end with a last event (a chunk
 with a finish reason and ``[DONE]``, ``response.failed``) within ``SHUTDOWN_GRACE_S``, runs still going
@@ -46,6 +47,9 @@ class ServeOptions:
     max_running: int
     kv_reuse: bool
     agent: AgentOptions
+    snapshots: str | None = None
+    """Where KV snapshots go (``--snapshots``): ``s3://bucket/prefix``, ``file:///dir`` or a
+    directory; None: ``$AGENTKV_SNAPSHOT_URL``, else beside the database."""
 
 
 def agent_defaults(options: AgentOptions, context_len: int | None = None) -> AgentDefaults:
@@ -78,9 +82,11 @@ def serve(options: ServeOptions) -> None:
     if api_key is None and not _is_loopback(options.host):
         print(f"warning: serving on {options.host} without an API key: anyone who can reach it can use it "
               f"(pass --api-key or set {API_KEY_ENV})", file=sys.stderr)
+    store = open_store(options.db, options.snapshots)
+    store.files.check()  # a bad URL, unreachable endpoint or missing bucket fails before the model loads
     engine = open_engine(model_choice(options.model), backend=options.engine)
     model_id = _model_id(engine)
-    app = create_app(engine, store=open_store(options.db), api_key=api_key, model_id=model_id,
+    app = create_app(engine, store=store, api_key=api_key, model_id=model_id,
                      max_sessions=options.max_sessions, max_running=options.max_running, reuse_kv=options.kv_reuse,
                      defaults=agent_defaults(options.agent, engine.max_context_len))
     server = uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port, log_level="warning",

@@ -16,7 +16,7 @@ from agentkv.memory.records import (
     StoredMessage,
 )
 from agentkv.memory.schema import AgentRow, CallRow, MessageRow, ResponseRow, SessionRow, SnapshotRow
-from agentkv.memory.snapshots import SnapshotFiles
+from agentkv.memory.snapshots import SnapshotStorage
 
 
 def json_object(value: dict[str, Any] | None, what: str) -> dict[str, Any]:
@@ -74,7 +74,7 @@ def stored_message(row: MessageRow, *, in_window: bool | None = None, replaced_b
                          replaced_by_seq=row.replaced_by_seq if own else replaced_by_seq, created_at=row.created_at)
 
 
-def snapshot_record(row: SnapshotRow, files: SnapshotFiles) -> SnapshotRecord:
+def snapshot_record(row: SnapshotRow, files: SnapshotStorage) -> SnapshotRecord:
     return SnapshotRecord(id=row.id, session_id=row.session_id, num_tokens=row.num_tokens,
                           token_hash=row.token_hash, fingerprint=row.fingerprint,
                           precision=row.precision, path=files.resolve(row.path),

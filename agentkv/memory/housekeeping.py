@@ -19,10 +19,10 @@ from agentkv.kv.snapshot import KVSnapshot
 from agentkv.memory import queries, retention
 from agentkv.memory.database import Database
 from agentkv.memory.records import PruneReport, SnapshotRecord
-from agentkv.memory.snapshots import SnapshotFiles
+from agentkv.memory.snapshots import SnapshotStorage
 
 
-def save_snapshot(db: Database, files: SnapshotFiles, session_id: str, snapshot: KVSnapshot, *, keep: int,
+def save_snapshot(db: Database, files: SnapshotStorage, session_id: str, snapshot: KVSnapshot, *, keep: int,
                   budget_bytes: int | None, fence: int | None) -> SnapshotRecord:
     """Write the snapshot file, then its row; prune beyond the ``keep`` newest and past
     ``budget_bytes``. A failed row write removes the file again."""
@@ -46,7 +46,7 @@ def save_snapshot(db: Database, files: SnapshotFiles, session_id: str, snapshot:
     return record
 
 
-def prune(db: Database, files: SnapshotFiles, *, cutoff: datetime | None, keep_snapshots: int | None,
+def prune(db: Database, files: SnapshotStorage, *, cutoff: datetime | None, keep_snapshots: int | None,
           orphans_older_than: timedelta) -> PruneReport:
     """Delete sessions not updated since ``cutoff``, snapshots beyond the newest ``keep_snapshots``
     of each session (rows in one transaction, then their files), then unreferenced files older

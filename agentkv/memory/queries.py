@@ -45,7 +45,7 @@ from agentkv.memory.schema import (
     SnapshotRow,
     utcnow,
 )
-from agentkv.memory.snapshots import SnapshotFiles
+from agentkv.memory.snapshots import SnapshotStorage
 
 
 def upsert_agent(s: Session, name: str, instructions: str | None, tool_names: list[str],
@@ -282,7 +282,7 @@ def force_release_lease(s: Session, session_id: str) -> str | None:
     return previous
 
 
-def add_snapshot(s: Session, files: SnapshotFiles, session_id: str, snapshot: KVSnapshot,
+def add_snapshot(s: Session, files: SnapshotStorage, session_id: str, snapshot: KVSnapshot,
                  name: str, fence: int | None = None) -> SnapshotRecord:
     """Insert the row of a written file (retention then decides what else stays)."""
     fenced_row(s, session_id, fence)
@@ -295,7 +295,7 @@ def add_snapshot(s: Session, files: SnapshotFiles, session_id: str, snapshot: KV
     return convert.snapshot_record(row, files)
 
 
-def snapshots(s: Session, files: SnapshotFiles, session_id: str) -> list[SnapshotRecord]:
+def snapshots(s: Session, files: SnapshotStorage, session_id: str) -> list[SnapshotRecord]:
     session_row(s, session_id)
     return [convert.snapshot_record(row, files) for row in s.scalars(_newest_first(session_id))]
 

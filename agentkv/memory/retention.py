@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 
 from agentkv.memory import branches, queries
 from agentkv.memory.schema import SessionRow, SnapshotRow, utcnow
-from agentkv.memory.snapshots import SnapshotFiles
+from agentkv.memory.snapshots import SnapshotStorage
 
 
 def over_budget(s: Session, budget_bytes: int, keep_session: str) -> list[str]:
@@ -44,7 +44,7 @@ def over_budget(s: Session, budget_bytes: int, keep_session: str) -> list[str]:
     return names
 
 
-def excess_snapshots(s: Session, files: SnapshotFiles, keep: int, *, session_id: str | None = None) -> list[str]:
+def excess_snapshots(s: Session, files: SnapshotStorage, keep: int, *, session_id: str | None = None) -> list[str]:
     """Delete each session's snapshots (only ``session_id``'s, if given) beyond the ``keep`` it
     keeps (see the module docstring for which)."""
     chosen = [session_id] if session_id is not None else list(s.scalars(select(SnapshotRow.session_id).distinct()))
@@ -81,7 +81,7 @@ def referenced_files(s: Session) -> set[str]:
     return set(s.scalars(select(SnapshotRow.path)))
 
 
-def _drop_snapshots(s: Session, session_id: str, *, keep: int, files: SnapshotFiles | None = None) -> list[str]:
+def _drop_snapshots(s: Session, session_id: str, *, keep: int, files: SnapshotStorage | None = None) -> list[str]:
     newest_first = list(s.scalars(select(SnapshotRow).where(SnapshotRow.session_id == session_id)
                                   .order_by(SnapshotRow.created_at.desc(), SnapshotRow.id.desc())))
     if files is not None and len(newest_first) > keep:  # NOTE: a stable sort keeps newest first in each group

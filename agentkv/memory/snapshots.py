@@ -1,10 +1,13 @@
-"""KV snapshot files beside the database: naming, atomic writes, verified loads, removal.
+"""Where KV snapshots are kept: the ``SnapshotStorage`` protocol, its file form, and URL selection.
 
-The database keeps each file's name (relative to the snapshot directory) and checksum::
+The database keeps each snapshot's name (relative to the storage's root) and checksum; the
+storage keeps the bytes. ``SnapshotFiles`` (a directory beside the database) is the embedded
+default, ``agentkv.memory.snapshot_objects.SnapshotObjects`` an S3 bucket::
 
     files = SnapshotFiles(Path("~/.local/share/agentkv/snapshots").expanduser())
     name = files.write("sess-1", snapshot)
     snapshot = files.load(name, expected_fingerprint=fp, expected_checksum=snapshot.checksum())
+    storage = open_snapshot_storage("s3://bucket/kv", default_dir=Path("/srv/kv"))
 """
 
 from __future__ import annotations
@@ -15,11 +18,95 @@ import uuid
 from collections.abc import Iterable
 from datetime import timedelta
 from pathlib import Path
+from typing import Protocol
+from urllib.parse import unquote, urlsplit
 
 from agentkv.kv.snapshot import SUFFIX, KVSnapshot
-from agentkv.errors import SnapshotCorrupt, SnapshotIncompatible
+from agentkv.errors import SnapshotCorrupt, SnapshotIncompatible, UserError
+
+ENV_SNAPSHOT_URL = "AGENTKV_SNAPSHOT_URL"
+"""Environment variable read by ``Store.from_env`` and the CLI: where snapshots go (a URL)."""
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
+
+
+class SnapshotURLError(UserError):
+    """A snapshot location that is not ``s3://bucket[/prefix]``, ``file:///dir`` or a directory path."""
+
+
+class SnapshotStorage(Protocol):
+    """Where snapshot bytes live; every method blocks (the store calls them from worker threads).
+
+    Names are what the database rows keep; ``resolve`` turns one into the ``SnapshotRecord.path``
+    shown to users, and every method takes either form.
+    """
+
+    def resolve(self, name: str) -> Path:
+        """The displayed location of a stored name (does no I/O): ``storage.resolve(row.path)``."""
+        ...
+
+    def scoped(self, tenant: str) -> SnapshotStorage:
+        """This storage writing under tenant ``tenant`` (a tenant's salt; "" is the default
+        tenant): ``storage.scoped("team-a").write(sid, snap)``. Reads and removals are by name."""
+        ...
+
+    def write(self, session_id: str, snapshot: KVSnapshot) -> str:
+        """Store ``snapshot`` whole under a new name and return the name (a reader never sees
+        half of it): ``name = storage.write("sess-1", snap)``."""
+        ...
+
+    def load(self, name: str, *, expected_fingerprint: str, expected_checksum: str) -> KVSnapshot:
+        """Read and verify one snapshot: ``SnapshotCorrupt`` (missing, damaged, not the one the
+        row was saved with) or ``SnapshotIncompatible`` (another model / KV layout)."""
+        ...
+
+    def looks_whole(self, name: str, nbytes: int) -> bool:
+        """False when the snapshot is known damaged without reading it (missing, or shorter than
+        the ``nbytes`` of arrays its row says it holds)."""
+        ...
+
+    def remove(self, names: Iterable[str]) -> int:
+        """Delete snapshots (missing ones are fine); returns the bytes freed."""
+        ...
+
+    def unreferenced(self, referenced: set[str], *, older_than: timedelta) -> list[str]:
+        """Stored snapshots no name in ``referenced`` points to, written more than ``older_than`` ago."""
+        ...
+
+    def check(self) -> None:
+        """Fail now, with a named error saying what to fix, if snapshots cannot be stored here."""
+        ...
+
+
+def open_snapshot_storage(location: str | Path | None, *, default_dir: Path) -> SnapshotStorage:
+    """The storage at ``location``: ``s3://bucket/prefix`` (``SnapshotObjects``; credentials and
+    endpoint from the standard AWS environment), ``file:///dir`` or a directory path
+    (``SnapshotFiles``), None for ``default_dir``. ``SnapshotURLError`` for anything else::
+
+        storage = open_snapshot_storage(os.environ.get(ENV_SNAPSHOT_URL), default_dir=Path("kv"))
+    """
+    if location is None or isinstance(location, Path):
+        return SnapshotFiles(location or default_dir)
+    text = location.strip()
+    if not text:
+        return SnapshotFiles(default_dir)
+    parts = urlsplit(text)
+    if parts.scheme == "s3":
+        from agentkv.memory.snapshot_objects import SnapshotObjects
+
+        if not parts.netloc or parts.query or parts.fragment:
+            raise SnapshotURLError(f"snapshot URL {text!r} names no bucket; pass s3://<bucket>[/<prefix>], "
+                                   "e.g. s3://agentkv/snapshots")
+        return SnapshotObjects(parts.netloc, parts.path.strip("/"))
+    if parts.scheme == "file":
+        if parts.netloc not in ("", "localhost") or not parts.path:
+            raise SnapshotURLError(f"snapshot URL {text!r} is not a local directory; pass file:///<absolute dir>")
+        return SnapshotFiles(Path(unquote(parts.path)))
+    if parts.scheme == "" or (len(parts.scheme) == 1 and text[1:3] in (":\\", ":/")):  # a path (or C:\...)
+        return SnapshotFiles(Path(text))
+    raise SnapshotURLError(f"snapshot location {text!r} has an unsupported scheme {parts.scheme!r}; pass "
+                           "s3://<bucket>[/<prefix>] (S3 or an S3-compatible server: set AWS_ENDPOINT_URL_S3), "
+                           "file:///<dir> or a directory path")
 
 
 class SnapshotFiles:
@@ -32,6 +119,13 @@ class SnapshotFiles:
         """The absolute path of a stored file name."""
         path = Path(name)
         return path if path.is_absolute() else self.directory / path
+
+    def scoped(self, tenant: str) -> SnapshotFiles:
+        """The same directory: file names carry no tenant (one machine's files are one owner's)."""
+        return self
+
+    def check(self) -> None:
+        """Nothing to check before the first write (which creates the directory)."""
 
     def write(self, session_id: str, snapshot: KVSnapshot) -> str:
         """Write ``snapshot`` to a new file (temp + rename) and return its stored name."""

@@ -45,7 +45,12 @@ from agentkv.memory.records import (
     StoredMessage,
 )
 from agentkv.memory.schema import Clock, utcnow
-from agentkv.memory.snapshots import SnapshotFiles, refuse_other_fingerprint
+from agentkv.memory.snapshots import (
+    ENV_SNAPSHOT_URL,
+    SnapshotStorage,
+    open_snapshot_storage,
+    refuse_other_fingerprint,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -58,17 +63,21 @@ ORPHAN_GRACE = timedelta(minutes=10)
 
 
 class Store:
-    """Agents, sessions, messages and KV snapshots in one database plus a snapshot directory.
+    """Agents, sessions, messages and KV snapshots in one database plus a snapshot storage.
 
     ``Store("sqlite:////tmp/a.db")``, ``Store("postgresql+psycopg2://u:p@host/db",
-    snapshot_dir=Path("/srv/kv"))``. The schema is created or upgraded on first use;
-    a database from a newer agentkv raises ``SchemaVersionError`` then.
+    snapshot_dir=Path("/srv/kv"))``, ``Store(pg_url, snapshots="s3://bucket/kv")``. The schema is
+    created or upgraded on first use; a database from a newer agentkv raises ``SchemaVersionError`` then.
     """
 
     def __init__(self, url: str | None = None, *, snapshot_dir: Path | None = None,
+                 snapshots: str | Path | None = None,
                  keep_snapshots: int = SNAPSHOTS_KEPT, snapshot_budget_bytes: int | None = None,
                  clock: Clock = utcnow) -> None:
-        """``keep_snapshots``: the newest snapshots kept per session; ``snapshot_budget_bytes``:
+        """``snapshots``: where KV snapshots go — ``s3://bucket/prefix`` (S3 or an S3-compatible
+        server; credentials and endpoint from the standard ``AWS_*`` variables), ``file:///dir`` or a
+        directory; default: ``snapshot_dir``, else a directory beside the database (``SnapshotURLError``
+        for another scheme). ``keep_snapshots``: the newest snapshots kept per session; ``snapshot_budget_bytes``:
         the most all snapshots may take — saving past it deletes the snapshots of the sessions
         used longest ago (they re-prefill when resumed). ``clock``: what leases read the time
         from (``Store(url, clock=FakeClock())`` in a test lets a lease expire without waiting)."""
@@ -84,12 +93,17 @@ class Store:
         """The database and its transactions: ``store.database.write(lambda s: ...)`` in a thread."""
         self.url = self.database.url
         """The database URL for display (password hidden)."""
-        self.files = SnapshotFiles(snapshot_dir or default_snapshot_dir(self.database.parsed_url))
+        if snapshots is not None and snapshot_dir is not None:
+            raise UserError("pass snapshots= (a URL or directory) or snapshot_dir=, not both")
+        self.files: SnapshotStorage = open_snapshot_storage(
+            snapshots, default_dir=snapshot_dir or default_snapshot_dir(self.database.parsed_url))
+        """Where snapshot bytes live: ``SnapshotFiles`` (a directory) or ``SnapshotObjects`` (S3)."""
 
     @classmethod
     def from_env(cls) -> Store:
-        """The store at ``$AGENTKV_DB_URL``, or the default SQLite file if it is unset."""
-        return cls(os.environ.get(ENV_DB_URL) or None)
+        """The store at ``$AGENTKV_DB_URL`` (else the default SQLite file), its snapshots at
+        ``$AGENTKV_SNAPSHOT_URL`` (else the directory beside the database)."""
+        return cls(os.environ.get(ENV_DB_URL) or None, snapshots=os.environ.get(ENV_SNAPSHOT_URL) or None)
 
     async def close(self) -> None:
         """Close pooled connections; the store can still be used afterwards (it reconnects)."""
@@ -283,14 +297,16 @@ class Store:
     # -- KV snapshots -----------------------------------------------------------------------
 
     async def save_snapshot(self, session_id: str, snapshot: KVSnapshot, *,
-                            keep: int | None = None, fence: int | None = None) -> SnapshotRecord:
-        """Write the snapshot file (temp + rename), then its row; prune beyond ``keep`` newest
-        (default: the store's ``keep_snapshots``) and past the store's byte budget. ``fence`` as
-        for ``append_message``."""
+                            keep: int | None = None, fence: int | None = None, tenant: str = "") -> SnapshotRecord:
+        """Write the snapshot (a file: temp + rename; an object: one PUT), then its row; prune
+        beyond ``keep`` newest (default: the store's ``keep_snapshots``) and past the store's byte
+        budget. ``fence`` as for ``append_message``; ``tenant``: the conversation's tenant salt
+        (S3 keys are per tenant)."""
         keep = self.keep_snapshots if keep is None else keep
         if keep < 1:
             raise UserError(f"keep must be >= 1, got {keep}")
-        return await self.database.run(partial(housekeeping.save_snapshot, self.database, self.files, session_id,
+        files = self.files.scoped(tenant)
+        return await self.database.run(partial(housekeeping.save_snapshot, self.database, files, session_id,
                                                snapshot, keep=keep, budget_bytes=self.snapshot_budget_bytes,
                                                fence=fence))
 
@@ -313,10 +329,11 @@ class Store:
 
     async def load_snapshot(self, record: SnapshotRecord, *, expected_fingerprint: str
                             ) -> KVSnapshot:
-        """Read and verify a snapshot file.
+        """Read and verify a snapshot (file or object).
 
         ``SnapshotIncompatible`` for another fingerprint; ``SnapshotCorrupt`` for a missing,
-        damaged or replaced file (``delete_snapshot`` it; the session re-prefills).
+        damaged or replaced one (``delete_snapshot`` it; the session re-prefills);
+        ``SnapshotStoreUnavailable`` when the S3 endpoint cannot be used.
         """
         refuse_other_fingerprint(record.path, record.fingerprint, expected_fingerprint)
         load = partial(self.files.load, str(record.path),

@@ -5,7 +5,8 @@ is counted twice).
 Queued and running requests and KV-cache utilisation carry the names of the Gateway API Inference
 Extension's model-server protocol (the defaults its endpoint picker scrapes, vLLM's:
 ``vllm:num_requests_waiting``, ``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc``), so a
-router that balances vLLM balances agentkv unchanged; the rest are ``agentkv_*``::
+router that balances vLLM balances agentkv unchanged; the rest (live conversations, KV blocks,
+prefix-cache hit tokens, KV snapshot saves and restores) have no name there and are ``agentkv_*``::
 
     collector = ServerCollector(engine, lambda: ServerLoad(running=2, waiting=0, live_conversations=5))
     registry = CollectorRegistry()
@@ -23,6 +24,10 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from agentkv.engine.base import Engine, EngineCounters
 
+SNAPSHOT_SAVES = "agentkv_snapshot_saves"
+"""KV snapshots saved (counter; exposed with ``_total``)."""
+SNAPSHOT_RESTORES = "agentkv_snapshot_restores"
+"""KV snapshots restored into a session (counter; exposed with ``_total``)."""
 QUEUED_REQUESTS = "vllm:num_requests_waiting"
 """The model-server protocol's TotalQueuedRequests (gauge)."""
 RUNNING_REQUESTS = "vllm:num_requests_running"
@@ -44,12 +49,43 @@ class ServerLoad:
     stored conversations)."""
 
 
-class ServerCollector(Collector):
-    """Reads ``load()`` and the engine's counters on every scrape (see the module docstring)."""
+@dataclass
+class SnapshotCounts:
+    """KV snapshots saved and restored by this process (``runtime.persistence`` counts them)::
 
-    def __init__(self, engine: Engine, load: Callable[[], ServerLoad]) -> None:
+        SNAPSHOTS.saves += 1
+    """
+
+    saves: int = 0
+    restores: int = 0
+
+
+SNAPSHOTS = SnapshotCounts()
+"""The process's snapshot counts (one per process: every store and app in it adds to them)."""
+CACHED_PROMPT_TOKENS = "agentkv_prompt_cached_tokens"
+"""Prompt tokens of answered requests whose KV was reused instead of computed (counter; ``_total``)."""
+
+
+@dataclass
+class ServedCounts:
+    """What one server's answered requests add up to (its access log adds each request)::
+
+        served.cached_prompt_tokens += 120
+    """
+
+    cached_prompt_tokens: int = 0
+
+
+class ServerCollector(Collector):
+    """Reads ``load()``, the engine's counters and the snapshot counts on every scrape (see the
+    module docstring)."""
+
+    def __init__(self, engine: Engine, load: Callable[[], ServerLoad],
+                 snapshots: SnapshotCounts = SNAPSHOTS, served: ServedCounts | None = None) -> None:
         self.engine = engine
         self.load = load
+        self.snapshots = snapshots
+        self.served = served or ServedCounts()
 
     def collect(self) -> Iterator[Metric]:
         """The metric families now."""
@@ -58,6 +94,13 @@ class ServerCollector(Collector):
         yield GaugeMetricFamily(RUNNING_REQUESTS, "Requests running on their KV session.", value=load.running)
         yield GaugeMetricFamily("agentkv_live_conversations", "Conversations whose KV is kept between requests.",
                                 value=load.live_conversations)
+        yield CounterMetricFamily(SNAPSHOT_SAVES, "KV snapshots saved (after a turn, on offload, on shutdown).",
+                                  value=self.snapshots.saves)
+        yield CounterMetricFamily(SNAPSHOT_RESTORES, "KV snapshots restored into a conversation resumed here.",
+                                  value=self.snapshots.restores)
+        yield CounterMetricFamily(CACHED_PROMPT_TOKENS, "Prompt tokens whose KV was reused (a live session, a restored "
+                                  "snapshot or the prefix cache) instead of computed.",
+                                  value=self.served.cached_prompt_tokens)
         yield from engine_metrics(self.engine.counters())
 
 

@@ -20,6 +20,7 @@ from agentkv.events import CacheBroken, ContextCompacted, ModelCallFinished, Run
 from agentkv.memory import CallRecord, Store
 from agentkv.observe import tracing
 from agentkv.observe.cache_breaks import CacheBreak
+from agentkv.observe.metrics import SNAPSHOTS
 from agentkv.result import ResumeReport
 from agentkv.run.approvals import needs_approval
 from agentkv.run.conversation import Conversation, WindowEntry
@@ -124,7 +125,9 @@ async def save_snapshot(store: Store, conversation: Conversation) -> None:
             snapshot = await conversation.kv.snapshot()
             if usable < snapshot.num_tokens:
                 snapshot = snapshot.prefix(usable)
-            await store.save_snapshot(conversation.id, snapshot, fence=conversation.lease_token)
+            await store.save_snapshot(conversation.id, snapshot, fence=conversation.lease_token,
+                                      tenant=conversation.salt)
+            SNAPSHOTS.saves += 1
             span.set(tokens=snapshot.num_tokens, bytes=snapshot.nbytes, precision=snapshot.precision)
     except Exception as error:  # NOTE: no traceback: a full disk would print one every turn
         logger.warning("could not save a KV snapshot of session %s (%s: %s); %s", conversation.id,
@@ -191,6 +194,7 @@ async def restore_newest_snapshot(
         with tracing.span("agentkv.snapshot.restore", session_id=session_id, tokens=shared, bytes=record.nbytes,
                           precision=record.precision):
             await kv.restore(snapshot if shared == snapshot.num_tokens else snapshot.prefix(shared))
+        SNAPSHOTS.restores += 1
         return Restored(shared, held, tuple(skipped))
     return Restored(0, held, tuple(skipped))
 

@@ -4,7 +4,7 @@ response id, the session, the prompt tokens whose KV was reused.
 
 ::
 
-    app.add_middleware(AccessLog)
+    app.add_middleware(AccessLog, served=ServedCounts())      # served: what /metrics adds up
     AccessNote.of(request).update(id="resp_1", session="sess_1", cached_tokens=120)   # in a route
     # → POST /v1/responses 200 412.3ms id=resp_1 session=sess_1 cached_tokens=120
 """
@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from agentkv.observe.metrics import ServedCounts
 
 ACCESS_LOGGER = logging.getLogger("agentkv.server.access")
 
@@ -49,8 +51,10 @@ class AccessNote:
 class AccessLog:
     """ASGI middleware writing the access line once the response is sent (or the client left)."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, served: ServedCounts | None = None) -> None:
+        """``served``: adds up each request's cached tokens (for ``/metrics``)."""
         self.app = app
+        self.served = served
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -73,6 +77,8 @@ class AccessLog:
             status = status or 500  # an unhandled error: the error middleware outside answers 500
             raise
         finally:
+            if self.served is not None and note.cached_tokens is not None:
+                self.served.cached_prompt_tokens += note.cached_tokens
             ACCESS_LOGGER.info("%s %s %d %.1fms id=%s session=%s cached_tokens=%s", scope["method"], scope["path"],
                                status, (time.perf_counter() - started) * 1000, note.id or "-", note.session or "-",
                                "-" if note.cached_tokens is None else note.cached_tokens)

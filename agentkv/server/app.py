@@ -8,11 +8,15 @@
     app = create_app(engine, store=Store("sqlite:///responses.db"))   # /v1/responses kept and chained
 
 Routes: ``GET /v1/models``, ``POST /v1/chat/completions`` and ``POST /v1/responses`` (``stream`` as
-server-sent events), ``GET`` / ``DELETE /v1/responses/{id}``, ``GET /health``, ``GET /metrics``
-(Prometheus text: queued and running requests, KV-cache use…, ``agentkv.observe.metrics``). ``X-Session-Id`` (or
-the body's ``user``) pins a chat request to one KV session. The key is checked before the body is
-read; every error is an OpenAI error object; each request leaves one line on the access log
-(``agentkv.server.access``); on shutdown, open streams end with a last event.
+server-sent events), ``GET`` / ``DELETE /v1/responses/{id}``, ``GET /v1/sessions/{id}/locality``
+(``agentkv.server.locality``), ``GET /health``, ``GET /ready`` (``agentkv.server.readiness``),
+``GET /metrics`` (Prometheus text: queued and running requests, KV-cache use…, ``agentkv.observe.metrics``).
+``X-Session-Id`` names a request's conversation and every answer carries it back
+(``agentkv.server.session_ids``): on chat completions it pins the request to that live KV session
+(else the body's ``user`` does, else the session continuing its history is used); on responses it
+names the stored conversation. The key is checked before the body is read; every error is an
+OpenAI error object; each request leaves one line on the access log (``agentkv.server.access``);
+on shutdown ``/ready`` answers 503 and open streams end with a last event.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any
 
 import anyio
 from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
 from fastapi.exceptions import RequestValidationError
 from openai.types import Model
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -35,7 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from agentkv.engine.base import Engine
 from agentkv.errors import AgentKVError
 from agentkv.memory import Store
-from agentkv.observe.metrics import ServerCollector, ServerLoad, registry_of
+from agentkv.observe.metrics import ServedCounts, ServerCollector, ServerLoad, registry_of
 from agentkv.runtime.runtime import Runtime
 from agentkv.server.access_log import AccessLog, AccessNote
 from agentkv.server.auth import BearerAuth
@@ -49,11 +54,14 @@ from agentkv.server.errors import (
     validation_error_handler,
 )
 from agentkv.server.live_sessions import LiveSessions
+from agentkv.server.locality import Locality
 from agentkv.server.open_conversations import OpenConversations
+from agentkv.server.readiness import Readiness
 from agentkv.server.request_agents import AgentDefaults, RequestAgents
 from agentkv.server.response_wire import ResponseRequest
 from agentkv.server.responses import Responses
 from agentkv.server.runs import Runs
+from agentkv.server.session_ids import SESSION_HEADER, check_session_id, requested_session_id
 from agentkv.server.wire import ChatCompletionRequest, as_wire
 
 SHUTDOWN_GRACE_S = 5.0
@@ -86,11 +94,15 @@ def create_app(
     chat = ChatCompletions(runs, agents, model_id=model_id)
     conversations = OpenConversations(stored, max_open=max_sessions) if stored is not None else None
     responses = Responses(runs, agents, conversations, store, model_id=model_id)
+    readiness = Readiness(store)
+    locality = Locality(live, conversations, store, fingerprint=engine.fingerprint)
     created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        readiness.start()  # the engine was compiled before the app was made
         yield
+        readiness.drain()
         # NOTE: runs still going were cancelled by the server's shutdown: each snapshotted its
         # conversation's KV as it ended, so closing loses nothing a restart could resume
         await responses.aclose()
@@ -100,7 +112,7 @@ def create_app(
             await store.close()
 
     app = FastAPI(title="agentkv", lifespan=lifespan)
-    app.state.chat, app.state.responses = chat, responses
+    app.state.chat, app.state.responses, app.state.readiness = chat, responses, readiness
     # NOTE: the errors a request can cause are handled by name (Starlette re-raises what only the
     # catch-all Exception handler answers, after sending the 500)
     for handled in (ApiError, AgentKVError, ValueError, Exception):
@@ -110,16 +122,23 @@ def create_app(
     # NOTE: the key is checked before the body is read (an unauthenticated request is a 401 whatever
     # it sends); the access log is outermost, so refused requests are logged too
     app.add_middleware(BearerAuth, api_key=api_key)
-    app.add_middleware(AccessLog)
+    served = ServedCounts()
+    app.add_middleware(AccessLog, served=served)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
         return {"status": "ok", "live_sessions": len(live), "running": runs.running,
                 "open_conversations": len(conversations) if conversations is not None else 0}
 
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        ok, reason = await readiness.check()
+        return JSONResponse({"status": "ready" if ok else "not_ready", "reason": reason},
+                            status_code=200 if ok else 503)
+
     collector = ServerCollector(engine, lambda: ServerLoad(
         running=runs.running - runs.waiting, waiting=runs.waiting,
-        live_conversations=len(live) + (len(conversations) if conversations is not None else 0)))
+        live_conversations=len(live) + (len(conversations) if conversations is not None else 0)), served=served)
     registry = registry_of(collector)
 
     @app.get("/metrics")
@@ -131,18 +150,25 @@ def create_app(
         model = Model(id=model_id, object="model", created=created, owned_by="agentkv")
         return {"object": "list", "data": [as_wire(model)]}
 
+    @app.get("/v1/sessions/{session_id}/locality")
+    async def session_locality(session_id: str, request: Request) -> dict[str, Any]:
+        return await locality.of(check_session_id(session_id), tenant=_tenant(request))
+
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-        pin = request.headers.get("x-session-id") or body.user
+        named = requested_session_id(request.headers)
+        pin = named or body.user
         tenant, note = _tenant(request), AccessNote.of(request)
-        if not body.stream:
-            return await chat.complete(body, pin=pin, tenant=tenant, note=note)
         prepared = chat.prepare(body, tenant=tenant)  # bad input is an HTTP error, before the stream starts
+        session_id = chat.route(prepared, session_id=named, pin=pin)
+        if not body.stream:
+            answer = await chat.complete(body, prepared, session_id=session_id, pin=pin, note=note)
+            return JSONResponse(answer, headers={SESSION_HEADER: session_id})
         stop = anyio.Event()
 
         async def events() -> AsyncIterator[dict[str, str]]:
             try:
-                async for item in chat.stream(body, prepared, pin=pin, note=note, stop=stop):
+                async for item in chat.stream(body, prepared, session_id=session_id, pin=pin, note=note, stop=stop):
                     yield {"data": json.dumps(item)}
             except Exception as error:  # after the headers: the error travels as an event
                 api = as_api_error(error)
@@ -150,14 +176,15 @@ def create_app(
                 return
             yield {"data": "[DONE]"}
 
-        return _event_stream(events(), stop)
+        return _event_stream(events(), stop, session_id)
 
     @app.post("/v1/responses", response_model=None)
     async def create_response(body: ResponseRequest, request: Request) -> Any:
-        plan = await responses.plan(body, tenant=_tenant(request))
+        named = requested_session_id(request.headers)
+        plan = await responses.plan(body, tenant=_tenant(request), session_id=named)
         note = AccessNote.of(request)
         if not body.stream:
-            return await responses.create(plan, note=note)
+            return JSONResponse(await responses.create(plan, note=note), headers={SESSION_HEADER: plan.session_id})
         stop = anyio.Event()
 
         async def sse() -> AsyncIterator[dict[str, str]]:
@@ -169,7 +196,7 @@ def create_app(
                 yield {"event": "error", "data": json.dumps({"type": "error", "code": api.code,
                                                              "message": api.message, "param": api.param})}
 
-        return _event_stream(sse(), stop)
+        return _event_stream(sse(), stop, plan.session_id)
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str, request: Request) -> dict[str, Any]:
@@ -182,10 +209,12 @@ def create_app(
     return app
 
 
-def _event_stream(events: AsyncIterator[dict[str, str]], stop: anyio.Event) -> EventSourceResponse:
-    """Server-sent ``events``; on the server's shutdown ``stop`` is set and the stream has
-    ``SHUTDOWN_GRACE_S`` to end itself (a last event, then the end of the body) before it is cut."""
-    return EventSourceResponse(events, ping=15, shutdown_event=stop, shutdown_grace_period=SHUTDOWN_GRACE_S)
+def _event_stream(events: AsyncIterator[dict[str, str]], stop: anyio.Event, session_id: str) -> EventSourceResponse:
+    """Server-sent ``events``, headed by the conversation's ``X-Session-Id``; on the server's
+    shutdown ``stop`` is set and the stream has ``SHUTDOWN_GRACE_S`` to end itself (a last event,
+    then the end of the body) before it is cut."""
+    return EventSourceResponse(events, ping=15, shutdown_event=stop, shutdown_grace_period=SHUTDOWN_GRACE_S,
+                               headers={SESSION_HEADER: session_id})
 
 
 def _tenant(request: Request) -> str:

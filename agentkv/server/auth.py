@@ -3,7 +3,7 @@ so an unauthenticated request is a 401 whatever it sends.
 
 ::
 
-    app.add_middleware(BearerAuth, api_key="sk-local")     # every route but /health and /metrics needs the key
+    app.add_middleware(BearerAuth, api_key="sk-local")     # every route but /health, /ready and /metrics needs the key
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from agentkv.server.errors import error_body
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 """Routes served without the key (probes and metric scrapers: they carry no conversation)."""
 
 

@@ -12,7 +12,10 @@ with ``finish_reason="tool_calls"`` and the client sends the results in its next
 
     runtime = Runtime(engine)
     service = ChatCompletions(Runs(runtime, LiveSessions(engine)), RequestAgents([runtime]), model_id="SmolLM2")
-    body = await service.complete(ChatCompletionRequest.model_validate(payload))
+    request = ChatCompletionRequest.model_validate(payload)
+    prepared = service.prepare(request)
+    session_id = service.route(prepared, session_id=None)     # echoed as X-Session-Id
+    body = await service.complete(request, prepared, session_id=session_id)
 """
 
 from __future__ import annotations
@@ -73,26 +76,32 @@ class ChatCompletions:
                                  param="max_completion_tokens" if request.max_completion_tokens else "max_tokens")
         return self.runs.prepare(agent, messages, salt=salt)
 
-    async def _result(self, prepared: Prepared,
+    def route(self, prepared: Prepared, *, session_id: str | None, pin: str | None = None) -> str:
+        """The id of the live KV session the request will run on: ``session_id`` (its
+        ``X-Session-Id``) when it sent one, else the session of ``pin`` (its ``user``) or the one
+        continuing its history, else a new id (``Runs.route``)."""
+        return self.runs.route(prepared, session_id=session_id, pin=pin)
+
+    async def _result(self, prepared: Prepared, session_id: str,
                       pin: str | None) -> AsyncGenerator[TextDelta | ReasoningDelta | RunResult, None]:
         """Text (and thinking) as it is generated, then the run's result (the KV session is held
         throughout)."""
         async with self.runs.admitted():
-            async for event in self.runs.on_live_session(prepared, pin):
+            async for event in self.runs.on_live_session(prepared, session_id, pin):
                 if isinstance(event, (TextDelta, ReasoningDelta)):
                     yield event
                 elif isinstance(event, RunFinished):
                     yield event.result
 
-    async def complete(self, request: ChatCompletionRequest, *, pin: str | None = None,
-                       tenant: str = "", note: AccessNote | None = None) -> dict[str, Any]:
-        """The ``chat.completion`` object for ``request`` (``note``: what the access log says)."""
-        prepared = self.prepare(request, tenant=tenant)
+    async def complete(self, request: ChatCompletionRequest, prepared: Prepared, *, session_id: str,
+                       pin: str | None = None, note: AccessNote | None = None) -> dict[str, Any]:
+        """The ``chat.completion`` object for ``request`` (already ``prepare``d, on the live
+        session ``session_id`` from ``route``; ``note``: what the access log says)."""
         request_id, note = _request_id(), note or AccessNote()
-        note.update(id=request_id, session=pin)
+        note.update(id=request_id, session=session_id)
         result = None
         logprobs: list[TokenLogprob] = []
-        async for event in self._result(prepared, pin):
+        async for event in self._result(prepared, session_id, pin):
             if isinstance(event, RunResult):
                 result = event
             elif isinstance(event, TextDelta):
@@ -105,18 +114,18 @@ class ChatCompletions:
         note.update(cached_tokens=counts.cached)
         return body
 
-    async def stream(self, request: ChatCompletionRequest, prepared: Prepared, *, pin: str | None = None,
-                     note: AccessNote | None = None,
+    async def stream(self, request: ChatCompletionRequest, prepared: Prepared, *, session_id: str,
+                     pin: str | None = None, note: AccessNote | None = None,
                      stop: anyio.Event | None = None) -> AsyncIterator[dict[str, Any]]:
         """The ``chat.completion.chunk`` objects of ``request`` (run already ``prepare``d). Once
         ``stop`` is set (the server is shutting down) the run is stopped at its next event and the
         stream ends with ``finish_reason="length"``: the answer was cut short."""
         request_id, created = _request_id(), int(time.time())
         note = note or AccessNote()
-        note.update(id=request_id, session=pin)
+        note.update(id=request_id, session=session_id)
         yield chunk(request_id, self.model_id, created, ChoiceDelta(role="assistant", content=""))
         result = None
-        async with aclosing(self._result(prepared, pin)) as run:
+        async with aclosing(self._result(prepared, session_id, pin)) as run:
             async for event in run:
                 if stop is not None and stop.is_set():
                     break

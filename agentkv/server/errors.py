@@ -90,7 +90,7 @@ async def http_error_handler(request: Request, error: Exception) -> JSONResponse
     route = f"{request.method} {request.url.path}"
     if error.status_code == 404:
         return _answer(404, f"no route {route}: the routes are /v1/models, /v1/chat/completions, /v1/responses, "
-                            "/health and /metrics", "not_found")
+                            "/v1/sessions/{id}/locality, /health, /ready and /metrics", "not_found")
     if error.status_code == 405:
         return _answer(405, f"{route} is not allowed: see the Allow header for the methods this route takes",
                        "method_not_allowed", headers=error.headers)

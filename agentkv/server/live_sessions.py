@@ -2,14 +2,16 @@
 
 A client of ``/v1/chat/completions`` resends the whole history each turn. The server keeps the
 KV sessions of recent requests alive; a request takes the idle one whose token log shares the
-longest prefix with its rendered prompt, so only the new tokens are prefilled. A ``pin`` (the
-request's ``user`` or an ``X-Session-Id`` header) names a session to use whatever it holds.
+longest prefix with its rendered prompt, so only the new tokens are prefilled. Every session has
+an id (the ``X-Session-Id`` a request named it by, or a new one); a request naming an id takes that
+session whatever it holds, and a ``pin`` (the request's ``user``) keeps one session per user.
 Answers the server generated are remembered with their token ids, so a resent history renders
 to the very tokens the KV holds (a re-tokenised answer could differ)::
 
     live = LiveSessions(engine, max_sessions=64)
     history = live.with_token_ids(history)
-    async with live.checkout(prompt_ids, pin=None) as kv:
+    session_id = live.route(prompt_ids, session_id=None)    # echoed as X-Session-Id
+    async with live.checkout(session_id=session_id) as kv:
         ...                                   # run on kv
     live.remember(answer_message)
 """
@@ -27,17 +29,23 @@ from cachetools import FIFOCache
 from agentkv.chat.messages import Message
 from agentkv.engine.base import Engine, KVSession, common_prefix_len
 from agentkv.errors import SessionBusy
+from agentkv.server.session_ids import new_session_id
 
 REMEMBERED_ANSWERS = 4096
 """Generated answers whose token ids are kept for re-rendering resent histories."""
+CLAIM_S = 30.0
+"""Seconds a session ``route`` chose for a request stays reserved for it (no other request's prefix
+match takes it) until the request checks it out."""
 
 
 @dataclass
 class _Live:
     kv: KVSession
+    id: str
     salt: str = ""
     pin: str | None = None
     busy: bool = False
+    claimed_until: float = 0.0
     used_at: float = field(default_factory=time.monotonic)
 
 
@@ -54,13 +62,32 @@ class LiveSessions:
         self._answers: FIFOCache[tuple[object, ...], tuple[int, ...]] = FIFOCache(maxsize=REMEMBERED_ANSWERS)
         self._lock = anyio.Lock()
 
+    def route(self, prompt_ids: Sequence[int], *, session_id: str | None, pin: str | None = None,
+              salt: str = "") -> str:
+        """The id of the session a request will run on, known before it runs (so a streamed answer's
+        headers carry it): ``session_id`` when the request named one, else the session of ``pin``,
+        else the idle session continuing ``prompt_ids`` (reserved for the request for ``CLAIM_S``),
+        else a new id. Pass it to ``checkout``."""
+        if session_id is not None:
+            return session_id
+        if pin is not None:
+            pinned = self._named(pin, salt)
+            return pinned.id if pinned is not None else new_session_id()
+        best = self._best_continued(prompt_ids, salt) if self.reuse else None
+        if best is None:
+            return new_session_id()
+        best.claimed_until = time.monotonic() + CLAIM_S
+        return best.id
+
     @asynccontextmanager
-    async def checkout(self, prompt_ids: Sequence[int], *, pin: str | None = None,
+    async def checkout(self, *, session_id: str, pin: str | None = None,
                        salt: str = "") -> AsyncIterator[KVSession]:
-        """The KV session of tenant ``salt`` to run ``prompt_ids`` on, held busy until the block
-        exits (a tenant never gets another's session, nor its cached prefixes). ``SessionBusy``
-        when the pinned session is running another request."""
-        live = await self._take(prompt_ids, pin, salt)
+        """The KV session ``session_id`` (from ``route``) of tenant ``salt`` — a new one under that
+        id if there is none — held busy until the block exits (a tenant never gets another's
+        session, nor its cached prefixes). ``pin`` (the request's ``X-Session-Id``, else its
+        ``user``) keeps the session out of other requests' prefix matching. ``SessionBusy`` when
+        the session a request named (by id or ``pin``) is running another request."""
+        live = await self._take(session_id, pin, salt)
         try:
             yield live.kv
         finally:
@@ -69,22 +96,23 @@ class LiveSessions:
                 with anyio.CancelScope(shield=True):
                     await self._close(live)
 
-    async def _take(self, prompt_ids: Sequence[int], pin: str | None, salt: str) -> _Live:
+    def _named(self, name: str, salt: str) -> _Live | None:
+        """The tenant's session with id (or pin) ``name``."""
+        return next((live for live in self._live if live.salt == salt and name in (live.id, live.pin)), None)
+
+    async def _take(self, session_id: str, pin: str | None, salt: str) -> _Live:
         async with self._lock:
-            if pin is not None:
-                pinned = next((live for live in self._live if live.pin == pin and live.salt == salt), None)
-                if pinned is not None:
-                    if pinned.busy:
-                        raise SessionBusy(pin)
-                    pinned.busy = True
-                    return pinned
-            elif self.reuse:
-                best = self._best_continued(prompt_ids, salt)
-                if best is not None:
-                    best.busy = True
-                    return best
+            named = self._named(session_id, salt) or (self._named(pin, salt) if pin is not None else None)
+            if named is not None and not named.busy:
+                named.busy, named.claimed_until = True, 0.0
+                return named
+            if named is not None and (named.pin is not None or pin == session_id):
+                raise SessionBusy(session_id)  # the request named it: another one runs on it
+            # NOTE: a session matched by prefix and already taken again (its reservation ran out):
+            # the request runs on a new one, with an id of its own
+            fresh = session_id if named is None else new_session_id()
             await self._make_room()
-            live = _Live(await self.engine.open_session(salt=salt), salt=salt, pin=pin, busy=True)
+            live = _Live(await self.engine.open_session(salt=salt), fresh, salt=salt, pin=pin, busy=True)
             self._live.append(live)
             return live
 
@@ -95,7 +123,7 @@ class LiveSessions:
         without trimming another conversation's KV away)."""
         best, best_len = None, 0
         for live in self._live:
-            if live.busy or live.pin is not None or live.salt != salt:
+            if live.busy or live.pin is not None or live.salt != salt or live.claimed_until > time.monotonic():
                 continue
             shared = common_prefix_len(live.kv.tokens, prompt_ids)
             if shared > best_len and 2 * shared >= len(live.kv.tokens):
@@ -121,6 +149,18 @@ class LiveSessions:
 
     def __len__(self) -> int:
         return len(self._live)
+
+    def tokens_of(self, session_id: str, salt_prefix: str) -> int | None:
+        """Tokens of KV the live session ``session_id`` holds, of a tenant whose KV namespace
+        starts with ``salt_prefix`` (None: no such session here)::
+
+            live.tokens_of("conv-42", tenant)
+        """
+        for live in self._live:
+            if session_id in (live.id, live.pin) and (live.salt == salt_prefix
+                                                      or live.salt.startswith(salt_prefix + "/")):
+                return len(live.kv.tokens)
+        return None
 
     # ---- answers the server generated ----------------------------------------------------
     def remember(self, message: Message) -> None:

@@ -28,10 +28,10 @@ class OpenConversations:
         self.max_open = max_open
         self._open: OrderedDict[str, Conversation] = OrderedDict()
 
-    async def new(self, agent: Agent, *, salt: str) -> Conversation:
-        """A new stored conversation of tenant ``salt``."""
+    async def new(self, agent: Agent, *, salt: str, session_id: str | None = None) -> Conversation:
+        """A new stored conversation of tenant ``salt`` (with id ``session_id``, else a new one)."""
         await self._make_room()
-        session = await self.runtime.open_conversation(agent, salt=salt)
+        session = await self.runtime.open_conversation(agent, salt=salt, session_id=session_id)
         self._open[session.id] = session
         return session
 
@@ -70,3 +70,11 @@ class OpenConversations:
 
     def __len__(self) -> int:
         return len(self._open)
+
+    def tokens_of(self, session_id: str) -> int | None:
+        """Tokens of KV the open conversation ``session_id`` holds (None: not open here)::
+
+            conversations.tokens_of(session_id)
+        """
+        session = self._open.get(session_id)
+        return None if session is None else len(session.kv.tokens)

@@ -9,9 +9,13 @@ completion, on the live KV session that shares the longest prefix, and is not ke
     second = await service.create(ResponseRequest.model_validate(
         {"model": "m", "input": "And then?", "previous_response_id": first["id"]}))
 
-A response continues only from the newest response of its conversation (an older one answers
-409); a run that did not finish (an error, a client that hung up, a crash) leaves no response,
-and its input leaves the window when the conversation next continues.
+Every response carries its conversation's id as ``X-Session-Id`` (so a session-affine proxy can
+hash on it); a request may name the conversation by that header instead of by
+``previous_response_id``: it continues the conversation from its newest response, or starts a new
+conversation under that id. A response continues only from the newest response of its
+conversation (an older one answers 409); a run that did not finish (an error, a client that hung
+up, a crash) leaves no response, and its input leaves the window when the conversation next
+continues.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from agentkv.agent import Agent
 from agentkv.chat.messages import Message
 from agentkv.chat.openai_messages import messages_from_openai
 from agentkv.run.conversation import Conversation
-from agentkv.errors import ContextOverflowError, SessionBusy, UserError
+from agentkv.errors import ContextOverflowError, SessionBusy, SessionNotFound, UserError
 from agentkv.events import RunEvent, RunFinished
 from agentkv.memory import ResponseRecord, Store
 from agentkv.runtime.persistence import load_window
@@ -43,6 +47,7 @@ from agentkv.server.request_agents import RequestAgents, reserving_answer
 from agentkv.server.response_stream import ResponseOutput
 from agentkv.server.response_wire import ResponseRequest, new_id, response_object, response_usage
 from agentkv.server.runs import Prepared, Runs, kv_namespace, leading_system
+from agentkv.server.session_ids import SESSION_HEADER, new_session_id
 from agentkv.server.wire import TokenCounts, cache_break_field
 
 
@@ -68,6 +73,14 @@ class ResponsePlan:
     """``base`` with this request's sampling and truncation."""
     input: list[Message]
     previous: ResponseRecord | None
+    session_id: str
+    """The conversation's id, sent back as ``X-Session-Id`` (``store=false``: that of the
+    previous response's conversation, else the live KV session's)."""
+    live_id: str | None = None
+    """``store=false``: the live KV session the run takes (``Runs.route``)."""
+    pin: str | None = None
+    """``store=false``: what keeps the live KV session to this request's conversation (its
+    ``X-Session-Id``, else its ``user``)."""
     prepared: Prepared | None = None
     """``store=false``: the history and input, ready for a live KV session."""
 
@@ -85,10 +98,13 @@ class Responses:
         self.model_id = model_id
 
     # ---- the request, read --------------------------------------------------------------
-    async def plan(self, request: ResponseRequest, *, tenant: str = "") -> ResponsePlan:
+    async def plan(self, request: ResponseRequest, *, tenant: str = "",
+                   session_id: str | None = None) -> ResponsePlan:
         """``request`` checked for ``tenant``: 400 for what cannot run, 404 for an unknown
         ``previous_response_id``, 409 when it is not the newest of its conversation; what the
-        input breaks names ``input`` as its ``param``."""
+        input breaks names ``input`` as its ``param``. ``session_id``: the request's
+        ``X-Session-Id`` (checked against ``previous_response_id``; without that, it names the
+        stored conversation to continue, or the new one's id)."""
         salt = kv_namespace(tenant, request.cache_salt)
         with _about_input():
             from_input, messages = leading_system(messages_from_openai(request.input_messages()))
@@ -108,11 +124,20 @@ class Responses:
             if request.previous_response_id is not None:
                 previous = await store.get_response(request.previous_response_id, owner=tenant)
                 await self._refuse_superseded(store, previous)
+                _check_named(session_id, previous)
+            elif request.store and session_id is not None:
+                previous = await self._newest_of(store, session_id, tenant)
+                if previous is not None:
+                    request = request.model_copy(update={"previous_response_id": previous.id})
         history = await self._history(previous)
         if not request.store:
             with _about_input():
                 prepared = self.runs.prepare(agent, [*history, *messages], salt=salt)
-            return ResponsePlan(request, tenant, salt, base, agent, messages, previous, prepared)
+            pin = session_id or request.user
+            live_id = self.runs.route(prepared, session_id=session_id, pin=pin)
+            echoed = session_id or (previous.session_id if previous is not None else live_id)
+            return ResponsePlan(request, tenant, salt, base, agent, messages, previous, echoed, live_id, pin,
+                                prepared)
         # NOTE: what the run would refuse is refused here, so a stream never starts on it
         self.runs.refuse_if_full()
         assert self.conversations is not None
@@ -122,7 +147,23 @@ class Responses:
             checked_input(agent, history, messages)
             if agent.policy is None:
                 self.runs.fitting_prompt(agent, [*history, *messages])
-        return ResponsePlan(request, tenant, salt, base, agent, messages, previous)
+        conversation_id = previous.session_id if previous is not None else session_id or new_session_id()
+        return ResponsePlan(request, tenant, salt, base, agent, messages, previous, conversation_id)
+
+    async def _newest_of(self, store: Store, session_id: str, tenant: str) -> ResponseRecord | None:
+        """The newest response of the stored conversation ``session_id`` (None: no such
+        conversation, the request starts it); 409 when it exists but holds no response of
+        ``tenant``'s to continue."""
+        try:
+            await store.get_session(session_id)
+        except SessionNotFound:
+            return None
+        newest = await store.responses(session_id)
+        if not newest or newest[0].owner != tenant:
+            raise ApiError(409, f"conversation {session_id!r} exists and has no response of yours to continue: "
+                                f"send another {SESSION_HEADER} (or none, to get a new one)",
+                           "session_conflict", SESSION_HEADER)
+        return newest[0]
 
     async def _history(self, previous: ResponseRecord | None) -> list[Message]:
         """The window of the previous response's conversation, as that response left it."""
@@ -161,7 +202,7 @@ class Responses:
         async with self.runs.admitted():
             with self.runs.waiting_for_kv():
                 session = await self._conversation(plan) if plan.request.store else None
-            note.update(session=session.id if session is not None else plan.request.user)
+            note.update(session=plan.session_id)
             try:
                 events = self._stored_events(plan, session) if session else self._unstored_events(plan)
                 async with aclosing(events) as run:
@@ -208,7 +249,7 @@ class Responses:
         """The stored conversation the response continues (open, or resumed), or a new one."""
         assert self.conversations is not None
         if plan.previous is None:
-            session = await self.conversations.new(plan.base, salt=plan.salt)
+            session = await self.conversations.new(plan.base, salt=plan.salt, session_id=plan.session_id)
         else:
             session = await self.conversations.get(plan.previous.session_id, plan.base, salt=plan.salt)
         session.agent = plan.agent
@@ -227,8 +268,8 @@ class Responses:
     async def _unstored_events(self, plan: ResponsePlan) -> AsyncGenerator[RunEvent, None]:
         """``store=false``: the previous response's history (if any) and the input, run on the
         live KV session sharing the longest prefix (as a chat completion)."""
-        assert plan.prepared is not None
-        async with aclosing(self.runs.on_live_session(plan.prepared, plan.request.user)) as run:
+        assert plan.prepared is not None and plan.live_id is not None
+        async with aclosing(self.runs.on_live_session(plan.prepared, plan.live_id, plan.pin)) as run:
             async for event in run:
                 yield event
 
@@ -274,6 +315,15 @@ class Responses:
     async def aclose(self) -> None:
         if self.conversations is not None:
             await self.conversations.aclose()
+
+
+def _check_named(session_id: str | None, previous: ResponseRecord) -> None:
+    """400 when the request's ``X-Session-Id`` names another conversation than its
+    ``previous_response_id`` continues."""
+    if session_id is not None and session_id != previous.session_id:
+        raise ApiError(400, f"{SESSION_HEADER} {session_id!r} names another conversation than previous_response_id "
+                            f"{previous.id!r} continues ({previous.session_id!r}): send that one, or leave the "
+                            "header out", "session_mismatch", SESSION_HEADER)
 
 
 @contextmanager

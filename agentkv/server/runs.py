@@ -6,8 +6,9 @@ session that shares the longest prefix with it.
 
     runs = Runs(Runtime(engine), LiveSessions(engine), max_running=64)
     prepared = runs.prepare(agent, messages, salt="")
+    session_id = runs.route(prepared, session_id=None)      # the X-Session-Id the answer carries
     async with runs.admitted():
-        async for event in runs.on_live_session(prepared, pin=None):
+        async for event in runs.on_live_session(prepared, session_id):
             ...
 """
 
@@ -127,12 +128,20 @@ class Runs:
                 prompt_tokens=len(prompt), limit=limit)
         return tuple(prompt)
 
-    async def on_live_session(self, prepared: Prepared, pin: str | None) -> AsyncGenerator[RunEvent, None]:
-        """The run's events on the live KV session that shares the longest prefix with it (or
-        the one ``pin`` names), held for the run; the answers it generates are remembered."""
+    def route(self, prepared: Prepared, *, session_id: str | None, pin: str | None = None) -> str:
+        """The id of the live KV session ``prepared`` will run on: ``session_id`` (the request's
+        ``X-Session-Id``) if given, else the session of ``pin`` (its ``user``), else the one
+        sharing the longest prefix with it, else a new id (``LiveSessions.route``)."""
+        return self.live.route(prepared.prompt_ids, session_id=session_id, pin=pin, salt=prepared.salt)
+
+    async def on_live_session(self, prepared: Prepared, session_id: str,
+                              pin: str | None = None) -> AsyncGenerator[RunEvent, None]:
+        """The run's events on the live KV session ``session_id`` (from ``route``; ``pin``: the
+        request's ``X-Session-Id``, else its ``user``), held for the run; the answers it generates
+        are remembered."""
         async with AsyncExitStack() as held:
             with self.waiting_for_kv():
-                kv = await held.enter_async_context(self.live.checkout(prepared.prompt_ids, pin=pin,
+                kv = await held.enter_async_context(self.live.checkout(session_id=session_id, pin=pin,
                                                                        salt=prepared.salt))
             conversation = Conversation(f"api-{uuid.uuid4().hex[:12]}", prepared.agent, self.runtime.engine, kv,
                                         self.runtime.renderer, window=[WindowEntry(m) for m in prepared.history])
