@@ -63,8 +63,6 @@ logger = logging.getLogger(__name__)
 
 CHATML_GENERATION_PROMPT = "<|im_start|>assistant\n"
 _SENTINEL = "AGENTKV_GENERATED_CONTENT_7F3C"
-_USER_CONTENT = "AGENTKV_FIRST_USER_CONTENT_7F3C"
-
 __all__ = ["ChatRenderer", "MessageSpan", "RenderedPrompt", "chatml_segment", "default_tools_text"]
 
 
@@ -113,14 +111,13 @@ class ChatRenderer:
         the parser reads and, for a template that does not render calls itself, what they render
         as."""
         self.tools_text = tools_text or self.tool_format.instructions
-        self.reasoning_tags: tuple[str, str] | None = (
-            ("<think>", "</think>") if "<think>" in self.template.source and "</think>" in self.template.source else None)
-        """The tags a reasoning model writes its thinking between (Qwen3: ``<think>``, ``</think>``),
-        when its template handles them; None for other models."""
-        tag_ids = [tokenizer.encode(tag) for tag in self.reasoning_tags or ()]
-        reasoning_ids = (tag_ids[0][0], tag_ids[1][0]) if tag_ids and all(len(i) == 1 for i in tag_ids) else None
         self._whole = WholeConversation(self.template, tokenizer.encode, stop_ids=self.stop_ids,
-                                        reasoning_ids=reasoning_ids, cache_size=cache_size)
+                                        cache_size=cache_size)
+        self.reasoning_ids: tuple[int, int] | None = None
+        """The ids of ``reasoning_tags`` when each is one token of the vocabulary (Qwen3's are):
+        what the grammar forces and what a dropped thinking block is found by; else None."""
+        self.reasoning_tags = (("<think>", "</think>")
+                               if "<think>" in self.template.source and "</think>" in self.template.source else None)
         self._cache: LRUCache[bytes, _Segment] = LRUCache(maxsize=cache_size)
         self.native_tools = self.template.native_tools
         """True when the template shows the schemas passed as ``tools=`` (probed)."""
@@ -132,6 +129,20 @@ class ChatRenderer:
         """False when the template cannot render even a probe conversation: ChatML is used."""
         self.whole_conversations = self.uses_template and not self.template.prefix_stable(tools=False)
         """True when conversations are rendered whole (the template is not prefix-stable)."""
+
+    @property
+    def reasoning_tags(self) -> tuple[str, str] | None:
+        """The tags a reasoning model writes its thinking between (Qwen3: ``<think>``,
+        ``</think>``), when its template handles them; None for other models. Setting them sets
+        ``reasoning_ids`` too."""
+        return self._reasoning_tags
+
+    @reasoning_tags.setter
+    def reasoning_tags(self, tags: tuple[str, str] | None) -> None:
+        self._reasoning_tags = tags
+        tag_ids = [self.tokenizer.encode(tag) for tag in tags or ()]
+        self.reasoning_ids = (tag_ids[0][0], tag_ids[1][0]) if tag_ids and all(len(i) == 1 for i in tag_ids) else None
+        self._whole.reasoning_ids = self.reasoning_ids
 
     def render(
         self,
@@ -302,11 +313,8 @@ class ChatRenderer:
         content = str(system.get("content") or "")
         if alone is None or not content or content in alone:
             return ""
-        probe = self.template.apply([system, {"role": "user", "content": _USER_CONTENT}],
-                                    generation=False, tools=tools)
-        if probe is None or _USER_CONTENT not in probe or not probe.startswith(alone):
-            return ""
-        return probe[len(alone): probe.index(_USER_CONTENT)]
+        head = self.template.before_first_user_content(system, tools)
+        return head[len(alone):] if head is not None and head.startswith(alone) else ""
 
     def _segment_text(self, dicts: list[dict[str, Any]], tools: list[Any] | None, use_template: bool) -> str:
         """The template's text for ``dicts[-1]``, or its ChatML text (warning) when that fails."""

@@ -41,14 +41,13 @@ from typing import Any
 from cachetools import LRUCache
 
 from agentkv.chat.prompt import Entry, MessageSpan, RenderedPrompt, ends_prefix
-from agentkv.chat.template import ChatTemplate, common_prefix
+from agentkv.chat.template import PROBE_USER_CONTENT, ChatTemplate, common_prefix
 
 MARKER = "AGENTKV_GENERATED_CONTENT_7F3C_"
 """Stands for a generated message's content; ``MARKER<n>_`` for the n-th one, ``MARKER<n>w_``
 for the whole of a reasoning model's message (thinking included)."""
 _MARKERS = re.compile(re.escape(MARKER) + r"\d+w?_")
 _REASONING = "AGENTKV_REASONING_7F3C_"
-_USER_CONTENT = "AGENTKV_FIRST_USER_CONTENT_7F3C"
 _CUT_WINDOW = 64
 """Characters on each side of a boundary whose ids must not change when it is cut there."""
 _PROBE_INDEX = -1
@@ -110,7 +109,7 @@ class WholeConversation:
         """A history ending in an assistant message, as the next user turn will read it: Qwen3's
         template adds an empty ``<think>`` block to an assistant message only while it is the last
         one, so the history is cut from a rendering with one more user turn after it."""
-        probe = Entry({"role": "user", "content": _USER_CONTENT}, _PROBE_INDEX, "user", None)
+        probe = Entry({"role": "user", "content": PROBE_USER_CONTENT}, _PROBE_INDEX, "user", None)
         prompt = self.render([*entries, probe], tools=tools, add_generation_prompt=True)
         if prompt is None:
             return None
@@ -174,12 +173,8 @@ class WholeConversation:
     def _system_lead_end(self, system: dict[str, Any], text: str, tools: list[Any] | None) -> int:
         """Where a system prompt the template merges into the first user turn ends: where that
         turn's content starts (0 when ``text`` does not start that way)."""
-        probe = self._text(_digest(["lead", tools, system]),
-                           [system, {"role": "user", "content": _USER_CONTENT}], tools)
-        if probe is None or _USER_CONTENT not in probe:
-            return 0
-        head = probe[: probe.index(_USER_CONTENT)]
-        return len(head) if text.startswith(head) else 0
+        head = self.template.before_first_user_content(system, tools)
+        return len(head) if head is not None and text.startswith(head) else 0
 
     def _text(self, key: bytes, dicts: list[dict[str, Any]], tools: list[Any] | None,
               generated: _Generated | None = None) -> str | None:

@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from functools import cached_property
 from typing import Any
 
+from cachetools import LRUCache
+
 from agentkv.engine.base import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -40,6 +42,7 @@ PROBE_TOOL: dict[str, Any] = {
 PROBE_CALL_ID = "a1b2c3d4e"
 """Nine alphanumerics: the shape Mistral's templates require of a call id."""
 PROBE_TOOL_CONTENT = 'tool "result"\nline 2'
+PROBE_USER_CONTENT = "AGENTKV_FIRST_USER_CONTENT_7F3C"
 
 
 def probe_call_payload(name: str = PROBE_TOOL_NAME) -> dict[str, Any]:
@@ -54,6 +57,7 @@ class ChatTemplate:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.source = str(getattr(tokenizer, "chat_template", "") or "")
+        self._heads: LRUCache[str, str | None] = LRUCache(maxsize=256)
 
     def apply(self, dicts: Sequence[dict[str, Any]], *, generation: bool,
               tools: Sequence[dict[str, Any]] | None = None) -> str | None:
@@ -75,6 +79,17 @@ class ChatTemplate:
         if before is None or after is None or not after.startswith(before):
             return None
         return after[len(before):]
+
+    def before_first_user_content(self, system: dict[str, Any], tools: Sequence[dict[str, Any]] | None) -> str | None:
+        """The template's text for ``system`` followed by a user turn, up to that turn's content
+        (None if it raises or hides the content); what every conversation starting with this
+        system prompt shares. Cached per system prompt and tools:
+        ``template.before_first_user_content({"role": "system", "content": "Be brief."}, None)``."""
+        key = json.dumps([system, tools], sort_keys=True, default=str)
+        if key not in self._heads:
+            probe = self.apply([system, {"role": "user", "content": PROBE_USER_CONTENT}], generation=False, tools=tools)
+            self._heads[key] = probe[: probe.index(PROBE_USER_CONTENT)] if probe and PROBE_USER_CONTENT in probe else None
+        return self._heads[key]
 
     # -- probes --------------------------------------------------------------------------------
 

@@ -4,7 +4,8 @@ window leaves, and the grammar its tool calls (or typed answer) must follow::
     config = call_config(agent, conversation.context_len, len(prompt.token_ids))
     constraint = call_constraint(agent, conversation.engine, call_index,
                                  tool_format=tool_format_of(conversation.renderer),
-                                 reasoning_tags=reasoning_tags_of(conversation.renderer))
+                                 reasoning_tags=reasoning_tags_of(conversation.renderer),
+                                 reasoning_ids=reasoning_ids_of(conversation.renderer))
 """
 
 from __future__ import annotations
@@ -45,9 +46,17 @@ def reasoning_tags_of(renderer: object) -> ReasoningTags | None:
     return (found[0], found[1]) if isinstance(found, tuple) and len(found) == 2 else None
 
 
+def reasoning_ids_of(renderer: object) -> tuple[int, int] | None:
+    """The ids of those tags when each is one token (``ChatRenderer.reasoning_ids``):
+    ``reasoning_ids_of(conversation.renderer)``."""
+    found = getattr(renderer, "reasoning_ids", None)
+    return (int(found[0]), int(found[1])) if isinstance(found, tuple) and len(found) == 2 else None
+
+
 def call_constraint(agent: Agent, engine: Engine, call_index: int, *,
                     tool_format: ToolCallFormat = HERMES,
-                    reasoning_tags: ReasoningTags | None = None) -> TokenConstraint | None:
+                    reasoning_tags: ReasoningTags | None = None,
+                    reasoning_ids: tuple[int, int] | None = None) -> TokenConstraint | None:
     """A grammar for tool calls in ``tool_format`` (when the agent has tools and the engine
     supports grammars) whose answer, with an ``output_type``, is JSON under its schema (None:
     unconstrained); with ``reasoning_tags`` one thinking block of at most half of
@@ -66,8 +75,7 @@ def call_constraint(agent: Agent, engine: Engine, call_index: int, *,
         grammar = answer_grammar(answer_schema)
     else:
         return None
-    encoded = [engine.tokenizer.encode(tag) for tag in reasoning_tags or ()]
-    tag_ids = (encoded[0][0], encoded[1][0]) if len(encoded) == 2 and all(len(i) == 1 for i in encoded) else None
+    tag_ids = reasoning_ids if reasoning_tags is not None else None
     constraint = engine.make_constraint(with_reasoning(grammar, reasoning_tags, tag_ids=tag_ids))
     if constraint is None or tag_ids is None:
         return constraint

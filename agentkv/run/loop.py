@@ -65,7 +65,8 @@ from agentkv.run.approvals import (
     rejected_result,
 )
 from agentkv.run.call_checks import describe_call
-from agentkv.run.call_settings import call_config, call_constraint, reasoning_tags_of, room, tool_format_of
+from agentkv.run.call_settings import (call_config, call_constraint, reasoning_ids_of, reasoning_tags_of, room,
+                                      tool_format_of)
 from agentkv.run.conversation import Conversation, WindowEntry
 from agentkv.run.input import RunInput, checked_input
 from agentkv.run.past_reasoning import drop_left_out_reasoning
@@ -328,7 +329,8 @@ async def _generate(state: _RunState, call_index: int, prompt: RenderedPrompt, *
     state.breaks.append(found)
     if found is not None:
         yield CacheBroken(call_index, found)
-    constraint = call_constraint(agent, conversation.engine, call_index, tool_format=tool_format, reasoning_tags=tags)
+    constraint = call_constraint(agent, conversation.engine, call_index, tool_format=tool_format, reasoning_tags=tags,
+                                 reasoning_ids=reasoning_ids_of(conversation.renderer))
     with tracing.span("agentkv.model_call", conversation.trace_span, session_id=conversation.id,
                       call_index=call_index) as call_span:
         async with conversation.kv.stream(prompt.token_ids, config, constraint) as stream:

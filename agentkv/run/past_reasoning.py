@@ -60,10 +60,7 @@ def _walk(kv: Sequence[int], prompt: Sequence[int], think_id: int,
 
 def _tag_ids(renderer: ChatRenderer, agent: Agent) -> tuple[int, int] | None:
     """The ids of the thinking tags when earlier thinking leaves the KV by a shift."""
-    if renderer.reasoning_tags is None or agent.past_reasoning != "shift":
-        return None
-    ids = [renderer.tokenizer.encode(tag) for tag in renderer.reasoning_tags]
-    return (ids[0][0], ids[1][0]) if all(len(tag_ids) == 1 for tag_ids in ids) else None
+    return renderer.reasoning_ids if agent.past_reasoning == "shift" else None
 
 
 def reusable_kv_len(renderer: ChatRenderer, agent: Agent, kv: Sequence[int], history: Sequence[int]) -> int:
