@@ -45,8 +45,32 @@ class ResponseNotFound(AgentKVError):
         self.response_id = response_id
 
 
+class ResponseSuperseded(AgentKVError):
+    """The conversation went on past the response a request continues (another request, maybe
+    on another replica, continued it first): nothing was run or rewound. Continue from the newest
+    response (``newer_response_id``), or start a new conversation."""
+
+    def __init__(self, session_id: str, newer_response_id: str) -> None:
+        super().__init__(
+            f"conversation {session_id!r} went on past the response this request continues: response "
+            f"{newer_response_id!r} followed it; continue from that one (or the newest), or start a new "
+            "conversation with the history as input"
+        )
+        self.session_id = session_id
+        self.newer_response_id = newer_response_id
+
+
 class SessionClosed(UserError):
     """An operation was attempted on a session that has been closed."""
+
+
+class SessionExists(UserError):
+    """A new session was asked for under an id a stored session already has (perhaps created a
+    moment before by another process): pass another id, or none to get a fresh one."""
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(f"session {session_id!r} already exists; pass another id or none")
+        self.session_id = session_id
 
 
 class SessionNotFound(AgentKVError):

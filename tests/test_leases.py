@@ -360,3 +360,36 @@ def test_cli_unlock_refuses_a_holder_still_running_here_unless_forced(tmp_path: 
     anyio.run(lease_to, gone)
     released = CliRunner().invoke(app, ["sessions", "unlock", sid, "--db", url])  # a dead holder needs no --force
     assert released.exit_code == 0 and gone in released.output and anyio.run(holder_of, sid) is None
+
+
+# -- waiting for a lease another replica holds ------------------------------------------------
+
+async def test_a_lease_keeper_that_may_wait_gets_the_lease_once_the_holder_releases_it(store: Store) -> None:
+    sid = await new_session(store)
+    took = await store.acquire_lease(sid, "other-replica", 30)
+
+    async def release_soon() -> None:
+        await anyio.sleep(0.3)
+        await store.release_lease(sid, "other-replica")
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(release_soon)
+        started = time.monotonic()
+        async with LeaseKeeper(store, sid, "keeper", ttl_s=5, wait_s=10) as lease:
+            waited = time.monotonic() - started
+            assert lease.held and await store.lease_holder(sid) == "keeper"
+            assert lease.token is not None and lease.token > took  # a new fencing token: the old holder's writes fail
+    assert 0.3 <= waited < 5  # it waited for the release, not for the whole wait
+
+
+async def test_a_lease_keeper_gives_up_with_session_busy_after_its_wait(store: Store) -> None:
+    sid = await new_session(store)
+    await store.acquire_lease(sid, "other-replica", 30)
+    started = time.monotonic()
+    with pytest.raises(SessionBusy, match="other-replica"):
+        async with LeaseKeeper(store, sid, "keeper", ttl_s=5, wait_s=0.4):
+            pytest.fail("the lease was held by another replica all along")
+    assert time.monotonic() - started >= 0.4
+    assert await store.lease_holder(sid) == "other-replica"  # untouched
+    with pytest.raises(UserError, match="wait_s"):
+        LeaseKeeper(store, sid, "keeper", wait_s=-1)

@@ -1,13 +1,14 @@
 """Stored API responses and rewinding a session, on SQLite and PostgreSQL: a response covers its
 session's messages so far, is read by its owner only, and takes its session with it when it was the
-last; ``rewind`` takes a run's leftovers out of the window and puts back what their summary replaced."""
+last; ``rewind`` takes a run's leftovers out of the window and puts back what their summary replaced,
+but never a stored response's messages when asked to keep them (another replica continued first)."""
 
 from __future__ import annotations
 
 import pytest
 
 from agentkv.chat.messages import Message
-from agentkv.errors import ResponseNotFound, SessionNotFound, UserError
+from agentkv.errors import LeaseLost, ResponseNotFound, ResponseSuperseded, SessionExists, SessionNotFound, UserError
 from agentkv.memory import Store
 
 
@@ -70,3 +71,35 @@ async def test_rewind_takes_later_messages_out_and_puts_back_what_their_summary_
     assert len(await store.messages(sid)) == 6  # nothing deleted
     assert await store.rewind(sid, 4) == 0  # idempotent
     assert await store.last_seq(sid) == 6
+
+
+async def test_a_rewind_that_keeps_responses_refuses_to_take_out_a_stored_responses_messages(store: Store):
+    sid = await conversation(store, "Hi", "Hello!")
+    first = await store.save_response("resp_1", sid, {})
+    await store.append_message(sid, Message.user("Left by a run that died"), token_count=4)
+    assert await store.rewind(sid, first.last_seq, keep_responses=True) == 1  # no response covers it: it leaves
+    await store.append_message(sid, Message.user("Another replica's turn"), token_count=4)
+    await store.append_message(sid, Message.assistant("Its answer"), token_count=3)
+    await store.save_response("resp_2", sid, {})
+    with pytest.raises(ResponseSuperseded, match="resp_2") as raised:
+        await store.rewind(sid, first.last_seq, keep_responses=True)
+    assert raised.value.newer_response_id == "resp_2"
+    window = [m.message.content for m in await store.messages(sid, in_window_only=True)]
+    assert window == ["Hi", "Hello!", "Another replica's turn", "Its answer"]  # nothing left the window
+
+
+async def test_a_response_saved_with_a_lease_another_holder_took_is_refused(store: Store):
+    sid = await conversation(store, "Hi", "Hello!")
+    stale = await store.acquire_lease(sid, "replica-a", 30)
+    await store.release_lease(sid, force=True)
+    await store.acquire_lease(sid, "replica-b", 30)
+    with pytest.raises(LeaseLost):
+        await store.save_response("resp_1", sid, {}, fence=stale)
+    assert await store.responses(sid) == []
+
+
+async def test_a_second_session_under_a_taken_id_is_a_session_exists_error(store: Store):
+    await store.upsert_agent("api", None, [], {})
+    await store.create_session("api", session_id="conv-1")
+    with pytest.raises(SessionExists, match="conv-1"):
+        await store.create_session("api", session_id="conv-1")

@@ -319,6 +319,15 @@ def serve(
     snapshots: Optional[str] = typer.Option(
         None, "--snapshots", help="Where KV snapshots go: s3://bucket/prefix (AWS_* credentials and endpoint), "
         "file:///dir or a directory (default: $AGENTKV_SNAPSHOT_URL, else beside the database)."),
+    exact: bool = typer.Option(
+        False, "--exact", help="Exact numerics (f32 KV, no dynamic quantisation): the same greedy answers on every "
+        "replica and after every restore, at some speed."),
+    lease_wait: float = typer.Option(
+        10.0, "--lease-wait", min=0.0, help="Seconds a request waits for a conversation another replica is running "
+        "before answering 409."),
+    drain_seconds: float = typer.Option(
+        0.0, "--drain-seconds", min=0.0, help="On SIGTERM, seconds /ready answers 503 while requests are still served "
+        "(so a proxy's health check moves traffic away) before the server stops."),
 ) -> None:
     """Serve the model over the OpenAI API: /v1/chat/completions, /v1/responses (stored, chained by
     previous_response_id across restarts), /v1/models. Prints the URL when ready; stops on SIGTERM."""
@@ -331,7 +340,7 @@ def serve(
                          max_new_tokens=max_new_tokens, temperature=temperature)
     backend = None if engine is None else ENGINES[engine]
     options = ServeOptions(host, port, api_key, db, model, backend, max_sessions, max_running, kv_reuse, agent,
-                           snapshots=snapshots)
+                           snapshots=snapshots, exact=exact, lease_wait_s=lease_wait, drain_s=drain_seconds)
     _guard(lambda: run_server(options))
 
 

@@ -6,10 +6,13 @@
     # → agentkv serving SmolLM2-135M-Instruct at http://127.0.0.1:8000/v1
     agentkv serve --db postgresql+psycopg2://u:p@db/agentkv --snapshots s3://bucket/kv   # KV snapshots on S3
 
-uvicorn stops cleanly on SIGTERM and SIGINT: streams still going end with a last event (a chunk
+With ``--drain-seconds N``, SIGTERM first drains: ``/ready`` answers 503 at once while requests are
+still served for N seconds, so a proxy's health check takes the replica out before it stops (a
+second SIGTERM, or SIGINT, stops at once). Then uvicorn stops cleanly: streams still going end with a last event (a chunk
 with a finish reason and ``[DONE]``, ``response.failed``) within ``SHUTDOWN_GRACE_S``, runs still going
-are cancelled (each snapshots its conversation's KV as it ends) and every KV session is closed; stored
-responses resume after a restart. One access log line per request goes to stderr.
+are cancelled (each snapshots its conversation's KV as it ends), every open conversation whose KV
+no stored snapshot holds yet is snapshotted, and every KV session is closed; stored responses
+resume after a restart, or on another replica. One access log line per request goes to stderr.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ if TYPE_CHECKING:
     from agentkv.engine.factory import Backend
 
 API_KEY_ENV = "AGENTKV_API_KEY"
+DEFAULT_LEASE_WAIT_S = 10.0
+"""How long a request waits, by default, for a conversation another replica is running."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,14 @@ class ServeOptions:
     snapshots: str | None = None
     """Where KV snapshots go (``--snapshots``): ``s3://bucket/prefix``, ``file:///dir`` or a
     directory; None: ``$AGENTKV_SNAPSHOT_URL``, else beside the database."""
+    exact: bool = False
+    """``--exact``: exact numerics (f32 KV, no dynamic quantisation): greedy answers that are the
+    same on every replica and after every restore, at some speed."""
+    lease_wait_s: float = DEFAULT_LEASE_WAIT_S
+    """``--lease-wait``: seconds a request waits for a conversation another replica runs (then 409)."""
+    drain_s: float = 0.0
+    """``--drain-seconds``: after SIGTERM, seconds ``/ready`` answers 503 while requests are still
+    served (so a proxy's health check moves traffic away) before the server shuts down."""
 
 
 def agent_defaults(options: AgentOptions, context_len: int | None = None) -> AgentDefaults:
@@ -74,6 +87,7 @@ def serve(options: ServeOptions) -> None:
     import uvicorn
 
     from agentkv.cli.config import model_choice, open_store
+    from agentkv.server.draining import DrainingServer
     from agentkv.engine.factory import open_engine
     from agentkv.server import create_app
 
@@ -84,13 +98,14 @@ def serve(options: ServeOptions) -> None:
               f"(pass --api-key or set {API_KEY_ENV})", file=sys.stderr)
     store = open_store(options.db, options.snapshots)
     store.files.check()  # a bad URL, unreachable endpoint or missing bucket fails before the model loads
-    engine = open_engine(model_choice(options.model), backend=options.engine)
+    engine = open_engine(model_choice(options.model), backend=options.engine, exact=options.exact)
     model_id = _model_id(engine)
     app = create_app(engine, store=store, api_key=api_key, model_id=model_id,
                      max_sessions=options.max_sessions, max_running=options.max_running, reuse_kv=options.kv_reuse,
-                     defaults=agent_defaults(options.agent, engine.max_context_len))
-    server = uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port, log_level="warning",
-                                           timeout_graceful_shutdown=10))
+                     defaults=agent_defaults(options.agent, engine.max_context_len), lease_wait_s=options.lease_wait_s)
+    server = DrainingServer(uvicorn.Config(app, host=options.host, port=options.port, log_level="warning",
+                                           timeout_graceful_shutdown=10),
+                            readiness=app.state.readiness, drain_s=options.drain_s)
     _log_access_to_stderr()
 
     # NOTE: uvicorn shuts down gracefully on SIGTERM, then raises the signal again under the
@@ -139,3 +154,4 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+

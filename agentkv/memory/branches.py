@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
-from agentkv.errors import UserError
+from agentkv.errors import SessionExists, UserError
 from agentkv.memory.schema import BranchMarkRow, MessageRow, SessionRow, utcnow
 
 
@@ -116,7 +116,7 @@ def fork(s: Session, parent: SessionRow, new_id: str, at: int | None, metadata: 
     if not 0 <= point <= newest:
         raise UserError(f"session {parent.id!r} has messages 1..{newest}; fork at a seq in 0..{newest}")
     if s.get(SessionRow, new_id) is not None:
-        raise UserError(f"session {new_id!r} already exists; pass another id or none")
+        raise SessionExists(new_id)
     now = utcnow()
     row = SessionRow(id=new_id, agent_name=parent.agent_name, created_at=now, updated_at=now, lease_holder=None,
                      lease_expires_at=None, lease_epoch=0, metadata_=metadata, parent_id=parent.id, fork_seq=point)

@@ -8,6 +8,9 @@
             ...                    # another holder took it over (we stalled past the ttl)
         await store.append_message(session_id, message, token_count=n, fence=lease.token)
 
+``LeaseKeeper(..., wait_s=10.0)`` waits up to that long for a lease another live holder has (a
+run in another replica), polling with a growing pause, before ``SessionBusy``.
+
 A holder id is ``host:pid:tag``. ``Store.acquire_lease`` takes over at once a lease whose
 holder ran on this host in a process that no longer exists (``holder_is_dead_here``); a holder
 on another host, or one whose id does not parse, keeps its lease until it expires.
@@ -29,7 +32,9 @@ from typing import TYPE_CHECKING
 import anyio
 from anyio.abc import TaskGroup
 
-from agentkv.errors import LeaseLost, SessionNotFound, UserError
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
+
+from agentkv.errors import LeaseLost, SessionBusy, SessionNotFound, UserError
 from agentkv.memory.holders import holder_id, holder_is_dead_here, live_pid_here, parse_holder, pid_is_alive
 
 if TYPE_CHECKING:
@@ -37,25 +42,50 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_LEASE_TTL_S", "LeaseKeeper", "holder_id", "holder_is_dead_here", "live_pid_here", "parse_holder",
+__all__ = ["DEFAULT_LEASE_TTL_S", "LEASE_POLL_MAX_S", "LeaseKeeper", "acquire_waiting", "holder_id", "holder_is_dead_here", "live_pid_here", "parse_holder",
            "pid_is_alive"]
 
 DEFAULT_LEASE_TTL_S = 30.0
 """Lease length used by ``LeaseKeeper``: a crashed holder on another host blocks this long."""
+LEASE_POLL_MAX_S = 0.5
+"""Longest pause between two tries of a lease another holder has (the first pauses are shorter)."""
+
+
+async def acquire_waiting(store: Store, session_id: str, holder: str, ttl_s: float, wait_s: float) -> int:
+    """``store.acquire_lease``, tried again while another live holder has the lease, for up to
+    ``wait_s`` seconds (0: once); ``SessionBusy`` when it is still held then. Returns the token::
+
+        token = await acquire_waiting(store, "abc", holder_id(), ttl_s=30, wait_s=10)
+    """
+    if wait_s < 0:
+        raise UserError(f"wait_s must be >= 0 seconds, got {wait_s}")
+    if wait_s == 0:
+        return await store.acquire_lease(session_id, holder, ttl_s)
+    retrying = AsyncRetrying(retry=retry_if_exception_type(SessionBusy), stop=stop_after_delay(wait_s),
+                             wait=wait_exponential(multiplier=0.02, max=LEASE_POLL_MAX_S), sleep=anyio.sleep,
+                             reraise=True)
+    async for attempt in retrying:
+        with attempt:
+            return await store.acquire_lease(session_id, holder, ttl_s)
+    raise AssertionError("unreachable: tenacity re-raises the last SessionBusy")  # pragma: no cover
 
 
 class LeaseKeeper:
     """Holds a session's lease for the length of an ``async with`` block, renewing it.
 
-    Entering acquires the lease (``SessionBusy`` if another live holder has it); a background
+    Entering acquires the lease (``SessionBusy`` if another live holder has it after ``wait_s``
+    seconds of waiting: 0, the default, does not wait); a background
     task renews it every ``ttl_s / 3``; leaving stops the renewals and releases it, even when
     the block is cancelled or raises. Single use.
     """
 
     def __init__(self, store: Store, session_id: str, holder: str, *,
-                 ttl_s: float = DEFAULT_LEASE_TTL_S) -> None:
+                 ttl_s: float = DEFAULT_LEASE_TTL_S, wait_s: float = 0.0) -> None:
         if ttl_s <= 0:
             raise UserError(f"ttl_s must be > 0, got {ttl_s}")
+        if wait_s < 0:
+            raise UserError(f"wait_s must be >= 0 seconds, got {wait_s}")
+        self.wait_s = wait_s
         self.store = store
         self.session_id = session_id
         self.holder = holder
@@ -84,7 +114,7 @@ class LeaseKeeper:
         self._renewals = anyio.CancelScope()
         self._lock = anyio.Lock()
         try:
-            self.token = await self.store.acquire_lease(self.session_id, self.holder, self.ttl_s)
+            self.token = await acquire_waiting(self.store, self.session_id, self.holder, self.ttl_s, self.wait_s)
         except Exception:  # busy, or the acquiring transaction failed: nothing is held
             self.released = True
             raise

@@ -18,7 +18,9 @@ from agentkv.errors import (
     AgentNotFound,
     LeaseLost,
     ResponseNotFound,
+    ResponseSuperseded,
     SessionBusy,
+    SessionExists,
     SessionNotFound,
     UserError,
 )
@@ -73,7 +75,7 @@ def create_session(s: Session, agent_name: str, session_id: str,
     if s.get(AgentRow, agent_name) is None:
         raise AgentNotFound(agent_name)
     if s.get(SessionRow, session_id) is not None:
-        raise UserError(f"session {session_id!r} already exists; pass another id or none")
+        raise SessionExists(session_id)
     now = utcnow()
     row = SessionRow(id=session_id, agent_name=agent_name, created_at=now, updated_at=now,
                      lease_holder=None, lease_expires_at=None, lease_epoch=0, metadata_=metadata)
@@ -156,10 +158,18 @@ def mark_out_of_window(s: Session, session_id: str, seqs: Sequence[int],
     branches.move_out(s, session, seqs, replaced_by_seq)
 
 
-def rewind(s: Session, session_id: str, after_seq: int) -> int:
+def rewind(s: Session, session_id: str, after_seq: int, keep_responses: bool = False) -> int:
     """Take the messages after ``after_seq`` out of the window, and put back those that only
-    they had replaced (a summary made after it); returns how many left. Rows stay stored."""
-    return branches.rewind(s, session_row(s, session_id, for_update=True), after_seq)
+    they had replaced (a summary made after it); returns how many left. Rows stay stored.
+    ``keep_responses``: ``ResponseSuperseded`` instead when a stored response covers a later message."""
+    session = session_row(s, session_id, for_update=True)
+    if keep_responses:
+        newer = s.scalars(select(ResponseRow).where(ResponseRow.session_id == session_id,
+                                                    ResponseRow.last_seq > after_seq)
+                          .order_by(ResponseRow.last_seq.desc()).limit(1)).first()
+        if newer is not None:
+            raise ResponseSuperseded(session_id, newer.id)
+    return branches.rewind(s, session, after_seq)
 
 
 def fork_session(s: Session, session_id: str, new_id: str, at: int | None,
@@ -316,9 +326,10 @@ def _newest_first(session_id: str) -> Any:
 
 
 def add_response(s: Session, response_id: str, session_id: str, owner: str,
-                 body: dict[str, Any]) -> ResponseRecord:
-    """Insert a response that covers the session's messages so far; ``UserError`` for a taken id."""
-    session_row(s, session_id, for_update=True)
+                 body: dict[str, Any], fence: int | None = None) -> ResponseRecord:
+    """Insert a response that covers the session's messages so far; ``UserError`` for a taken id,
+    ``LeaseLost`` once lease ``fence`` has passed to another holder."""
+    fenced_row(s, session_id, fence)
     if s.get(ResponseRow, response_id) is not None:
         raise UserError(f"a response {response_id!r} is already stored; use a new id")
     row = ResponseRow(id=response_id, session_id=session_id, owner=owner,

@@ -29,7 +29,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from agentkv.chat.messages import Message
-from agentkv.errors import UserError
+from agentkv.errors import SessionExists, UserError
 from agentkv.kv.snapshot import KVSnapshot
 from agentkv.memory import convert, housekeeping, queries
 from agentkv.memory.database import Database, default_snapshot_dir
@@ -145,7 +145,7 @@ class Store:
             try:
                 return self.database.write(lambda s: queries.create_session(s, agent_name, sid, meta))
             except IntegrityError as e:
-                raise UserError(f"session {sid!r} already exists; pass another id or none") from e
+                raise SessionExists(sid) from e
         return await self.database.run(create)
 
     async def fork_session(self, session_id: str, *, at: int | None = None, new_id: str | None = None,
@@ -227,12 +227,15 @@ class Store:
             return queries.last_seq(s, session_id)
         return await self.database.run(self.database.read, read)
 
-    async def rewind(self, session_id: str, after_seq: int) -> int:
+    async def rewind(self, session_id: str, after_seq: int, *, keep_responses: bool = False) -> int:
         """Take every message after ``after_seq`` out of the window (they stay stored) and put
         back the ones a later summary had replaced, in one transaction; returns how many left:
         ``await store.rewind(sid, 4)`` (e.g. the input of a run that never finished). Messages a
-        later truncation dropped stay out (the window would overflow again without them)."""
-        return await self.database.run(self.database.write, lambda s: queries.rewind(s, session_id, int(after_seq)))
+        later truncation dropped stay out (the window would overflow again without them).
+        ``keep_responses=True`` refuses (``ResponseSuperseded``, nothing changed) when a stored
+        response covers a message after ``after_seq``: someone continued the conversation first."""
+        return await self.database.run(self.database.write, lambda s: queries.rewind(
+            s, session_id, int(after_seq), keep_responses))
 
     async def export_jsonl(self, session_id: str, *, in_window_only: bool = False) -> str:
         """The session as OpenAI chat messages, one JSON object per line: its agent's system
@@ -361,12 +364,13 @@ class Store:
     # -- API responses ----------------------------------------------------------------------
 
     async def save_response(self, response_id: str, session_id: str, body: dict[str, Any], *,
-                            owner: str = "") -> ResponseRecord:
+                            owner: str = "", fence: int | None = None) -> ResponseRecord:
         """Keep an API response of ``session_id`` (covering its messages so far), readable by
-        ``owner`` only: ``await store.save_response("resp_1", sid, body, owner="tenant-a")``."""
+        ``owner`` only: ``await store.save_response("resp_1", sid, body, owner="tenant-a")``;
+        ``fence``: the run's lease token (``LeaseLost`` once another holder took the lease)."""
         payload = convert.json_object(body, "response body")
-        return await self.database.run(self.database.write, lambda s: queries.add_response(s, response_id, session_id, owner,
-                                                                             payload))
+        return await self.database.run(self.database.write, lambda s: queries.add_response(
+            s, response_id, session_id, owner, payload, fence))
 
     async def get_response(self, response_id: str, *, owner: str = "") -> ResponseRecord:
         """The stored response; ``ResponseNotFound`` if absent or another owner's."""

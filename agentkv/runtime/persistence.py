@@ -29,7 +29,7 @@ from agentkv.run.past_reasoning import reusable_kv_len
 logger = logging.getLogger(__name__)
 
 __all__ = ["CallLog", "Restored", "ResumeReport", "StoreSink", "StoreWindowHook", "load_window",
-           "record_interrupted_calls", "restore_newest_snapshot", "save_snapshot"]
+           "record_interrupted_calls", "restore_newest_snapshot", "save_snapshot", "save_snapshot_unless_stored"]
 
 
 class StoreSink:
@@ -117,8 +117,7 @@ async def save_snapshot(store: Store, conversation: Conversation) -> None:
     snapshot of it could never be restored.
     """
     try:
-        history = conversation.render(conversation.agent, add_generation_prompt=False).token_ids
-        usable = reusable_kv_len(conversation.renderer, conversation.agent, conversation.kv.tokens, history)
+        usable = _snapshot_worthy_len(conversation)
         if usable == 0:
             return
         with tracing.span("agentkv.snapshot.save", conversation.trace_span, session_id=conversation.id) as span:
@@ -132,6 +131,32 @@ async def save_snapshot(store: Store, conversation: Conversation) -> None:
     except Exception as error:  # NOTE: no traceback: a full disk would print one every turn
         logger.warning("could not save a KV snapshot of session %s (%s: %s); %s", conversation.id,
                        type(error).__name__, error, await _what_resume_uses(store, conversation))
+
+
+async def save_snapshot_unless_stored(store: Store, conversation: Conversation) -> bool:
+    """``save_snapshot``, unless the newest stored snapshot of this model already holds as much of
+    the KV (the one every run leaves at its end, normally); True when it saved. What a server does
+    before it exits, so a replica that drains leaves every open conversation restorable::
+
+        await save_snapshot_unless_stored(store, conversation)
+    """
+    try:
+        usable = _snapshot_worthy_len(conversation)
+        stored = [r for r in await store.snapshots(conversation.id) if r.fingerprint == conversation.engine.fingerprint]
+    except Exception as error:
+        logger.warning("could not tell whether session %s has a snapshot (%s: %s); saving one",
+                       conversation.id, type(error).__name__, error)
+    else:
+        if usable == 0 or (stored and stored[0].num_tokens >= usable):
+            return False
+    await save_snapshot(store, conversation)
+    return True
+
+
+def _snapshot_worthy_len(conversation: Conversation) -> int:
+    """Tokens of the conversation's KV a snapshot keeps: what its stored history renders to."""
+    history = conversation.render(conversation.agent, add_generation_prompt=False).token_ids
+    return reusable_kv_len(conversation.renderer, conversation.agent, conversation.kv.tokens, history)
 
 
 async def _what_resume_uses(store: Store, conversation: Conversation) -> str:

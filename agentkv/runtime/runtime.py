@@ -53,6 +53,7 @@ from agentkv.runtime.persistence import (
     record_interrupted_calls,
     restore_newest_snapshot,
     save_snapshot,
+    save_snapshot_unless_stored,
 )
 from agentkv.runtime.stored_agent import agent_from_record, agent_settings
 
@@ -68,18 +69,25 @@ class Runtime:
         agents: Sequence[Agent] = (),
         holder: str | None = None,
         lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
+        lease_wait_s: float = 0.0,
         self_check: float | None = None,
     ) -> None:
         """``self_check``: the fraction of model calls whose cached KV is checked against a
-        fresh prefill (``agentkv.observe.self_check``; default ``$AGENTKV_SELF_CHECK``, else 0)."""
+        fresh prefill (``agentkv.observe.self_check``; default ``$AGENTKV_SELF_CHECK``, else 0).
+        ``lease_wait_s``: how long a run waits for a conversation another process is running
+        (e.g. another replica of a server) before ``SessionBusy``; 0 does not wait."""
         if lease_ttl_s <= 0:
             raise UserError(f"lease_ttl_s must be > 0 seconds, got {lease_ttl_s}")
+        if lease_wait_s < 0:
+            raise UserError(f"lease_wait_s must be >= 0 seconds, got {lease_wait_s}")
         self.engine = engine
         self.store = store
         self.renderer = ChatRenderer(engine.tokenizer, stop_token_ids=engine.eos_token_ids)
         self.holder = holder or holder_id()
         self.lease_ttl_s = lease_ttl_s
         """How long a run's lease lasts without renewal (renewed every third of it while it runs)."""
+        self.lease_wait_s = lease_wait_s
+        """How long a run waits for the lease another process holds before ``SessionBusy``."""
         self.self_check = fraction_from(self_check)
         self._agents: dict[str, Agent] = {}
         self._conversations: dict[str, Conversation] = {}
@@ -302,7 +310,10 @@ class Runtime:
         a window another process changed and gives interrupted tool calls their result, and
         snapshots the KV when it ends. Close the stream to stop early (``aclosing``).
         ``continue_from=seq`` (stored conversations) continues from that message: later ones — e.g.
-        the input of a run that never finished — leave the window first (``Store.rewind``)."""
+        the input of a run that never finished — leave the window first (``Store.rewind``); when a
+        stored response covers a later one (another process continued first) the run raises
+        ``ResponseSuperseded`` and changes nothing. A conversation another process runs is
+        waited for up to ``lease_wait_s``, then ``SessionBusy``."""
         if continue_from is not None and self.store is None:
             raise UserError("continue_from needs a store: Runtime(engine, store=Store.from_env())")
         # NOTE: the in-process guard comes first: a second run here must not touch (and then
@@ -334,11 +345,12 @@ class Runtime:
         if self.store is None:
             yield
             return
-        async with LeaseKeeper(self.store, conversation.id, self.holder, ttl_s=self.lease_ttl_s) as lease:
+        async with LeaseKeeper(self.store, conversation.id, self.holder, ttl_s=self.lease_ttl_s,
+                               wait_s=self.lease_wait_s) as lease:
             conversation.lease_token = lease.token
             try:
-                if continue_from is not None:
-                    await self.store.rewind(conversation.id, continue_from)
+                if continue_from is not None:  # NOTE: a stored response after it: ResponseSuperseded
+                    await self.store.rewind(conversation.id, continue_from, keep_responses=True)
                 conversation.reload_window(await load_window(self.store, conversation.id))
                 await record_interrupted_calls(conversation)
                 yield
@@ -346,9 +358,13 @@ class Runtime:
                 with anyio.CancelScope(shield=True):
                     await save_snapshot(self.store, conversation)
 
-    async def close_conversation(self, conversation: Conversation) -> None:
-        """Release the conversation's KV (its stored history stays)."""
+    async def close_conversation(self, conversation: Conversation, *, snapshot: bool = False) -> None:
+        """Release the conversation's KV (its stored history stays). ``snapshot=True`` first saves
+        the KV unless a stored snapshot already holds it (a server's shutdown; a running
+        conversation saves its own at the end of its run): ``await runtime.close_conversation(c, snapshot=True)``."""
         self._conversations.pop(conversation.id, None)
+        if snapshot and self.store is not None and not conversation.running:
+            await save_snapshot_unless_stored(self.store, conversation)
         await conversation.close()
 
     async def aclose(self) -> None:

@@ -79,15 +79,17 @@ def create_app(
     max_running: int = 64,
     reuse_kv: bool = True,
     defaults: AgentDefaults | None = None,
+    lease_wait_s: float = 0.0,
 ) -> FastAPI:
     """The app serving ``engine``. ``store``: where responses and their conversations are kept
     (without one, ``/v1/responses`` serves ``store=false`` only); ``api_key``: Bearer token every
     route but ``/health`` needs; ``max_sessions``: KV sessions kept alive between requests (chat
     sessions and stored conversations, each); ``max_running``: requests at once (more get 429);
     ``reuse_kv=False`` runs every chat request on a fresh session; ``defaults``: the agent
-    settings of requests that set none."""
+    settings of requests that set none; ``lease_wait_s``: how long a stored conversation another
+    replica of this server is running is waited for (then 409)."""
     runtime = Runtime(engine)
-    stored = Runtime(engine, store) if store is not None else None
+    stored = Runtime(engine, store, lease_wait_s=lease_wait_s) if store is not None else None
     live = LiveSessions(engine, max_sessions=max_sessions, reuse=reuse_kv)
     runs = Runs(runtime, live, max_running=max_running)
     agents = RequestAgents([r for r in (runtime, stored) if r is not None], defaults)
@@ -176,7 +178,7 @@ def create_app(
                 return
             yield {"data": "[DONE]"}
 
-        return _event_stream(events(), stop, session_id)
+        return _event_stream(events(), stop, {SESSION_HEADER: session_id})
 
     @app.post("/v1/responses", response_model=None)
     async def create_response(body: ResponseRequest, request: Request) -> Any:
@@ -184,7 +186,7 @@ def create_app(
         plan = await responses.plan(body, tenant=_tenant(request), session_id=named)
         note = AccessNote.of(request)
         if not body.stream:
-            return JSONResponse(await responses.create(plan, note=note), headers={SESSION_HEADER: plan.session_id})
+            return JSONResponse(await responses.create(plan, note=note), headers=plan.headers)
         stop = anyio.Event()
 
         async def sse() -> AsyncIterator[dict[str, str]]:
@@ -196,7 +198,7 @@ def create_app(
                 yield {"event": "error", "data": json.dumps({"type": "error", "code": api.code,
                                                              "message": api.message, "param": api.param})}
 
-        return _event_stream(sse(), stop, plan.session_id)
+        return _event_stream(sse(), stop, plan.headers)
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str, request: Request) -> dict[str, Any]:
@@ -209,12 +211,13 @@ def create_app(
     return app
 
 
-def _event_stream(events: AsyncIterator[dict[str, str]], stop: anyio.Event, session_id: str) -> EventSourceResponse:
-    """Server-sent ``events``, headed by the conversation's ``X-Session-Id``; on the server's
+def _event_stream(events: AsyncIterator[dict[str, str]], stop: anyio.Event,
+                  headers: dict[str, str]) -> EventSourceResponse:
+    """Server-sent ``events``, with ``headers`` (the conversation's ``X-Session-Id``…); on the server's
     shutdown ``stop`` is set and the stream has ``SHUTDOWN_GRACE_S`` to end itself (a last event,
     then the end of the body) before it is cut."""
     return EventSourceResponse(events, ping=15, shutdown_event=stop, shutdown_grace_period=SHUTDOWN_GRACE_S,
-                               headers={SESSION_HEADER: session_id})
+                               headers=headers)
 
 
 def _tenant(request: Request) -> str:

@@ -18,7 +18,16 @@ from fastapi.responses import JSONResponse
 from openai.types.shared import ErrorObject
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from agentkv.errors import ConstraintError, ContextOverflowError, ResponseNotFound, SessionBusy, UserError
+from agentkv.errors import (
+    ConstraintError,
+    ContextOverflowError,
+    LeaseLost,
+    ResponseNotFound,
+    ResponseSuperseded,
+    SessionBusy,
+    SessionExists,
+    UserError,
+)
 from agentkv.validation_text import describe_problems
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -53,6 +62,12 @@ def as_api_error(error: BaseException) -> ApiError:
         return ApiError(404, str(error), "response_not_found")
     if isinstance(error, SessionBusy):
         return ApiError(409, str(error), "session_busy")
+    if isinstance(error, SessionExists):
+        return ApiError(409, str(error), "session_conflict")
+    if isinstance(error, ResponseSuperseded):
+        return ApiError(409, str(error), "response_superseded", "previous_response_id")
+    if isinstance(error, LeaseLost):
+        return ApiError(409, str(error), "session_lease_lost")
     if isinstance(error, (UserError, ConstraintError, ValueError)):
         return ApiError(400, str(error), "invalid_request")
     return ApiError(500, f"internal error: {type(error).__name__}: {error}", "internal_error")

@@ -64,9 +64,11 @@ class OpenConversations:
             await self.close(idle)
 
     async def aclose(self) -> None:
-        """Close every conversation."""
+        """Close every conversation, each snapshotted first unless its snapshot is stored already
+        (the server's shutdown: another replica resumes it from there)."""
         for session_id in list(self._open):
-            await self.close(session_id)
+            session = self._open.pop(session_id)
+            await self.runtime.close_conversation(session, snapshot=True)
 
     def __len__(self) -> int:
         return len(self._open)

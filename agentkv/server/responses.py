@@ -10,12 +10,19 @@ completion, on the live KV session that shares the longest prefix, and is not ke
         {"model": "m", "input": "And then?", "previous_response_id": first["id"]}))
 
 Every response carries its conversation's id as ``X-Session-Id`` (so a session-affine proxy can
-hash on it); a request may name the conversation by that header instead of by
+hash on it) and its own id as ``X-Response-Id`` (so a proxy can learn where a chain that sends no
+header lives, from ``previous_response_id``); a request may name the conversation by that header instead of by
 ``previous_response_id``: it continues the conversation from its newest response, or starts a new
 conversation under that id. A response continues only from the newest response of its
 conversation (an older one answers 409); a run that did not finish (an error, a client that hung
 up, a crash) leaves no response, and its input leaves the window when the conversation next
 continues.
+
+Across replicas (one store): a run holds the conversation's lease, and the response is stored
+before the lease is given back; a request for a conversation another replica is running waits
+for the lease (``Runtime.lease_wait_s``), then continues on the newest snapshot — or, when that
+run already went past the response it continues, answers 409 ``response_superseded`` (nothing is
+run or rewound).
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from agentkv.agent import Agent
 from agentkv.chat.messages import Message
 from agentkv.chat.openai_messages import messages_from_openai
 from agentkv.run.conversation import Conversation
-from agentkv.errors import ContextOverflowError, SessionBusy, SessionNotFound, UserError
+from agentkv.errors import ContextOverflowError, ResponseSuperseded, SessionBusy, SessionNotFound, UserError
 from agentkv.events import RunEvent, RunFinished
 from agentkv.memory import ResponseRecord, Store
 from agentkv.runtime.persistence import load_window
@@ -48,6 +55,9 @@ from agentkv.server.response_stream import ResponseOutput
 from agentkv.server.response_wire import ResponseRequest, new_id, response_object, response_usage
 from agentkv.server.runs import Prepared, Runs, kv_namespace, leading_system
 from agentkv.server.session_ids import SESSION_HEADER, new_session_id
+
+RESPONSE_HEADER = "X-Response-Id"
+"""The header every ``/v1/responses`` answer carries its response's id in (streamed ones too)."""
 from agentkv.server.wire import TokenCounts, cache_break_field
 
 
@@ -83,6 +93,13 @@ class ResponsePlan:
     ``X-Session-Id``, else its ``user``)."""
     prepared: Prepared | None = None
     """``store=false``: the history and input, ready for a live KV session."""
+    response_id: str = dataclasses.field(default_factory=lambda: new_id("resp"))
+    """The id the response gets (known before it runs: a stream's headers carry it)."""
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The headers the answer carries: ``X-Session-Id`` and ``X-Response-Id``."""
+        return {SESSION_HEADER: self.session_id, RESPONSE_HEADER: self.response_id}
 
 
 class Responses:
@@ -183,9 +200,7 @@ class Responses:
     async def _refuse_superseded(self, store: Store, previous: ResponseRecord) -> None:
         newest = (await store.responses(previous.session_id))[0]
         if newest.id != previous.id:
-            raise ApiError(409, f"response {previous.id!r} is not the newest of its conversation ({newest.id!r} "
-                           "followed it); continue from the newest, or start a new conversation with the "
-                           "history as input", "response_superseded", "previous_response_id")
+            raise ResponseSuperseded(previous.session_id, newest.id)
 
     # ---- running ------------------------------------------------------------------------
     async def stream(self, plan: ResponsePlan, *, note: AccessNote | None = None,
@@ -194,11 +209,12 @@ class Responses:
         the run has begun, ``response.completed`` (or ``.incomplete``) last, once it is stored.
         Once ``stop`` is set (the server is shutting down) the run is stopped at its next event and
         the stream ends with ``response.failed``; nothing is stored (as for any unfinished run)."""
-        response_id, created = new_id("resp"), int(time.time())
+        response_id, created = plan.response_id, int(time.time())
         note = note or AccessNote()
         note.update(id=response_id)
         output = ResponseOutput()
         body: dict[str, Any] | None = None
+        saved = False
         async with self.runs.admitted():
             with self.runs.waiting_for_kv():
                 session = await self._conversation(plan) if plan.request.store else None
@@ -216,14 +232,16 @@ class Responses:
                             yield output.event("response.in_progress", response=pending)
                         if isinstance(event, RunFinished):
                             body = self._body(plan, response_id, created, output, event.result)
+                            if session is not None:  # NOTE: under the run's lease: no other replica is between
+                                assert self.store is not None
+                                await self.store.save_response(response_id, session.id, body, owner=plan.owner,
+                                                               fence=session.lease_token)
+                                saved = True
                         for item in output.feed(event):
                             yield item
                 assert body is not None
-                if session is not None:
-                    assert self.store is not None
-                    await self.store.save_response(response_id, session.id, body, owner=plan.owner)
             except BaseException as error:
-                if session is not None and plan.previous is None:  # a conversation no response refers to
+                if session is not None and plan.previous is None and not saved:  # no response refers to it
                     with anyio.CancelScope(shield=True):
                         await self._drop(session.id)
                 if not isinstance(error, _Stopped):

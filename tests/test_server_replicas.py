@@ -1,0 +1,163 @@
+"""Two replicas of the server on one store (two apps, each with its own engine and ``Store`` on the
+same SQLite file, as two processes would be): a conversation moves between them on its snapshot;
+a request for a conversation the other replica is running waits for its lease, then answers 409
+(``response_superseded`` once that run went past the response it continues, ``session_busy`` when
+the run outlasts the wait); the history keeps each turn once; every answer names its response in
+``X-Response-Id``; a draining server still serves while ``/ready`` says 503."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+import uvicorn
+
+from agentkv.memory import Store
+from agentkv.server import create_app
+from agentkv.server.draining import DrainingServer
+from agentkv.server.readiness import Readiness
+from agentkv.testing import ScriptedCall, ScriptedEngine
+
+KEY = "sk-test"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@asynccontextmanager
+async def replica(url: str, engine: ScriptedEngine, *, lease_wait_s: float = 5.0) -> AsyncIterator[httpx.AsyncClient]:
+    """One replica: its own store connection and engine, the app started, a client on it."""
+    async with Store(url) as store:
+        app = create_app(engine, store=store, api_key=KEY, model_id="scripted", lease_wait_s=lease_wait_s)
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
+                                         headers=AUTH) as client:
+                yield client
+
+
+async def respond(client: httpx.AsyncClient, **body) -> httpx.Response:
+    return await client.post("/v1/responses", json={"model": "scripted", "temperature": 0, **body})
+
+
+def gated(text: str, gate: anyio.Event, started: anyio.Event):
+    """A scripted reply that starts, then waits for ``gate`` before it answers ``text``."""
+    async def reply(call: ScriptedCall) -> str:
+        started.set()
+        await gate.wait()
+        return text
+    return reply
+
+
+async def window_of(url: str, session_id: str) -> list[str]:
+    async with Store(url) as store:
+        return [m.message.content for m in await store.messages(session_id, in_window_only=True)]
+
+
+@pytest.fixture
+def url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'replicas.db'}"
+
+
+async def test_a_conversation_moves_to_the_other_replica_on_its_snapshot_and_back(url):
+    async with replica(url, ScriptedEngine(["Hello!", "Back on a."])) as a, \
+            replica(url, ScriptedEngine(["On b now."])) as b:
+        first = await respond(a, input="Hi")
+        assert first.status_code == 200 and first.headers["X-Response-Id"] == first.json()["id"]
+        moved = await respond(b, input="Still there?", previous_response_id=first.json()["id"])
+        assert moved.status_code == 200, moved.text
+        usage = moved.json()["usage"]
+        assert usage["input_tokens_details"]["cached_tokens"] >= first.json()["usage"]["input_tokens"]  # restored
+        back = await respond(a, input="And now?", previous_response_id=moved.json()["id"])
+        assert back.status_code == 200, back.text  # a's open KV realigns with b's turn
+        session = back.headers["X-Session-Id"]
+    assert await window_of(url, session) == ["Hi", "Hello!", "Still there?", "On b now.", "And now?", "Back on a."]
+
+
+async def test_a_request_for_a_conversation_the_other_replica_runs_waits_then_is_superseded(url):
+    gate, started = anyio.Event(), anyio.Event()
+    async with replica(url, ScriptedEngine(["Hello!", gated("A's answer.", gate, started)])) as a, \
+            replica(url, ScriptedEngine(["never used"])) as b:
+        first = (await respond(a, input="Hi")).json()
+        answers: dict[str, httpx.Response] = {}
+
+        async def on(name: str, client: httpx.AsyncClient, text: str) -> None:
+            answers[name] = await respond(client, input=text, previous_response_id=first["id"])
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(on, "a", a, "Turn on a")
+            await started.wait()
+            tasks.start_soon(on, "b", b, "Turn on b")
+            await anyio.sleep(0.5)  # b waits for the lease a holds
+            assert "b" not in answers
+            gate.set()
+        assert answers["a"].status_code == 200, answers["a"].text
+        assert answers["b"].status_code == 409, answers["b"].text
+        error = answers["b"].json()["error"]
+        assert error["code"] == "response_superseded" and answers["a"].json()["id"] in error["message"]
+    assert await window_of(url, first_session(answers)) == ["Hi", "Hello!", "Turn on a", "A's answer."]
+
+
+async def test_a_request_whose_wait_for_the_other_replica_runs_out_is_session_busy(url):
+    gate, started = anyio.Event(), anyio.Event()
+    async with replica(url, ScriptedEngine(["Hello!", gated("A's answer.", gate, started)])) as a, \
+            replica(url, ScriptedEngine(["never used"]), lease_wait_s=0.3) as b:
+        first = (await respond(a, input="Hi")).json()
+        answers: dict[str, httpx.Response] = {}
+
+        async def on_a() -> None:
+            answers["a"] = await respond(a, input="Turn on a", previous_response_id=first["id"])
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(on_a)
+            await started.wait()
+            busy = await respond(b, input="Turn on b", previous_response_id=first["id"])
+            gate.set()
+        assert busy.status_code == 409 and busy.json()["error"]["code"] == "session_busy", busy.text
+        assert answers["a"].status_code == 200
+    assert await window_of(url, first_session(answers)) == ["Hi", "Hello!", "Turn on a", "A's answer."]
+
+
+def first_session(answers: dict[str, httpx.Response]) -> str:
+    return answers["a"].headers["X-Session-Id"]
+
+
+async def test_a_streamed_response_names_its_response_and_conversation_in_headers(url):
+    async with replica(url, ScriptedEngine(["Hello!"])) as a:
+        async with a.stream("POST", "/v1/responses", json={"model": "scripted", "input": "Hi", "stream": True}) as streamed:
+            events = [line async for line in streamed.aiter_lines() if line.startswith("data:")]
+            response_id = streamed.headers["X-Response-Id"]
+            assert streamed.headers["X-Session-Id"]
+        assert response_id.startswith("resp_") and response_id in events[-1]
+
+
+async def test_the_first_sigterm_drains_ready_says_503_while_requests_are_still_served_then_it_stops():
+    readiness = Readiness(None)
+    readiness.start()
+    server = DrainingServer(uvicorn.Config(app=lambda *_: None), readiness=readiness, drain_s=0.3)
+    server.handle_exit(signal.SIGTERM, None)
+    assert not server.should_exit and (await readiness.check())[0] is False
+    assert "draining" in (await readiness.check())[1]
+    assert await server.on_tick(1) is False  # still serving
+    await anyio.sleep(0.35)
+    assert await server.on_tick(2) is True  # the drain is over: uvicorn's graceful shutdown
+    again = DrainingServer(uvicorn.Config(app=lambda *_: None), readiness=Readiness(None), drain_s=0.3)
+    again.handle_exit(signal.SIGTERM, None)
+    again.handle_exit(signal.SIGTERM, None)  # a second SIGTERM stops at once
+    assert again.should_exit
+
+
+async def test_shutting_down_snapshots_an_open_conversation_whose_snapshot_is_missing_and_only_that(url):
+    async with replica(url, ScriptedEngine(["Hello!", "Again."])) as a:
+        kept = (await respond(a, input="Hi")).headers["X-Session-Id"]
+        lost = (await respond(a, input="Hi there")).headers["X-Session-Id"]
+        async with Store(url) as store:
+            for record in await store.snapshots(lost):  # e.g. its turn-end save failed
+                await store.delete_snapshot(record)
+            before = {sid: [r.path for r in await store.snapshots(sid)] for sid in (kept, lost)}
+    assert before[lost] == [] and len(before[kept]) == 1
+    async with Store(url) as store:
+        assert [r.path for r in await store.snapshots(kept)] == before[kept]  # not saved again
+        assert len(await store.snapshots(lost)) == 1  # saved by the shutdown
