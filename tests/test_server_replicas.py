@@ -98,6 +98,9 @@ async def test_a_request_for_a_conversation_the_other_replica_runs_waits_then_is
         error = answers["b"].json()["error"]
         assert error["code"] == "response_superseded" and answers["a"].json()["id"] in error["message"]
     assert await window_of(url, first_session(answers)) == ["Hi", "Hello!", "Turn on a", "A's answer."]
+    async with Store(url) as store:  # the refused request saved no snapshot of its older KV
+        sizes = [r.num_tokens for r in await store.snapshots(first_session(answers))]
+    assert sizes[0] == max(sizes), sizes
 
 
 async def test_a_request_whose_wait_for_the_other_replica_runs_out_is_session_busy(url):

@@ -13,6 +13,8 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import anyio
+
 from agentkv.chat.messages import Message, pending_tool_calls
 from agentkv.engine.base import KVSession, common_prefix_len
 from agentkv.errors import SnapshotCorrupt, SnapshotIncompatible
@@ -166,7 +168,9 @@ async def _what_resume_uses(store: Store, conversation: Conversation) -> str:
     except Exception as error:
         return f"the store cannot say which older snapshot a resume would use ({error})"
     fingerprint = conversation.engine.fingerprint
-    usable = [r for r in records if r.fingerprint == fingerprint and store.files.looks_whole(str(r.path), r.nbytes)]
+    # NOTE: in a worker thread: on S3 each check is a request
+    usable = await anyio.to_thread.run_sync(lambda: [
+        r for r in records if r.fingerprint == fingerprint and store.files.looks_whole(str(r.path), r.nbytes)])
     if not usable:
         return "no older snapshot exists: a resume will prefill its history from the start"
     newest = usable[0]

@@ -348,15 +348,20 @@ class Runtime:
         async with LeaseKeeper(self.store, conversation.id, self.holder, ttl_s=self.lease_ttl_s,
                                wait_s=self.lease_wait_s) as lease:
             conversation.lease_token = lease.token
+            began = False
             try:
                 if continue_from is not None:  # NOTE: a stored response after it: ResponseSuperseded
                     await self.store.rewind(conversation.id, continue_from, keep_responses=True)
                 conversation.reload_window(await load_window(self.store, conversation.id))
                 await record_interrupted_calls(conversation)
+                began = True
                 yield
             finally:
-                with anyio.CancelScope(shield=True):
-                    await save_snapshot(self.store, conversation)
+                # NOTE: a run refused before it began read nothing: its KV may be older than the
+                # newest snapshot (another replica went on), and saving it would make it the newest
+                if began:
+                    with anyio.CancelScope(shield=True):
+                        await save_snapshot(self.store, conversation)
 
     async def close_conversation(self, conversation: Conversation, *, snapshot: bool = False) -> None:
         """Release the conversation's KV (its stored history stays). ``snapshot=True`` first saves
