@@ -37,7 +37,6 @@ class GenerationConfig(BaseModel):
     """How to pick tokens. Invalid values (NaN and infinities included) raise
     ``pydantic.ValidationError`` at construction, naming the field and the range it takes;
     ``Agent(generation={...})`` turns them into a ``UserError``.
-
     ``GenerationConfig(max_new_tokens=64)`` is greedy; ``temperature>0`` samples.
     """
 
@@ -76,6 +75,8 @@ class GenerationConfig(BaseModel):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     """Report each generated token's log-probability and this many most likely alternatives
     (0..20) on its ``TokenDelta.logprob``; None (the default) computes nothing."""
+    fast_forward: bool = True
+    """Feed a grammar's forced tokens in one model step (same tokens; off with logprobs or beams)."""
 
     @model_validator(mode="after")
     def _check_beams(self) -> GenerationConfig:
@@ -125,17 +126,18 @@ class GenerationMetrics:
     kv_bytes: int
     """Bytes the session's KV occupies in the model's cache precision."""
     kv_exact: bool = True
-    """False when part of the session's KV came back from a lossy restore (a u8 cache through
-    the state API, or a snapshot stored in a rounding precision the user chose): close to, not
-    bit-identical with, what the model computed on that path."""
+    """False when part of the KV came back from a lossy restore (a u8 cache through the state API, or a
+    snapshot in a rounding precision the user chose): close to, not bit-identical with, the model's."""
     model_steps: int = 0
     """Model steps this call's prefill and decode ran in (0: the engine does not count them)."""
     mean_batch: float = 0.0
-    """Sequences per step, on average over those steps (paged engine: >1 when other sessions'
-    tokens, or this call's own beams, ran in the same steps)."""
+    """Sequences per step, on average (paged engine: >1 when others' tokens or own beams shared steps)."""
     queued_s: float = 0.0
-    """Seconds this call's feeds waited for their step to begin (steps ahead of it, and the
-    moment a step waits for the sessions of the last steps to come back)."""
+    """Seconds this call's feeds waited for their step to begin (steps ahead, sessions of the last step)."""
+    forced_tokens: int = 0
+    """Generated tokens a grammar forced, taken without sampling (``GenerationConfig.fast_forward``)."""
+    steps_saved: int = 0
+    """Model steps fast-forward saved: tokens the decode loop fed, less the feeds it fed them in."""
 
 
 @dataclass(frozen=True)
@@ -172,9 +174,8 @@ class TopLogprob:
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """A generated token's log-probability under the model's distribution at its position (the
-    log-softmax of the raw logits: before penalties, masks, temperature, top-k/top-p), and the
-    ``GenerationConfig.logprobs`` most likely tokens there, most likely first."""
+    """A generated token's log-probability at its position (log-softmax of the raw logits: before
+    penalties, masks, temperature, top-k/top-p), and the ``logprobs`` likeliest tokens there, in order."""
 
     token_id: int
     token: str
@@ -196,7 +197,6 @@ class TokenDelta:
 @dataclass
 class GenerationStream:
     """Async iterator of ``TokenDelta``; ``result`` is set once iteration ends.
-
     ``stream = session.stream(ids, cfg); async for d in stream: print(d.text, end="")``;
     use ``async with session.stream(...) as stream:`` when you may stop early.
     """

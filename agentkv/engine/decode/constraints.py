@@ -211,7 +211,7 @@ def _llg_tokenizer(
 class GrammarConstraint:
     """One generation's grammar state (implements ``agentkv.engine.base.TokenConstraint``).
 
-    ``mask = c.allowed_mask(); c.advance(token); c.is_finished()``
+    ``mask = c.allowed_mask(); c.advance(token); c.is_finished(); c.forced_tokens()``
     """
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
@@ -241,6 +241,12 @@ class GrammarConstraint:
                 "sample only among allowed_mask() and build the constraint from the model's vocabulary"
             )
         self._mask = None
+
+    def forced_tokens(self) -> list[int]:
+        """The tokens the grammar forces next, in order: each is the only token its mask allows
+        (llguidance's fast-forward tokens; empty when the model must choose). No state change."""
+        self._raise_if_error()
+        return [int(token) for token in self._matcher.compute_ff_tokens()]
 
     def is_finished(self) -> bool:
         """True once the grammar has accepted and no token but EOS may follow."""

@@ -3,7 +3,9 @@
 ``decode_tokens`` is shared by every engine: the stateful engine chooses tokens by sampling
 the model's logits, the scripted engine from its script. Each chosen token that does not
 end generation is fed (and joins the session's log); the token that ends it is not fed —
-the next turn's alignment feeds it if the rendered history contains it. No OpenVINO here.
+the next turn's alignment feeds it if the rendered history contains it. Tokens a grammar forces
+are taken without sampling and fed with the token before them as one chunk (``fast_forward``).
+No OpenVINO here.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from agentkv.engine.base import (
 from agentkv.engine.decode.alignment import Alignment
 from agentkv.engine.decode.beam_decode import run_beam_search
 from agentkv.engine.decode.detokenize import IncrementalDecoder
+from agentkv.engine.decode.fast_forward import FastForwardCounts, ForcingConstraint, forced_source, next_forced
 from agentkv.engine.decode.sampling import (
     StopStringMatcher,
     make_rng,
@@ -37,6 +40,8 @@ from agentkv.engine.decode.sampling import (
 from agentkv.engine.decode.step_counts import StepCounts
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from agentkv.kv.log import KVLog, KVSlot
 
 
@@ -90,7 +95,7 @@ def stop_ids_for(config: GenerationConfig, eos_token_ids: frozenset[int]) -> fro
 
 async def decode_tokens(
     choose: Callable[[list[int]], int],
-    feed: Callable[[int], Awaitable[None]],
+    feed: Callable[[list[int]], Awaitable[None]],
     *,
     config: GenerationConfig,
     decode_text: Callable[[Sequence[int]], str],
@@ -98,21 +103,40 @@ async def decode_tokens(
     max_new: int,
     constraint: TokenConstraint | None,
     score: Callable[[int], TokenLogprob] | None = None,
+    forcing: ForcingConstraint | None = None,
+    counts: FastForwardCounts | None = None,
+    on_forced: Callable[[], None] | None = None,
 ) -> AsyncIterator[TokenDelta | DecodeOutcome]:
     """Yield a ``TokenDelta`` per token (text never splits a UTF-8 character), then the outcome.
 
-    ``choose(generated)`` picks the next id; ``feed(id)`` runs it through the model;
-    ``score(id)`` (when log-probabilities are asked for) reads the chosen id's log-probability
-    from the same logits, before the feed.
+    ``choose(generated)`` picks the next id; ``feed(ids)`` runs ids through the model in one
+    step; ``score(id)`` (when log-probabilities are asked for) reads the chosen id's
+    log-probability from the same logits, before the feed. With ``forcing`` (the constraint, when
+    it fast-forwards: ``fast_forward.forced_source``) a token it forces is taken without
+    ``choose`` (``on_forced()`` then stands for the draw the sampler would have made), and
+    accepted tokens are fed only when the model must choose again or the loop ends: a forced
+    run goes in one feed with the token before it. ``counts`` adds up forced tokens and feeds.
     """
     decoder = IncrementalDecoder(decode_text)
     stopper = StopStringMatcher(list(config.stop_strings))
+    counts = counts if counts is not None else FastForwardCounts()
     generated: list[int] = []
+    pending: list[int] = []  # accepted tokens not fed yet
     pieces: list[str] = []
     first_at: float | None = None
     finish = "length"
     while len(generated) < max_new:
-        token = choose(generated)
+        token = next_forced(forcing)
+        if token is None:
+            if pending:
+                await feed(pending)
+                counts.fed_in(len(pending))
+                pending = []
+            token = choose(generated)
+        else:
+            counts.forced += 1
+            if on_forced is not None:
+                on_forced()
         if first_at is None:
             first_at = time.perf_counter()
         generated.append(token)
@@ -133,7 +157,10 @@ async def decode_tokens(
             break
         if len(generated) == max_new:
             break
-        await feed(token)
+        pending.append(token)
+    if pending:  # NOTE: the tokens before the one that ended generation, as one-by-one would have fed
+        await feed(pending)
+        counts.fed_in(len(pending))
     if finish == "stop_string":
         finish = "stop"
     else:
@@ -180,6 +207,8 @@ class DecodeLoop:
         self.metrics: GenerationMetrics | None = None
         self.stop_ids = stop_ids_for(config, self.engine.eos_token_ids)
         self.max_new = max(0, min(config.max_new_tokens, self.engine.max_context_len - len(prompt)))
+        self.fast_forward = FastForwardCounts()
+        self._rng: np.random.Generator | None = None
 
     async def run(self) -> AsyncIterator[TokenDelta | GenerationResult]:
         """Yield a ``TokenDelta`` per token, then the ``GenerationResult``."""
@@ -192,16 +221,17 @@ class DecodeLoop:
             yield event
 
     async def run_sequential(self) -> AsyncIterator[TokenDelta | GenerationResult]:
-        """One token at a time from ``chooser()``: a delta per token, then the result."""
+        """Tokens from ``chooser()``, or forced by the constraint: a delta per token, then the result."""
         log = self.log
 
-        async def feed(token: int) -> None:
-            async with self.engine.room(self.slot, 1):
-                await self.run_blocking(log.feed, self.slot, [token])
+        async def feed(tokens: list[int]) -> None:
+            async with self.engine.room(self.slot, len(tokens)):
+                await self.run_blocking(log.feed, self.slot, tokens)
 
         events = decode_tokens(
             self.chooser(), feed, config=self.config, decode_text=self.engine.tokenizer.decode,
             stop_ids=self.stop_ids, max_new=self.max_new, constraint=self.constraint, score=self.scorer(),
+            forcing=self.forcing(), counts=self.fast_forward, on_forced=self.skip_draw,
         )
         async for event in events:
             if isinstance(event, DecodeOutcome):
@@ -213,7 +243,7 @@ class DecodeLoop:
         """``choose(generated)``: the next token, sampled from the log's last logits under the
         config (and the constraint's mask)."""
         log, cfg = self.log, self.config
-        rng = make_rng(cfg.seed)
+        rng = self._rng = make_rng(cfg.seed)
 
         def choose(generated: list[int]) -> int:
             assert log.last_logits is not None
@@ -223,6 +253,20 @@ class DecodeLoop:
             )
 
         return choose
+
+    def forcing(self) -> ForcingConstraint | None:
+        """The constraint to take forced tokens from (``fast_forward.forced_source``), or None."""
+        if type(self).chooser is not DecodeLoop.chooser:
+            # NOTE: a loop that chooses tokens itself (the scripted engine replays its script)
+            # must be asked for every token, forced or not.
+            return None
+        return forced_source(self.constraint, self.config)
+
+    def skip_draw(self) -> None:
+        """Stand for the draw sampling would have made for a forced token (its mask allowed only
+        it): a seeded sampled call then draws the same tokens with fast-forward on or off."""
+        if self._rng is not None and not self.config.greedy:
+            self._rng.random()
 
     def scorer(self) -> Callable[[int], TokenLogprob] | None:
         """``score(token)``: the token's log-probability and the config's number of alternatives,
@@ -250,9 +294,10 @@ class DecodeLoop:
     ) -> GenerationResult:
         """Build the result and the metrics."""
         ttft, tpot = timing(self.started, first_at, len(generated))
-        self.metrics = with_steps(
+        self.metrics = replace(with_steps(
             self.engine.metrics_for(self.log, self.align, generated=len(generated), ttft=ttft, tpot=tpot),
-            self.slot, self.steps_before)
+            self.slot, self.steps_before), forced_tokens=self.fast_forward.forced,
+            steps_saved=self.fast_forward.steps_saved)
         return GenerationResult(
             token_ids=tuple(generated), text=text, finish_reason=finish, metrics=self.metrics, beams=beams
         )

@@ -1,0 +1,98 @@
+"""Grammar fast-forward on the default model (``engine/decode/fast_forward.py``): tool calls under
+``tool_choice="required"`` decoded with fast-forward on equal the one-step-per-token decode under
+``exact=True`` (tokens, stream, KV log) in fewer model steps; seeded sampling draws the same tokens;
+``max_new_tokens`` and stop strings cut a forced run where one-by-one decoding would. Under the
+default numerics the agreement is printed, and every answer is a valid call.
+
+The unit tests (fake constraints, real llguidance masks) are in ``tests/test_fast_forward.py``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from agentkv.chat.toolcalls import parse_tool_calls, tool_call_grammar
+from agentkv.engine.base import GenerationConfig, GenerationResult
+
+pytestmark = pytest.mark.model
+
+CASES = json.loads((Path(__file__).resolve().parents[1] / "data" / "function_calling.json").read_text())
+PICKED = ["simple_0", "multiple_0", "parallel_0", "nested_0", "enum_0", "parallel_multiple_0"]
+ON, OFF = GenerationConfig(max_new_tokens=96), GenerationConfig(max_new_tokens=96, fast_forward=False)
+
+
+def case_prompt(engine, case_id: str) -> tuple[list[int], str]:
+    """The case's question rendered with its tools, and the ``required`` single-call grammar."""
+    case = next(c for c in CASES["cases"] if c["id"] == case_id)
+    tools = [CASES["tools"][name] for name in case["tools"]]
+    text = engine.tokenizer.apply_chat_template([{"role": "user", "content": case["question"]}],
+                                                add_generation_prompt=True, tools=tools)
+    return engine.tokenizer.encode(text), tool_call_grammar(tools, "required", parallel=False)
+
+
+async def run(engine, ids: list[int], grammar: str, config: GenerationConfig
+              ) -> tuple[GenerationResult, list[int], str, tuple[int, ...]]:
+    """One call on a fresh session: the result, the streamed ids and text, the KV log after it."""
+    session = await engine.open_session()
+    try:
+        stream = session.stream(ids, config, constraint=engine.make_constraint(grammar))
+        deltas = [delta async for delta in stream]
+        assert stream.result is not None
+        return stream.result, [d.token_id for d in deltas], "".join(d.text for d in deltas), session.tokens
+    finally:
+        await session.close()
+
+
+async def test_fast_forward_equals_one_step_per_token_under_exact_numerics_in_fewer_steps(any_exact_engine):
+    forced = saved = 0
+    for case_id in PICKED:
+        ids, grammar = case_prompt(any_exact_engine, case_id)
+        plain, plain_ids, plain_text, plain_log = await run(any_exact_engine, ids, grammar, OFF)
+        fast, fast_ids, fast_text, fast_log = await run(any_exact_engine, ids, grammar, ON)
+        assert fast.token_ids == plain.token_ids, (case_id, fast.text, plain.text)
+        assert fast.text == plain.text == fast_text == plain_text and fast.finish_reason == plain.finish_reason
+        assert fast_ids == plain_ids == list(fast.token_ids)  # one delta per token, in order
+        assert fast_log == plain_log  # the KV log holds the same tokens
+        m, p = fast.metrics, plain.metrics
+        assert p.forced_tokens == p.steps_saved == 0
+        assert 0 < m.steps_saved <= m.forced_tokens < m.generated_tokens
+        if p.model_steps:  # the paged engine counts its steps (the stateful one reports 0)
+            assert m.model_steps == p.model_steps - m.steps_saved
+        forced, saved = forced + m.forced_tokens, saved + m.steps_saved
+        print(f"\n[fast-forward] {case_id}: {m.generated_tokens} tokens, {m.forced_tokens} forced, "
+              f"steps {p.model_steps} -> {m.model_steps}")
+    print(f"[fast-forward] {forced} forced tokens, {saved} steps saved over {len(PICKED)} calls")
+
+
+async def test_seeded_sampling_draws_the_same_tokens_with_fast_forward_on_or_off(paged_exact):
+    ids, grammar = case_prompt(paged_exact, "nested_0")
+    for seed in (1, 2, 3):
+        sampled = {"temperature": 0.9, "top_p": 0.95, "seed": seed}
+        plain, *_ = await run(paged_exact, ids, grammar, OFF.model_copy(update=sampled))
+        fast, *_ = await run(paged_exact, ids, grammar, ON.model_copy(update=sampled))
+        assert fast.token_ids == plain.token_ids and fast.metrics.forced_tokens > 0
+
+
+@pytest.mark.parametrize("cut", [{"max_new_tokens": 3}, {"max_new_tokens": 12}, {"stop_strings": ('": "',)},
+                                 {"stop_strings": ("}}",)}])
+async def test_max_new_tokens_and_stop_strings_cut_a_forced_run_where_one_by_one_decoding_does(paged_exact, cut):
+    ids, grammar = case_prompt(paged_exact, "simple_0")
+    plain, _, _, plain_log = await run(paged_exact, ids, grammar, OFF.model_copy(update=cut))
+    fast, _, _, fast_log = await run(paged_exact, ids, grammar, ON.model_copy(update=cut))
+    assert (fast.token_ids, fast.text, fast.finish_reason) == (plain.token_ids, plain.text, plain.finish_reason)
+    assert fast_log == plain_log and len(fast.token_ids) <= cut.get("max_new_tokens", 96)
+
+
+async def test_default_numerics_give_valid_calls_with_fast_forward_and_report_agreement(engine):
+    equal = 0
+    for case_id in PICKED:
+        ids, grammar = case_prompt(engine, case_id)
+        plain, *_ = await run(engine, ids, grammar, OFF)
+        fast, *_ = await run(engine, ids, grammar, ON)
+        parsed = parse_tool_calls(fast.text)
+        assert parsed.errors == () and len(parsed.tool_calls) == 1, fast.text
+        assert fast.metrics.forced_tokens > 0
+        equal += fast.token_ids == plain.token_ids
+    print(f"\n[fast-forward] default numerics: {equal}/{len(PICKED)} calls token-for-token equal to one-by-one")
