@@ -127,7 +127,8 @@ def sessions_list(db: Optional[str] = typer.Option(None, "--db", help=DB_HELP)) 
 def sessions_show(
     session_id: str,
     kv: bool = typer.Option(False, "--kv", help="Also its KV: tokens, bytes, snapshots, reuse and what it "
-                            "saved, compactions and cache breaks (with their causes)."),
+                            "saved, compactions and cache breaks (with their causes); per model call, the tokens a "
+                            "grammar forced, drafts proposed and the model accepted, and the steps that saved."),
     db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
 ) -> None:
     """A session's history: tool calls as name(arguments), messages out of the window marked."""

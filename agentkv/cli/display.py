@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from agentkv.chat.messages import Message, ToolCall
+from agentkv.engine.base import GenerationMetrics
 from agentkv.events import RunEvent
 from agentkv.memory.records import SessionSummary
 from agentkv.result import RunResult
@@ -110,7 +111,7 @@ class TurnPrinter:
             if self.metrics:
                 m = event.metrics
                 self._line(f"[dim]prompt {m.prompt_tokens} tok, reused {m.reused_tokens}, prefilled "
-                           f"{m.prefilled_tokens}, generated {m.generated_tokens}, "
+                           f"{m.prefilled_tokens}, generated {m.generated_tokens}{decode_figures(m)}, "
                            f"TTFT {m.ttft_s * 1000:.0f} ms[/dim]", console=self.err)
         elif event.type == "cache_broken":
             if self.metrics:  # NOTE: before the call's text: it explains the TTFT about to come
@@ -147,6 +148,15 @@ class TurnPrinter:
         target = console or self.out
         target.print(markup, highlight=False)
         target.file.flush()
+
+
+def decode_figures(m: GenerationMetrics) -> str:
+    """What fast-forward and drafts did, when they did anything: ``" (forced 24, drafted 10,
+    accepted 8, 26 steps saved)"``; else ""."""
+    if not (m.forced_tokens or m.drafted_tokens or m.steps_saved):
+        return ""
+    return (f" (forced {m.forced_tokens}, drafted {m.drafted_tokens}, accepted {m.accepted_tokens}, "
+            f"{m.steps_saved} steps saved)")
 
 
 def _escape(text: Any) -> str:

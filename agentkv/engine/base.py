@@ -34,11 +34,9 @@ MAX_LOGPROBS = 20
 
 
 class GenerationConfig(BaseModel):
-    """How to pick tokens. Invalid values (NaN and infinities included) raise
-    ``pydantic.ValidationError`` at construction, naming the field and the range it takes;
-    ``Agent(generation={...})`` turns them into a ``UserError``.
-    ``GenerationConfig(max_new_tokens=64)`` is greedy; ``temperature>0`` samples.
-    """
+    """How to pick tokens: ``GenerationConfig(max_new_tokens=64)`` is greedy, ``temperature>0`` samples.
+    Invalid values (NaN, infinities) raise ``pydantic.ValidationError`` naming the field and its range
+    (``Agent(generation={...})`` turns them into a ``UserError``)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
@@ -73,8 +71,7 @@ class GenerationConfig(BaseModel):
     num_return_sequences: int = Field(1, ge=1)
     """How many finished beams to return (≤ num_beams)."""
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    """Report each generated token's log-probability and this many most likely alternatives
-    (0..20) on its ``TokenDelta.logprob``; None (the default) computes nothing."""
+    """Each token's log-probability and this many likeliest others (0..20) on ``TokenDelta.logprob``; None: off."""
     fast_forward: bool = True
     """Feed a grammar's forced tokens in one model step (same tokens; off with logprobs or beams)."""
 
@@ -126,8 +123,7 @@ class GenerationMetrics:
     kv_bytes: int
     """Bytes the session's KV occupies in the model's cache precision."""
     kv_exact: bool = True
-    """False when part of the KV came back from a lossy restore (a u8 cache through the state API, or a
-    snapshot in a rounding precision the user chose): close to, not bit-identical with, the model's."""
+    """False when part of the KV came from a lossy restore (u8 state-API cache, a rounding snapshot)."""
     model_steps: int = 0
     """Model steps this call's prefill and decode ran in (0: the engine does not count them)."""
     mean_batch: float = 0.0
@@ -138,6 +134,10 @@ class GenerationMetrics:
     """Generated tokens a grammar forced, taken without sampling (``GenerationConfig.fast_forward``)."""
     steps_saved: int = 0
     """Model steps fast-forward saved: tokens the decode loop fed, less the feeds it fed them in."""
+    drafted_tokens: int = 0
+    """Tokens proposed by prompt-lookup drafts."""
+    accepted_tokens: int = 0
+    """Drafted tokens the model's own choice confirmed."""
 
 
 @dataclass(frozen=True)
@@ -198,8 +198,7 @@ class TokenDelta:
 class GenerationStream:
     """Async iterator of ``TokenDelta``; ``result`` is set once iteration ends.
     ``stream = session.stream(ids, cfg); async for d in stream: print(d.text, end="")``;
-    use ``async with session.stream(...) as stream:`` when you may stop early.
-    """
+    use ``async with session.stream(...) as stream:`` when you may stop early."""
 
     _events: AsyncIterator[TokenDelta | GenerationResult]
     result: GenerationResult | None = field(default=None)
@@ -365,8 +364,7 @@ class Engine(Protocol):
         """A new empty session; ``salt`` names its tenant (prefixes are cached per salt)."""
 
     def register_prefix(self, tokens: Sequence[int], *, salt: str = "") -> None:
-        """Mark ``tokens`` as a shared prefix worth caching (system prompt + tool schemas) for
-        the sessions of tenant ``salt``."""
+        """Mark ``tokens`` (system prompt + tool schemas) as a shared prefix to cache for tenant ``salt``."""
 
     def make_constraint(self, grammar: str) -> TokenConstraint | None:
         """A fresh grammar constraint for one generation (llguidance Lark grammar), or None

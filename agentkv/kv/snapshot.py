@@ -215,7 +215,8 @@ class KVSnapshot:
         else:
             dtype = _STORAGE_DTYPE[stored]
             stored_k, stored_v = keys.astype(dtype, copy=True), values.astype(dtype, copy=True)
-        exact = lossless and holds_exactly(stored, keys, values)
+        # NOTE: "auto" chose a precision that holds them exactly: no second pass over the KV
+        exact = lossless and (precision == "auto" or holds_exactly(stored, keys, values))
         return cls(tokens=tuple(tokens), keys=stored_k, values=stored_v, precision=stored, fingerprint=fingerprint,
                    shifted=shifted, lossless=exact)
 

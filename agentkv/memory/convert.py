@@ -88,7 +88,8 @@ def response_record(row: ResponseRow) -> ResponseRecord:
 
 
 CALL_FIELDS = ("prompt_tokens", "reused_tokens", "prefix_cache_tokens", "prefilled_tokens", "generated_tokens",
-               "ttft_s", "tpot_s", "kv_tokens", "kv_bytes", "cache_break", "compaction")
+               "ttft_s", "tpot_s", "kv_tokens", "kv_bytes", "cache_break", "compaction",
+               "forced_tokens", "drafted_tokens", "accepted_tokens", "steps_saved")
 
 
 def call_row(record: CallRecord) -> CallRow:

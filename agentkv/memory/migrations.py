@@ -209,6 +209,20 @@ def _m008_message_reasoning(conn: Connection) -> None:
     conn.execute(text("ALTER TABLE messages ADD COLUMN reasoning TEXT"))
 
 
+DECODE_COLUMNS = ("forced_tokens", "drafted_tokens", "accepted_tokens", "steps_saved")
+"""The ``calls`` columns migration 9 adds (``GenerationMetrics``' figures of the same names)."""
+
+
+def _m009_call_decode_figures(conn: Connection) -> None:
+    """9: calls.forced_tokens / drafted_tokens / accepted_tokens / steps_saved — what grammar
+    fast-forward and prompt-lookup drafts did in each model call. NULL for every call before:
+    "not recorded", not 0 — calls made since fast-forward landed (issue 27, step 1) forced
+    tokens that no column kept. Nullable columns without a default: one ALTER each, the same on
+    SQLite and PostgreSQL, and no rewrite of the table."""
+    for name in DECODE_COLUMNS:
+        conn.execute(text(f"ALTER TABLE calls ADD COLUMN {name} INTEGER"))
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "initial", _m001_initial),
     Migration(2, "sessions_by_recency", _m002_sessions_by_recency),
@@ -218,6 +232,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(6, "calls", _m006_calls),
     Migration(7, "lease_epoch", _m007_lease_epoch),
     Migration(8, "message_reasoning", _m008_message_reasoning),
+    Migration(9, "call_decode_figures", _m009_call_decode_figures),
 )
 LATEST_VERSION = MIGRATIONS[-1].version
 

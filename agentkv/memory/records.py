@@ -159,5 +159,14 @@ class CallRecord:
     """Where and why the call reused less than its session held (``CacheBreak`` as JSON)."""
     compaction: dict[str, Any] | None = None
     """The context compaction just before the call (policy, tokens before and after)."""
+    forced_tokens: int | None = None
+    """Generated tokens a grammar forced, taken without sampling (None: a call recorded before
+    schema 9, which did not keep these four figures)."""
+    drafted_tokens: int | None = None
+    """Tokens prompt-lookup drafts proposed."""
+    accepted_tokens: int | None = None
+    """Drafted tokens the model's own choice confirmed."""
+    steps_saved: int | None = None
+    """Model steps fast-forward and accepted drafts saved against one step per token."""
     id: int = 0
     created_at: datetime | None = None

@@ -184,3 +184,11 @@ class CallRow(Base):
     cache_break: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     compaction: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     created_at: Mapped[datetime]
+    forced_tokens: Mapped[int | None] = mapped_column(Integer)
+    """Generated tokens a grammar forced (schema 9; NULL on calls recorded before: not recorded)."""
+    drafted_tokens: Mapped[int | None] = mapped_column(Integer)
+    """Tokens prompt-lookup drafts proposed (schema 9; NULL before)."""
+    accepted_tokens: Mapped[int | None] = mapped_column(Integer)
+    """Drafted tokens the model confirmed (schema 9; NULL before)."""
+    steps_saved: Mapped[int | None] = mapped_column(Integer)
+    """Model steps fast-forward and drafts saved (schema 9; NULL before)."""

@@ -1,6 +1,7 @@
 """SessionStats: what a stored session's KV is and has saved — tokens, KV bytes, snapshots, the
-tokens every model call reused against those it computed, the time that saved, and the
-compactions and cache breaks so far (``agentkv sessions show ID --kv``)::
+tokens every model call reused against those it computed, the time that saved, the compactions
+and cache breaks so far, and what grammar fast-forward and prompt-lookup drafts did in each call
+(``agentkv sessions show ID --kv``)::
 
     stats = await session_stats(store, session_id)
     print(stats.reused_tokens, stats.saved_s, stats.cache_breaks)
@@ -11,8 +12,39 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from agentkv.memory import SnapshotRecord, Store
+from agentkv.memory import CallRecord, SnapshotRecord, Store
 from agentkv.memory.schema import utcnow
+
+
+@dataclass(frozen=True)
+class CallDecode:
+    """One model call's decode figures: ``CallDecode(4, generated=40, forced=24).line()``."""
+
+    number: int
+    """The call's place among the session's calls, from 1."""
+    generated: int
+    forced: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    steps_saved: int = 0
+
+    @property
+    def active(self) -> bool:
+        """True when the call forced or drafted a token."""
+        return bool(self.forced or self.drafted or self.steps_saved)
+
+    def line(self) -> str:
+        """``call 4: generated 40, forced 24, drafted 10, accepted 8, 26 steps saved``."""
+        return (f"call {self.number}: generated {self.generated}, forced {self.forced}, drafted {self.drafted}, "
+                f"accepted {self.accepted}, {self.steps_saved} steps saved")
+
+    @classmethod
+    def of(cls, number: int, call: CallRecord) -> CallDecode | None:
+        """The figures of ``call`` (None when it was recorded before schema 9 kept them)."""
+        if call.forced_tokens is None:
+            return None
+        return cls(number, call.generated_tokens, call.forced_tokens, call.drafted_tokens or 0,
+                   call.accepted_tokens or 0, call.steps_saved or 0)
 
 
 @dataclass(frozen=True)
@@ -36,6 +68,28 @@ class SessionStats:
     compactions: int
     cache_breaks: tuple[str, ...]
     """One line per call that reused less than its session held, oldest first."""
+    decode: tuple[CallDecode, ...] = ()
+    """What fast-forward and drafts did in each call that recorded it (schema 9 on), oldest first."""
+
+    @property
+    def forced_tokens(self) -> int:
+        """Generated tokens a grammar forced, over the calls in ``decode``."""
+        return sum(d.forced for d in self.decode)
+
+    @property
+    def drafted_tokens(self) -> int:
+        """Tokens prompt-lookup drafts proposed, over the calls in ``decode``."""
+        return sum(d.drafted for d in self.decode)
+
+    @property
+    def accepted_tokens(self) -> int:
+        """Drafted tokens the model confirmed, over the calls in ``decode``."""
+        return sum(d.accepted for d in self.decode)
+
+    @property
+    def steps_saved(self) -> int:
+        """Model steps fast-forward and drafts saved, over the calls in ``decode``."""
+        return sum(d.steps_saved for d in self.decode)
 
     @property
     def saved_s(self) -> float:
@@ -53,10 +107,25 @@ class SessionStats:
             f"{self.compactions} compactions, {len(self.cache_breaks)} cache breaks",
         ]
         out += [f"  {line}" for line in self.cache_breaks[-5:]]
+        out += self._decode_lines()
         for snap in self.snapshots:
             age = (now - snap.created_at).total_seconds()
             out.append(f"snapshot {snap.num_tokens} tokens, {snap.nbytes / 1e6:.1f} MB, {snap.precision}, "
                        f"{_age(age)} old")
+        return out
+
+    def _decode_lines(self) -> list[str]:
+        """The fast-forward and draft totals, then the own figures of the last five calls that
+        forced or drafted anything."""
+        if not self.decode:
+            return []
+        generated = sum(d.generated for d in self.decode)
+        share = f" ({self.accepted_tokens / self.drafted_tokens:.0%})" if self.drafted_tokens else ""
+        unrecorded = self.calls - len(self.decode)
+        out = [f"decode: {self.forced_tokens} of {generated} generated tokens forced, {self.drafted_tokens} "
+               f"drafted, {self.accepted_tokens} accepted{share}; {self.steps_saved} model steps saved"
+               + (f" ({len(self.decode)} of {self.calls} calls recorded these)" if unrecorded else "")]
+        out += [f"  {d.line()}" for d in [d for d in self.decode if d.active][-5:]]
         return out
 
 
@@ -80,6 +149,7 @@ async def session_stats(store: Store, session_id: str) -> SessionStats:
         prefill_s_per_token=ttft / prefilled if prefilled else 0.0,
         compactions=sum(1 for c in calls if c.compaction),
         cache_breaks=tuple(str(c.cache_break.get("summary", c.cache_break)) for c in calls if c.cache_break),
+        decode=tuple(d for d in (CallDecode.of(n, c) for n, c in enumerate(calls, start=1)) if d is not None),
     )
 
 

@@ -105,6 +105,8 @@ def describe_call(span: tracing.Span, m: GenerationMetrics, found: CacheBreak | 
     """The call's figures as attributes of its span: ``describe_call(span, result.metrics, None)``."""
     span.set(prompt_tokens=m.prompt_tokens, reused_tokens=m.reused_tokens, prefix_cache_tokens=m.prefix_cache_tokens,
              prefilled_tokens=m.prefilled_tokens, generated_tokens=m.generated_tokens, ttft_s=m.ttft_s,
-             tpot_s=m.tpot_s, kv_tokens=m.kv_tokens, kv_bytes=m.kv_bytes,
+             tpot_s=m.tpot_s, kv_tokens=m.kv_tokens, kv_bytes=m.kv_bytes, forced_tokens=m.forced_tokens,
+             drafted_tokens=m.drafted_tokens, accepted_tokens=m.accepted_tokens, steps_saved=m.steps_saved,
+             model_steps=m.model_steps or None,
              cache_break=found.describe() if found is not None else None,
              cache_break_cause=found.cause if found is not None else None)

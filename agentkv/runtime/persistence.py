@@ -259,7 +259,8 @@ class CallLog:
                 prefix_cache_tokens=m.prefix_cache_tokens, prefilled_tokens=m.prefilled_tokens,
                 generated_tokens=m.generated_tokens, ttft_s=m.ttft_s, tpot_s=m.tpot_s, kv_tokens=m.kv_tokens,
                 kv_bytes=m.kv_bytes, compaction=compaction,
-                cache_break=found.as_json() if found else None)
+                cache_break=found.as_json() if found else None, forced_tokens=m.forced_tokens,
+                drafted_tokens=m.drafted_tokens, accepted_tokens=m.accepted_tokens, steps_saved=m.steps_saved)
             try:
                 await self.store.record_call(record)
             except Exception:

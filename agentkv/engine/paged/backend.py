@@ -22,11 +22,13 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
+import numpy as np
+
 from agentkv.engine.paged.block_pool import BlockPool
 from agentkv.engine.paged.model import BLOCK_SIZE, PagedModel
 from agentkv.engine.paged.prefix import PagedPrefixCache
 from agentkv.engine.paged.shared_blocks import SharedBlocks
-from agentkv.engine.paged.slot import PagedSlot, blocks_for, read_raw_blocks, read_table
+from agentkv.engine.paged.slot import PagedSlot, blocks_for, read_raw_blocks, read_table, read_table_stored
 from agentkv.engine.session.backend import OpenSession, SlotBackend
 from agentkv.errors import KVLogCorrupt
 from agentkv.kv.log import KVLog, KVSlot, KVSource
@@ -48,12 +50,24 @@ class PagedBackend(SlotBackend):
     # ---- KV: snapshots, holds, restores ------------------------------------------------
     def snapshot(self, log: KVLog, slot: KVSlot) -> KVSnapshot:
         """Host snapshot of ``log``'s KV in ``slot``: a u8 cache's raw blocks (bit-exact, u8 size),
-        else floats in the snapshot precision (blocking): ``backend.snapshot(log, slot)``."""
-        if not self._raw_snapshots:
+        a 16-bit cache's values as they are stored (no float32 pass, no precision probe: they are
+        lossless in it), else floats in the snapshot precision (blocking): ``backend.snapshot(log, slot)``."""
+        stored = self.paged_model.kv_cache_precision
+        as_stored = stored in ("f16", "bf16") and self.snapshot_precision in ("auto", stored)
+        if not (self._raw_snapshots or as_stored):
             return super().snapshot(log, slot)
         assert isinstance(slot, PagedSlot)
         if slot.length() != len(log):
             raise KVLogCorrupt(f"the slot holds {slot.length()} positions but the log has {len(log)} tokens")
+        if as_stored:
+            keys, values = read_table_stored(self.paged_model, slot.blocks, len(log))
+            if stored == "bf16":  # the snapshot's bf16 storage is the values' bits
+                return KVSnapshot(tokens=tuple(log.tokens), keys=keys.view(np.uint16), values=values.view(np.uint16),
+                                  precision="bf16", fingerprint=self.fingerprint, shifted=log.shifted,
+                                  lossless=log.exact)
+            return KVSnapshot(tokens=tuple(log.tokens), keys=keys.astype(np.float16, copy=False),
+                              values=values.astype(np.float16, copy=False), precision="f16",
+                              fingerprint=self.fingerprint, shifted=log.shifted, lossless=log.exact)
         blocks = slot.blocks[: blocks_for(len(log))]  # a failed feed may have grown the table already
         return self._raw_snapshot(log.tokens, blocks, shifted=log.shifted, lossless=log.exact)
 

@@ -240,14 +240,32 @@ def read_table(model: PagedModel, blocks: Sequence[int], length: int) -> tuple[n
     return np.stack(keys)[:, None], np.stack(values)[:, None]
 
 
+def read_table_stored(model: PagedModel, blocks: Sequence[int], length: int) -> tuple[np.ndarray, np.ndarray]:
+    """K and V ``[layers, 1, heads, length, head_dim]`` of a block table in the cache's own 16-bit
+    storage (float16, or a bf16 cache's bits as uint16), no float32 pass: copies for a snapshot."""
+    if model.kv_cache_precision not in ("f16", "bf16"):
+        raise UserError(f"a {model.kv_cache_precision} cache has no 16-bit storage to read: use read_table")
+    keys, values = [], []
+    with model.lock:
+        for k_cache, v_cache in model.cache_layers():
+            keys.append(_flat(k_cache[list(blocks)], length))
+            values.append(_flat(v_cache[list(blocks)], length))
+    return np.stack(keys)[:, None], np.stack(values)[:, None]
+
+
+def _flat(picked: np.ndarray, length: int) -> np.ndarray:
+    """``[heads, length, dim]`` of blocks ``[n, heads, rows, dim]`` (rows: a block's positions)."""
+    heads, dim = picked.shape[1], picked.shape[3]
+    return picked.transpose(1, 0, 2, 3).reshape(heads, -1, dim)[:, :length]
+
+
 def _gather(model: PagedModel, cache: np.ndarray, blocks: list[int], length: int, *, key: bool) -> np.ndarray:
     """``[heads, length, dim]`` float32 from ``cache[blocks]`` (``[n, heads, rows, cols]``; a bf16
     cache shows as 16-bit numbers: its bits are converted, not its values)."""
     picked = cache[blocks]
     if model.kv_cache_precision == "u8":
         return model.u8_layout(key=key).dequantize(picked, length)
-    heads, dim = picked.shape[1], picked.shape[3]
-    flat = picked.transpose(1, 0, 2, 3).reshape(heads, -1, dim)[:, :length]
+    flat = _flat(picked, length)
     if model.kv_cache_precision == "bf16":
         return from_bf16_bits(flat.view(np.uint16))
     return np.array(flat, dtype=np.float32)
