@@ -78,6 +78,9 @@ def _read_only(a: np.ndarray) -> np.ndarray:
 
 
 class WritableSlot(Protocol):
+    """Where a snapshot is written: float32 K/V, or the 16-bit form a slot with a
+    ``stored_precision`` attribute keeps (f16 values, bf16 bits as uint16)."""
+
     def write(self, keys: np.ndarray, values: np.ndarray) -> None: ...
 
 
@@ -244,6 +247,9 @@ class KVSnapshot:
                 raise SnapshotIncompatible("a u8-paged snapshot restores only into a paged engine with a u8 "
                                            "cache; re-prefill the history instead")
             slot.write_blocks(self.keys, self.values, self.num_tokens)
+            return
+        if self.precision in ("f16", "bf16") and getattr(slot, "stored_precision", None) == self.precision:
+            slot.write(self.keys, self.values)  # NOTE: the cache stores this very form: no float32 pass
             return
         slot.write(*self.to_float())
 

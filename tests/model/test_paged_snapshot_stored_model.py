@@ -1,7 +1,8 @@
 """Snapshots of a 16-bit paged cache are its values as stored: an f16 (or bf16) cache's snapshot is
 that precision, equals the float32 read of the same blocks bit for bit, is marked lossless, and
-restores into a new session as the KV it was read from — without the float32 pass and precision
-probe that made a 2K-token turn-end snapshot cost most of a second."""
+is written back as stored into a new session, giving the KV it was read from — without the float32
+passes and precision probe that made a 2K-token snapshot cost most of a second (0.65–1.6 s to
+capture, 0.4 s to restore; now tens of milliseconds each)."""
 
 from __future__ import annotations
 

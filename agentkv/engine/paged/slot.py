@@ -153,9 +153,14 @@ class PagedSlot:
         """float32 K and V ``[layers, 1, heads, T, head_dim]`` (copies; a u8 cache dequantised)."""
         return read_table(self.model, self.blocks, self._length)
 
+    @property
+    def stored_precision(self) -> str:
+        """The form ``write`` also takes as is: the cache's precision (f16 values, bf16 bits as uint16)."""
+        return self.model.kv_cache_precision
+
     def write(self, keys: np.ndarray, values: np.ndarray) -> None:
-        """Replace the KV by ``keys`` / ``values`` ``[layers, 1, heads, T, head_dim]`` (a u8 cache
-        quantises them in its own block layout)."""
+        """Replace the KV by ``keys`` / ``values`` ``[layers, 1, heads, T, head_dim]``: float32 (a
+        u8 cache quantises them in its own block layout), or a 16-bit cache's own storage form."""
         if keys.shape[1] != 1:
             raise UserError("a paged slot holds one sequence: write [layers, 1, heads, T, dim]")
         self._release_tables()
@@ -280,5 +285,6 @@ def _scatter(model: PagedModel, cache: np.ndarray, blocks: list[int], kv: np.nda
     bf16 = model.kv_cache_precision == "bf16"
     target = cache.view(np.uint16) if bf16 else cache
     padded = np.zeros((heads, len(blocks) * BLOCK_SIZE, dim), dtype=target.dtype)
-    padded[:, :length] = to_bf16_bits(kv) if bf16 else kv
+    stored = kv.dtype.itemsize == 2  # NOTE: already the cache's form (f16 values, bf16 bits)
+    padded[:, :length] = to_bf16_bits(kv) if bf16 and not stored else kv.view(target.dtype) if stored else kv
     target[blocks] = padded.reshape(heads, len(blocks), BLOCK_SIZE, dim).transpose(1, 0, 2, 3)
