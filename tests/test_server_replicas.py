@@ -1,5 +1,7 @@
 """Two replicas of the server on one store (two apps, each with its own engine and ``Store`` on the
-same SQLite file, as two processes would be): a conversation moves between them on its snapshot;
+same SQLite file, as two processes would be): a conversation moves between them on its snapshot
+(and back: the replica it left restores the newer snapshot rather than re-read what it missed);
+two requests for a conversation a replica has not opened yet run it once;
 a request for a conversation the other replica is running waits for its lease, then answers 409
 (``response_superseded`` once that run went past the response it continues, ``session_busy`` when
 the run outlasts the wait); the history keeps each turn once; every answer names its response in
@@ -16,6 +18,7 @@ import anyio
 import httpx
 import pytest
 import uvicorn
+from sse_starlette.sse import AppStatus
 
 from agentkv.memory import Store
 from agentkv.server import create_app
@@ -71,7 +74,9 @@ async def test_a_conversation_moves_to_the_other_replica_on_its_snapshot_and_bac
         usage = moved.json()["usage"]
         assert usage["input_tokens_details"]["cached_tokens"] >= first.json()["usage"]["input_tokens"]  # restored
         back = await respond(a, input="And now?", previous_response_id=moved.json()["id"])
-        assert back.status_code == 200, back.text  # a's open KV realigns with b's turn
+        assert back.status_code == 200, back.text
+        # a's own KV stops at its first turn: it restores b's newer snapshot rather than re-read b's turn
+        assert back.json()["usage"]["input_tokens_details"]["cached_tokens"] >= usage["input_tokens"]
         session = back.headers["X-Session-Id"]
     assert await window_of(url, session) == ["Hi", "Hello!", "Still there?", "On b now.", "And now?", "Back on a."]
 
@@ -148,8 +153,11 @@ async def test_the_first_sigterm_drains_ready_says_503_while_requests_are_still_
     assert await server.on_tick(2) is True  # the drain is over: uvicorn's graceful shutdown
     again = DrainingServer(uvicorn.Config(app=lambda *_: None), readiness=Readiness(None), drain_s=0.3)
     again.handle_exit(signal.SIGTERM, None)
-    again.handle_exit(signal.SIGTERM, None)  # a second SIGTERM stops at once
-    assert again.should_exit
+    try:
+        again.handle_exit(signal.SIGTERM, None)  # a second SIGTERM: uvicorn's graceful shutdown at once
+        assert again.should_exit
+    finally:  # NOTE: uvicorn's handler, as sse-starlette patches it, flags every stream of this process
+        AppStatus.should_exit = False
 
 
 async def test_shutting_down_snapshots_an_open_conversation_whose_snapshot_is_missing_and_only_that(url):
@@ -164,3 +172,57 @@ async def test_shutting_down_snapshots_an_open_conversation_whose_snapshot_is_mi
     async with Store(url) as store:
         assert [r.path for r in await store.snapshots(kept)] == before[kept]  # not saved again
         assert len(await store.snapshots(lost)) == 1  # saved by the shutdown
+
+
+async def test_two_requests_for_a_conversation_this_replica_has_not_opened_run_it_once(url):
+    gate, started = anyio.Event(), anyio.Event()
+    opened: list = []
+    b_engine = ScriptedEngine([gated("B's answer.", gate, started), "never used"])
+    open_session = b_engine.open_session
+
+    async def counting(**options):
+        opened.append(await open_session(**options))
+        return opened[-1]
+
+    b_engine.open_session = counting  # type: ignore[method-assign]
+    async with replica(url, ScriptedEngine(["Hello!"])) as a, replica(url, b_engine) as b:
+        first = (await respond(a, input="Hi")).json()
+        answers: dict[str, httpx.Response] = {}
+
+        async def on(name: str) -> None:
+            answers[name] = await respond(b, input=f"Turn {name}", previous_response_id=first["id"])
+
+        async with anyio.create_task_group() as tasks:  # both resume it at once on b
+            tasks.start_soon(on, "x")
+            tasks.start_soon(on, "y")
+            await started.wait()
+            await anyio.sleep(0.2)
+            gate.set()
+        codes = sorted(answer.status_code for answer in answers.values())
+        assert codes == [200, 409], {k: v.text for k, v in answers.items()}
+        ran = next(name for name, answer in answers.items() if answer.status_code == 200)
+        session = answers[ran].headers["X-Session-Id"]
+    assert await window_of(url, session) == ["Hi", "Hello!", f"Turn {ran}", "B's answer."]
+    assert len(opened) == 1  # one conversation, one KV session (and it was closed at shutdown)
+
+
+async def test_deleting_a_response_whose_conversation_the_other_replica_is_running_is_409(url):
+    gate, started = anyio.Event(), anyio.Event()
+    async with replica(url, ScriptedEngine(["Hello!", gated("A's answer.", gate, started)])) as a, \
+            replica(url, ScriptedEngine([])) as b:
+        first = (await respond(a, input="Hi")).json()
+        answers: dict[str, httpx.Response] = {}
+
+        async def on_a() -> None:
+            answers["a"] = await respond(a, input="Turn on a", previous_response_id=first["id"])
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(on_a)
+            await started.wait()
+            refused = await b.delete(f"/v1/responses/{first['id']}")
+            gate.set()
+        assert refused.status_code == 409 and refused.json()["error"]["code"] == "session_busy", refused.text
+        assert answers["a"].status_code == 200  # the run went on, its conversation intact
+        deleted = await b.delete(f"/v1/responses/{first['id']}")  # once it is over: not the last response
+        assert deleted.status_code == 200
+    assert await window_of(url, first_session(answers)) == ["Hi", "Hello!", "Turn on a", "A's answer."]

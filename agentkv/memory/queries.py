@@ -348,11 +348,16 @@ def response_row(s: Session, response_id: str, owner: str) -> ResponseRow:
     return row
 
 
-def delete_response(s: Session, response_id: str, owner: str) -> tuple[bool, list[str]]:
+def delete_response(s: Session, response_id: str, owner: str, now: datetime) -> tuple[bool, list[str]]:
     """Delete a response; when it was its session's last, the session goes too. Returns whether
-    the session went, and the snapshot file names to remove after commit."""
+    the session went, and the snapshot file names to remove after commit. ``SessionBusy`` while a
+    live holder (a run, maybe in another process) has the session's lease: nothing is deleted."""
     row = response_row(s, response_id, owner)
     session_id = row.session_id
+    session_row(s, session_id, for_update=True)
+    holder = lease_holder(s, session_id, live_at=now)
+    if holder is not None and not holder_is_dead_here(holder):
+        raise SessionBusy(session_id, holder)
     s.delete(row)
     s.flush()
     remaining = s.execute(select(func.count()).select_from(ResponseRow)

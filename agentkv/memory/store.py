@@ -382,10 +382,11 @@ class Store:
         return await self.database.run(self.database.read, lambda s: queries.responses_of(s, session_id))
 
     async def delete_response(self, response_id: str, *, owner: str = "") -> bool:
-        """Delete a response (``ResponseNotFound`` if absent or another owner's). The session
-        goes with its last response — messages, snapshots and files; returns True then."""
+        """Delete a response (``ResponseNotFound`` if absent or another owner's; ``SessionBusy``
+        while a run, here or in another process, holds its session). The session goes with its
+        last response — messages, snapshots and files; returns True then."""
         def delete() -> bool:
-            gone, names = self.database.write(lambda s: queries.delete_response(s, response_id, owner))
+            gone, names = self.database.write(lambda s: queries.delete_response(s, response_id, owner, self.clock()))
             self.files.remove(names)
             return gone
         return await self.database.run(delete)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import anyio
 
@@ -30,7 +31,7 @@ from agentkv.run.past_reasoning import reusable_kv_len
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CallLog", "Restored", "ResumeReport", "StoreSink", "StoreWindowHook", "load_window",
+__all__ = ["CallLog", "Restored", "ResumeReport", "StoreSink", "StoreWindowHook", "catch_up_from_snapshot", "load_window",
            "record_interrupted_calls", "restore_newest_snapshot", "save_snapshot", "save_snapshot_unless_stored"]
 
 
@@ -155,6 +156,29 @@ async def save_snapshot_unless_stored(store: Store, conversation: Conversation) 
     return True
 
 
+async def catch_up_from_snapshot(store: Store, conversation: Conversation) -> int:
+    """After another process ran ``conversation`` (its stored window changed under it): restore the
+    newest snapshot when it holds more of the history than the conversation's own KV (which would
+    otherwise realign by prefix and re-read the rest); returns the tokens restored (0: KV kept)::
+
+        if conversation.reload_window(await load_window(store, conversation.id)):
+            await catch_up_from_snapshot(store, conversation)
+    """
+    fingerprint = conversation.engine.fingerprint
+    held = _snapshot_worthy_len(conversation)
+    newest = [r for r in await store.snapshots(conversation.id) if r.fingerprint == fingerprint]
+    if not newest or newest[0].num_tokens <= held:
+        return 0
+    prompt = conversation.render(conversation.agent, add_generation_prompt=False).token_ids
+    restored = await restore_newest_snapshot(
+        store, conversation.id, conversation.kv, prompt, fingerprint,
+        partial(reusable_kv_len, conversation.renderer, conversation.agent), better_than=held)
+    if restored.tokens:
+        logger.info("session %s: another process ran it; restored its newest snapshot (%d tokens, %d held here)",
+                    conversation.id, restored.tokens, held)
+    return restored.tokens
+
+
 def _snapshot_worthy_len(conversation: Conversation) -> int:
     """Tokens of the conversation's KV a snapshot keeps: what its stored history renders to."""
     history = conversation.render(conversation.agent, add_generation_prompt=False).token_ids
@@ -193,7 +217,7 @@ class Restored:
 
 async def restore_newest_snapshot(
     store: Store, session_id: str, kv: KVSession, prompt: tuple[int, ...], fingerprint: str,
-    reusable: Callable[[Sequence[int], Sequence[int]], int] = common_prefix_len,
+    reusable: Callable[[Sequence[int], Sequence[int]], int] = common_prefix_len, *, better_than: int = 0,
 ) -> Restored:
     """Restore into ``kv`` the newest valid snapshot that shares a prefix with ``prompt`` — the
     whole snapshot, or its part up to where they diverge (a rewound or forked history), as
@@ -201,7 +225,8 @@ async def restore_newest_snapshot(
     model's conversation also keeps the thinking its template leaves out: ``reusable_kv_len``).
 
     A corrupt or missing file, or one from another model, is skipped and logged: the conversation
-    then re-prefills, losing nothing.
+    then re-prefills, losing nothing. ``better_than``: the tokens ``kv`` already holds of the prompt;
+    a snapshot that would not restore more is passed over (and ``kv`` kept).
     """
     skipped: list[str] = []
     held = 0
@@ -217,8 +242,9 @@ async def restore_newest_snapshot(
             skipped.append(f"{record.path.name}: {error}")
             continue
         shared = reusable(snapshot.tokens, prompt)
-        if shared == 0:
-            skipped.append(f"{record.path.name}: it shares no prefix with the rendered history")
+        if shared <= better_than:
+            skipped.append(f"{record.path.name}: it shares {shared} tokens with the rendered history"
+                           + (f", not more than the {better_than} held" if better_than else ""))
             continue
         with tracing.span("agentkv.snapshot.restore", session_id=session_id, tokens=shared, bytes=record.nbytes,
                           precision=record.precision):

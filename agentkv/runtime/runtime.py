@@ -49,6 +49,7 @@ from agentkv.runtime.persistence import (
     ResumeReport,
     StoreSink,
     StoreWindowHook,
+    catch_up_from_snapshot,
     load_window,
     record_interrupted_calls,
     restore_newest_snapshot,
@@ -242,6 +243,9 @@ class Runtime:
     async def _attach(self, sid: str, agent: Agent, window: list, salt: str,  # type: ignore[type-arg]
                       kv: KVSession | None = None) -> Conversation:
         kv = kv if kv is not None else await self.engine.open_session(salt=salt)
+        if sid in self._conversations:  # NOTE: two of one conversation would each pass the other's run guard
+            await kv.close()
+            raise SessionBusy(sid, "another task of this process opened it meanwhile; use that one")
         conversation = Conversation(
             sid, agent, self.engine, kv, self.renderer, window=window,
             sink=StoreSink(self.store) if self.store is not None else None,
@@ -352,7 +356,8 @@ class Runtime:
             try:
                 if continue_from is not None:  # NOTE: a stored response after it: ResponseSuperseded
                     await self.store.rewind(conversation.id, continue_from, keep_responses=True)
-                conversation.reload_window(await load_window(self.store, conversation.id))
+                if conversation.reload_window(await load_window(self.store, conversation.id)):
+                    await catch_up_from_snapshot(self.store, conversation)  # another replica went on
                 await record_interrupted_calls(conversation)
                 began = True
                 yield

@@ -4,7 +4,7 @@
 
     server = DrainingServer(uvicorn.Config(app, port=8000), readiness=app.state.readiness, drain_s=5)
     await server.serve()     # SIGTERM: /ready answers 503 at once, requests still served for 5 s, then
-                             # uvicorn's own graceful shutdown; a second SIGTERM (or SIGINT) stops at once
+                             # uvicorn's own graceful shutdown; a second SIGTERM (or SIGINT) starts that at once
 """
 
 from __future__ import annotations

@@ -14,9 +14,15 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import anyio
+
 from agentkv.agent import Agent
 from agentkv.run.conversation import Conversation
 from agentkv.runtime.runtime import Runtime
+
+
+UNWIND_S = 5.0
+"""Seconds the shutdown waits for cancelled runs to save their snapshots before closing their KV."""
 
 
 class OpenConversations:
@@ -27,6 +33,9 @@ class OpenConversations:
         self.runtime = runtime
         self.max_open = max_open
         self._open: OrderedDict[str, Conversation] = OrderedDict()
+        self._opening: dict[str, anyio.Lock] = {}
+        """One lock per conversation being resumed: requests that ask for it meanwhile wait and
+        get the same conversation (two would each run it: its run guard is per conversation)."""
 
     async def new(self, agent: Agent, *, salt: str, session_id: str | None = None) -> Conversation:
         """A new stored conversation of tenant ``salt`` (with id ``session_id``, else a new one)."""
@@ -39,9 +48,17 @@ class OpenConversations:
         """The open conversation, or the stored one resumed (its KV from the newest snapshot)."""
         session = self._open.get(session_id)
         if session is None:
-            await self._make_room()
-            session = await self.runtime.resume(session_id, agent, salt=salt)
-            self._open[session_id] = session
+            lock = self._opening.setdefault(session_id, anyio.Lock())
+            try:
+                async with lock:
+                    session = self._open.get(session_id)  # NOTE: opened while this request waited
+                    if session is None:
+                        await self._make_room()
+                        session = await self.runtime.resume(session_id, agent, salt=salt)
+                        self._open[session_id] = session
+            finally:
+                if not lock.statistics().tasks_waiting and self._opening.get(session_id) is lock:
+                    del self._opening[session_id]
         self._open.move_to_end(session_id)
         return session
 
@@ -65,7 +82,11 @@ class OpenConversations:
 
     async def aclose(self) -> None:
         """Close every conversation, each snapshotted first unless its snapshot is stored already
-        (the server's shutdown: another replica resumes it from there)."""
+        (the server's shutdown: another replica resumes it from there). Runs the shutdown cancelled
+        get ``UNWIND_S`` to end (each saves its own snapshot as it ends) before their KV is closed."""
+        with anyio.move_on_after(UNWIND_S):
+            while any(session.running for session in self._open.values()):
+                await anyio.sleep(0.05)
         for session_id in list(self._open):
             session = self._open.pop(session_id)
             await self.runtime.close_conversation(session, snapshot=True)
