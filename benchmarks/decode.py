@@ -6,10 +6,15 @@ Workloads on the default model (issue 27): **tool calls** — 20 cases of
 grammar fast-forward off and on, interleaved per case (the order alternates) on fresh sessions of
 one engine. Per mode: decode tokens/s (tokens after the first over the time after the first), call
 tokens/s (tokens over the whole call, prefill included), model steps per call, forced tokens; and
-how many answers are token-for-token equal across the modes. **free text** and **quoting** are
-slots for the prompt-lookup step (not measured yet: their JSON values are null).
-The last line is one JSON object (``ff_over_plain_toolcalls``: decode tokens/s, on over off).
-Run: ``python benchmarks/decode.py [--cases 20] [--max-new-tokens 160] [--repeats 1] [--exact]``.
+how many answers are token-for-token equal across the modes. **quoting** — a tool returns a
+~200-token document (``QUOTE_DOCS``), the user asks to repeat its key part — and **free text** —
+multi-turn chat answers (``CHATS``, each mode continuing its own conversation on one session) —
+greedy, prompt-lookup drafts off (``plain``) and on (``drafts``), interleaved the same way;
+``--genai`` adds openvino-genai's ``LLMPipeline`` plain and with its prompt lookup
+(``prompt_lookup=True``, 5 drafted tokens, 3-grams) on the quoting prompts, as the anchor.
+The last line is one JSON object (``*_over_plain_*``: decode tokens/s, on over off).
+Run: ``python benchmarks/decode.py [--cases 20] [--max-new-tokens 160] [--repeats 1] [--exact]
+[--workloads toolcalls,quote,freetext] [--genai]``.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ class Mode:
     steps: int = 0
     forced: int = 0
     saved: int = 0
+    drafted: int = 0
+    accepted: int = 0
     calls: int = 0
     answers: list[tuple[int, ...]] = field(default_factory=list)
 
@@ -53,6 +60,7 @@ class Mode:
         self.call_s += seconds
         self.steps, self.forced, self.saved = self.steps + m.model_steps, self.forced + m.forced_tokens, \
             self.saved + m.steps_saved
+        self.drafted, self.accepted = self.drafted + m.drafted_tokens, self.accepted + m.accepted_tokens
         self.calls += 1
         self.answers.append(result.token_ids)
 
@@ -85,54 +93,224 @@ def tool_call_prompts(engine: Engine, count: int) -> list[tuple[str, list[int], 
     return prompts
 
 
-async def one_call(engine: Engine, ids: list[int], grammar: str, config: GenerationConfig
+async def one_call(engine: Engine, ids: list[int], grammar: str | None, config: GenerationConfig
                    ) -> tuple[GenerationResult, float]:
     session = await engine.open_session()
     try:
         started = time.perf_counter()
-        result = await session.generate(ids, config, constraint=engine.make_constraint(grammar))
+        constraint = engine.make_constraint(grammar) if grammar is not None else None
+        result = await session.generate(ids, config, constraint=constraint)
         return result, time.perf_counter() - started
     finally:
         await session.close()
 
 
-async def tool_calls(engine: Engine, count: int, max_new: int, repeats: int) -> tuple[Mode, Mode]:
-    """Fast-forward off and on, interleaved per case (alternating which goes first)."""
+async def tool_calls(engine: Engine, count: int, max_new: int, repeats: int) -> tuple[Mode, Mode, Mode]:
+    """Plain, fast-forward, and fast-forward with prompt-lookup drafts (the defaults), interleaved
+    per case (the order rotates)."""
     prompts = tool_call_prompts(engine, count)
-    off, on = Mode("plain"), Mode("fast-forward")
-    configs = {"plain": GenerationConfig(max_new_tokens=max_new, fast_forward=False),
-               "fast-forward": GenerationConfig(max_new_tokens=max_new)}
+    off, on, spec = Mode("plain"), Mode("fast-forward"), Mode("ff+drafts")
+    configs = {"plain": GenerationConfig(max_new_tokens=max_new, fast_forward=False, prompt_lookup=False),
+               "fast-forward": GenerationConfig(max_new_tokens=max_new, prompt_lookup=False),
+               "ff+drafts": GenerationConfig(max_new_tokens=max_new)}
     await one_call(engine, prompts[0][1], prompts[0][2], configs["plain"])  # warm-up (compile, caches)
     for repeat in range(repeats):
         for index, (case_id, ids, grammar) in enumerate(prompts):
-            order = (off, on) if (index + repeat) % 2 == 0 else (on, off)
-            for mode in order:
+            shift = (index + repeat) % 3
+            for mode in [off, on, spec][shift:] + [off, on, spec][:shift]:
                 result, seconds = await one_call(engine, ids, grammar, configs[mode.name])
                 mode.add(result, seconds)
-            print(f"  {case_id:<22} plain {len(off.answers[-1]):>4} tokens, fast-forward {len(on.answers[-1]):>4}; "
+            print(f"  {case_id:<22} plain {len(off.answers[-1]):>4} tokens, fast-forward {len(on.answers[-1]):>4}, "
+                  f"ff+drafts {len(spec.answers[-1]):>4}; equal: {off.answers[-1] == on.answers[-1]}, "
+                  f"{off.answers[-1] == spec.answers[-1]}")
+    return off, on, spec
+
+
+QUOTE_DOCS = [
+    ("Plant report, March: the Willow Creek water treatment plant processed 4.2 million gallons per day, up "
+     "from 3.9 million in February. Chlorine residual averaged 1.1 mg/L at the clearwell and 0.6 mg/L at the far "
+     "end of the distribution system. Two turbidity exceedances were logged on March 12 and March 19, both "
+     "during filter backwash, and both cleared within forty minutes. The north reservoir was drained for "
+     "inspection on March 22; inspectors found minor sediment buildup and one cracked access hatch, which was "
+     "replaced on March 25. Operator Dana Reyes completed her Grade III certification, and the plant remains one "
+     "operator short of its authorised headcount of nine.",
+     "Repeat word for word what the report says about the north reservoir."),
+    ("Incident 4471, checkout service. At 02:14 UTC the payment gateway began returning HTTP 503 for about 30 "
+     "percent of requests. The on-call engineer, Priya Natarajan, paged the payments team at 02:19. The root "
+     "cause was a connection pool limit of 64 on the gateway client, set in release 2.31.0, which was too low "
+     "for the overnight batch of subscription renewals. The limit was raised to 256 at 02:41 and the error rate "
+     "returned to normal by 02:47. Follow-up actions: add an alert on pool saturation above 80 percent, load "
+     "test the renewal batch before each release, and document the pool settings in the runbook.",
+     "Quote the root cause and the follow-up actions exactly as written."),
+    ("def load_config(path: str) -> dict:\n    \"\"\"Read a TOML config file and fill in defaults.\"\"\"\n"
+     "    with open(path, 'rb') as handle:\n        data = tomllib.load(handle)\n    data.setdefault('port', "
+     "8080)\n    data.setdefault('workers', 4)\n    data.setdefault('log_level', 'info')\n    if data['workers'] < "
+     "1:\n        raise ValueError('workers must be at least 1')\n    return data\n\n\ndef save_config(path: str, "
+     "data: dict) -> None:\n    \"\"\"Write the config back as TOML.\"\"\"\n    with open(path, 'w') as handle:\n"
+     "        handle.write(tomli_w.dumps(data))\n",
+     "Show me the load_config function exactly as it is in the file."),
+    ("Meeting notes, design review, 14 May. Attendees: Ana, Ben, Chloe, Dev. Decision 1: the mobile app will "
+     "keep offline mode, but sync conflicts will be resolved on the server using last-writer-wins per field. "
+     "Decision 2: the search index moves from Elasticsearch to OpenSearch in the third quarter, owned by Chloe. "
+     "Decision 3: we drop support for Android 9 in the September release. Open question: whether the web client "
+     "should share the sync engine with mobile; Dev will write a proposal by 28 May. Next review: 11 June.",
+     "Copy decision 2 and the open question verbatim."),
+]
+"""Quoting: (a tool's ~200-token result, the user's request to repeat part of it)."""
+CHATS = [
+    ["How does a bicycle's gear system make climbing hills easier?", "Why do some riders prefer a single speed?",
+     "What maintenance does a derailleur need?"],
+    ["What should I consider when choosing a laptop for programming?", "Is more RAM or a faster CPU better for "
+     "compiling code?", "How long does a laptop battery usually last before it needs replacing?"],
+    ["Give me some ideas for a relaxing weekend at home.", "Which of those works best on a rainy day?",
+     "Suggest a simple recipe to go with it."],
+]
+"""Free text: conversations of user turns (each mode answers them on its own session)."""
+
+
+def quote_messages(doc: str, ask: str) -> list[dict[str, str]]:
+    """The quoting prompt: a search tool's result in the conversation, then the user's request."""
+    return [{"role": "system", "content": "You are a helpful assistant. Answer from the documents you are given."},
+            {"role": "user", "content": "Find the document I need."},
+            {"role": "assistant", "content": "The search tool returned this document:\n\n" + doc},
+            {"role": "user", "content": ask}]
+
+
+async def quoting(engine: Engine, repeats: int, genai: GenaiQuote | None = None, max_new: int = 160
+                  ) -> dict[str, Mode]:
+    """Drafts off and on over ``QUOTE_DOCS`` (and ``LLMPipeline`` plain and with prompt lookup when
+    ``genai``), interleaved per prompt (the order rotates): modes by name."""
+    tok = engine.tokenizer
+    prompts = [tok.encode(tok.apply_chat_template(quote_messages(d, a), add_generation_prompt=True))
+               for d, a in QUOTE_DOCS]
+    modes = {name: Mode(name) for name in ["plain", "drafts", *(genai.names if genai else [])]}
+    configs = {"plain": GenerationConfig(max_new_tokens=max_new, prompt_lookup=False),
+               "drafts": GenerationConfig(max_new_tokens=max_new)}
+    await one_call(engine, prompts[0], None, configs["drafts"])  # warm-up
+    names = list(modes)
+    for repeat in range(repeats):
+        for index, ids in enumerate(prompts):
+            shift = (index + repeat) % len(names)
+            for name in names[shift:] + names[:shift]:
+                if name in configs:
+                    result, seconds = await one_call(engine, ids, None, configs[name])
+                    modes[name].add(result, seconds)
+                else:
+                    assert genai is not None
+                    genai.call(name, index, modes[name], max_new)
+            on, off = modes["drafts"], modes["plain"]
+            print(f"  quote {index} ({len(ids)} prompt tokens): plain {len(off.answers[-1])} tokens, drafts "
+                  f"{len(on.answers[-1])}, {on.accepted}/{on.drafted} accepted so far; equal: "
+                  f"{off.answers[-1] == on.answers[-1]}")
+    return modes
+
+
+async def free_text(engine: Engine, repeats: int, max_new: int = 128) -> tuple[Mode, Mode]:
+    """Drafts off and on over ``CHATS``: each mode keeps its own conversation on one session."""
+    off, on = Mode("plain"), Mode("drafts")
+    configs = {"plain": GenerationConfig(max_new_tokens=max_new, prompt_lookup=False),
+               "drafts": GenerationConfig(max_new_tokens=max_new)}
+    tok = engine.tokenizer
+    for repeat in range(repeats):
+        for index, turns in enumerate(CHATS):
+            for mode in ((off, on) if (index + repeat) % 2 == 0 else (on, off)):
+                session = await engine.open_session()
+                messages = [{"role": "system", "content": "You are a helpful assistant."}]
+                try:
+                    for turn in turns:
+                        messages.append({"role": "user", "content": turn})
+                        ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
+                        started = time.perf_counter()
+                        result = await session.generate(ids, configs[mode.name])
+                        mode.add(result, time.perf_counter() - started)
+                        messages.append({"role": "assistant", "content": result.text})
+                finally:
+                    await session.close()
+            print(f"  chat {index}: {on.accepted}/{on.drafted} drafted tokens accepted so far; last answers "
                   f"equal: {off.answers[-1] == on.answers[-1]}")
     return off, on
 
 
+class GenaiQuote:
+    """``LLMPipeline`` plain and with its prompt lookup (``prompt_lookup=True``; 5 drafted tokens,
+    3-grams) on the quoting prompts; decode tok/s from its ``perf_metrics``."""
+
+    names = ["genai", "genai lookup"]
+
+    def __init__(self) -> None:
+        import openvino_genai as og
+
+        from agentkv.engine.openvino.models import resolve_model
+
+        self.og = og
+        ir_dir = str(resolve_model(None).model_xml.parent)
+        self.pipes = {"genai": og.LLMPipeline(ir_dir, "CPU"),
+                      "genai lookup": og.LLMPipeline(ir_dir, "CPU", prompt_lookup=True)}
+
+    def call(self, name: str, index: int, mode: Mode, max_new: int) -> None:
+        """Answer quoting prompt ``index`` with pipeline ``name``; add its figures to ``mode``."""
+        config = self.og.GenerationConfig()
+        config.max_new_tokens = max_new
+        if name == "genai lookup":
+            config.num_assistant_tokens, config.max_ngram_size = 5, 3
+        history = self.og.ChatHistory()
+        for message in quote_messages(*QUOTE_DOCS[index]):
+            history.append(message)
+        started = time.perf_counter()
+        out = self.pipes[name].generate(history, config)
+        seconds = time.perf_counter() - started
+        tpot, tokens = out.perf_metrics.get_tpot().mean / 1000, out.perf_metrics.get_num_generated_tokens()
+        mode.tokens += tokens
+        mode.decode_tokens += max(0, tokens - 1)
+        mode.decode_s += tpot * max(0, tokens - 1)
+        mode.call_s += seconds
+        mode.calls += 1
+
+
 def table(rows: list[tuple[str, Mode]]) -> None:
     print(f"{'workload':<12} {'mode':<13} {'calls':>5} {'tokens':>7} {'decode tok/s':>12} {'call tok/s':>10} "
-          f"{'steps/call':>10} {'forced':>7} {'saved':>6}")
+          f"{'steps/call':>10} {'forced':>7} {'saved':>6} {'drafted':>8} {'accepted':>8}")
     for workload, mode in rows:
         print(f"{workload:<12} {mode.name:<13} {mode.calls:>5} {mode.tokens:>7} {mode.decode_tps:>12.1f} "
-              f"{mode.call_tps:>10.1f} {mode.steps / max(1, mode.calls):>10.1f} {mode.forced:>7} {mode.saved:>6}")
+              f"{mode.call_tps:>10.1f} {mode.steps / max(1, mode.calls):>10.1f} {mode.forced:>7} {mode.saved:>6} "
+              f"{mode.drafted:>8} {mode.accepted:>8}")
+
+
+def ratio(on: Mode | None, off: Mode | None) -> float | None:
+    """Decode tokens/s of ``on`` over ``off`` (None when either was not measured)."""
+    return round(on.decode_tps / off.decode_tps, 3) if on and off and off.decode_tps else None
 
 
 async def main(args: argparse.Namespace) -> None:
     from agentkv.engine.factory import open_engine
 
+    workloads = set(args.workloads.split(","))
     engine = open_engine(exact=True) if args.exact else open_engine()
+    rows: list[tuple[str, Mode]] = []
+    off = on = spec = Mode("plain")
+    quote: tuple[Mode, Mode] | None = None
+    genai: tuple[Mode, Mode] | None = None
+    chat: tuple[Mode, Mode] | None = None
     try:
-        off, on = await tool_calls(engine, args.cases, args.max_new_tokens, args.repeats)
+        if "toolcalls" in workloads:
+            off, on, spec = await tool_calls(engine, args.cases, args.max_new_tokens, args.repeats)
+            rows += [("tool calls", off), ("tool calls", on), ("tool calls", spec)]
+        if "quote" in workloads:
+            modes = await quoting(engine, args.repeats, GenaiQuote() if args.genai else None)
+            quote = modes["plain"], modes["drafts"]
+            genai = (modes["genai"], modes["genai lookup"]) if args.genai else None
+            rows += [("quoting", mode) for mode in modes.values()]
+        if "freetext" in workloads:
+            chat = await free_text(engine, args.repeats)
+            rows += [("free text", chat[0]), ("free text", chat[1])]
     finally:
         await engine.aclose()
-    table([("tool calls", off), ("tool calls", on)])
-    print("free text, quoting: not measured yet (prompt-lookup drafts, issue 27 step 2)")
+    table(rows)
     equal = sum(a == b for a, b in zip(off.answers, on.answers))
+
+    def equal_answers(pair: tuple[Mode, Mode] | None) -> str | None:
+        return f"{sum(a == b for a, b in zip(pair[0].answers, pair[1].answers))}/{pair[0].calls}" if pair else None
+
     print(json.dumps({
         "numerics": "exact" if args.exact else "default",
         "toolcall_calls": off.calls,
@@ -144,12 +322,24 @@ async def main(args: argparse.Namespace) -> None:
         "ff_steps_per_call_toolcalls": round(on.steps / max(1, on.calls), 2),
         "forced_share_toolcalls": round(on.forced / max(1, on.tokens), 3),
         "equal_answers_toolcalls": f"{equal}/{off.calls}",
-        "spec_over_plain_toolcalls": None,
-        "spec_over_plain_freetext": None,
-        "spec_over_plain_quote": None,
-        "agentkv_over_genai_prompt_lookup_quote": None,
+        "spec_over_plain_toolcalls": ratio(spec, off) if spec.calls else None,
+        "equal_answers_spec_toolcalls": equal_answers((off, spec)) if spec.calls else None,
+        "spec_over_plain_freetext": ratio(chat[1], chat[0]) if chat else None,
+        "spec_over_plain_quote": ratio(quote[1], quote[0]) if quote else None,
+        "plain_decode_tps_quote": round(quote[0].decode_tps, 2) if quote else None,
+        "spec_decode_tps_quote": round(quote[1].decode_tps, 2) if quote else None,
+        "accepted_share_quote": round(quote[1].accepted / max(1, quote[1].drafted), 3) if quote else None,
+        "equal_answers_quote": equal_answers(quote),
+        "plain_decode_tps_freetext": round(chat[0].decode_tps, 2) if chat else None,
+        "spec_decode_tps_freetext": round(chat[1].decode_tps, 2) if chat else None,
+        "accepted_share_freetext": round(chat[1].accepted / max(1, chat[1].drafted), 3) if chat else None,
+        "equal_answers_freetext": equal_answers(chat),
+        "genai_decode_tps_quote": round(genai[0].decode_tps, 2) if genai else None,
+        "genai_prompt_lookup_decode_tps_quote": round(genai[1].decode_tps, 2) if genai else None,
+        "agentkv_over_genai_prompt_lookup_quote": ratio(quote[1], genai[1]) if quote and genai else None,
         "batched_others_slowdown": None,
-        "mean_tokens_per_call_toolcalls": round(statistics.fmean(len(a) for a in on.answers), 1),
+        "mean_tokens_per_call_toolcalls": round(statistics.fmean(len(a) for a in on.answers), 1) if on.answers
+        else None,
     }))
 
 
@@ -159,4 +349,6 @@ if __name__ == "__main__":
     parser.add_argument("--max-new-tokens", type=int, default=160)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--exact", action="store_true", help="open_engine(exact=True): f32 numerics")
+    parser.add_argument("--workloads", default="toolcalls,quote,freetext", help="comma-separated subset")
+    parser.add_argument("--genai", action="store_true", help="also LLMPipeline plain and with prompt lookup")
     anyio.run(main, parser.parse_args())

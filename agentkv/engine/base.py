@@ -74,6 +74,8 @@ class GenerationConfig(BaseModel):
     """Each token's log-probability and this many likeliest others (0..20) on ``TokenDelta.logprob``; None: off."""
     fast_forward: bool = True
     """Feed a grammar's forced tokens in one model step (same tokens; off with logprobs or beams)."""
+    prompt_lookup: bool = True
+    """Greedy, paged engine: check guesses copied from the session's log in one step (same tokens; sampling: off)."""
 
     @model_validator(mode="after")
     def _check_beams(self) -> GenerationConfig:

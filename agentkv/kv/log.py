@@ -10,6 +10,7 @@ slot's lease::
 
     log = KVLog(boundaries=engine.boundaries)
     logits = log.feed(slot, prompt_ids)          # canonical chunks; logits after the last id
+    rows = log.feed_rows(slot, [t, *draft], 4)   # [4, vocab]: logits after each of the last 4 ids (paged)
     log.trim(slot, 10)
     log.check_integrity(slot)
 """
@@ -37,6 +38,18 @@ class KVSlot(Protocol):
     def read(self) -> tuple[np.ndarray, np.ndarray]: ...
     def write(self, keys: np.ndarray, values: np.ndarray) -> None: ...
     def select_row(self, row: int, n: int) -> None: ...
+
+
+class RowsSlot(KVSlot, Protocol):
+    """A slot that can return the logits of several last positions (``PagedSlot``; not the
+    stateful one, whose compiled model keeps the last position only)."""
+
+    def feed_rows(self, input_ids: np.ndarray, past_len: int, rows: int) -> np.ndarray: ...
+
+
+def feeds_rows(slot: object) -> bool:
+    """True when ``slot`` returns the logits of several positions (``KVLog.feed_rows`` works on it)."""
+    return callable(getattr(slot, "feed_rows", None))
 
 
 class KVSource(Protocol):
@@ -82,11 +95,7 @@ class KVLog:
         """Run ``ids`` after the tokens; they join the log. Cut at the canonical chunk
         boundaries (``engine/chunking.py``) so one log is always computed the same way."""
         start = len(self.tokens)
-        spans = [(start, start + len(ids))]
-        if len(ids) > 1:
-            cuts = [] if self._boundaries is None else self._boundaries.cuts_within(
-                [*self.tokens, *ids], start=start, stop=start + len(ids))
-            spans = chunk_spans(start, start + len(ids), cuts=cuts, chunk_size=self._chunk_size)
+        spans = self._spans(ids)
         logits = self.last_logits
         for begin, end in spans:
             piece = [int(t) for t in ids[begin - start : end - start]]
@@ -95,6 +104,31 @@ class KVLog:
             self.last_logits = logits
         assert logits is not None
         return logits
+
+    def _spans(self, ids: Sequence[int]) -> list[tuple[int, int]]:
+        """The canonical chunks ``[begin, end)`` that feeding ``ids`` after the tokens cuts them in."""
+        start = len(self.tokens)
+        if len(ids) <= 1:
+            return [(start, start + len(ids))]
+        cuts = [] if self._boundaries is None else self._boundaries.cuts_within(
+            [*self.tokens, *ids], start=start, stop=start + len(ids))
+        return chunk_spans(start, start + len(ids), cuts=cuts, chunk_size=self._chunk_size)
+
+    def feed_rows(self, slot: RowsSlot, ids: Sequence[int], rows: int) -> np.ndarray:
+        """``feed`` (the same canonical chunks) returning float32 logits ``[rows, vocab]`` of the last
+        ``rows`` ids (1..len(ids)): the last row follows ``ids[-1]``. How a draft is verified in one
+        step; ``trim`` takes back what the model refused."""
+        start, stop = len(self.tokens), len(self.tokens) + len(ids)
+        got = []
+        for begin, end in self._spans(ids):
+            piece = np.array([[int(t) for t in ids[begin - start : end - start]]], dtype=np.int64)
+            wanted = min(end - begin, rows - (stop - end))
+            logits = slot.feed_rows(piece, begin, wanted) if wanted > 0 else slot.feed(piece, past_len=begin)
+            self.tokens.extend(int(t) for t in piece[0])
+            self.last_logits = logits[-1]
+            if wanted > 0:
+                got.append(logits)
+        return np.concatenate(got)
 
     def trim(self, slot: KVSlot, n: int) -> None:
         """Keep the first ``n`` tokens and their KV (a trim to 0 makes the log exact again)."""

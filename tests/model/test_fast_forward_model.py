@@ -20,7 +20,9 @@ pytestmark = pytest.mark.model
 
 CASES = json.loads((Path(__file__).resolve().parents[1] / "data" / "function_calling.json").read_text())
 PICKED = ["simple_0", "multiple_0", "parallel_0", "nested_0", "enum_0", "parallel_multiple_0"]
-ON, OFF = GenerationConfig(max_new_tokens=96), GenerationConfig(max_new_tokens=96, fast_forward=False)
+# NOTE: drafts off on both sides: model_steps here counts fast-forward alone
+ON = GenerationConfig(max_new_tokens=96, prompt_lookup=False)
+OFF = GenerationConfig(max_new_tokens=96, fast_forward=False, prompt_lookup=False)
 
 
 def case_prompt(engine, case_id: str) -> tuple[list[int], str]:

@@ -127,7 +127,9 @@ async def test_a_long_prefill_runs_in_chunks_and_a_decoding_session_steps_betwee
     results: dict = {}
 
     async def decode() -> None:
-        stream = decoder.stream(prompts(engine)[0], GenerationConfig(max_new_tokens=48, ignore_eos=True))
+        # NOTE: one step per token (no drafts): the test counts the decoder's steps
+        stream = decoder.stream(prompts(engine)[0], GenerationConfig(max_new_tokens=48, ignore_eos=True,
+                                                                     prompt_lookup=False))
         async for _ in stream:
             first_token.set()
         results["decoder"] = stream.result

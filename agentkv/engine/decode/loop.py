@@ -4,8 +4,9 @@
 the model's logits, the scripted engine from its script. Each chosen token that does not
 end generation is fed (and joins the session's log); the token that ends it is not fed —
 the next turn's alignment feeds it if the rendered history contains it. Tokens a grammar forces
-are taken without sampling and fed with the token before them as one chunk (``fast_forward``).
-No OpenVINO here.
+are taken without sampling and fed with the token before them as one chunk (``fast_forward``);
+a greedy call on a slot that returns several positions' logits feeds a guess of the next tokens
+with them and keeps those the model chooses too (``prompt_lookup``). No OpenVINO here.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from agentkv.engine.base import (
     BeamHypothesis,
@@ -31,6 +32,7 @@ from agentkv.engine.decode.alignment import Alignment
 from agentkv.engine.decode.beam_decode import run_beam_search
 from agentkv.engine.decode.detokenize import IncrementalDecoder
 from agentkv.engine.decode.fast_forward import FastForwardCounts, ForcingConstraint, forced_source, next_forced
+from agentkv.engine.decode.prompt_lookup import Drafts, PromptLookup
 from agentkv.engine.decode.sampling import (
     StopStringMatcher,
     make_rng,
@@ -38,11 +40,12 @@ from agentkv.engine.decode.sampling import (
     token_logprobs,
 )
 from agentkv.engine.decode.step_counts import StepCounts
+from agentkv.kv.log import feeds_rows
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from agentkv.kv.log import KVLog, KVSlot
+    from agentkv.kv.log import KVLog, KVSlot, RowsSlot
 
 
 class DecodeBackend(Protocol):
@@ -106,6 +109,7 @@ async def decode_tokens(
     forcing: ForcingConstraint | None = None,
     counts: FastForwardCounts | None = None,
     on_forced: Callable[[], None] | None = None,
+    drafts: Drafts | None = None,
 ) -> AsyncIterator[TokenDelta | DecodeOutcome]:
     """Yield a ``TokenDelta`` per token (text never splits a UTF-8 character), then the outcome.
 
@@ -116,6 +120,8 @@ async def decode_tokens(
     ``choose`` (``on_forced()`` then stands for the draw the sampler would have made), and
     accepted tokens are fed only when the model must choose again or the loop ends: a forced
     run goes in one feed with the token before it. ``counts`` adds up forced tokens and feeds.
+    With ``drafts`` (greedy), those feeds go through ``drafts.feed`` with a draft after them,
+    ``choose`` reads ``drafts.logits``, and a token the draft fed already is not fed again.
     """
     decoder = IncrementalDecoder(decode_text)
     stopper = StopStringMatcher(list(config.stop_strings))
@@ -129,7 +135,10 @@ async def decode_tokens(
         token = next_forced(forcing)
         if token is None:
             if pending:
-                await feed(pending)
+                if drafts is not None:
+                    await drafts.feed(pending, max_new - len(generated) - 1)
+                else:
+                    await feed(pending)
                 counts.fed_in(len(pending))
                 pending = []
             token = choose(generated)
@@ -140,6 +149,7 @@ async def decode_tokens(
         if first_at is None:
             first_at = time.perf_counter()
         generated.append(token)
+        fed = drafts is not None and await drafts.accept(token)
         if constraint is not None:
             constraint.advance(token)
         if token in stop_ids:
@@ -157,7 +167,10 @@ async def decode_tokens(
             break
         if len(generated) == max_new:
             break
-        pending.append(token)
+        if not fed:
+            pending.append(token)
+    if drafts is not None:  # drafted tokens past the end, or the last token itself, leave the KV
+        await drafts.settle(len(generated) - 1 - len(pending) if generated else 0)
     if pending:  # NOTE: the tokens before the one that ended generation, as one-by-one would have fed
         await feed(pending)
         counts.fed_in(len(pending))
@@ -209,6 +222,7 @@ class DecodeLoop:
         self.max_new = max(0, min(config.max_new_tokens, self.engine.max_context_len - len(prompt)))
         self.fast_forward = FastForwardCounts()
         self._rng: np.random.Generator | None = None
+        self.drafts: Drafts | None = None
 
     async def run(self) -> AsyncIterator[TokenDelta | GenerationResult]:
         """Yield a ``TokenDelta`` per token, then the ``GenerationResult``."""
@@ -228,10 +242,11 @@ class DecodeLoop:
             async with self.engine.room(self.slot, len(tokens)):
                 await self.run_blocking(log.feed, self.slot, tokens)
 
+        self.drafts = self.make_drafts(feed)
         events = decode_tokens(
             self.chooser(), feed, config=self.config, decode_text=self.engine.tokenizer.decode,
             stop_ids=self.stop_ids, max_new=self.max_new, constraint=self.constraint, score=self.scorer(),
-            forcing=self.forcing(), counts=self.fast_forward, on_forced=self.skip_draw,
+            forcing=self.forcing(), counts=self.fast_forward, on_forced=self.skip_draw, drafts=self.drafts,
         )
         async for event in events:
             if isinstance(event, DecodeOutcome):
@@ -246,11 +261,13 @@ class DecodeLoop:
         rng = self._rng = make_rng(cfg.seed)
 
         def choose(generated: list[int]) -> int:
-            assert log.last_logits is not None
+            # NOTE: while a draft is ahead, log.tokens holds drafted tokens too; the penalties'
+            # token set is the same (a draft is copied from the prompt and the generated tokens)
+            logits = self.drafts.logits if self.drafts is not None else None
+            logits = logits if logits is not None else log.last_logits
+            assert logits is not None
             allowed = self.constraint.allowed_mask() if self.constraint is not None else None
-            return sample_next(
-                log.last_logits, cfg, rng, context_ids=log.tokens, generated_ids=generated, allowed=allowed
-            )
+            return sample_next(logits, cfg, rng, context_ids=log.tokens, generated_ids=generated, allowed=allowed)
 
         return choose
 
@@ -261,6 +278,26 @@ class DecodeLoop:
             # must be asked for every token, forced or not.
             return None
         return forced_source(self.constraint, self.config)
+
+    def make_drafts(self, feed: Callable[[list[int]], Awaitable[None]]) -> Drafts | None:
+        """Prompt-lookup drafts for this call (``decode/prompt_lookup.py``), or None: off unless the
+        config asks for them and is greedy without log-probabilities, the slot returns several
+        positions' logits (paged), and the loop chooses by the logits (not a script)."""
+        cfg = self.config
+        if not (cfg.prompt_lookup and cfg.greedy and cfg.logprobs is None and cfg.num_beams == 1) \
+                or not feeds_rows(self.slot) or type(self).chooser is not DecodeLoop.chooser:
+            return None
+        log, slot = self.log, cast("RowsSlot", self.slot)
+
+        async def feed_rows(tokens: list[int], rows: int) -> np.ndarray:
+            async with self.engine.room(slot, len(tokens)):
+                logits: np.ndarray = await self.run_blocking(log.feed_rows, slot, tokens, rows)
+                return logits
+
+        async def trim(n: int) -> None:
+            await self.run_blocking(log.trim, slot, len(log) - n)
+
+        return Drafts(PromptLookup(log.tokens), feed, feed_rows, trim)
 
     def skip_draw(self) -> None:
         """Stand for the draw sampling would have made for a forced token (its mask allowed only
@@ -297,7 +334,8 @@ class DecodeLoop:
         self.metrics = replace(with_steps(
             self.engine.metrics_for(self.log, self.align, generated=len(generated), ttft=ttft, tpot=tpot),
             self.slot, self.steps_before), forced_tokens=self.fast_forward.forced,
-            steps_saved=self.fast_forward.steps_saved)
+            steps_saved=self.fast_forward.steps_saved, drafted_tokens=self.drafts.drafted if self.drafts else 0,
+            accepted_tokens=self.drafts.accepted if self.drafts else 0)
         return GenerationResult(
             token_ids=tuple(generated), text=text, finish_reason=finish, metrics=self.metrics, beams=beams
         )

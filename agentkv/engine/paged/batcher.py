@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from agentkv.engine.paged.model import SequenceStep
+from agentkv.engine.paged.model import SequenceStep, logit_rows
 from agentkv.errors import UserError
 
 DEFAULT_MAX_TOKENS = 4096
@@ -49,6 +49,8 @@ class StepOutcome:
 
     logits: np.ndarray
     """float32 ``[vocab]`` of the caller's last position."""
+    positions: np.ndarray | None
+    """float32 ``[last_rows, vocab]`` of its last positions when it asked for more than one, else None."""
     batch_size: int
     """Sequences in the step (1: it ran alone)."""
     queued_s: float
@@ -204,8 +206,10 @@ class StepBatcher:
             for p in batch:
                 p.error, p.done = error, True
         else:
-            for row, p in enumerate(batch):
-                p.outcome, p.done = StepOutcome(logits[row], len(batch), started - p.queued_at), True
+            counts = logit_rows([p.sequence for p in batch])
+            for end, count, p in zip(np.cumsum(counts), counts, batch):
+                rows = logits[end - count:end] if p.sequence.last_rows > 1 else None
+                p.outcome, p.done = StepOutcome(logits[end - 1], rows, len(batch), started - p.queued_at), True
         ended = time.perf_counter()
         tokens = sum(len(p.sequence.ids) for p in batch)
         with self._changed:

@@ -9,7 +9,8 @@ sequences, each feeding its new tokens after ``past_len`` cached ones::
     model = PagedModel(resolve_model(None), num_blocks=256)
     logits = model.step([SequenceStep(ids=prompt, past_len=0, blocks=[0, 1, 2, 3])])  # [1, vocab]
 
-A gather before the LM head keeps only each sequence's last position (prefill needs no more).
+A gather before the LM head keeps only each sequence's last position (prefill needs no more), or
+the last ``last_rows`` positions of a sequence that asks for more (a verified draft).
 Blocking and thread-safe: ``lock`` serialises steps and access to the block storage (one
 InferRequest serves every sequence). No sessions, no messages here.
 """
@@ -46,6 +47,13 @@ class SequenceStep:
     ``past_len + len(ids)`` positions."""
     position_offset: int = 0
     """Added to every position id (how RoPE is measured: ``kv/rope.py``)."""
+    last_rows: int = 1
+    """Return the logits of this many last positions (>1: a prompt-lookup draft is verified so)."""
+
+
+def logit_rows(sequences: Sequence[SequenceStep]) -> list[int]:
+    """Rows of ``PagedModel.step``'s logits per sequence: its ``last_rows``, at most ``len(ids)``."""
+    return [max(1, min(s.last_rows, len(s.ids))) for s in sequences]
 
 
 class PagedModel:
@@ -82,7 +90,7 @@ class PagedModel:
             kv_cache_precision = "bf16"
         element = _CACHE_TYPES[kv_cache_precision]
         self.num_layers = _type_caches(model, element, (self.heads, self.head_dim))
-        _gather_last_positions(model)
+        _gather_positions(model)
         self._compiled = compile_for_device(core, model, device, config)
         # NOTE: the plugin chooses a u8 cache's block shapes (its quantisation parameters live in
         # the blocks, by channel or by token): read them from the compiled model.
@@ -122,19 +130,22 @@ class PagedModel:
             self.caches[name] = tensor
 
     def step(self, sequences: Sequence[SequenceStep]) -> np.ndarray:
-        """Feed every sequence its ids; float32 logits ``[len(sequences), vocab]`` of each last
-        position. Writes the new tokens' KV into their blocks."""
+        """Feed every sequence its ids; float32 logits ``[sum(logit_rows(sequences)), vocab]``: each
+        sequence's last ``last_rows`` positions (usually 1), in order. Writes the new tokens' KV into
+        their blocks."""
         if not sequences or any(not s.ids for s in sequences):
             raise UserError("step() needs at least one sequence, each with at least one id")
         begins, block_begins = [0], [0]
         ids: list[int] = []
         positions: list[int] = []
         blocks: list[int] = []
-        for seq in sequences:
+        rows: list[int] = []  # the flat positions whose logits are returned
+        for seq, kept in zip(sequences, logit_rows(sequences)):
             total = seq.past_len + len(seq.ids)
             needed = -(-total // BLOCK_SIZE)
             if len(seq.blocks) < needed:
                 raise UserError(f"a sequence of {total} tokens needs {needed} blocks, its table has {len(seq.blocks)}")
+            rows.extend(range(len(ids) + len(seq.ids) - kept, len(ids) + len(seq.ids)))
             ids.extend(int(t) for t in seq.ids)
             positions.extend(range(seq.past_len + seq.position_offset, total + seq.position_offset))
             blocks.extend(int(b) for b in seq.blocks[:needed])
@@ -142,10 +153,10 @@ class PagedModel:
             block_begins.append(len(blocks))
         with self.lock:
             self.steps_run += 1
-            return self._infer(ids, positions, sequences, begins, blocks, block_begins)
+            return self._infer(ids, positions, sequences, begins, blocks, block_begins, rows)
 
     def _infer(self, ids: list[int], positions: list[int], sequences: Sequence[SequenceStep], begins: list[int],
-               blocks: list[int], block_begins: list[int]) -> np.ndarray:
+               blocks: list[int], block_begins: list[int], rows: list[int]) -> np.ndarray:
         self._request.infer({
             "input_ids": np.array(ids, dtype=np.int64),
             "position_ids": np.array(positions, dtype=np.int64),
@@ -154,8 +165,9 @@ class PagedModel:
             "block_indices": np.array(blocks, dtype=np.int32),
             "block_indices_begins": np.array(block_begins, dtype=np.int32),
             "max_context_len": np.array(max(s.past_len + len(s.ids) for s in sequences), dtype=np.int32),
+            "logits_indices": np.array(rows, dtype=np.int64),
         })
-        logits = self._request.get_tensor("logits").data  # [sequences, 1, vocab]
+        logits = self._request.get_tensor("logits").data  # [rows, 1, vocab]
         return np.array(logits[:, -1, :], dtype=np.float32)
 
     def copy_block(self, source: int, target: int) -> None:
@@ -212,19 +224,19 @@ def _state_kv_shape(model: ov.Model) -> tuple[int, int]:
                     "(optimum-intel, or openvino-genai's GGUF conversion)")
 
 
-def _gather_last_positions(model: ov.Model) -> None:
-    """Insert ``hidden[subsequence_begins[1:] - 1]`` before the LM head MatMul (behind any
-    elementwise tail: ``compile.lm_head``)."""
+def _gather_positions(model: ov.Model) -> None:
+    """Insert ``hidden[logits_indices]`` before the LM head MatMul (behind any elementwise tail:
+    ``compile.lm_head``), ``logits_indices`` a new ``i64 [rows]`` input: the flat positions whose
+    logits ``step`` returns (each sequence's last one, or all of them)."""
     import openvino.opset13 as ops
 
     matmul = lm_head(model)
     if matmul is None:
         raise UserError("the model's logits do not come from a MatMul through elementwise ops only; "
                         "cannot keep only the last positions")
-    begins = next(p for p in model.get_parameters() if p.get_output_tensor(0).get_any_name() == "subsequence_begins")
-    ends = ops.slice(begins, np.array([1], np.int64), np.array([np.iinfo(np.int64).max], np.int64),
-                     np.array([1], np.int64), np.array([0], np.int64))
-    last = ops.subtract(ends, np.array([1], np.int32))
-    hidden = ops.gather(matmul.input_value(0), last, np.array(0, np.int64))
+    indices = ops.parameter(ov.PartialShape([-1]), ov.Type.i64, name="logits_indices")
+    indices.output(0).get_tensor().set_names({"logits_indices"})
+    hidden = ops.gather(matmul.input_value(0), indices, np.array(0, np.int64))
     matmul.input(0).replace_source_output(hidden.output(0))
+    model.add_parameters([indices])
     model.validate_nodes_and_infer_types()

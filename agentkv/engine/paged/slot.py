@@ -65,16 +65,28 @@ class PagedSlot:
         one_row = ids.shape[0] == 1 and not self._extra_rows
         if not one_row or (beam_idx is not None and list(np.asarray(beam_idx)) != [0]):
             return self._feed_rows(ids, past_len, beam_idx)
-        row = [int(t) for t in ids[0]]
+        return self._feed_one([int(t) for t in ids[0]], past_len, position_offset, last_rows=1)
+
+    def feed_rows(self, input_ids: np.ndarray, past_len: int, rows: int) -> np.ndarray:
+        """``feed`` of one row ``[1, T]`` returning the logits of its last ``rows`` positions,
+        ``[rows, vocab]`` (the last row follows the last id), in one step: how a draft is verified."""
+        ids = np.asarray(input_ids)
+        if past_len != self._length or self._extra_rows or ids.shape[0] != 1 or not 1 <= rows <= ids.shape[1]:
+            raise UserError(f"feed_rows takes one row after the slot's {self._length} positions and 1..T rows "
+                            f"(got past_len {past_len}, shape {ids.shape}, rows {rows})")
+        return self._feed_one([int(t) for t in ids[0]], past_len, 0, last_rows=rows)
+
+    def _feed_one(self, row: list[int], past_len: int, position_offset: int, *, last_rows: int) -> np.ndarray:
+        """One row on the slot's own table: logits ``[last_rows, vocab]``."""
         self._own_block(self.blocks, past_len)
         self._grow(self.blocks, past_len + len(row))
-        sequence = SequenceStep(row, past_len, list(self.blocks), position_offset)
+        sequence = SequenceStep(row, past_len, list(self.blocks), position_offset, last_rows)
         if self.batcher is None:
             logits = self.model.step([sequence])
             self.steps.add(1, 0.0)
         else:
             outcome = self.batcher.run(sequence, caller=self)
-            logits = outcome.logits[None]
+            logits = outcome.logits[None] if outcome.positions is None else outcome.positions
             self.steps.add(outcome.batch_size, outcome.queued_s)
         self._length = past_len + len(row)
         return logits

@@ -1,0 +1,141 @@
+"""Prompt-lookup drafts on the default model (``engine/decode/prompt_lookup.py``): under ``exact=True``
+greedy decoding with drafts equals plain decoding token for token (tokens, stream, finish, KV log)
+on a prompt that quotes a ~200-token document and on free text, in fewer model steps; the KV after
+the call is that of a fresh prefill of its tokens; ``max_new_tokens`` and stop strings cut where
+plain decoding does; under a grammar too. Sampling and the stateful engine (no per-position logits)
+decode without drafts. Under the default numerics the agreement is printed.
+
+The unit tests (a fake model) are in ``tests/test_prompt_lookup.py``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from agentkv.chat.toolcalls import tool_call_grammar
+from agentkv.engine.base import GenerationConfig, GenerationResult
+
+pytestmark = pytest.mark.model
+
+DOC = ("Incident 4471, checkout service. At 02:14 UTC the payment gateway began returning HTTP 503 for about 30 "
+       "percent of requests. The on-call engineer, Priya Natarajan, paged the payments team at 02:19. The root "
+       "cause was a connection pool limit of 64 on the gateway client, set in release 2.31.0, which was too low "
+       "for the overnight batch of subscription renewals. The limit was raised to 256 at 02:41 and the error rate "
+       "returned to normal by 02:47. Follow-up actions: add an alert on pool saturation above 80 percent, load "
+       "test the renewal batch before each release, and document the pool settings in the runbook.")
+ON, OFF = GenerationConfig(max_new_tokens=96), GenerationConfig(max_new_tokens=96, prompt_lookup=False)
+
+
+def quote_prompt(engine) -> list[int]:
+    """A search tool's document in the conversation, then a request to repeat part of it."""
+    messages = [{"role": "system", "content": "You are a helpful assistant."},
+                {"role": "user", "content": "Find the incident report."},
+                {"role": "assistant", "content": "The search tool returned this document:\n\n" + DOC},
+                {"role": "user", "content": "Quote the root cause and the follow-up actions exactly as written."}]
+    return engine.tokenizer.encode(engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+
+def chat_prompt(engine) -> list[int]:
+    messages = [{"role": "user", "content": "How does a bicycle's gear system make climbing hills easier?"}]
+    return engine.tokenizer.encode(engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+
+async def run(engine, ids: list[int], config: GenerationConfig, grammar: str | None = None
+              ) -> tuple[GenerationResult, list[int], str, tuple[int, ...], np.ndarray]:
+    """One call on a fresh session: the result, the streamed ids and text, the KV log after it and
+    the next-token logits of that KV."""
+    session = await engine.open_session()
+    try:
+        constraint = engine.make_constraint(grammar) if grammar is not None else None
+        stream = session.stream(ids, config, constraint=constraint)
+        deltas = [delta async for delta in stream]
+        assert stream.result is not None
+        logits = await session.next_token_logits()
+        return stream.result, [d.token_id for d in deltas], "".join(d.text for d in deltas), session.tokens, logits
+    finally:
+        await session.close()
+
+
+async def fresh_prefill_logits(engine, tokens: tuple[int, ...]) -> np.ndarray:
+    session = await engine.open_session()
+    try:
+        await session.prefill(tokens)
+        return await session.next_token_logits()
+    finally:
+        await session.close()
+
+
+@pytest.mark.parametrize("prompt", [quote_prompt, chat_prompt], ids=["quote", "free text"])
+async def test_drafts_equal_plain_greedy_decoding_under_exact_numerics_in_fewer_steps(paged_exact, prompt):
+    ids = prompt(paged_exact)
+    plain, plain_ids, plain_text, plain_log, _ = await run(paged_exact, ids, OFF)
+    fast, fast_ids, fast_text, fast_log, fast_logits = await run(paged_exact, ids, ON)
+    assert fast.token_ids == plain.token_ids, (fast.text, plain.text)
+    assert fast.text == plain.text == fast_text == plain_text and fast.finish_reason == plain.finish_reason
+    assert fast_ids == plain_ids == list(fast.token_ids[:len(fast_ids)])  # a delta per token (EOS has none)
+    assert fast_log == plain_log  # the KV log holds the same tokens
+    reference = await fresh_prefill_logits(paged_exact, fast_log)
+    assert np.abs(fast_logits - reference).max() <= 1e-3  # and the KV of those tokens
+    m, p = fast.metrics, plain.metrics
+    assert p.drafted_tokens == p.accepted_tokens == 0 and 0 <= m.accepted_tokens <= m.drafted_tokens
+    assert m.model_steps <= p.model_steps - m.accepted_tokens + 1
+    if prompt is quote_prompt:
+        assert m.accepted_tokens >= m.generated_tokens // 3 and m.model_steps < p.model_steps
+    print(f"\n[prompt lookup] {prompt.__name__}: {m.generated_tokens} tokens, {m.drafted_tokens} drafted, "
+          f"{m.accepted_tokens} accepted, steps {p.model_steps} -> {m.model_steps}")
+
+
+@pytest.mark.parametrize("cut", ["max_new_tokens=1", "max_new_tokens=7", "max_new_tokens=40", "stop string"])
+async def test_max_new_tokens_and_stop_strings_cut_where_plain_decoding_does(paged_exact, cut):
+    ids = quote_prompt(paged_exact)
+    if cut == "stop string":
+        whole, *_ = await run(paged_exact, ids, OFF)
+        update: dict[str, object] = {"stop_strings": (whole.text[40:47],)}  # inside a quoted run
+    else:
+        update = {"max_new_tokens": int(cut.split("=")[1])}
+    plain, _, _, plain_log, _ = await run(paged_exact, ids, OFF.model_copy(update=update))
+    fast, _, _, fast_log, _ = await run(paged_exact, ids, ON.model_copy(update=update))
+    assert (fast.token_ids, fast.text, fast.finish_reason) == (plain.token_ids, plain.text, plain.finish_reason)
+    assert fast_log == plain_log and len(fast_log) == len(ids) + max(0, len(fast.token_ids) - 1)
+
+
+async def test_drafts_under_a_grammar_equal_plain_decoding_under_exact_numerics(paged_exact):
+    cases = json.loads((Path(__file__).resolve().parents[1] / "data" / "function_calling.json").read_text())
+    drafted = 0
+    for case_id in ["simple_0", "parallel_0", "nested_0"]:
+        case = next(c for c in cases["cases"] if c["id"] == case_id)
+        tools = [cases["tools"][name] for name in case["tools"]]
+        text = paged_exact.tokenizer.apply_chat_template([{"role": "user", "content": case["question"]}],
+                                                         add_generation_prompt=True, tools=tools)
+        ids, grammar = paged_exact.tokenizer.encode(text), tool_call_grammar(tools, "required")
+        both_off = OFF.model_copy(update={"fast_forward": False})
+        plain, _, _, plain_log, _ = await run(paged_exact, ids, both_off, grammar)
+        fast, _, _, fast_log, _ = await run(paged_exact, ids, ON, grammar)
+        assert (fast.token_ids, fast.finish_reason) == (plain.token_ids, plain.finish_reason), case_id
+        assert fast_log == plain_log
+        drafted += fast.metrics.drafted_tokens
+    assert drafted > 0
+
+
+async def test_sampling_and_the_stateful_engine_decode_without_drafts(paged_exact, engine_f32):
+    ids = quote_prompt(paged_exact)
+    sampled = {"temperature": 0.8, "seed": 3, "max_new_tokens": 24}
+    on, *_ = await run(paged_exact, ids, ON.model_copy(update=sampled))
+    off, *_ = await run(paged_exact, ids, OFF.model_copy(update=sampled))
+    assert on.token_ids == off.token_ids and on.metrics.drafted_tokens == 0
+    stateful, *_ = await run(engine_f32, quote_prompt(engine_f32), ON.model_copy(update={"max_new_tokens": 24}))
+    assert stateful.metrics.drafted_tokens == 0 and stateful.metrics.generated_tokens > 0
+
+
+async def test_default_numerics_quote_with_drafts_and_report_agreement(engine):
+    ids = quote_prompt(engine)
+    plain, *_ = await run(engine, ids, OFF)
+    fast, *_ = await run(engine, ids, ON)
+    if fast.metrics.model_steps:  # the paged engine drafts; the stateful one cannot
+        assert fast.metrics.accepted_tokens > 0
+    same = next((i for i, (a, b) in enumerate(zip(fast.token_ids, plain.token_ids)) if a != b), len(fast.token_ids))
+    print(f"\n[prompt lookup] default numerics: first {same} of {len(plain.token_ids)} tokens equal to plain "
+          f"decoding; {fast.metrics.accepted_tokens}/{fast.metrics.drafted_tokens} drafted tokens accepted")

@@ -1,0 +1,233 @@
+"""Tests of prompt-lookup drafts (``agentkv/engine/decode/prompt_lookup.py`` and the decode loop):
+the proposer finds the latest earlier occurrence of the longest suffix, the budget grows and backs
+off, and greedy decoding with drafts gives the very tokens, stream, stop and KV log of plain
+decoding (grammar masks and forced runs included) in fewer feeds. A fake model stands in: its
+logits depend on the last three tokens only, so the log's own n-grams predict it well. No model
+runs here (the real-model tests are in ``tests/model/test_prompt_lookup_model.py``)."""
+
+from __future__ import annotations
+
+import anyio
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agentkv.engine.base import GenerationConfig, TokenDelta
+from agentkv.engine.decode.fast_forward import FastForwardCounts
+from agentkv.engine.decode.loop import DecodeOutcome, decode_tokens
+from agentkv.engine.decode.prompt_lookup import MAX_BACKOFF, DraftBudget, Drafts, PromptLookup
+
+VOCAB = 12
+
+
+def reference_proposal(tokens: list[int], limit: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """The proposer's rule written plainly: longest suffix first; its latest earlier occurrence
+    followed by ``limit`` tokens, else its earliest."""
+    for n in range(min(max_ngram, len(tokens) - 1), min_ngram - 1, -1):
+        suffix = tokens[-n:]
+        starts = [s for s in range(len(tokens) - n) if tokens[s:s + n] == suffix]
+        whole = [s for s in starts if s + n + limit <= len(tokens)]
+        if starts:
+            start = whole[-1] if whole else starts[0]
+            return tokens[start + n:start + n + limit]
+    return []
+
+
+def test_propose_copies_what_followed_the_latest_earlier_occurrence_of_the_suffix_with_room_after_it():
+    assert PromptLookup([1, 2, 3, 4, 1, 2]).propose(5) == [3, 4, 1, 2]
+    assert PromptLookup([1, 2, 3, 4, 1, 2]).propose(2) == [3, 4]
+    assert PromptLookup([7, 8, 1, 9, 7, 8, 2, 5, 7, 8]).propose(3) == [2, 5, 7]  # the later "7 8"
+    assert PromptLookup([9, 4, 4, 4, 4, 4, 4]).propose(3) == [4, 4, 4]  # not the latest: one 4 after it
+    assert PromptLookup([9, 4, 4, 4, 4, 4, 4]).propose(9) == [4, 4, 4]  # none has 9 after it: the earliest
+
+
+def test_propose_prefers_the_longest_suffix_and_returns_nothing_below_min_ngram():
+    # "5 6" occurred after 1 (-> 7) and after 4 (-> 8, later); the 3-gram "4 5 6" picks 8's side too,
+    # but "1 5 6" only matches the first
+    assert PromptLookup([1, 5, 6, 7, 4, 5, 6, 8, 1, 5, 6]).propose(1) == [7]
+    assert PromptLookup([1, 2, 3, 4]).propose(4) == []  # no suffix occurred before
+    assert PromptLookup([3, 9, 1, 3], min_ngram=2).propose(4) == []  # only a 1-gram matches
+    assert PromptLookup([3, 9, 1, 3], min_ngram=1).propose(4) == [9, 1, 3]
+    assert PromptLookup([1, 2, 1, 2]).propose(0) == []
+
+
+def test_push_extends_the_searched_tokens_past_the_first_buffer():
+    lookup = PromptLookup([1, 2, 3])
+    for token in [4, 5] * 100:
+        lookup.push(token)
+    assert len(lookup) == 203 and lookup.propose(3) == [4, 5, 4]
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens=st.lists(st.integers(0, 4), min_size=0, max_size=40), limit=st.integers(0, 9),
+       ngrams=st.sampled_from([(3, 1), (3, 2), (2, 2), (4, 1)]))
+def test_propose_equals_the_plain_rule(tokens, limit, ngrams):
+    lookup = PromptLookup(tokens[:5], max_ngram=ngrams[0], min_ngram=ngrams[1])
+    for token in tokens[5:]:
+        lookup.push(token)
+    assert lookup.propose(limit) == reference_proposal(tokens, limit, *ngrams)
+
+
+def test_budget_doubles_after_whole_drafts_shrinks_to_what_was_accepted_and_backs_off_after_refusals():
+    budget = DraftBudget(size=4, max_size=8)
+    budget.update(4, 4)
+    assert budget.take(left=100) == 8
+    budget.update(8, 3)
+    assert budget.take(left=100) == 4 and budget.take(left=2) == 2
+    skipped = []
+    for _ in range(6):  # refused at once, again and again: the pause doubles up to MAX_BACKOFF
+        budget.update(budget.size, 0)
+        skipped.append(budget.skip)
+        while budget.take(left=100) == 0:
+            pass
+    assert skipped == [1, 2, 4, 8, 16, MAX_BACKOFF] and budget.size == 1
+    budget.update(1, 1)
+    assert budget.backoff == 1 and budget.take(left=100) == 2
+
+
+class Markov:
+    """A fake greedy model: logits for the next token depend on the last three tokens only."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+
+    def logits(self, tokens: list[int]) -> np.ndarray:
+        key = tuple(tokens[-3:])
+        rng = np.random.default_rng([self.seed, *[t + 1 for t in key]])
+        return rng.normal(size=VOCAB).astype(np.float32)
+
+
+class Counting(Markov):
+    """A fake model that counts 1..11 and around again (what the prompt below shows it doing)."""
+
+    def logits(self, tokens: list[int]) -> np.ndarray:
+        scores = super().logits(tokens) * 0.1
+        scores[tokens[-1] % (VOCAB - 1) + 1] = 5.0
+        return scores
+
+
+class NoZeroAndForcedPair:
+    """A grammar: token 0 is never allowed, and a 5 forces 3 then 4 after it."""
+
+    def __init__(self) -> None:
+        self.queue: list[int] = []
+
+    def allowed_mask(self) -> np.ndarray:
+        mask = np.zeros(VOCAB, dtype=bool)
+        if self.queue:
+            mask[self.queue[0]] = True
+        else:
+            mask[1:] = True
+        return mask
+
+    def advance(self, token_id: int) -> None:
+        assert self.allowed_mask()[token_id], "the loop took a token the grammar forbids"
+        self.queue = self.queue[1:] if self.queue else ([3, 4] if token_id == 5 else [])
+
+    def is_finished(self) -> bool:
+        return False
+
+    def forced_tokens(self) -> list[int]:
+        return list(self.queue)
+
+
+async def run(prompt: list[int], model: Markov, *, drafts_on: bool, max_new: int, stop_ids: frozenset[int],
+              stop_strings: tuple[str, ...], grammar: bool):
+    """Greedy ``decode_tokens`` over a fake KV log; checks every choice reads the logits of exactly
+    the tokens before it. Returns the deltas, the outcome, the log's tokens, the feeds, the drafts."""
+    log = list(prompt)
+    last: list[np.ndarray | None] = [model.logits(log)]
+    feeds: list[list[int]] = []
+    constraint = NoZeroAndForcedPair() if grammar else None
+
+    async def feed(ids: list[int]) -> None:
+        feeds.append(list(ids))
+        log.extend(ids)
+        last[0] = model.logits(log)
+
+    async def feed_rows(ids: list[int], rows: int) -> np.ndarray:
+        feeds.append(list(ids))
+        out = []
+        for i, token in enumerate(ids):
+            log.append(token)
+            if i >= len(ids) - rows:
+                out.append(model.logits(log))
+        last[0] = out[-1]
+        return np.stack(out)
+
+    async def trim(n: int) -> None:
+        del log[len(log) - n:]
+        last[0] = None
+
+    drafts = Drafts(PromptLookup(prompt), feed, feed_rows, trim) if drafts_on else None
+
+    def choose(generated: list[int]) -> int:
+        logits = drafts.logits if drafts is not None and drafts.logits is not None else last[0]
+        assert logits is not None
+        np.testing.assert_array_equal(logits, model.logits([*prompt, *generated]))
+        if constraint is not None:
+            logits = np.where(constraint.allowed_mask(), logits, -np.inf)
+        return int(np.argmax(logits))
+
+    config = GenerationConfig(max_new_tokens=max_new, stop_strings=stop_strings)
+    events = decode_tokens(choose, feed, config=config, decode_text=lambda ids: "".join(chr(97 + i) for i in ids),
+                           stop_ids=stop_ids, max_new=max_new, constraint=constraint, forcing=constraint,
+                           counts=FastForwardCounts(), drafts=drafts)
+    out = [event async for event in events]
+    deltas = [e for e in out if isinstance(e, TokenDelta)]
+    outcome = out[-1]
+    assert isinstance(outcome, DecodeOutcome)
+    return deltas, outcome, log, feeds, drafts
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 10_000), prompt=st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=60),
+       max_new=st.integers(0, 40), stop=st.sets(st.integers(0, VOCAB - 1), max_size=1),
+       stop_strings=st.sampled_from([(), ("cd",), ("b", "ja")]), grammar=st.booleans())
+def test_greedy_drafts_give_plain_decodings_tokens_stream_stop_and_log(seed, prompt, max_new, stop, stop_strings,
+                                                                       grammar):
+    model = Markov(seed)
+    args = {"max_new": max_new, "stop_ids": frozenset(stop), "stop_strings": stop_strings, "grammar": grammar}
+    plain = anyio.run(lambda: run(prompt, model, drafts_on=False, **args))
+    drafted = anyio.run(lambda: run(prompt, model, drafts_on=True, **args))
+    p_deltas, p_out, p_log, p_feeds, _ = plain
+    d_deltas, d_out, d_log, d_feeds, drafts = drafted
+    assert [(d.token_id, d.text) for d in d_deltas] == [(d.token_id, d.text) for d in p_deltas]
+    assert (d_out.generated, d_out.text, d_out.finish_reason) == (p_out.generated, p_out.text, p_out.finish_reason)
+    assert d_log == p_log  # the KV log holds what plain decoding fed: every token but the last
+    assert len(d_feeds) <= len(p_feeds)
+    assert 0 <= drafts.accepted <= drafts.drafted and not drafts.ahead
+
+
+def test_a_repeating_answer_is_taken_in_fewer_feeds_and_the_counts_add_up():
+    model = Counting(7)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11] * 3
+    args = {"max_new": 40, "stop_ids": frozenset(), "stop_strings": (), "grammar": False}
+    _, p_out, _, p_feeds, _ = anyio.run(lambda: run(prompt, model, drafts_on=False, **args))
+    _, d_out, _, d_feeds, drafts = anyio.run(lambda: run(prompt, model, drafts_on=True, **args))
+    assert d_out.generated == p_out.generated
+    assert drafts.accepted > 0 and len(d_feeds) <= len(p_feeds) - drafts.accepted + 1
+    # every fed token stays in the log (all generated but the last) or was a drafted one trimmed
+    # again: refused, past the end, or the accepted last token
+    extra = sum(len(f) for f in d_feeds) - (len(p_out.generated) - 1) - (drafts.drafted - drafts.accepted)
+    assert extra in (0, 1)
+
+
+@pytest.mark.parametrize("left", [0, -1])
+def test_no_room_left_means_a_plain_feed(left):
+    calls: list[str] = []
+
+    async def feed(ids: list[int]) -> None:
+        calls.append("feed")
+
+    async def feed_rows(ids: list[int], rows: int) -> np.ndarray:
+        calls.append("rows")
+        return np.zeros((rows, VOCAB), np.float32)
+
+    async def trim(n: int) -> None:
+        calls.append("trim")
+
+    drafts = Drafts(PromptLookup([1, 2, 1, 2]), feed, feed_rows, trim)
+    anyio.run(drafts.feed, [1], left)
+    assert calls == ["feed"] and drafts.logits is None and drafts.in_kv == 1
