@@ -100,6 +100,20 @@ def services() -> tuple[str, str]:
     return db, snapshots.rstrip("/") + f"/scaleout-{int(time.time())}"
 
 
+def remove_objects(snapshots: str) -> int:
+    """Delete every object under the run's own S3 prefix (a benchmark run writes ~50 MB per turn)."""
+    import boto3
+
+    bucket, _, prefix = snapshots.removeprefix("s3://").partition("/")
+    client, removed = boto3.client("s3"), 0
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/"):
+        keys = [{"Key": item["Key"]} for item in page.get("Contents", [])]
+        if keys:
+            client.delete_objects(Bucket=bucket, Delete={"Objects": keys})
+            removed += len(keys)
+    return removed
+
+
 def drop_snapshots(db: str, snapshots: str, session_id: str) -> int:
     """Delete every snapshot of ``session_id`` (row and object): what (c) moves without."""
     async def drop() -> int:
@@ -157,6 +171,9 @@ def moved(cluster: LocalCluster, db: str, snapshots: str, opening: str, question
             ttfts[name].append(turn.ttft_s)
             cached[name].append(turn.body["usage"]["input_tokens_details"]["cached_tokens"])
     print(f"cached tokens after the move: restore {cached['moved_restore']}, re-prefill {cached['moved_reprefill']}")
+    if min(cached["moved_restore"]) < len(opening) // 8:
+        raise RuntimeError(f"the moved conversations restored {cached['moved_restore']} tokens from S3: the "
+                           "snapshots were not written (is the S3 server full? see its log)")
     return ttfts
 
 
@@ -185,6 +202,15 @@ def main() -> None:
     args = parser.parse_args()
     db, snapshots = services()
     opening, follow = history_and_turns(args.history, args.turns)
+    try:
+        result = measure(args, db, snapshots, opening, follow)
+    finally:
+        print(f"removed {remove_objects(snapshots)} snapshot objects under {snapshots}")
+    print(json.dumps({k: round(v, 3) for k, v in result.items()}))
+
+
+def measure(args: argparse.Namespace, db: str, snapshots: str, opening: str, follow: list[str]) -> dict[str, float]:
+    """Every figure of the run: the table is printed, the ratios returned."""
     with tempfile.TemporaryDirectory() as lone:
         with LocalCluster(3, db=db, snapshots=snapshots) as cluster, \
                 LocalCluster(1, db=f"sqlite:///{lone}/agentkv.db", snapshots=f"{lone}/snapshots") as single:
@@ -202,13 +228,12 @@ def main() -> None:
         print(f"{name:>16} " + " ".join(f"{1000 * v:9.0f}" for v in values))
     print(f"decode, 3 answers at once: one replica {statistics.median(one):.1f} tok/s, "
           f"one per replica {statistics.median(three):.1f} tok/s (2 cores shared by 3 replicas)")
-    result = {
+    return {
         "moved_reprefill_over_moved_restore": statistics.median(moves["moved_reprefill"])
         / statistics.median(moves["moved_restore"]),
         "stay_over_single_server_ttft": statistics.median(stay["stay"]) / statistics.median(stay["single"]),
         "replicas_3_over_1_decode": statistics.median(three) / statistics.median(one),
     }
-    print(json.dumps({k: round(v, 3) for k, v in result.items()}))
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ EOF
     log "starting weed (S3 on $ENDPOINT, data in $DATA_DIR, log $DATA_DIR/weed.log)"
     # NOTE: every port is set (defaults 8080/8333/8888/9333 are common); gRPC ports are port + 10000
     setsid nohup "$WEED" server -ip=127.0.0.1 -ip.bind=127.0.0.1 -dir="$DATA_DIR/data" \
-        -master.port=19333 -master.volumeSizeLimitMB=256 -volume.port=18080 -volume.max=20 \
+        -master.port=19333 -master.volumeSizeLimitMB=256 -volume.port=18080 -volume.max=100 \
         -filer -filer.port=18888 -s3 -s3.port="$PORT" -s3.config="$DATA_DIR/s3.json" -metricsPort=0 \
         >"$DATA_DIR/weed.log" 2>&1 </dev/null &
     echo $! > "$DATA_DIR/weed.pid"
