@@ -31,10 +31,12 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @asynccontextmanager
-async def replica(url: str, engine: ScriptedEngine, *, lease_wait_s: float = 5.0) -> AsyncIterator[httpx.AsyncClient]:
+async def replica(url: str, engine: ScriptedEngine, *, lease_wait_s: float = 5.0,
+                  max_sessions: int = 64) -> AsyncIterator[httpx.AsyncClient]:
     """One replica: its own store connection and engine, the app started, a client on it."""
     async with Store(url) as store:
-        app = create_app(engine, store=store, api_key=KEY, model_id="scripted", lease_wait_s=lease_wait_s)
+        app = create_app(engine, store=store, api_key=KEY, model_id="scripted", lease_wait_s=lease_wait_s,
+                         max_sessions=max_sessions)
         async with app.router.lifespan_context(app):
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
                                          headers=AUTH) as client:
@@ -226,3 +228,14 @@ async def test_deleting_a_response_whose_conversation_the_other_replica_is_runni
         deleted = await b.delete(f"/v1/responses/{first['id']}")  # once it is over: not the last response
         assert deleted.status_code == 200
     assert await window_of(url, first_session(answers)) == ["Hi", "Hello!", "Turn on a", "A's answer."]
+
+
+async def test_a_conversation_closed_to_make_room_is_snapshotted_first_when_its_snapshot_is_missing(url):
+    async with replica(url, ScriptedEngine(["Hello!", "Again."]), max_sessions=1) as a:
+        first = (await respond(a, input="Hi")).headers["X-Session-Id"]
+        async with Store(url) as store:
+            for record in await store.snapshots(first):  # e.g. its turn-end save failed
+                await store.delete_snapshot(record)
+        await respond(a, input="Another conversation")  # the first is closed to make room
+        async with Store(url) as store:
+            assert len(await store.snapshots(first)) == 1

@@ -167,6 +167,7 @@ class CallRecord:
     accepted_tokens: int | None = None
     """Drafted tokens the model's own choice confirmed."""
     steps_saved: int | None = None
-    """Model steps fast-forward and accepted drafts saved against one step per token."""
+    """Model steps grammar fast-forward saved against one step per token (what drafts save
+    shows as fewer model steps)."""
     id: int = 0
     created_at: datetime | None = None

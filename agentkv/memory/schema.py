@@ -191,4 +191,4 @@ class CallRow(Base):
     accepted_tokens: Mapped[int | None] = mapped_column(Integer)
     """Drafted tokens the model confirmed (schema 9; NULL before)."""
     steps_saved: Mapped[int | None] = mapped_column(Integer)
-    """Model steps fast-forward and drafts saved (schema 9; NULL before)."""
+    """Model steps grammar fast-forward saved (schema 9; NULL before); drafts show as fewer model steps."""

@@ -88,7 +88,7 @@ class SessionStats:
 
     @property
     def steps_saved(self) -> int:
-        """Model steps fast-forward and drafts saved, over the calls in ``decode``."""
+        """Model steps grammar fast-forward saved, over the calls in ``decode`` (drafts: fewer model steps)."""
         return sum(d.steps_saved for d in self.decode)
 
     @property

@@ -67,18 +67,19 @@ class OpenConversations:
         session = self._open.get(session_id)
         return session is not None and session.running
 
-    async def close(self, session_id: str) -> None:
-        """Release the conversation's KV (what is stored stays)."""
+    async def close(self, session_id: str, *, snapshot: bool = False) -> None:
+        """Release the conversation's KV (what is stored stays); ``snapshot=True`` first saves it
+        unless a stored snapshot holds it already (its turn-end snapshot normally does)."""
         session = self._open.pop(session_id, None)
         if session is not None:
-            await self.runtime.close_conversation(session)
+            await self.runtime.close_conversation(session, snapshot=snapshot)
 
     async def _make_room(self) -> None:
         while len(self._open) >= self.max_open:
             idle = next((sid for sid, session in self._open.items() if not session.running), None)
             if idle is None:
                 return  # every one is running: the request limit bounds this
-            await self.close(idle)
+            await self.close(idle, snapshot=True)  # NOTE: idle, so no run saves it meanwhile
 
     async def aclose(self) -> None:
         """Close every conversation, each snapshotted first unless its snapshot is stored already
