@@ -44,7 +44,7 @@ class FakePagedModel:
                 assert self.pool.holders(block) == 1, f"wrote block {block} that {self.pool.holders(block)} tables hold"
                 self.keys[block, 0, position % BLOCK_SIZE, 0] = token
                 self.values[block, 0, position % BLOCK_SIZE, 0] = token
-        return np.zeros((len(sequences), 8), dtype=np.float32)
+        return np.zeros((sum(seq.last_rows for seq in sequences), 8), dtype=np.float32)  # as PagedModel.step
 
     def copy_block(self, source: int, target: int) -> None:
         self.keys[target] = self.keys[source]

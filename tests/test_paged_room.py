@@ -57,15 +57,19 @@ class FakePagedModel:
         self.values = self.keys.copy()
 
     def step(self, sequences: list[SequenceStep]) -> np.ndarray:
-        logits = np.zeros((len(sequences), VOCAB), dtype=np.float32)
-        for row, seq in enumerate(sequences):
+        """Logits for each sequence's last ``last_rows`` positions, stacked (as ``PagedModel.step``)."""
+        logits = np.zeros((sum(seq.last_rows for seq in sequences), VOCAB), dtype=np.float32)
+        row = 0
+        for seq in sequences:
             for offset, token in enumerate(seq.ids):
                 position = seq.past_len + offset
                 block = seq.blocks[position // BLOCK_SIZE]
                 assert self.pool.holders(block) == 1
                 self.keys[block, 0, position % BLOCK_SIZE, 0] = token
                 self.values[block, 0, position % BLOCK_SIZE, 0] = token
-            logits[row, next_token(seq.ids[-1])] = 1.0
+            for token in seq.ids[len(seq.ids) - seq.last_rows:]:
+                logits[row, next_token(token)] = 1.0
+                row += 1
         return logits
 
     def copy_block(self, source: int, target: int) -> None:
