@@ -10,7 +10,7 @@ the run outlasts the wait); the history keeps each turn once; every answer names
 from __future__ import annotations
 
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -54,6 +54,23 @@ def gated(text: str, gate: anyio.Event, started: anyio.Event):
         await gate.wait()
         return text
     return reply
+
+
+async def while_a_runs(a: httpx.AsyncClient, first: dict, gate: anyio.Event, started: anyio.Event,
+                       action: Callable[[], Awaitable[httpx.Response]]) -> tuple[httpx.Response, httpx.Response]:
+    """Replica ``a`` continues ``first`` with a gated turn; once that turn runs, ``action`` (on the
+    other replica), then the gate opens. Returns a's answer and the action's."""
+    ran: list[httpx.Response] = []
+
+    async def on_a() -> None:
+        ran.append(await respond(a, input="Turn on a", previous_response_id=first["id"]))
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(on_a)
+        await started.wait()
+        answer = await action()
+        gate.set()
+    return ran[0], answer
 
 
 async def window_of(url: str, session_id: str) -> list[str]:
@@ -115,19 +132,11 @@ async def test_a_request_whose_wait_for_the_other_replica_runs_out_is_session_bu
     async with replica(url, ScriptedEngine(["Hello!", gated("A's answer.", gate, started)])) as a, \
             replica(url, ScriptedEngine(["never used"]), lease_wait_s=0.3) as b:
         first = (await respond(a, input="Hi")).json()
-        answers: dict[str, httpx.Response] = {}
-
-        async def on_a() -> None:
-            answers["a"] = await respond(a, input="Turn on a", previous_response_id=first["id"])
-
-        async with anyio.create_task_group() as tasks:
-            tasks.start_soon(on_a)
-            await started.wait()
-            busy = await respond(b, input="Turn on b", previous_response_id=first["id"])
-            gate.set()
+        ran, busy = await while_a_runs(a, first, gate, started,
+                                       lambda: respond(b, input="Turn on b", previous_response_id=first["id"]))
         assert busy.status_code == 409 and busy.json()["error"]["code"] == "session_busy", busy.text
-        assert answers["a"].status_code == 200
-    assert await window_of(url, first_session(answers)) == ["Hi", "Hello!", "Turn on a", "A's answer."]
+        assert ran.status_code == 200
+    assert await window_of(url, ran.headers["X-Session-Id"]) == ["Hi", "Hello!", "Turn on a", "A's answer."]
 
 
 def first_session(answers: dict[str, httpx.Response]) -> str:
@@ -213,21 +222,12 @@ async def test_deleting_a_response_whose_conversation_the_other_replica_is_runni
     async with replica(url, ScriptedEngine(["Hello!", gated("A's answer.", gate, started)])) as a, \
             replica(url, ScriptedEngine([])) as b:
         first = (await respond(a, input="Hi")).json()
-        answers: dict[str, httpx.Response] = {}
-
-        async def on_a() -> None:
-            answers["a"] = await respond(a, input="Turn on a", previous_response_id=first["id"])
-
-        async with anyio.create_task_group() as tasks:
-            tasks.start_soon(on_a)
-            await started.wait()
-            refused = await b.delete(f"/v1/responses/{first['id']}")
-            gate.set()
+        ran, refused = await while_a_runs(a, first, gate, started, lambda: b.delete(f"/v1/responses/{first['id']}"))
         assert refused.status_code == 409 and refused.json()["error"]["code"] == "session_busy", refused.text
-        assert answers["a"].status_code == 200  # the run went on, its conversation intact
+        assert ran.status_code == 200  # the run went on, its conversation intact
         deleted = await b.delete(f"/v1/responses/{first['id']}")  # once it is over: not the last response
         assert deleted.status_code == 200
-    assert await window_of(url, first_session(answers)) == ["Hi", "Hello!", "Turn on a", "A's answer."]
+    assert await window_of(url, ran.headers["X-Session-Id"]) == ["Hi", "Hello!", "Turn on a", "A's answer."]
 
 
 async def test_a_conversation_closed_to_make_room_is_snapshotted_first_when_its_snapshot_is_missing(url):
