@@ -22,7 +22,7 @@ demo: model
 
 test: model
 	$(PY) -m mypy
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=30
 
 bench: model
 	$(PY) benchmarks/multiturn.py

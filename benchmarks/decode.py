@@ -12,9 +12,17 @@ multi-turn chat answers (``CHATS``, each mode continuing its own conversation on
 greedy, prompt-lookup drafts off (``plain``) and on (``drafts``), interleaved the same way;
 ``--genai`` adds openvino-genai's ``LLMPipeline`` plain and with its prompt lookup
 (``prompt_lookup=True``, 5 drafted tokens, 3-grams) on the quoting prompts, as the anchor.
-The last line is one JSON object (``*_over_plain_*``: decode tokens/s, on over off).
+**batched** — 8 sessions at once on the engine: 4 "others" answer free text plainly, 4 quote with
+drafts off and on (rounds alternate, same prompts, greedy); the others' decode tokens/s counted
+while all 8 decode (from the last first token to the first quote done): ``batched_others_slowdown``
+= others' tok/s beside plain quoting / beside drafting quoting (target ≤ 1.05; on a shared machine
+the load drifts between rounds, so also ``*_in_round``: the drafting rounds' step time over the same
+steps at the median plain step's length), and the quoting sessions' own decode speed-up under load.
+**sampled** — quoting and free text again at temperature 0.7, top-p 0.9, seeded (``SAMPLED``):
+drafts checked by the speculative rule. The last line is one JSON object (``*_over_plain_*``:
+decode tokens/s, on over off).
 Run: ``python benchmarks/decode.py [--cases 20] [--max-new-tokens 160] [--repeats 1] [--exact]
-[--workloads toolcalls,quote,freetext] [--genai]``.
+[--workloads toolcalls,quote,freetext,sampled,batched] [--genai]``.
 """
 
 from __future__ import annotations
@@ -176,16 +184,21 @@ def quote_messages(doc: str, ask: str) -> list[dict[str, str]]:
             {"role": "user", "content": ask}]
 
 
-async def quoting(engine: Engine, repeats: int, genai: GenaiQuote | None = None, max_new: int = 160
-                  ) -> dict[str, Mode]:
+SAMPLED: dict[str, Any] = {"temperature": 0.7, "top_p": 0.9, "seed": 7}
+"""The sampled workloads' settings (each call seeded alike, drafts off and on)."""
+
+
+async def quoting(engine: Engine, repeats: int, genai: GenaiQuote | None = None, max_new: int = 160,
+                  sampling: dict[str, Any] | None = None) -> dict[str, Mode]:
     """Drafts off and on over ``QUOTE_DOCS`` (and ``LLMPipeline`` plain and with prompt lookup when
-    ``genai``), interleaved per prompt (the order rotates): modes by name."""
+    ``genai``), interleaved per prompt (the order rotates): modes by name. ``sampling``: config
+    settings for sampled calls (default greedy)."""
     tok = engine.tokenizer
     prompts = [tok.encode(tok.apply_chat_template(quote_messages(d, a), add_generation_prompt=True))
                for d, a in QUOTE_DOCS]
     modes = {name: Mode(name) for name in ["plain", "drafts", *(genai.names if genai else [])]}
-    configs = {"plain": GenerationConfig(max_new_tokens=max_new, prompt_lookup=False),
-               "drafts": GenerationConfig(max_new_tokens=max_new)}
+    configs = {"plain": GenerationConfig(max_new_tokens=max_new, prompt_lookup=False, **(sampling or {})),
+               "drafts": GenerationConfig(max_new_tokens=max_new, **(sampling or {}))}
     await one_call(engine, prompts[0], None, configs["drafts"])  # warm-up
     names = list(modes)
     for repeat in range(repeats):
@@ -205,11 +218,13 @@ async def quoting(engine: Engine, repeats: int, genai: GenaiQuote | None = None,
     return modes
 
 
-async def free_text(engine: Engine, repeats: int, max_new: int = 128) -> tuple[Mode, Mode]:
-    """Drafts off and on over ``CHATS``: each mode keeps its own conversation on one session."""
+async def free_text(engine: Engine, repeats: int, max_new: int = 128, sampling: dict[str, Any] | None = None
+                    ) -> tuple[Mode, Mode]:
+    """Drafts off and on over ``CHATS``: each mode keeps its own conversation on one session
+    (``sampling``: as ``quoting``)."""
     off, on = Mode("plain"), Mode("drafts")
-    configs = {"plain": GenerationConfig(max_new_tokens=max_new, prompt_lookup=False),
-               "drafts": GenerationConfig(max_new_tokens=max_new)}
+    configs = {"plain": GenerationConfig(max_new_tokens=max_new, prompt_lookup=False, **(sampling or {})),
+               "drafts": GenerationConfig(max_new_tokens=max_new, **(sampling or {}))}
     tok = engine.tokenizer
     for repeat in range(repeats):
         for index, turns in enumerate(CHATS):
@@ -229,6 +244,149 @@ async def free_text(engine: Engine, repeats: int, max_new: int = 128) -> tuple[M
             print(f"  chat {index}: {on.accepted}/{on.drafted} drafted tokens accepted so far; last answers "
                   f"equal: {off.answers[-1] == on.answers[-1]}")
     return off, on
+
+
+OTHER_PROMPTS = [CHATS[0][0], CHATS[1][0], CHATS[2][0], "Explain how a refrigerator keeps food cold."]
+"""Batched: the free-text questions the 4 "others" answer while the quoting sessions run."""
+
+
+@dataclass
+class BatchedRound:
+    """One round of the batched workload: the others' tokens in the window when all 8 decode."""
+
+    drafting: bool
+    others_tokens: int = 0
+    window_s: float = 0.0
+    quoting: Mode = field(default_factory=lambda: Mode("quoting"))
+    plain_steps: list[float] = field(default_factory=list)
+    """Seconds of the window's steps that carried no draft."""
+    draft_steps: list[float] = field(default_factory=list)
+    """Seconds of the window's steps that carried a draft."""
+
+    @property
+    def others_tps(self) -> float:
+        return self.others_tokens / self.window_s if self.window_s > 0 else 0.0
+
+    @property
+    def step_slowdown(self) -> float | None:
+        """The window's step time over what it would be with the drafted steps as long as the
+        median plain one: the others' slowdown measured inside the round (the machine's load
+        drifts between rounds, not between neighbouring steps); None without a plain step."""
+        if not self.plain_steps:
+            return None
+        plain = statistics.median(self.plain_steps)
+        total = sum(self.plain_steps) + sum(self.draft_steps)
+        return total / (sum(self.plain_steps) + plain * len(self.draft_steps))
+
+
+async def batched_round(engine: Engine, others: list[list[int]], quotes: list[list[int]], drafting: bool,
+                        max_new: int) -> BatchedRound:
+    """4 others answer plainly (until the quoting ends) while 4 sessions quote, drafts ``drafting``."""
+    plain = GenerationConfig(max_new_tokens=4 * max_new, prompt_lookup=False, ignore_eos=True)
+    quote = GenerationConfig(max_new_tokens=max_new, prompt_lookup=drafting)
+    stamps: list[list[float]] = [[] for _ in others]
+    first: list[float] = []
+    done: list[float] = []
+    quoted = anyio.Event()
+    out = BatchedRound(drafting)
+
+    async def other(i: int) -> None:
+        session = await engine.open_session()
+        try:
+            async with session.stream(others[i], plain) as stream:
+                async for _ in stream:
+                    stamps[i].append(time.perf_counter())
+                    if len(stamps[i]) == 1:
+                        first.append(stamps[i][0])
+                    if quoted.is_set():
+                        break
+        finally:
+            await session.close()
+
+    async def quoter(ids: list[int]) -> None:
+        session = await engine.open_session()
+        try:
+            started, tokens = time.perf_counter(), 0
+            async with session.stream(ids, quote) as stream:
+                async for _ in stream:
+                    tokens += 1
+                    if tokens == 1:
+                        first.append(time.perf_counter())
+            assert stream.result is not None
+            out.quoting.add(stream.result, time.perf_counter() - started)
+            done.append(time.perf_counter())
+        finally:
+            await session.close()
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(others)):
+            tg.start_soon(other, i)
+        async with anyio.create_task_group() as quoting_group:
+            for ids in quotes:
+                quoting_group.start_soon(quoter, ids)
+        quoted.set()
+    begin, end = max(first), min(done)
+    out.window_s = max(0.0, end - begin)
+    out.others_tokens = sum(1 for row in stamps for t in row if begin < t <= end)
+    batcher = getattr(engine, "batcher", None)  # the paged engine's StepBatcher: its steps one by one
+    for record in batcher.recent_steps() if batcher is not None else []:
+        if begin < record.ended_at <= end:
+            (out.draft_steps if record.drafting else out.plain_steps).append(record.seconds)
+    return out
+
+
+async def batched(engine: Engine, repeats: int, max_new: int = 160) -> list[BatchedRound]:
+    """Rounds of the batched workload, drafts off and on alternating (the order flips per repeat)."""
+    tok = engine.tokenizer
+    others = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True))
+              for q in OTHER_PROMPTS]
+    quotes = [tok.encode(tok.apply_chat_template(quote_messages(d, a), add_generation_prompt=True))
+              for d, a in QUOTE_DOCS]
+    await batched_round(engine, others, quotes, True, max_new // 4)  # warm-up
+    rounds = []
+    for repeat in range(repeats):
+        for drafting in ((False, True) if repeat % 2 == 0 else (True, False)):
+            rounds.append(await batched_round(engine, others, quotes, drafting, max_new))
+            r = rounds[-1]
+            print(f"  batched {'drafting' if drafting else 'plain   '}: others {r.others_tps:6.1f} tok/s over "
+                  f"{r.window_s:5.1f} s; quoting {r.quoting.decode_tps:6.1f} tok/s per session, "
+                  f"{r.quoting.accepted}/{r.quoting.drafted} drafted tokens accepted; steps {len(r.plain_steps)} "
+                  f"plain + {len(r.draft_steps)} drafted (median {_ms(r.plain_steps)} / {_ms(r.draft_steps)} ms), "
+                  f"in-round slowdown {r.step_slowdown or float('nan'):.3f}", flush=True)
+    return rounds
+
+
+def _ms(seconds: list[float]) -> str:
+    return f"{statistics.median(seconds) * 1e3:.0f}" if seconds else "-"
+
+
+def batched_figures(rounds: list[BatchedRound]) -> dict[str, Any]:
+    """Slowdown and speed-up over all rounds (tokens over seconds), and per repeat (the spread)."""
+    plain = [r for r in rounds if not r.drafting]
+    spec = [r for r in rounds if r.drafting]
+    if not plain or not spec:
+        return {"batched_others_slowdown": None}
+
+    def others(rs: list[BatchedRound]) -> float:
+        return sum(r.others_tokens for r in rs) / max(1e-9, sum(r.window_s for r in rs))
+
+    def quoting(rs: list[BatchedRound]) -> float:
+        return sum(r.quoting.decode_tokens for r in rs) / max(1e-9, sum(r.quoting.decode_s for r in rs))
+
+    inside = [x for x in (r.step_slowdown for r in spec) if x is not None]
+    pairs = [(a.others_tps / b.others_tps if b.others_tps else 0.0) for a, b in zip(plain, spec)]
+    return {
+        "batched_others_slowdown": round(others(plain) / others(spec), 3) if others(spec) else None,
+        "batched_others_slowdown_per_repeat": [round(x, 3) for x in pairs],
+        "batched_others_tps_plain": round(others(plain), 2),
+        "batched_others_tps_drafting": round(others(spec), 2),
+        "batched_others_slowdown_in_round": round(statistics.median(inside), 3) if inside else None,
+        "batched_others_slowdown_in_round_range": [round(min(inside), 3), round(max(inside), 3)] if inside else None,
+        "batched_drafted_step_share": round(sum(len(r.draft_steps) for r in spec)
+                                            / max(1, sum(len(r.draft_steps) + len(r.plain_steps) for r in spec)), 3),
+        "batched_spec_over_plain_quote": round(quoting(spec) / quoting(plain), 3),
+        "batched_accepted_quote": f"{sum(r.quoting.accepted for r in spec)}/{sum(r.quoting.drafted for r in spec)}",
+    }
 
 
 class GenaiQuote:
@@ -291,6 +449,9 @@ async def main(args: argparse.Namespace) -> None:
     quote: tuple[Mode, Mode] | None = None
     genai: tuple[Mode, Mode] | None = None
     chat: tuple[Mode, Mode] | None = None
+    sampled_quote: tuple[Mode, Mode] | None = None
+    sampled_chat: tuple[Mode, Mode] | None = None
+    rounds: list[BatchedRound] = []
     try:
         if "toolcalls" in workloads:
             off, on, spec = await tool_calls(engine, args.cases, args.max_new_tokens, args.repeats)
@@ -303,6 +464,14 @@ async def main(args: argparse.Namespace) -> None:
         if "freetext" in workloads:
             chat = await free_text(engine, args.repeats)
             rows += [("free text", chat[0]), ("free text", chat[1])]
+        if "sampled" in workloads:
+            modes = await quoting(engine, args.repeats, sampling=SAMPLED)
+            sampled_quote = modes["plain"], modes["drafts"]
+            sampled_chat = await free_text(engine, args.repeats, sampling=SAMPLED)
+            rows += [("quote T=.7", sampled_quote[0]), ("quote T=.7", sampled_quote[1]),
+                     ("free T=.7", sampled_chat[0]), ("free T=.7", sampled_chat[1])]
+        if "batched" in workloads:
+            rounds = await batched(engine, args.repeats_batched)
     finally:
         await engine.aclose()
     table(rows)
@@ -334,10 +503,12 @@ async def main(args: argparse.Namespace) -> None:
         "spec_decode_tps_freetext": round(chat[1].decode_tps, 2) if chat else None,
         "accepted_share_freetext": round(chat[1].accepted / max(1, chat[1].drafted), 3) if chat else None,
         "equal_answers_freetext": equal_answers(chat),
+        "spec_over_plain_quote_sampled": ratio(sampled_quote[1], sampled_quote[0]) if sampled_quote else None,
+        "spec_over_plain_freetext_sampled": ratio(sampled_chat[1], sampled_chat[0]) if sampled_chat else None,
         "genai_decode_tps_quote": round(genai[0].decode_tps, 2) if genai else None,
         "genai_prompt_lookup_decode_tps_quote": round(genai[1].decode_tps, 2) if genai else None,
         "agentkv_over_genai_prompt_lookup_quote": ratio(quote[1], genai[1]) if quote and genai else None,
-        "batched_others_slowdown": None,
+        **batched_figures(rounds),
         "mean_tokens_per_call_toolcalls": round(statistics.fmean(len(a) for a in on.answers), 1) if on.answers
         else None,
     }))
@@ -349,6 +520,8 @@ if __name__ == "__main__":
     parser.add_argument("--max-new-tokens", type=int, default=160)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--exact", action="store_true", help="open_engine(exact=True): f32 numerics")
-    parser.add_argument("--workloads", default="toolcalls,quote,freetext", help="comma-separated subset")
+    parser.add_argument("--workloads", default="toolcalls,quote,freetext,sampled,batched",
+                        help="comma-separated subset")
+    parser.add_argument("--repeats-batched", type=int, default=3, help="pairs of batched rounds (off, on)")
     parser.add_argument("--genai", action="store_true", help="also LLMPipeline plain and with prompt lookup")
     anyio.run(main, parser.parse_args())

@@ -1,10 +1,12 @@
 """Multi-turn TTFT: agentkv (stateful and paged engines) vs stateless re-prefill vs openvino-genai.
 
 A chat of ~100-token user turns and 64-token answers. Per turn it prints TTFT for: agentkv on
-the stateful engine and on the paged engine (one KV session each: prefills only the new turn),
+the stateful engine and on the paged engine (one KV session each: prefills only the new turn;
+the paged engine twice: decoding plainly, and with its default prompt-lookup drafts),
 stateless (the stateful engine re-prefilling the whole history every turn), and LLMPipeline +
 ChatHistory twice — its SDPA backend and its default (PagedAttention + prefix caching). Then
-decode speed. The last line is one JSON object with the ratios.
+decode speed: ``paged_over_genai_default_decode`` compares plain decoding (one model step per
+token, drafts off), ``paged_drafts_over_genai_default_decode`` the paged engine's defaults. The last line is one JSON object with the ratios.
 Run: ``python benchmarks/multiturn.py [--turns 13] [--paged-prefill-chunk 0]``.
 """
 
@@ -52,11 +54,11 @@ class GenaiChat:
 class AgentkvChat:
     """One engine's KV session over the rendered chat (its own answers, kept as generated ids)."""
 
-    def __init__(self, engine: StatefulEngine, system: Message, answer_tokens: int) -> None:
+    def __init__(self, engine: StatefulEngine, system: Message, answer_tokens: int, *, drafts: bool = False) -> None:
         self.engine, self.system = engine, system
         self.renderer = ChatRenderer(engine.tokenizer)
         self.messages: list[Message] = []
-        self.config = GenerationConfig(max_new_tokens=answer_tokens, ignore_eos=True)
+        self.config = GenerationConfig(max_new_tokens=answer_tokens, ignore_eos=True, prompt_lookup=drafts)
         self.tpots: list[float] = []
         self.session: KVSession | None = None
 
@@ -74,7 +76,8 @@ class AgentkvChat:
 async def measure(turns: int, answer_tokens: int, paged_options: dict) -> dict:
     stateful, paged = StatefulEngine(num_slots=2), PagedEngine(num_slots=2, **paged_options)
     system = Message.system("You are a helpful assistant that summarises text.")
-    chats = {"agentkv": AgentkvChat(stateful, system, answer_tokens), "paged": AgentkvChat(paged, system, answer_tokens)}
+    chats = {"agentkv": AgentkvChat(stateful, system, answer_tokens), "paged": AgentkvChat(paged, system, answer_tokens),
+             "paged_drafts": AgentkvChat(paged, system, answer_tokens, drafts=True)}
     ir_dir = str(stateful.files.ir_dir)
     sdpa = GenaiChat(ir_dir, system.content, answer_tokens, ATTENTION_BACKEND="SDPA")
     default = GenaiChat(ir_dir, system.content, answer_tokens)
@@ -84,6 +87,7 @@ async def measure(turns: int, answer_tokens: int, paged_options: dict) -> dict:
         text = user_turn(stateful, turn)
         ttft, prefilled, prompt = await chats["agentkv"].turn(text)
         paged_ttft, _, _ = await chats["paged"].turn(text)
+        await chats["paged_drafts"].turn(text)
         await stateless.trim(0)
         cold = await stateless.generate(prompt, GenerationConfig(max_new_tokens=1))
         rows.append({"turn": turn, "history_tokens": len(prompt), "agentkv_ttft": ttft, "agentkv_prefilled": prefilled,
@@ -97,7 +101,8 @@ async def measure(turns: int, answer_tokens: int, paged_options: dict) -> dict:
     await stateful.aclose()
     await paged.aclose()
     return {"rows": rows, "tpot": statistics.median(chats["agentkv"].tpots),
-            "paged_tpot": statistics.median(chats["paged"].tpots), "genai_tpot": statistics.median(sdpa.tpots),
+            "paged_tpot": statistics.median(chats["paged"].tpots),
+            "paged_drafts_tpot": statistics.median(chats["paged_drafts"].tpots), "genai_tpot": statistics.median(sdpa.tpots),
             "genai_default_tpot": statistics.median(default.tpots)}
 
 
@@ -124,9 +129,11 @@ def main() -> None:
         / statistics.median(r["genai_default_ttft"] for r in later),
         "stateful_over_paged_ttft_2k": at2k["agentkv_ttft"] / at2k["paged_ttft"],
         "paged_over_genai_default_decode": data["genai_default_tpot"] / data["paged_tpot"],
+        "paged_drafts_over_genai_default_decode": data["genai_default_tpot"] / data["paged_drafts_tpot"],
     }
     print(f"2K point: turn {at2k['turn']} with {at2k['history_tokens']} tokens of history")
-    print(f"decode: agentkv stateful {1 / data['tpot']:.1f}, paged {1 / data['paged_tpot']:.1f}, LLMPipeline SDPA "
+    print(f"decode: agentkv stateful {1 / data['tpot']:.1f}, paged {1 / data['paged_tpot']:.1f} "
+          f"(with drafts {1 / data['paged_drafts_tpot']:.1f}), LLMPipeline SDPA "
           f"{1 / data['genai_tpot']:.1f}, default {1 / data['genai_default_tpot']:.1f} tok/s")
     print(json.dumps({k: round(v, 3) for k, v in ratio.items()}))
 

@@ -17,6 +17,7 @@ from agentkv.engine.base import GenerationConfig, TokenDelta
 from agentkv.engine.decode.fast_forward import FastForwardCounts
 from agentkv.engine.decode.loop import DecodeOutcome, decode_tokens
 from agentkv.engine.decode.prompt_lookup import MAX_BACKOFF, DraftBudget, Drafts, PromptLookup
+from _fake_grammars import NoZeroAndForcedPair
 
 VOCAB = 12
 
@@ -107,39 +108,14 @@ class Counting(Markov):
         return scores
 
 
-class NoZeroAndForcedPair:
-    """A grammar: token 0 is never allowed, and a 5 forces 3 then 4 after it."""
-
-    def __init__(self) -> None:
-        self.queue: list[int] = []
-
-    def allowed_mask(self) -> np.ndarray:
-        mask = np.zeros(VOCAB, dtype=bool)
-        if self.queue:
-            mask[self.queue[0]] = True
-        else:
-            mask[1:] = True
-        return mask
-
-    def advance(self, token_id: int) -> None:
-        assert self.allowed_mask()[token_id], "the loop took a token the grammar forbids"
-        self.queue = self.queue[1:] if self.queue else ([3, 4] if token_id == 5 else [])
-
-    def is_finished(self) -> bool:
-        return False
-
-    def forced_tokens(self) -> list[int]:
-        return list(self.queue)
-
-
 async def run(prompt: list[int], model: Markov, *, drafts_on: bool, max_new: int, stop_ids: frozenset[int],
-              stop_strings: tuple[str, ...], grammar: bool):
+              stop_strings: tuple[str, ...], grammar: bool, counts: FastForwardCounts | None = None):
     """Greedy ``decode_tokens`` over a fake KV log; checks every choice reads the logits of exactly
     the tokens before it. Returns the deltas, the outcome, the log's tokens, the feeds, the drafts."""
     log = list(prompt)
     last: list[np.ndarray | None] = [model.logits(log)]
     feeds: list[list[int]] = []
-    constraint = NoZeroAndForcedPair() if grammar else None
+    constraint = NoZeroAndForcedPair(VOCAB) if grammar else None
 
     async def feed(ids: list[int]) -> None:
         feeds.append(list(ids))
@@ -173,7 +149,7 @@ async def run(prompt: list[int], model: Markov, *, drafts_on: bool, max_new: int
     config = GenerationConfig(max_new_tokens=max_new, stop_strings=stop_strings)
     events = decode_tokens(choose, feed, config=config, decode_text=lambda ids: "".join(chr(97 + i) for i in ids),
                            stop_ids=stop_ids, max_new=max_new, constraint=constraint, forcing=constraint,
-                           counts=FastForwardCounts(), drafts=drafts)
+                           counts=counts if counts is not None else FastForwardCounts(), drafts=drafts)
     out = [event async for event in events]
     deltas = [e for e in out if isinstance(e, TokenDelta)]
     outcome = out[-1]
@@ -212,6 +188,19 @@ def test_a_repeating_answer_is_taken_in_fewer_feeds_and_the_counts_add_up():
     # again: refused, past the end, or the accepted last token
     extra = sum(len(f) for f in d_feeds) - (len(p_out.generated) - 1) - (drafts.drafted - drafts.accepted)
     assert extra in (0, 1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), max_new=st.integers(0, 40), grammar=st.booleans())
+def test_steps_saved_are_the_feeds_one_by_one_decoding_runs_that_the_drafts_and_forced_runs_did_not(seed, max_new,
+                                                                                                     grammar):
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11] * 2
+    args = {"max_new": max_new, "stop_ids": frozenset(), "stop_strings": (), "grammar": grammar}
+    counts = FastForwardCounts()
+    _, out, _, feeds, drafts = anyio.run(lambda: run(prompt, Counting(seed), drafts_on=True, counts=counts, **args))
+    assert counts.steps_saved == max(0, len(out.generated) - 1) - len(feeds)  # one-by-one: a feed per token but the last
+    if not grammar:  # every accepted drafted token is one, but one that ended the call
+        assert counts.steps_saved in (drafts.accepted, drafts.accepted - 1)
 
 
 @pytest.mark.parametrize("left", [0, -1])

@@ -75,7 +75,7 @@ class GenerationConfig(BaseModel):
     fast_forward: bool = True
     """Feed a grammar's forced tokens in one model step (same tokens; off with logprobs or beams)."""
     prompt_lookup: bool = True
-    """Greedy, paged engine: check guesses copied from the session's log in one step (same tokens; sampling: off)."""
+    """Paged engine: check guesses copied from the session's log in one step (same tokens; sampled: same draws)."""
 
     @model_validator(mode="after")
     def _check_beams(self) -> GenerationConfig:
@@ -135,7 +135,7 @@ class GenerationMetrics:
     forced_tokens: int = 0
     """Generated tokens a grammar forced, taken without sampling (``GenerationConfig.fast_forward``)."""
     steps_saved: int = 0
-    """Model steps fast-forward saved: tokens the decode loop fed, less the feeds it fed them in."""
+    """Model steps saved against one per token: forced runs fed as one chunk, plus confirmed drafted tokens."""
     drafted_tokens: int = 0
     """Tokens proposed by prompt-lookup drafts."""
     accepted_tokens: int = 0

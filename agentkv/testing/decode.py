@@ -14,7 +14,7 @@ from a fixed distribution (``scripted_logprob``): the scripted token is the most
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -66,7 +66,7 @@ class ScriptedDecode(DecodeLoop):
         while True:
             yield eos
 
-    async def run(self) -> AsyncIterator[TokenDelta | GenerationResult]:
+    async def run(self) -> AsyncGenerator[TokenDelta | GenerationResult, None]:
         events = self.run_sequential()
         if self.config.num_beams > 1:
             events = as_beam_search(events)

@@ -2,16 +2,20 @@
 greedy decoding with drafts equals plain decoding token for token (tokens, stream, finish, KV log)
 on a prompt that quotes a ~200-token document and on free text, in fewer model steps; the KV after
 the call is that of a fresh prefill of its tokens; ``max_new_tokens`` and stop strings cut where
-plain decoding does; under a grammar too. Sampling and the stateful engine (no per-position logits)
-decode without drafts. Under the default numerics the agreement is printed.
+plain decoding does; under a grammar too. Seeded sampling draws the same tokens with drafts on or
+off; a sampled call cancelled with a draft ahead leaves only its generated tokens in the KV; the
+stateful engine (no per-position logits) decodes without drafts. Under the default numerics the
+agreement is printed.
 
-The unit tests (a fake model) are in ``tests/test_prompt_lookup.py``."""
+The unit tests (a fake model) are in ``tests/test_prompt_lookup.py`` and
+``tests/test_speculative_sampling.py``."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import anyio
 import numpy as np
 import pytest
 
@@ -82,6 +86,7 @@ async def test_drafts_equal_plain_greedy_decoding_under_exact_numerics_in_fewer_
     m, p = fast.metrics, plain.metrics
     assert p.drafted_tokens == p.accepted_tokens == 0 and 0 <= m.accepted_tokens <= m.drafted_tokens
     assert m.model_steps <= p.model_steps - m.accepted_tokens + 1
+    assert m.model_steps == p.model_steps - m.steps_saved and p.steps_saved == 0  # saved: confirmed drafts
     if prompt is quote_prompt:
         assert m.accepted_tokens >= m.generated_tokens // 3 and m.model_steps < p.model_steps
     print(f"\n[prompt lookup] {prompt.__name__}: {m.generated_tokens} tokens, {m.drafted_tokens} drafted, "
@@ -120,14 +125,40 @@ async def test_drafts_under_a_grammar_equal_plain_decoding_under_exact_numerics(
     assert drafted > 0
 
 
-async def test_sampling_and_the_stateful_engine_decode_without_drafts(paged_exact, engine_f32):
+async def test_seeded_sampling_draws_the_same_tokens_with_drafts_and_the_stateful_engine_does_not_draft(
+        paged_exact, engine_f32):
     ids = quote_prompt(paged_exact)
-    sampled = {"temperature": 0.8, "seed": 3, "max_new_tokens": 24}
-    on, *_ = await run(paged_exact, ids, ON.model_copy(update=sampled))
-    off, *_ = await run(paged_exact, ids, OFF.model_copy(update=sampled))
-    assert on.token_ids == off.token_ids and on.metrics.drafted_tokens == 0
+    for seed in (3, 4):
+        sampled = {"temperature": 0.7, "top_p": 0.9, "seed": seed, "max_new_tokens": 48}
+        on, _, _, on_log, _ = await run(paged_exact, ids, ON.model_copy(update=sampled))
+        off, _, _, off_log, _ = await run(paged_exact, ids, OFF.model_copy(update=sampled))
+        assert on.token_ids == off.token_ids and on_log == off_log, (on.text, off.text)
+        assert on.metrics.accepted_tokens > 0 and off.metrics.drafted_tokens == 0
+        assert on.metrics.model_steps == off.metrics.model_steps - on.metrics.steps_saved
     stateful, *_ = await run(engine_f32, quote_prompt(engine_f32), ON.model_copy(update={"max_new_tokens": 24}))
     assert stateful.metrics.drafted_tokens == 0 and stateful.metrics.generated_tokens > 0
+
+
+async def test_a_sampled_call_cancelled_with_a_draft_ahead_keeps_only_its_tokens_in_the_kv(paged_exact):
+    ids = quote_prompt(paged_exact)
+    config = ON.model_copy(update={"temperature": 0.7, "top_p": 0.9, "seed": 5, "max_new_tokens": 64})
+    whole, *_ = await run(paged_exact, ids, config)
+    session = await paged_exact.open_session()
+    try:
+        taken: list[int] = []
+        with anyio.CancelScope() as scope:
+            async for delta in session.stream(ids, config):
+                taken.append(delta.token_id)
+                if len(taken) == 12:
+                    scope.cancel()  # delivered at the next feed or trim; drafts may run ahead till then
+        generated = list(session.tokens[len(ids):])
+        assert session.tokens[:len(ids)] == tuple(ids) and len(generated) <= len(taken)
+        assert generated == list(whole.token_ids[:len(generated)])  # no drafted token past the chosen ones
+        logits = await session.next_token_logits()
+    finally:
+        await session.close()
+    reference = await fresh_prefill_logits(paged_exact, tuple(ids) + tuple(generated))
+    assert np.abs(logits - reference).max() <= 1e-3
 
 
 async def test_default_numerics_quote_with_drafts_and_report_agreement(engine):

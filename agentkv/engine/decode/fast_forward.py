@@ -7,6 +7,7 @@ The decode loop asks ``forced_source`` once per call, then ``next_forced`` befor
     source = forced_source(constraint, config)     # None: fast-forward off for this call
     token = next_forced(source)                    # None: the model chooses this token
     counts.forced += 1; counts.fed_in(len(chunk))  # GenerationMetrics.forced_tokens, steps_saved
+    counts.confirmed += 1                          # a drafted token the model chose (prompt_lookup)
 """
 
 from __future__ import annotations
@@ -54,9 +55,10 @@ def next_forced(source: ForcingConstraint | None) -> int | None:
 
 @dataclass
 class FastForwardCounts:
-    """One call's fast-forward figures (mutable, kept by the decode loop)::
+    """One call's figures of tokens fed without a model step of their own (mutable, kept by the
+    decode loop): forced runs fed as one chunk, and drafted tokens the model confirmed::
 
-        counts = FastForwardCounts(); counts.fed_in(5); counts.steps_saved   # 4
+        counts = FastForwardCounts(); counts.fed_in(5); counts.confirmed += 2; counts.steps_saved   # 6
     """
 
     forced: int = 0
@@ -65,6 +67,9 @@ class FastForwardCounts:
     """Tokens the decode loop fed through the model."""
     feeds: int = 0
     """Feeds it fed them in (each one model step for this session)."""
+    confirmed: int = 0
+    """Drafted tokens the model chose too and that stay in the KV log (fed in a verify step ahead
+    of the choice, so never fed by the loop): one model step each one-by-one decoding runs."""
 
     def fed_in(self, tokens: int) -> None:
         """Count one feed of ``tokens`` tokens."""
@@ -73,5 +78,6 @@ class FastForwardCounts:
 
     @property
     def steps_saved(self) -> int:
-        """Model steps saved against one step per token."""
-        return self.fed - self.feeds
+        """Model steps saved against one step per token: the tokens that went into the KV log
+        (fed, or confirmed drafts) less the feeds they took."""
+        return self.fed + self.confirmed - self.feeds

@@ -5,17 +5,19 @@ the model's logits, the scripted engine from its script. Each chosen token that 
 end generation is fed (and joins the session's log); the token that ends it is not fed —
 the next turn's alignment feeds it if the rendered history contains it. Tokens a grammar forces
 are taken without sampling and fed with the token before them as one chunk (``fast_forward``);
-a greedy call on a slot that returns several positions' logits feeds a guess of the next tokens
-with them and keeps those the model chooses too (``prompt_lookup``). No OpenVINO here.
+a call on a slot that returns several positions' logits feeds a guess of the next tokens with
+them and keeps those the model chooses too, greedy or sampled (``prompt_lookup``). No OpenVINO here.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, aclosing
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol, cast
+
+import anyio
 
 from agentkv.engine.base import (
     BeamHypothesis,
@@ -110,7 +112,7 @@ async def decode_tokens(
     counts: FastForwardCounts | None = None,
     on_forced: Callable[[], None] | None = None,
     drafts: Drafts | None = None,
-) -> AsyncIterator[TokenDelta | DecodeOutcome]:
+) -> AsyncGenerator[TokenDelta | DecodeOutcome, None]:
     """Yield a ``TokenDelta`` per token (text never splits a UTF-8 character), then the outcome.
 
     ``choose(generated)`` picks the next id; ``feed(ids)`` runs ids through the model in one
@@ -120,57 +122,70 @@ async def decode_tokens(
     ``choose`` (``on_forced()`` then stands for the draw the sampler would have made), and
     accepted tokens are fed only when the model must choose again or the loop ends: a forced
     run goes in one feed with the token before it. ``counts`` adds up forced tokens and feeds.
-    With ``drafts`` (greedy), those feeds go through ``drafts.feed`` with a draft after them,
-    ``choose`` reads ``drafts.logits``, and a token the draft fed already is not fed again.
+    With ``drafts``, those feeds go through ``drafts.feed`` with a draft after them, ``choose``
+    reads ``drafts.logits``, and a token the draft fed already is not fed again; however the loop
+    ends (closed or cancelled too), the KV log then holds what one-by-one decoding's would.
     """
     decoder = IncrementalDecoder(decode_text)
     stopper = StopStringMatcher(list(config.stop_strings))
     counts = counts if counts is not None else FastForwardCounts()
     generated: list[int] = []
     pending: list[int] = []  # accepted tokens not fed yet
+    held = 0  # generated tokens one-by-one decoding has in the KV or pending now
     pieces: list[str] = []
     first_at: float | None = None
     finish = "length"
-    while len(generated) < max_new:
-        token = next_forced(forcing)
-        if token is None:
-            if pending:
-                if drafts is not None:
-                    await drafts.feed(pending, max_new - len(generated) - 1)
-                else:
-                    await feed(pending)
-                counts.fed_in(len(pending))
-                pending = []
-            token = choose(generated)
-        else:
-            counts.forced += 1
-            if on_forced is not None:
-                on_forced()
-        if first_at is None:
-            first_at = time.perf_counter()
-        generated.append(token)
-        fed = drafts is not None and await drafts.accept(token)
-        if constraint is not None:
-            constraint.advance(token)
-        if token in stop_ids:
-            finish = "stop"
-            break
-        logprob = score(token) if score is not None else None
-        text, stopped = stopper.feed(decoder.push(token))
-        pieces.append(text)
-        yield TokenDelta(token, text, logprob)
-        if stopped:
-            finish = "stop_string"
-            break
-        if constraint is not None and constraint.is_finished():
-            finish = "constraint"
-            break
-        if len(generated) == max_new:
-            break
-        if not fed:
-            pending.append(token)
-    if drafts is not None:  # drafted tokens past the end, or the last token itself, leave the KV
-        await drafts.settle(len(generated) - 1 - len(pending) if generated else 0)
+    owner = _task_id()
+    try:
+        while len(generated) < max_new:
+            token = next_forced(forcing)
+            if token is None:
+                if pending:
+                    if drafts is not None:
+                        await drafts.feed(pending, max_new - len(generated) - 1)
+                    else:
+                        await feed(pending)
+                    counts.fed_in(len(pending))
+                    pending = []
+                token = choose(generated)
+            else:
+                counts.forced += 1
+                if on_forced is not None:
+                    on_forced()
+            if first_at is None:
+                first_at = time.perf_counter()
+            generated.append(token)
+            fed = drafts is not None and await drafts.accept(token)
+            if constraint is not None:
+                constraint.advance(token)
+            if token in stop_ids:
+                finish = "stop"
+                break
+            logprob = score(token) if score is not None else None
+            text, stopped = stopper.feed(decoder.push(token))
+            pieces.append(text)
+            yield TokenDelta(token, text, logprob)
+            if stopped:
+                finish = "stop_string"
+                break
+            if constraint is not None and constraint.is_finished():
+                finish = "constraint"
+                break
+            if len(generated) == max_new:
+                break
+            held += 1
+            if fed:
+                counts.confirmed += 1
+            else:
+                pending.append(token)
+    finally:
+        # NOTE: also when the consumer closes the stream or the task is cancelled with a draft
+        # ahead: its unconfirmed tokens (and the last token) leave the KV log, shielded from the
+        # cancellation. Skipped when another task runs this: an abandoned generator finalized
+        # later, after its caller let the slot go (the next alignment trims the tail then).
+        if drafts is not None and owner is not None and _task_id() == owner:
+            with anyio.CancelScope(shield=True):
+                await drafts.settle(held - len(pending))
     if pending:  # NOTE: the tokens before the one that ended generation, as one-by-one would have fed
         await feed(pending)
         counts.fed_in(len(pending))
@@ -183,6 +198,14 @@ async def decode_tokens(
             pieces.append(tail)
             yield TokenDelta(generated[-1] if generated else -1, tail)
     yield DecodeOutcome(generated, "".join(pieces), finish, first_at)
+
+
+def _task_id() -> int | None:
+    """The running task's id; None outside one (a generator closed after its event loop)."""
+    try:
+        return anyio.get_current_task().id
+    except RuntimeError:
+        return None
 
 
 def timing(started: float, first_at: float | None, generated: int) -> tuple[float, float]:
@@ -224,15 +247,17 @@ class DecodeLoop:
         self._rng: np.random.Generator | None = None
         self.drafts: Drafts | None = None
 
-    async def run(self) -> AsyncIterator[TokenDelta | GenerationResult]:
+    async def run(self) -> AsyncGenerator[TokenDelta | GenerationResult, None]:
         """Yield a ``TokenDelta`` per token, then the ``GenerationResult``."""
         if self.config.num_beams > 1:
             result = await run_beam_search(self)
             yield TokenDelta(result.token_ids[-1] if result.token_ids else -1, result.text)
             yield result
             return
-        async for event in self.run_sequential():
-            yield event
+        sequential = cast("AsyncGenerator[TokenDelta | GenerationResult, None]", self.run_sequential())
+        async with aclosing(sequential) as events:  # closing run() settles a draft at once
+            async for event in events:
+                yield event
 
     async def run_sequential(self) -> AsyncIterator[TokenDelta | GenerationResult]:
         """Tokens from ``chooser()``, or forced by the constraint: a delta per token, then the result."""
@@ -248,11 +273,12 @@ class DecodeLoop:
             stop_ids=self.stop_ids, max_new=self.max_new, constraint=self.constraint, score=self.scorer(),
             forcing=self.forcing(), counts=self.fast_forward, on_forced=self.skip_draw, drafts=self.drafts,
         )
-        async for event in events:
-            if isinstance(event, DecodeOutcome):
-                yield self.finish(event.generated, event.text, event.finish_reason, event.first_token_at)
-            else:
-                yield event
+        async with aclosing(events):
+            async for event in events:
+                if isinstance(event, DecodeOutcome):
+                    yield self.finish(event.generated, event.text, event.finish_reason, event.first_token_at)
+                else:
+                    yield event
 
     def chooser(self) -> Callable[[list[int]], int]:
         """``choose(generated)``: the next token, sampled from the log's last logits under the
@@ -262,7 +288,8 @@ class DecodeLoop:
 
         def choose(generated: list[int]) -> int:
             # NOTE: while a draft is ahead, log.tokens holds drafted tokens too; the penalties'
-            # token set is the same (a draft is copied from the prompt and the generated tokens)
+            # token set is the same (a draft is copied from the prompt and the generated tokens).
+            # A sampled draw from a verify row is the speculative rule (``prompt_lookup.Drafts``).
             logits = self.drafts.logits if self.drafts is not None else None
             logits = logits if logits is not None else log.last_logits
             assert logits is not None
@@ -281,10 +308,10 @@ class DecodeLoop:
 
     def make_drafts(self, feed: Callable[[list[int]], Awaitable[None]]) -> Drafts | None:
         """Prompt-lookup drafts for this call (``decode/prompt_lookup.py``), or None: off unless the
-        config asks for them and is greedy without log-probabilities, the slot returns several
-        positions' logits (paged), and the loop chooses by the logits (not a script)."""
+        config asks for them without log-probabilities or beams (greedy or sampled), the slot
+        returns several positions' logits (paged), and the loop chooses by the logits (not a script)."""
         cfg = self.config
-        if not (cfg.prompt_lookup and cfg.greedy and cfg.logprobs is None and cfg.num_beams == 1) \
+        if not (cfg.prompt_lookup and cfg.logprobs is None and cfg.num_beams == 1) \
                 or not feeds_rows(self.slot) or type(self).chooser is not DecodeLoop.chooser:
             return None
         log, slot = self.log, cast("RowsSlot", self.slot)
@@ -297,7 +324,8 @@ class DecodeLoop:
         async def trim(n: int) -> None:
             await self.run_blocking(log.trim, slot, len(log) - n)
 
-        return Drafts(PromptLookup(log.tokens), feed, feed_rows, trim)
+        cap = getattr(slot, "draft_cap", None)
+        return Drafts(PromptLookup(log.tokens), feed, feed_rows, trim, cap=cap if callable(cap) else None)
 
     def skip_draw(self) -> None:
         """Stand for the draw sampling would have made for a forced token (its mask allowed only

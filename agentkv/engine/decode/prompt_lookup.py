@@ -6,9 +6,17 @@ the latest earlier occurrence of the log's last ``n`` tokens (``n`` from ``MAX_N
 that draft as one chunk with the logits of every drafted position (a paged slot's ``feed_rows``);
 the decode loop then chooses token by token from those rows as usual, and each chosen token that
 equals the next drafted one is already fed. The first token that differs ends the draft: the
-rest is trimmed from the KV log (an exact trim). Greedy only: the chosen token is the argmax
-(under the grammar's mask), so the output is the one plain decoding gives; a verify step yields
-accepted + 1 tokens. Pure Python and numpy::
+rest is trimmed from the KV log (an exact trim); a verify step yields accepted + 1 tokens.
+Greedy: the chosen token is the argmax (under the grammar's mask), so the output is the one
+plain decoding gives. Sampled: the draft is deterministic (q one-hot on the drafted token x), so
+the speculative rejection rule is: accept x with probability p(x), p the distribution the sampler
+draws from there (``sampling.target_distribution``: penalties, mask, temperature, top-k/p, min-p),
+else draw from p without x, renormalised. One uniform does both: the draw by inverse CDF from p
+lands on x with probability p(x), and elsewhere on y with probability p(y) = (1 - p(x)) ·
+p(y) / (1 - p(x)). So the loop draws from the verify row as plain decoding would and accepts when
+the draw equals x: the output distribution is unchanged, a grammar-forbidden x (p = 0) is never
+accepted, and a seeded call uses one draw per token either way (the same tokens with drafts on
+or off under exact numerics). Pure Python and numpy::
 
     lookup = PromptLookup(prompt_ids)
     lookup.push(token)                # every generated token
@@ -118,22 +126,26 @@ Feed = Callable[[list[int]], Awaitable[None]]
 """``await feed(ids)``: feed ``ids`` in one step (the plain path)."""
 Trim = Callable[[int], Awaitable[None]]
 """``await trim(n)``: take the last ``n`` tokens back out of the KV log."""
+DraftCap = Callable[[], int]
+"""``cap()``: the most drafted tokens the next feed may carry now (the slot's share of a step it
+shares with other sessions: ``PagedSlot.draft_cap``)."""
 
 
 class Drafts:
-    """One greedy call's drafts: propose, verify in the pending tokens' feed, confirm or trim.
+    """One call's drafts: propose, verify in the pending tokens' feed, confirm or trim.
 
     The decode loop calls ``feed(pending, left)`` instead of its plain feed, chooses from
     ``logits`` when set, tells ``accept(token)`` every token it takes (True: already fed), and
-    ``settle(keep)`` at the end::
+    ``settle(keep)`` at the end (also when the call is closed or cancelled)::
 
         drafts = Drafts(PromptLookup(prompt), feed, feed_rows, trim)
     """
 
     def __init__(self, lookup: PromptLookup, feed: Feed, feed_rows: FeedRows, trim: Trim,
-                 budget: DraftBudget | None = None) -> None:
+                 budget: DraftBudget | None = None, cap: DraftCap | None = None) -> None:
         self.lookup = lookup
         self.budget = budget if budget is not None else DraftBudget()
+        self._cap = cap
         self._feed, self._feed_rows, self._trim = feed, feed_rows, trim
         self.ahead: list[int] = []
         """Drafted tokens fed but not chosen yet, in order."""
@@ -157,6 +169,8 @@ class Drafts:
         """Feed ``pending`` (accepted, not fed; not empty) and a draft of at most ``left`` tokens
         after it in one step, keeping the logits from the last pending token on."""
         size = self.budget.take(left)
+        if size > 0 and self._cap is not None:
+            size = min(size, self._cap())
         draft = self.lookup.propose(size) if size > 0 else []
         if not draft:
             await self._feed(pending)

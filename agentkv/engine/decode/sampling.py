@@ -6,20 +6,24 @@ Pure functions over ``float32 [vocab]`` arrays; nothing here knows about OpenVIN
     rng = make_rng(config.seed)
     token = sample_next(logits, config, rng, context_ids=prompt, generated_ids=out)
 
-The order of operations in ``sample_next`` is fixed: penalties → allowed mask → greedy argmax
+``sample_next`` is ``draw(target_distribution(...), rng)``: the distribution a token is drawn from
+(what a speculative check of a drafted token must compare with) and the draw, one code path for
+both. The order of operations is fixed: penalties → allowed mask → greedy argmax
 (``temperature == 0``) or temperature → top-k → top-p → min-p → draw.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from agentkv.engine.base import GenerationConfig
 from agentkv.errors import ConstraintError, UserError
 
-__all__ = ["StopStringMatcher", "apply_penalties", "log_softmax", "make_rng", "sample_next", "token_logprobs"]
+__all__ = ["StopStringMatcher", "TokenDistribution", "apply_penalties", "draw", "log_softmax", "make_rng",
+           "sample_next", "target_distribution", "token_logprobs"]
 
 # NOTE: the nucleus is usually a few dozen tokens; argsorting all 49k probabilities costs ~3 ms,
 # so top-p first sorts only the best _NUCLEUS_FIRST_TRY tokens and falls back to a full sort.
@@ -118,21 +122,57 @@ def _valid_ids(token_ids: Sequence[int], vocab: int) -> np.ndarray:
     return ids[(ids >= 0) & (ids < vocab)]
 
 
-def sample_next(
+@dataclass
+class TokenDistribution:
+    """The distribution ``sample_next`` draws a token from: weights ∝ probabilities over the
+    candidates that survived the filters, and the positions each filter kept (mapping a
+    candidate back to its token id). Greedy: one candidate, the argmax::
+
+        dist = target_distribution(logits, config); dist.probabilities(len(logits))[token]
+    """
+
+    weights: np.ndarray
+    """float32 ``[n]``, unnormalised, every entry >= 0 and some > 0."""
+    picks: list[np.ndarray]
+    """Each filter's kept positions into the previous array, in order (empty: positions are ids)."""
+    greedy: bool = False
+    """The argmax, taken without a draw."""
+
+    def token(self, position: int) -> int:
+        """The token id of candidate ``position``."""
+        for positions in reversed(self.picks):
+            position = int(positions[position])
+        return position
+
+    def token_ids(self) -> np.ndarray:
+        """int64 ``[n]``: every candidate's token id."""
+        ids = np.arange(self.weights.shape[0])
+        for positions in reversed(self.picks):
+            ids = positions[ids]
+        return ids.astype(np.int64, copy=False)
+
+    def probabilities(self, vocab: int) -> np.ndarray:
+        """float64 ``[vocab]`` summing to 1: zero for every token the filters dropped."""
+        out = np.zeros(vocab, dtype=np.float64)
+        weights = self.weights.astype(np.float64)
+        out[self.token_ids()] = weights / weights.sum()
+        return out
+
+
+def target_distribution(
     logits: np.ndarray,
     config: GenerationConfig,
-    rng: np.random.Generator,
     *,
     context_ids: Sequence[int] = (),
     generated_ids: Sequence[int] = (),
     allowed: np.ndarray | None = None,
-) -> int:
-    """The next token id for ``logits`` (``float32 [vocab]``); deterministic for a seeded ``rng``.
+) -> TokenDistribution:
+    """What the next token is drawn from for ``logits`` (``float32 [vocab]``, not modified) under
+    ``config``: penalties, the ``allowed`` bool ``[vocab]`` mask (grammar), then greedy argmax or
+    temperature → top-k → top-p → min-p. Raises ``ConstraintError`` when the mask allows no token
+    or does not match the vocabulary size::
 
-    ``allowed`` is a bool ``[vocab]`` mask (grammar constraint); raises ``ConstraintError``
-    when it allows no token or does not match the vocabulary size. ``logits`` is not modified.
-
-    ``sample_next(logits, GenerationConfig(temperature=0.7, top_p=0.9), make_rng(0))``
+        dist = target_distribution(logits, GenerationConfig(temperature=0.7, top_p=0.9))
     """
     scores = np.asarray(logits, dtype=np.float32).reshape(-1)  # [vocab]
     if _penalties_active(config):
@@ -145,7 +185,8 @@ def sample_next(
     if allowed_ids is not None:
         values = _keep(values, allowed_ids, picks)
     if config.temperature == 0.0:
-        return _token_id(int(np.argmax(values)), picks)
+        best = np.array([int(np.argmax(values))])
+        return TokenDistribution(np.ones(1, dtype=np.float32), [*picks, best], greedy=True)
     if 0 < config.top_k < values.shape[0]:
         # NOTE: top-k on the logits equals top-k on the tempered probabilities (monotone), and
         # doing it first means exp runs over k entries, not the whole vocabulary.
@@ -156,19 +197,47 @@ def sample_next(
         weights = _keep(weights, _nucleus(weights, config.top_p), picks)
     if config.min_p > 0.0:
         weights = _keep(weights, np.flatnonzero(weights >= config.min_p * weights.max()), picks)
-    return _token_id(_draw(weights, rng), picks)
+    return TokenDistribution(weights, picks)
+
+
+def draw(distribution: TokenDistribution, rng: np.random.Generator) -> int:
+    """A token id drawn from ``distribution`` with one ``rng.random()`` (inverse CDF over its
+    candidates in order, even when one is left: the stream of draws does not depend on the
+    logits; a greedy one draws nothing). Uses ``distribution.weights`` up::
+
+        token = draw(target_distribution(logits, config), rng)
+    """
+    if distribution.greedy:
+        return distribution.token(0)
+    return distribution.token(_draw(distribution.weights, rng))
+
+
+def sample_next(
+    logits: np.ndarray,
+    config: GenerationConfig,
+    rng: np.random.Generator,
+    *,
+    context_ids: Sequence[int] = (),
+    generated_ids: Sequence[int] = (),
+    allowed: np.ndarray | None = None,
+) -> int:
+    """The next token id for ``logits`` (``float32 [vocab]``); deterministic for a seeded ``rng``:
+    ``draw(target_distribution(...), rng)``.
+
+    ``allowed`` is a bool ``[vocab]`` mask (grammar constraint); raises ``ConstraintError``
+    when it allows no token or does not match the vocabulary size. ``logits`` is not modified.
+
+    ``sample_next(logits, GenerationConfig(temperature=0.7, top_p=0.9), make_rng(0))``
+    """
+    distribution = target_distribution(logits, config, context_ids=context_ids, generated_ids=generated_ids,
+                                       allowed=allowed)
+    return draw(distribution, rng)
 
 
 def _keep(values: np.ndarray, positions: np.ndarray, picks: list[np.ndarray]) -> np.ndarray:
     picks.append(positions)
     kept: np.ndarray = values[positions]
     return kept
-
-
-def _token_id(position: int, picks: list[np.ndarray]) -> int:
-    for positions in reversed(picks):
-        position = int(positions[position])
-    return position
 
 
 def _allowed_ids(allowed: np.ndarray | None, vocab: int) -> np.ndarray | None:

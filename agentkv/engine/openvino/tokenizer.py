@@ -13,6 +13,8 @@ from typing import Any
 
 import openvino_genai
 
+from agentkv.engine.openvino.token_text import JoinedTokenText
+
 PIECE_CHARS = 4096
 """Texts longer than this are encoded in pieces: the tokenizer IR silently stops at 8,192 tokens."""
 _SAFE_CUT = re.compile(r"(?<=\S) (?=\S)")
@@ -25,6 +27,8 @@ class OVTokenizer:
 
     def __init__(self, ir_dir: Path) -> None:
         self._tok = openvino_genai.Tokenizer(str(ir_dir))
+        self._joined = JoinedTokenText.load(Path(ir_dir) / "openvino_detokenizer.xml")
+        """Token bytes when the detokenizer only joins them (decoding then skips the model call)."""
         self.eos_token_id: int = int(self._tok.get_eos_token_id())
         self.bos_token_id: int = int(self._tok.get_bos_token_id())
 
@@ -44,7 +48,13 @@ class OVTokenizer:
         return [int(t) for t in self._tok.encode(text, add_special_tokens=False).input_ids.data[0]]
 
     def decode(self, ids: Sequence[int]) -> str:
-        """Text for ``ids``, special tokens kept (so rendered prompts round-trip)."""
+        """Text for ``ids``, special tokens kept (so rendered prompts round-trip). When the
+        detokenizer IR only joins token bytes, joined in Python (``token_text``): the same text,
+        without a model call per streamed token."""
+        if self._joined is not None:
+            text = self._joined.decode(ids)
+            if text is not None:
+                return text
         return str(self._tok.decode([int(i) for i in ids], skip_special_tokens=False))
 
     def apply_chat_template(

@@ -15,7 +15,10 @@ take turns (measured before: four sessions settled into two alternating pairs, m
     out.logits, out.batch_size, out.queued_s      # [vocab]; this step's sequences; time waited
     batcher.stats()            # steps, sequences, tokens, largest batch, time queued
     batcher.recent_steps()     # the last steps one by one: sequences, tokens, seconds, tokens/s
+    batcher.load(caller=slot)  # others stepping now; how many drafted tokens this caller may feed
 
+Drafts (sequences asking for several positions' logits) share steps with the others within a
+budget (``draft_share.py``: ≤ 5 % slower for the others); ``load`` tells a caller its share.
 A failed step raises its error in every caller of that step. No sessions here.
 """
 
@@ -29,6 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from agentkv.engine.paged.draft_share import DraftShare
 from agentkv.engine.paged.model import SequenceStep, logit_rows
 from agentkv.errors import UserError
 
@@ -66,6 +70,10 @@ class StepRecord:
     seconds: float
     queued_s: float
     """Longest wait of a sequence in the step."""
+    ended_at: float = 0.0
+    """``time.perf_counter()`` when the step ended."""
+    drafting: int = 0
+    """Sequences in the step that verified a draft (asked for several positions' logits)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -92,6 +100,18 @@ class StepStats:
     @property
     def mean_batch(self) -> float:
         return self.sequences / self.steps if self.steps else 0.0
+
+
+@dataclass(frozen=True)
+class StepLoad:
+    """What a caller's next feed would share (``batcher.load(caller)``)."""
+
+    others: int
+    """Other callers that stepped in the last two steps (0: the caller steps alone)."""
+    draft_cap: int
+    """Most drafted tokens the caller's next feed may carry now (``DraftShare.cap``)."""
+    draft_credit: float
+    """The shared steps' draft budget left, in steps (``DraftShare.credit``)."""
 
 
 class _Pending:
@@ -134,6 +154,7 @@ class StepBatcher:
         self._steps = self._sequences = self._tokens = self._largest = 0
         self._queued_s = self._busy_s = 0.0
         self._records: deque[StepRecord] = deque(maxlen=RECENT_STEPS)
+        self._drafts = DraftShare()
 
     def run(self, sequence: SequenceStep, caller: Hashable | None = None) -> StepOutcome:
         """Feed ``sequence`` in the next step that has room; its logits and how its step went.
@@ -173,6 +194,15 @@ class StepBatcher:
         """The last steps (at most ``RECENT_STEPS``), oldest first."""
         with self._changed:
             return list(self._records)
+
+    def load(self, caller: Hashable | None = None) -> StepLoad:
+        """How many other callers stepped lately or wait for a step, and the drafted tokens
+        ``caller``'s next feed may carry (``batcher.load(slot).draft_cap``). Read-only."""
+        with self._changed:
+            # NOTE: a caller already queued shares the next step even when it did not step lately
+            callers = set(self._recent) | {p.caller for p in self._queue if p.caller is not None}
+            others = len(callers - {caller})
+            return StepLoad(others, self._drafts.cap(others), self._drafts.credit)
 
     # ---- the leader's part (``_changed`` held unless said otherwise) -------------------
     def _gather(self) -> None:
@@ -219,10 +249,12 @@ class StepBatcher:
                 if p.caller is not None:
                     self._recent[p.caller] = self._steps
             self._recent = {c: step for c, step in self._recent.items() if step >= self._steps - 1}
+            drafting = sum(1 for p in batch if p.sequence.last_rows > 1 and len(p.sequence.ids) > 1)
+            self._drafts.record(len(batch), drafting, shared=len(self._recent) > 1)
             self._sequences += len(batch)
             self._tokens += tokens
             self._largest = max(self._largest, len(batch))
             self._queued_s += sum(started - p.queued_at for p in batch)
             self._busy_s += ended - started
             self._records.append(StepRecord(len(batch), tokens, ended - started,
-                                            max(started - p.queued_at for p in batch)))
+                                            max(started - p.queued_at for p in batch), ended, drafting))

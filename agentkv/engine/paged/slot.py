@@ -27,6 +27,7 @@ import numpy as np
 from agentkv.engine.paged.block_pool import BlockPool
 from agentkv.engine.paged.model import BLOCK_SIZE, PagedModel, SequenceStep
 from agentkv.engine.paged.batcher import StepBatcher
+from agentkv.engine.decode.prompt_lookup import MAX_DRAFT
 from agentkv.engine.decode.step_counts import StepCounts
 from agentkv.kv.precision import from_bf16_bits, to_bf16_bits
 from agentkv.errors import SnapshotIncompatible, UserError
@@ -75,6 +76,14 @@ class PagedSlot:
             raise UserError(f"feed_rows takes one row after the slot's {self._length} positions and 1..T rows "
                             f"(got past_len {past_len}, shape {ids.shape}, rows {rows})")
         return self._feed_one([int(t) for t in ids[0]], past_len, 0, last_rows=rows)
+
+    def draft_cap(self) -> int:
+        """The most drafted tokens this slot's next feed should carry now (``slot.draft_cap()``):
+        ``MAX_DRAFT`` when it steps alone, else what the batcher's draft budget allows (0 or
+        ``MAX_DRAFT``: drafts may slow the sessions sharing their steps by ≤ 5 %; ``draft_share.py``)."""
+        if self.batcher is None:
+            return MAX_DRAFT
+        return self.batcher.load(self).draft_cap
 
     def _feed_one(self, row: list[int], past_len: int, position_offset: int, *, last_rows: int) -> np.ndarray:
         """One row on the slot's own table: logits ``[last_rows, vocab]``."""

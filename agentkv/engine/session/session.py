@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from typing import Any, TypeVar
 
 import anyio
@@ -37,7 +37,6 @@ from agentkv.errors import (
 )
 from agentkv.kv.log import KVLog, KVSlot, KVSource
 from agentkv.kv.snapshot import KVSnapshot
-
 T = TypeVar("T")
 
 
@@ -193,8 +192,9 @@ class SlotSession:
                 align = await self._align(slot, prompt)
                 loop = DecodeLoop(self._backend, self._log, slot, self._run, prompt, config, constraint, align, started,
                                   steps_before=before)
-                async for event in loop.run():
-                    yield event
+                async with aclosing(loop.run()) as events:  # a draft ahead leaves the KV in this task
+                    async for event in events:
+                        yield event
 
     async def prefill(self, prompt_tokens: Sequence[int]) -> GenerationMetrics:
         """Align to ``prompt_tokens`` without generating."""
