@@ -31,54 +31,17 @@ import argparse
 import json
 import statistics
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import anyio
+from _decode_batched import BatchedRound, batched, batched_figures
+from _decode_workloads import CHATS, QUOTE_DOCS, Mode, quote_messages
 
 from agentkv.chat.toolcalls import tool_call_grammar
 from agentkv.engine.base import Engine, GenerationConfig, GenerationResult
 
 CASES_PATH = Path(__file__).resolve().parents[1] / "tests" / "data" / "function_calling.json"
-
-
-@dataclass
-class Mode:
-    """One decoding mode's figures summed over its calls."""
-
-    name: str
-    tokens: int = 0
-    decode_tokens: int = 0
-    decode_s: float = 0.0
-    call_s: float = 0.0
-    steps: int = 0
-    forced: int = 0
-    saved: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    calls: int = 0
-    answers: list[tuple[int, ...]] = field(default_factory=list)
-
-    def add(self, result: GenerationResult, seconds: float) -> None:
-        m = result.metrics
-        self.tokens += m.generated_tokens
-        self.decode_tokens += max(0, m.generated_tokens - 1)
-        self.decode_s += m.tpot_s * max(0, m.generated_tokens - 1)
-        self.call_s += seconds
-        self.steps, self.forced, self.saved = self.steps + m.model_steps, self.forced + m.forced_tokens, \
-            self.saved + m.steps_saved
-        self.drafted, self.accepted = self.drafted + m.drafted_tokens, self.accepted + m.accepted_tokens
-        self.calls += 1
-        self.answers.append(result.token_ids)
-
-    @property
-    def decode_tps(self) -> float:
-        return self.decode_tokens / self.decode_s if self.decode_s else 0.0
-
-    @property
-    def call_tps(self) -> float:
-        return self.tokens / self.call_s if self.call_s else 0.0
 
 
 def tool_call_prompts(engine: Engine, count: int) -> list[tuple[str, list[int], str]]:
@@ -132,56 +95,6 @@ async def tool_calls(engine: Engine, count: int, max_new: int, repeats: int) -> 
                   f"ff+drafts {len(spec.answers[-1]):>4}; equal: {off.answers[-1] == on.answers[-1]}, "
                   f"{off.answers[-1] == spec.answers[-1]}")
     return off, on, spec
-
-
-QUOTE_DOCS = [
-    ("Plant report, March: the Willow Creek water treatment plant processed 4.2 million gallons per day, up "
-     "from 3.9 million in February. Chlorine residual averaged 1.1 mg/L at the clearwell and 0.6 mg/L at the far "
-     "end of the distribution system. Two turbidity exceedances were logged on March 12 and March 19, both "
-     "during filter backwash, and both cleared within forty minutes. The north reservoir was drained for "
-     "inspection on March 22; inspectors found minor sediment buildup and one cracked access hatch, which was "
-     "replaced on March 25. Operator Dana Reyes completed her Grade III certification, and the plant remains one "
-     "operator short of its authorised headcount of nine.",
-     "Repeat word for word what the report says about the north reservoir."),
-    ("Incident 4471, checkout service. At 02:14 UTC the payment gateway began returning HTTP 503 for about 30 "
-     "percent of requests. The on-call engineer, Priya Natarajan, paged the payments team at 02:19. The root "
-     "cause was a connection pool limit of 64 on the gateway client, set in release 2.31.0, which was too low "
-     "for the overnight batch of subscription renewals. The limit was raised to 256 at 02:41 and the error rate "
-     "returned to normal by 02:47. Follow-up actions: add an alert on pool saturation above 80 percent, load "
-     "test the renewal batch before each release, and document the pool settings in the runbook.",
-     "Quote the root cause and the follow-up actions exactly as written."),
-    ("def load_config(path: str) -> dict:\n    \"\"\"Read a TOML config file and fill in defaults.\"\"\"\n"
-     "    with open(path, 'rb') as handle:\n        data = tomllib.load(handle)\n    data.setdefault('port', "
-     "8080)\n    data.setdefault('workers', 4)\n    data.setdefault('log_level', 'info')\n    if data['workers'] < "
-     "1:\n        raise ValueError('workers must be at least 1')\n    return data\n\n\ndef save_config(path: str, "
-     "data: dict) -> None:\n    \"\"\"Write the config back as TOML.\"\"\"\n    with open(path, 'w') as handle:\n"
-     "        handle.write(tomli_w.dumps(data))\n",
-     "Show me the load_config function exactly as it is in the file."),
-    ("Meeting notes, design review, 14 May. Attendees: Ana, Ben, Chloe, Dev. Decision 1: the mobile app will "
-     "keep offline mode, but sync conflicts will be resolved on the server using last-writer-wins per field. "
-     "Decision 2: the search index moves from Elasticsearch to OpenSearch in the third quarter, owned by Chloe. "
-     "Decision 3: we drop support for Android 9 in the September release. Open question: whether the web client "
-     "should share the sync engine with mobile; Dev will write a proposal by 28 May. Next review: 11 June.",
-     "Copy decision 2 and the open question verbatim."),
-]
-"""Quoting: (a tool's ~200-token result, the user's request to repeat part of it)."""
-CHATS = [
-    ["How does a bicycle's gear system make climbing hills easier?", "Why do some riders prefer a single speed?",
-     "What maintenance does a derailleur need?"],
-    ["What should I consider when choosing a laptop for programming?", "Is more RAM or a faster CPU better for "
-     "compiling code?", "How long does a laptop battery usually last before it needs replacing?"],
-    ["Give me some ideas for a relaxing weekend at home.", "Which of those works best on a rainy day?",
-     "Suggest a simple recipe to go with it."],
-]
-"""Free text: conversations of user turns (each mode answers them on its own session)."""
-
-
-def quote_messages(doc: str, ask: str) -> list[dict[str, str]]:
-    """The quoting prompt: a search tool's result in the conversation, then the user's request."""
-    return [{"role": "system", "content": "You are a helpful assistant. Answer from the documents you are given."},
-            {"role": "user", "content": "Find the document I need."},
-            {"role": "assistant", "content": "The search tool returned this document:\n\n" + doc},
-            {"role": "user", "content": ask}]
 
 
 SAMPLED: dict[str, Any] = {"temperature": 0.7, "top_p": 0.9, "seed": 7}
@@ -244,149 +157,6 @@ async def free_text(engine: Engine, repeats: int, max_new: int = 128, sampling: 
             print(f"  chat {index}: {on.accepted}/{on.drafted} drafted tokens accepted so far; last answers "
                   f"equal: {off.answers[-1] == on.answers[-1]}")
     return off, on
-
-
-OTHER_PROMPTS = [CHATS[0][0], CHATS[1][0], CHATS[2][0], "Explain how a refrigerator keeps food cold."]
-"""Batched: the free-text questions the 4 "others" answer while the quoting sessions run."""
-
-
-@dataclass
-class BatchedRound:
-    """One round of the batched workload: the others' tokens in the window when all 8 decode."""
-
-    drafting: bool
-    others_tokens: int = 0
-    window_s: float = 0.0
-    quoting: Mode = field(default_factory=lambda: Mode("quoting"))
-    plain_steps: list[float] = field(default_factory=list)
-    """Seconds of the window's steps that carried no draft."""
-    draft_steps: list[float] = field(default_factory=list)
-    """Seconds of the window's steps that carried a draft."""
-
-    @property
-    def others_tps(self) -> float:
-        return self.others_tokens / self.window_s if self.window_s > 0 else 0.0
-
-    @property
-    def step_slowdown(self) -> float | None:
-        """The window's step time over what it would be with the drafted steps as long as the
-        median plain one: the others' slowdown measured inside the round (the machine's load
-        drifts between rounds, not between neighbouring steps); None without a plain step."""
-        if not self.plain_steps:
-            return None
-        plain = statistics.median(self.plain_steps)
-        total = sum(self.plain_steps) + sum(self.draft_steps)
-        return total / (sum(self.plain_steps) + plain * len(self.draft_steps))
-
-
-async def batched_round(engine: Engine, others: list[list[int]], quotes: list[list[int]], drafting: bool,
-                        max_new: int) -> BatchedRound:
-    """4 others answer plainly (until the quoting ends) while 4 sessions quote, drafts ``drafting``."""
-    plain = GenerationConfig(max_new_tokens=4 * max_new, prompt_lookup=False, ignore_eos=True)
-    quote = GenerationConfig(max_new_tokens=max_new, prompt_lookup=drafting)
-    stamps: list[list[float]] = [[] for _ in others]
-    first: list[float] = []
-    done: list[float] = []
-    quoted = anyio.Event()
-    out = BatchedRound(drafting)
-
-    async def other(i: int) -> None:
-        session = await engine.open_session()
-        try:
-            async with session.stream(others[i], plain) as stream:
-                async for _ in stream:
-                    stamps[i].append(time.perf_counter())
-                    if len(stamps[i]) == 1:
-                        first.append(stamps[i][0])
-                    if quoted.is_set():
-                        break
-        finally:
-            await session.close()
-
-    async def quoter(ids: list[int]) -> None:
-        session = await engine.open_session()
-        try:
-            started, tokens = time.perf_counter(), 0
-            async with session.stream(ids, quote) as stream:
-                async for _ in stream:
-                    tokens += 1
-                    if tokens == 1:
-                        first.append(time.perf_counter())
-            assert stream.result is not None
-            out.quoting.add(stream.result, time.perf_counter() - started)
-            done.append(time.perf_counter())
-        finally:
-            await session.close()
-
-    async with anyio.create_task_group() as tg:
-        for i in range(len(others)):
-            tg.start_soon(other, i)
-        async with anyio.create_task_group() as quoting_group:
-            for ids in quotes:
-                quoting_group.start_soon(quoter, ids)
-        quoted.set()
-    begin, end = max(first), min(done)
-    out.window_s = max(0.0, end - begin)
-    out.others_tokens = sum(1 for row in stamps for t in row if begin < t <= end)
-    batcher = getattr(engine, "batcher", None)  # the paged engine's StepBatcher: its steps one by one
-    for record in batcher.recent_steps() if batcher is not None else []:
-        if begin < record.ended_at <= end:
-            (out.draft_steps if record.drafting else out.plain_steps).append(record.seconds)
-    return out
-
-
-async def batched(engine: Engine, repeats: int, max_new: int = 160) -> list[BatchedRound]:
-    """Rounds of the batched workload, drafts off and on alternating (the order flips per repeat)."""
-    tok = engine.tokenizer
-    others = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True))
-              for q in OTHER_PROMPTS]
-    quotes = [tok.encode(tok.apply_chat_template(quote_messages(d, a), add_generation_prompt=True))
-              for d, a in QUOTE_DOCS]
-    await batched_round(engine, others, quotes, True, max_new // 4)  # warm-up
-    rounds = []
-    for repeat in range(repeats):
-        for drafting in ((False, True) if repeat % 2 == 0 else (True, False)):
-            rounds.append(await batched_round(engine, others, quotes, drafting, max_new))
-            r = rounds[-1]
-            print(f"  batched {'drafting' if drafting else 'plain   '}: others {r.others_tps:6.1f} tok/s over "
-                  f"{r.window_s:5.1f} s; quoting {r.quoting.decode_tps:6.1f} tok/s per session, "
-                  f"{r.quoting.accepted}/{r.quoting.drafted} drafted tokens accepted; steps {len(r.plain_steps)} "
-                  f"plain + {len(r.draft_steps)} drafted (median {_ms(r.plain_steps)} / {_ms(r.draft_steps)} ms), "
-                  f"in-round slowdown {r.step_slowdown or float('nan'):.3f}", flush=True)
-    return rounds
-
-
-def _ms(seconds: list[float]) -> str:
-    return f"{statistics.median(seconds) * 1e3:.0f}" if seconds else "-"
-
-
-def batched_figures(rounds: list[BatchedRound]) -> dict[str, Any]:
-    """Slowdown and speed-up over all rounds (tokens over seconds), and per repeat (the spread)."""
-    plain = [r for r in rounds if not r.drafting]
-    spec = [r for r in rounds if r.drafting]
-    if not plain or not spec:
-        return {"batched_others_slowdown": None}
-
-    def others(rs: list[BatchedRound]) -> float:
-        return sum(r.others_tokens for r in rs) / max(1e-9, sum(r.window_s for r in rs))
-
-    def quoting(rs: list[BatchedRound]) -> float:
-        return sum(r.quoting.decode_tokens for r in rs) / max(1e-9, sum(r.quoting.decode_s for r in rs))
-
-    inside = [x for x in (r.step_slowdown for r in spec) if x is not None]
-    pairs = [(a.others_tps / b.others_tps if b.others_tps else 0.0) for a, b in zip(plain, spec)]
-    return {
-        "batched_others_slowdown": round(others(plain) / others(spec), 3) if others(spec) else None,
-        "batched_others_slowdown_per_repeat": [round(x, 3) for x in pairs],
-        "batched_others_tps_plain": round(others(plain), 2),
-        "batched_others_tps_drafting": round(others(spec), 2),
-        "batched_others_slowdown_in_round": round(statistics.median(inside), 3) if inside else None,
-        "batched_others_slowdown_in_round_range": [round(min(inside), 3), round(max(inside), 3)] if inside else None,
-        "batched_drafted_step_share": round(sum(len(r.draft_steps) for r in spec)
-                                            / max(1, sum(len(r.draft_steps) + len(r.plain_steps) for r in spec)), 3),
-        "batched_spec_over_plain_quote": round(quoting(spec) / quoting(plain), 3),
-        "batched_accepted_quote": f"{sum(r.quoting.accepted for r in spec)}/{sum(r.quoting.drafted for r in spec)}",
-    }
 
 
 class GenaiQuote:

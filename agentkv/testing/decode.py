@@ -67,7 +67,7 @@ class ScriptedDecode(DecodeLoop):
             yield eos
 
     async def run(self) -> AsyncGenerator[TokenDelta | GenerationResult, None]:
-        events = self.run_sequential()
+        events: AsyncIterator[TokenDelta | GenerationResult] = self.run_sequential()
         if self.config.num_beams > 1:
             events = as_beam_search(events)
         async for event in events:

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from agentkv.engine.base import GenerationConfig
+from _sessions import one_pass_logits
 
 pytestmark = pytest.mark.model
 
@@ -18,16 +19,6 @@ def reference_log_softmax(logits: np.ndarray) -> np.ndarray:
     """log p = x - logsumexp(x), in float64."""
     x = np.asarray(logits, dtype=np.float64)
     return x - (x.max() + np.log(np.exp(x - x.max()).sum()))
-
-
-async def one_pass_logits(engine, tokens: list[int]) -> np.ndarray:
-    """Next-token logits after ``tokens`` prefilled in one pass by a fresh session."""
-    session = await engine.open_session()
-    try:
-        await session.prefill(tokens)
-        return await session.next_token_logits()
-    finally:
-        await session.close()
 
 
 async def test_greedy_tokens_are_their_top_alternative_with_the_logprob_of_the_next_token_logits(any_exact_engine):

@@ -21,6 +21,7 @@ import pytest
 
 from agentkv.chat.toolcalls import tool_call_grammar
 from agentkv.engine.base import GenerationConfig, GenerationResult
+from _sessions import one_pass_logits
 
 pytestmark = pytest.mark.model
 
@@ -63,15 +64,6 @@ async def run(engine, ids: list[int], config: GenerationConfig, grammar: str | N
         await session.close()
 
 
-async def fresh_prefill_logits(engine, tokens: tuple[int, ...]) -> np.ndarray:
-    session = await engine.open_session()
-    try:
-        await session.prefill(tokens)
-        return await session.next_token_logits()
-    finally:
-        await session.close()
-
-
 @pytest.mark.parametrize("prompt", [quote_prompt, chat_prompt], ids=["quote", "free text"])
 async def test_drafts_equal_plain_greedy_decoding_under_exact_numerics_in_fewer_steps(paged_exact, prompt):
     ids = prompt(paged_exact)
@@ -81,7 +73,7 @@ async def test_drafts_equal_plain_greedy_decoding_under_exact_numerics_in_fewer_
     assert fast.text == plain.text == fast_text == plain_text and fast.finish_reason == plain.finish_reason
     assert fast_ids == plain_ids == list(fast.token_ids[:len(fast_ids)])  # a delta per token (EOS has none)
     assert fast_log == plain_log  # the KV log holds the same tokens
-    reference = await fresh_prefill_logits(paged_exact, fast_log)
+    reference = await one_pass_logits(paged_exact, fast_log)
     assert np.abs(fast_logits - reference).max() <= 1e-3  # and the KV of those tokens
     m, p = fast.metrics, plain.metrics
     assert p.drafted_tokens == p.accepted_tokens == 0 and 0 <= m.accepted_tokens <= m.drafted_tokens
@@ -157,7 +149,7 @@ async def test_a_sampled_call_cancelled_with_a_draft_ahead_keeps_only_its_tokens
         logits = await session.next_token_logits()
     finally:
         await session.close()
-    reference = await fresh_prefill_logits(paged_exact, tuple(ids) + tuple(generated))
+    reference = await one_pass_logits(paged_exact, tuple(ids) + tuple(generated))
     assert np.abs(logits - reference).max() <= 1e-3
 
 

@@ -12,7 +12,7 @@ them and keeps those the model chooses too, greedy or sampled (``prompt_lookup``
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, aclosing
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol, cast
@@ -254,12 +254,11 @@ class DecodeLoop:
             yield TokenDelta(result.token_ids[-1] if result.token_ids else -1, result.text)
             yield result
             return
-        sequential = cast("AsyncGenerator[TokenDelta | GenerationResult, None]", self.run_sequential())
-        async with aclosing(sequential) as events:  # closing run() settles a draft at once
+        async with aclosing(self.run_sequential()) as events:  # closing run() settles a draft at once
             async for event in events:
                 yield event
 
-    async def run_sequential(self) -> AsyncIterator[TokenDelta | GenerationResult]:
+    async def run_sequential(self) -> AsyncGenerator[TokenDelta | GenerationResult, None]:
         """Tokens from ``chooser()``, or forced by the constraint: a delta per token, then the result."""
         log = self.log
 
