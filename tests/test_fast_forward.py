@@ -14,7 +14,8 @@ from agentkv.chat.toolcalls import format_tool_calls, tool_call_grammar
 from agentkv.engine.base import GenerationConfig, TokenDelta
 from agentkv.engine.decode.constraints import ConstraintFactory
 from agentkv.engine.decode.fast_forward import FastForwardCounts, ForcingConstraint, forced_source
-from agentkv.engine.decode.loop import DecodeOutcome, decode_tokens
+from agentkv.engine.decode.token_steps import DecodeOutcome, TokenSteps
+from _drive import DRIVERS, blocking_executor, drive
 from agentkv.engine.openvino.models import resolve_model
 from agentkv.engine.openvino.tokenizer import OVTokenizer
 from agentkv.testing import ScriptedEngine
@@ -69,9 +70,10 @@ class MaskOnly:
 
 
 async def decode(config: GenerationConfig, *, fast: bool, stop_ids: frozenset[int] = frozenset(), max_new: int = 32,
-                 answer: list[int] = ANSWER, close_after: int | None = None):
-    """Run ``decode_tokens`` with a chooser that reads the grammar's one allowed token; returns the
-    deltas, the outcome (None when closed early), the feeds, the tokens chosen and the counts."""
+                 answer: list[int] = ANSWER, close_after: int | None = None, driver: str = "event-loop"):
+    """Run the token loop through ``driver`` with a chooser that reads the grammar's one allowed
+    token; returns the deltas, the outcome (None when closed early), the feeds, the tokens chosen
+    the counts and what the feeds left in the fake KV log (trims included)."""
     grammar = ScriptedGrammar(answer)
     feeds: list[list[int]] = []
     chosen: list[int] = []
@@ -80,13 +82,18 @@ async def decode(config: GenerationConfig, *, fast: bool, stop_ids: frozenset[in
         chosen.append(answer[len(generated)])
         return chosen[-1]
 
-    async def feed(tokens: list[int]) -> None:
+    def feed(tokens: list[int]) -> None:
         feeds.append(list(tokens))
+        log.extend(tokens)
 
-    counts = FastForwardCounts()
-    events = decode_tokens(choose, feed, config=config, decode_text=lambda ids: "".join(f"<{i}>" for i in ids),
-                           stop_ids=stop_ids, max_new=max_new, constraint=grammar,
-                           forcing=forced_source(grammar, config) if fast else None, counts=counts)
+    def trim(keep: int) -> None:
+        del log[keep:]
+
+    counts, log = FastForwardCounts(), []
+    steps = TokenSteps(choose, config=config, decode_text=lambda ids: "".join(f"<{i}>" for i in ids),
+                       stop_ids=stop_ids, max_new=max_new, constraint=grammar,
+                       forcing=forced_source(grammar, config) if fast else None, counts=counts)
+    events = drive(steps, blocking_executor(feed, lambda ids, rows: None, trim), driver)
     deltas: list[TokenDelta] = []
     outcome = None
     async for event in events:
@@ -97,11 +104,12 @@ async def decode(config: GenerationConfig, *, fast: bool, stop_ids: frozenset[in
             if close_after is not None and len(deltas) == close_after:
                 await events.aclose()
                 break
-    return deltas, outcome, feeds, chosen, counts
+    return deltas, outcome, feeds, chosen, counts, log
 
 
-async def test_a_forced_run_is_fed_with_the_token_before_it_as_one_chunk():
-    deltas, outcome, feeds, chosen, counts = await decode(GenerationConfig(), fast=True)
+@pytest.mark.parametrize("driver", DRIVERS)
+async def test_a_forced_run_is_fed_with_the_token_before_it_as_one_chunk(driver):
+    deltas, outcome, feeds, chosen, counts, _ = await decode(GenerationConfig(), fast=True, driver=driver)
     assert [d.token_id for d in deltas] == ANSWER and outcome.generated == ANSWER
     assert outcome.finish_reason == "constraint"
     assert chosen == [13, 16, 17]  # only the positions the grammar does not force
@@ -112,7 +120,7 @@ async def test_a_forced_run_is_fed_with_the_token_before_it_as_one_chunk():
 async def test_without_fast_forward_every_token_is_chosen_and_fed_alone_with_the_same_output():
     fast = await decode(GenerationConfig(), fast=True)
     plain = await decode(GenerationConfig(fast_forward=False), fast=True)
-    deltas, outcome, feeds, chosen, counts = plain
+    deltas, outcome, feeds, chosen, counts, _ = plain
     assert chosen == ANSWER and feeds == [[t] for t in ANSWER[:-1]] and counts.steps_saved == counts.forced == 0
     assert [(d.token_id, d.text) for d in deltas] == [(d.token_id, d.text) for d in fast[0]]
     assert outcome.text == fast[1].text
@@ -139,17 +147,21 @@ async def test_a_stop_string_inside_a_forced_run_stops_where_one_by_one_decoding
 
 async def test_a_forced_stop_id_ends_generation_unfed():
     answer = [10, 11, EOS, 13]
-    deltas, outcome, feeds, _, counts = await decode(GenerationConfig(), fast=True, stop_ids=frozenset({EOS}),
+    deltas, outcome, feeds, _, counts, _ = await decode(GenerationConfig(), fast=True, stop_ids=frozenset({EOS}),
                                                      answer=answer)
     assert outcome.generated == [10, 11, EOS] and outcome.finish_reason == "stop"
     assert feeds == [[10, 11]] and counts.forced == 3
 
 
-async def test_closing_the_stream_inside_a_forced_run_feeds_nothing_after_and_keeps_a_prefix():
-    deltas, outcome, feeds, _, _ = await decode(GenerationConfig(), fast=True, close_after=5)
+@pytest.mark.parametrize("driver", DRIVERS)
+async def test_closing_the_stream_inside_a_forced_run_keeps_a_prefix_of_what_was_streamed(driver):
+    deltas, outcome, feeds, _, _, log = await decode(GenerationConfig(), fast=True, close_after=5, driver=driver)
     assert outcome is None and [d.token_id for d in deltas] == ANSWER[:5]
-    fed = sum(feeds, [])
-    assert fed == ANSWER[: len(fed)] and len(fed) < 5  # the log holds a prefix of what was streamed
+    plain_log = [10, 11, 12]  # one-by-one decoding's log at the 5th delta (13, 14 forced, pending)
+    assert log == plain_log
+    if driver == "event-loop":
+        assert sum(feeds, []) == plain_log  # nothing fed past the close
+    # NOTE: the thread may have fed past the delta the consumer stopped at; the settle trimmed it
 
 
 def test_fast_forward_is_off_without_a_forcing_constraint_with_logprobs_beams_or_when_switched_off():

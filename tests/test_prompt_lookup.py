@@ -15,8 +15,10 @@ from hypothesis import strategies as st
 
 from agentkv.engine.base import GenerationConfig, TokenDelta
 from agentkv.engine.decode.fast_forward import FastForwardCounts
-from agentkv.engine.decode.loop import DecodeOutcome, decode_tokens
 from agentkv.engine.decode.prompt_lookup import MAX_BACKOFF, DraftBudget, Drafts, PromptLookup
+from agentkv.engine.decode.model_steps import FeedStep
+from agentkv.engine.decode.token_steps import DecodeOutcome, TokenSteps
+from _drive import DRIVERS, blocking_executor, drive
 from _fake_grammars import NoZeroAndForcedPair
 
 VOCAB = 12
@@ -109,20 +111,22 @@ class Counting(Markov):
 
 
 async def run(prompt: list[int], model: Markov, *, drafts_on: bool, max_new: int, stop_ids: frozenset[int],
-              stop_strings: tuple[str, ...], grammar: bool, counts: FastForwardCounts | None = None):
-    """Greedy ``decode_tokens`` over a fake KV log; checks every choice reads the logits of exactly
-    the tokens before it. Returns the deltas, the outcome, the log's tokens, the feeds, the drafts."""
+              stop_strings: tuple[str, ...], grammar: bool, counts: FastForwardCounts | None = None,
+              driver: str = "event-loop"):
+    """Greedy decoding over a fake KV log through ``driver``; checks every choice reads the logits
+    of exactly the tokens before it. Returns the deltas, the outcome, the log's tokens, the feeds,
+    the drafts."""
     log = list(prompt)
     last: list[np.ndarray | None] = [model.logits(log)]
     feeds: list[list[int]] = []
     constraint = NoZeroAndForcedPair(VOCAB) if grammar else None
 
-    async def feed(ids: list[int]) -> None:
+    def feed(ids: list[int]) -> None:
         feeds.append(list(ids))
         log.extend(ids)
         last[0] = model.logits(log)
 
-    async def feed_rows(ids: list[int], rows: int) -> np.ndarray:
+    def feed_rows(ids: list[int], rows: int) -> np.ndarray:
         feeds.append(list(ids))
         out = []
         for i, token in enumerate(ids):
@@ -132,11 +136,12 @@ async def run(prompt: list[int], model: Markov, *, drafts_on: bool, max_new: int
         last[0] = out[-1]
         return np.stack(out)
 
-    async def trim(n: int) -> None:
-        del log[len(log) - n:]
-        last[0] = None
+    def trim(keep: int) -> None:
+        if len(log) > len(prompt) + keep:
+            del log[len(prompt) + keep:]
+            last[0] = None
 
-    drafts = Drafts(PromptLookup(prompt), feed, feed_rows, trim) if drafts_on else None
+    drafts = Drafts(PromptLookup(prompt)) if drafts_on else None
 
     def choose(generated: list[int]) -> int:
         logits = drafts.logits if drafts is not None and drafts.logits is not None else last[0]
@@ -147,10 +152,10 @@ async def run(prompt: list[int], model: Markov, *, drafts_on: bool, max_new: int
         return int(np.argmax(logits))
 
     config = GenerationConfig(max_new_tokens=max_new, stop_strings=stop_strings)
-    events = decode_tokens(choose, feed, config=config, decode_text=lambda ids: "".join(chr(97 + i) for i in ids),
-                           stop_ids=stop_ids, max_new=max_new, constraint=constraint, forcing=constraint,
-                           counts=counts if counts is not None else FastForwardCounts(), drafts=drafts)
-    out = [event async for event in events]
+    steps = TokenSteps(choose, config=config, decode_text=lambda ids: "".join(chr(97 + i) for i in ids),
+                       stop_ids=stop_ids, max_new=max_new, constraint=constraint, forcing=constraint,
+                       counts=counts if counts is not None else FastForwardCounts(), drafts=drafts)
+    out = [event async for event in drive(steps, blocking_executor(feed, feed_rows, trim), driver)]
     deltas = [e for e in out if isinstance(e, TokenDelta)]
     outcome = out[-1]
     assert isinstance(outcome, DecodeOutcome)
@@ -160,13 +165,15 @@ async def run(prompt: list[int], model: Markov, *, drafts_on: bool, max_new: int
 @settings(max_examples=150, deadline=None)
 @given(seed=st.integers(0, 10_000), prompt=st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=60),
        max_new=st.integers(0, 40), stop=st.sets(st.integers(0, VOCAB - 1), max_size=1),
-       stop_strings=st.sampled_from([(), ("cd",), ("b", "ja")]), grammar=st.booleans())
+       stop_strings=st.sampled_from([(), ("cd",), ("b", "ja")]), grammar=st.booleans(),
+       drivers=st.tuples(st.sampled_from(DRIVERS), st.sampled_from(DRIVERS)))
 def test_greedy_drafts_give_plain_decodings_tokens_stream_stop_and_log(seed, prompt, max_new, stop, stop_strings,
-                                                                       grammar):
+                                                                       grammar, drivers):
+    # NOTE: plain and drafted decoding each through either driver (event loop or worker thread)
     model = Markov(seed)
     args = {"max_new": max_new, "stop_ids": frozenset(stop), "stop_strings": stop_strings, "grammar": grammar}
-    plain = anyio.run(lambda: run(prompt, model, drafts_on=False, **args))
-    drafted = anyio.run(lambda: run(prompt, model, drafts_on=True, **args))
+    plain = anyio.run(lambda: run(prompt, model, drafts_on=False, driver=drivers[0], **args))
+    drafted = anyio.run(lambda: run(prompt, model, drafts_on=True, driver=drivers[1], **args))
     p_deltas, p_out, p_log, p_feeds, _ = plain
     d_deltas, d_out, d_log, d_feeds, drafts = drafted
     assert [(d.token_id, d.text) for d in d_deltas] == [(d.token_id, d.text) for d in p_deltas]
@@ -205,18 +212,9 @@ def test_steps_saved_are_the_feeds_one_by_one_decoding_runs_that_the_drafts_and_
 
 @pytest.mark.parametrize("left", [0, -1])
 def test_no_room_left_means_a_plain_feed(left):
-    calls: list[str] = []
-
-    async def feed(ids: list[int]) -> None:
-        calls.append("feed")
-
-    async def feed_rows(ids: list[int], rows: int) -> np.ndarray:
-        calls.append("rows")
-        return np.zeros((rows, VOCAB), np.float32)
-
-    async def trim(n: int) -> None:
-        calls.append("trim")
-
-    drafts = Drafts(PromptLookup([1, 2, 1, 2]), feed, feed_rows, trim)
-    anyio.run(drafts.feed, [1], left)
-    assert calls == ["feed"] and drafts.logits is None and drafts.in_kv == 1
+    drafts = Drafts(PromptLookup([1, 2, 1, 2]))
+    feed = drafts.feed([1], left)
+    assert next(feed) == FeedStep([1])
+    with pytest.raises(StopIteration):
+        feed.send(None)
+    assert drafts.logits is None and drafts.in_kv == 1

@@ -20,15 +20,16 @@ import pytest
 
 from agentkv.engine.base import GenerationConfig, TokenDelta
 from agentkv.engine.decode.fast_forward import FastForwardCounts
-from agentkv.engine.decode.loop import DecodeOutcome, decode_tokens
 from agentkv.engine.decode.prompt_lookup import Drafts, PromptLookup
 from agentkv.engine.decode.sampling import make_rng, sample_next, target_distribution
+from agentkv.engine.decode.token_steps import DecodeOutcome, TokenSteps
 from agentkv.engine.paged.backend import PagedBackend
 from agentkv.engine.paged.block_pool import BlockPool
 from agentkv.engine.paged.model import BLOCK_SIZE, SequenceStep
 from agentkv.engine.paged.slot import PagedSlot
 from agentkv.engine.session.session import SlotSession
 from agentkv.testing import ScriptedTokenizer
+from _drive import DRIVERS, blocking_executor, drive
 from _fake_grammars import NoZeroAndForcedPair
 
 VOCAB = 8
@@ -222,32 +223,35 @@ def counting_table() -> np.ndarray:
     return table
 
 
-async def close_after(k: int, drafts_on: bool, config: GenerationConfig) -> tuple[list[int], list[int], Drafts | None]:
-    """``decode_tokens`` over a fake log closed (``aclose``) after ``k`` deltas: the tokens taken, the log."""
+async def close_after(k: int, drafts_on: bool, config: GenerationConfig, driver: str = "event-loop"
+                      ) -> tuple[list[int], list[int], Drafts | None]:
+    """The token loop over a fake log through ``driver``, closed (``aclose``) after ``k`` deltas:
+    the tokens taken, the log, the drafts."""
     table = counting_table()
     log = list(PROMPT)
     last = [table[log[-1]]]
 
-    async def feed(ids: list[int]) -> None:
+    def feed(ids: list[int]) -> None:
         log.extend(ids)
         last[0] = table[log[-1]]
 
-    async def feed_rows(ids: list[int], rows: int) -> np.ndarray:
+    def feed_rows(ids: list[int], rows: int) -> np.ndarray:
         log.extend(ids)
         return np.stack([table[t] for t in ids[len(ids) - rows:]])
 
-    async def trim(n: int) -> None:
-        del log[len(log) - n:]
+    def trim(keep: int) -> None:
+        del log[len(PROMPT) + keep:]
 
-    drafts = Drafts(PromptLookup(PROMPT), feed, feed_rows, trim) if drafts_on else None
+    drafts = Drafts(PromptLookup(PROMPT)) if drafts_on else None
     rng = make_rng(config.seed)
 
     def choose(generated: list[int]) -> int:
         logits = drafts.logits if drafts is not None and drafts.logits is not None else last[0]
         return sample_next(logits, config, rng, context_ids=log, generated_ids=generated)
 
-    events = decode_tokens(choose, feed, config=config, decode_text=lambda ids: "x" * len(ids), stop_ids=frozenset(),
-                           max_new=config.max_new_tokens, constraint=None, counts=FastForwardCounts(), drafts=drafts)
+    steps = TokenSteps(choose, config=config, decode_text=lambda ids: "x" * len(ids), stop_ids=frozenset(),
+                       max_new=config.max_new_tokens, counts=FastForwardCounts(), drafts=drafts)
+    events = drive(steps, blocking_executor(feed, feed_rows, trim), driver)
     taken: list[int] = []
     async for event in events:
         assert isinstance(event, TokenDelta) and not isinstance(event, DecodeOutcome)
@@ -260,10 +264,11 @@ async def close_after(k: int, drafts_on: bool, config: GenerationConfig) -> tupl
 
 @pytest.mark.parametrize("k", [2, 3, 5, 9])  # the first token comes before any draft
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
-async def test_closing_the_stream_with_a_draft_ahead_leaves_plain_decodings_log(k, temperature):
+@pytest.mark.parametrize("driver", DRIVERS)
+async def test_closing_the_stream_with_a_draft_ahead_leaves_plain_decodings_log(k, temperature, driver):
     config = GenerationConfig(temperature=temperature, seed=4, max_new_tokens=30)
     plain_taken, plain_log, _ = await close_after(k, False, config)
-    taken, log, drafts = await close_after(k, True, config)
+    taken, log, drafts = await close_after(k, True, config, driver)
     assert drafts is not None and drafts.drafted > 0 and not drafts.ahead
     assert taken == plain_taken and log == plain_log == PROMPT + taken[:-1]
 

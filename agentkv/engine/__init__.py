@@ -8,7 +8,7 @@ A map, top to bottom::
     openvino/    the parent both backends share (OpenVINOEngine) and what they read from OpenVINO
     session/     the KV session (SlotSession), the backend it holds (SlotBackend), SlotEngine
     prefix/      the prefix cache (radix tree from token prefixes to KV)
-    decode/      the prompt's alignment, the per-token loop, sampling, beam search, grammar constraints
+    decode/      the prompt's alignment, the token loop (one worker thread a call), sampling, beams, grammars
     base         the protocols (Engine, KVSession, Tokenizer), GenerationConfig, results
     ../kv/       below the engine: token log, snapshots, RoPE, precisions (numpy only)
 

@@ -221,6 +221,10 @@ class ScriptedBackend(SlotBackend):
         ScriptedBackend(engine, slots=[FakeSlot(vocab)], tokenizer=tok, fingerprint="scripted", ...)
     """
 
+    decodes_in_thread = False
+    """The token loop awaits each fake step (an instant one runs inline: tests see a
+    deterministic interleaving; a paced one in a worker thread, as a real step)."""
+
     def __init__(self, script: ScriptedEngine, **options: Any) -> None:
         self.script = script
         super().__init__(**options)

@@ -12,16 +12,24 @@ three-turn conversations run on a one-slot engine:
 Every turn's greedy answer must be identical token for token, and every reused path must
 report ``kv_exact``. This holds because prefills are cut canonically (registered prefix
 boundaries) and restores give the plugin back its own values (``engine/numerics.py``).
+
+R's new process is one for the module (``resumer``): it imports agentkv and OpenVINO while the
+first profile's conversations run here, then per profile builds a new engine and resumes from
+the snapshot files alone (``_restore_worker.main``); it never holds a session of this process.
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import suppress
 from pathlib import Path
+from typing import Any
 
+import anyio
 import pytest
+from anyio.streams.buffered import BufferedByteReceiveStream
 
 from agentkv.engine.base import GenerationConfig
 
@@ -29,7 +37,15 @@ from _numerics import PROFILES, numerics_engine
 
 pytestmark = pytest.mark.model
 
-WORKER = str(Path(__file__).parents[1] / "_restore_worker.py")
+TESTS = Path(__file__).parents[1]
+RESUMER = (
+    "import sys, anyio, _restore_worker, _numerics, agentkv.engine.stateful.engine\n"
+    "for line in sys.stdin:\n"
+    "    anyio.run(_restore_worker.main, *line.split())\n"
+    "    sys.stdout.flush()\n"
+)
+"""The new process: ``_restore_worker.main(profile, jobs_path)`` (a new engine each time) per line
+read, its answer a JSON line."""
 MAX_NEW = 12
 CFG = GenerationConfig(max_new_tokens=MAX_NEW)
 SYSTEM = "You are a patient tutor. Answer in one or two short sentences and end with a question."
@@ -69,8 +85,52 @@ async def run_turn(engine, session, prompt_of, answers, turn: int):
     return result.metrics
 
 
+@pytest.fixture(scope="module")
+async def resumer(tmp_path_factory: pytest.TempPathFactory
+                  ) -> AsyncIterator[Callable[[str, Path], Awaitable[dict[str, Any]]]]:
+    """``await resume(profile, jobs_path)``: ``_restore_worker``'s answer from the module's new process."""
+    errors = tmp_path_factory.mktemp("resumer") / "stderr.txt"
+    with errors.open("wb") as stderr:
+        process = await anyio.open_process([sys.executable, "-c", RESUMER], cwd=TESTS, stderr=stderr)
+    assert process.stdin is not None and process.stdout is not None
+    stdin, lines = process.stdin, BufferedByteReceiveStream(process.stdout)
+
+    async def answer() -> dict[str, Any]:
+        with anyio.fail_after(300):
+            while True:
+                try:
+                    line = (await lines.receive_until(b"\n", 1 << 26)).decode()
+                except (anyio.EndOfStream, anyio.IncompleteRead):
+                    pytest.fail(f"the resuming process ended: {errors.read_text()[-3000:]}")
+                if line.startswith("{"):
+                    return dict(json.loads(line))
+
+    async def resume(profile: str, jobs_path: Path) -> dict[str, Any]:
+        if process.returncode is not None:
+            pytest.fail(f"the resuming process ended earlier: {errors.read_text()[-3000:]}")
+        try:
+            await stdin.send(f"{profile} {jobs_path}\n".encode())
+            return await answer()
+        except BaseException:
+            if process.returncode is None:
+                process.kill()  # NOTE: never read a late answer as the next profile's
+            raise
+
+    try:
+        yield resume
+    finally:
+        with suppress(anyio.BrokenResourceError, OSError):
+            await stdin.aclose()  # the process's loop ends
+        with anyio.move_on_after(30):
+            await process.wait()
+        if process.returncode is None:
+            process.kill()
+        await process.aclose()
+
+
 @pytest.mark.parametrize("profile", list(PROFILES))
-async def test_restored_offloaded_and_cached_sessions_answer_like_the_uninterrupted_one(profile, tmp_path, monkeypatch):
+async def test_restored_offloaded_and_cached_sessions_answer_like_the_uninterrupted_one(profile, tmp_path, monkeypatch,
+                                                                                        resumer):
     engine = numerics_engine(profile, num_slots=1)
     system = system_ids(engine)
     engine.register_prefix(system)
@@ -119,10 +179,7 @@ async def test_restored_offloaded_and_cached_sessions_answer_like_the_uninterrup
         await engine.aclose()
     jobs_path = tmp_path / "jobs.json"
     jobs_path.write_text(json.dumps({"system": system, "conversations": jobs, "max_new_tokens": MAX_NEW}))
-    done = subprocess.run([sys.executable, WORKER, profile, str(jobs_path)], capture_output=True, text=True,
-                          timeout=300, cwd=Path(__file__).parents[1])
-    assert done.returncode == 0, done.stderr[-3000:]
-    resumed = json.loads(done.stdout.strip().splitlines()[-1])
+    resumed = await resumer(profile, jobs_path)
     assert resumed["answers"] == expected
     # each resume reused its snapshot (no silent re-prefill) and reports an exact KV
     assert all(restored > 0 and exact for restored, _, exact in resumed["metrics"]), resumed["metrics"]

@@ -1,23 +1,23 @@
-"""The decode loop of one generate call: choose a token, stream its text, stop, feed it back.
+"""The decode loop of one generate call: the engine's side of ``token_steps.TokenSteps``.
 
-``decode_tokens`` is shared by every engine: the stateful engine chooses tokens by sampling
-the model's logits, the scripted engine from its script. Each chosen token that does not
-end generation is fed (and joins the session's log); the token that ends it is not fed —
-the next turn's alignment feeds it if the rendered history contains it. Tokens a grammar forces
-are taken without sampling and fed with the token before them as one chunk (``fast_forward``);
-a call on a slot that returns several positions' logits feeds a guess of the next tokens with
-them and keeps those the model chooses too, greedy or sampled (``prompt_lookup``). No OpenVINO here.
+``DecodeLoop`` builds a call's token loop (the sampler, the scorer, forced tokens, prompt-lookup
+drafts) and runs it: in one worker thread when the backend allows it (``threaded``), or here,
+one model step per ``await`` (``run_steps``: the scripted engine's paced fake steps). Every engine
+shares it: the stateful and paged engines choose tokens by sampling the model's logits, the
+scripted engine from its script; beam search has its own loop (``beam_decode``). No OpenVINO here.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
-from contextlib import AbstractAsyncContextManager, aclosing
-from dataclasses import dataclass, replace
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
+from contextlib import AbstractAsyncContextManager, AbstractContextManager, aclosing
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import anyio
+import anyio.lowlevel
 
 from agentkv.engine.base import (
     BeamHypothesis,
@@ -32,20 +32,18 @@ from agentkv.engine.base import (
 )
 from agentkv.engine.decode.alignment import Alignment
 from agentkv.engine.decode.beam_decode import run_beam_search
-from agentkv.engine.decode.detokenize import IncrementalDecoder
-from agentkv.engine.decode.fast_forward import FastForwardCounts, ForcingConstraint, forced_source, next_forced
+from agentkv.engine.decode.fast_forward import FastForwardCounts, ForcingConstraint, forced_source
 from agentkv.engine.decode.prompt_lookup import Drafts, PromptLookup
-from agentkv.engine.decode.sampling import (
-    StopStringMatcher,
-    make_rng,
-    sample_next,
-    token_logprobs,
-)
+from agentkv.engine.decode.sampling import make_rng, sample_next, token_logprobs
 from agentkv.engine.decode.step_counts import StepCounts
+from agentkv.engine.decode.threaded import current_task_id, run_steps_in_thread
+from agentkv.engine.decode.model_steps import MODEL_STEPS, FeedRowsStep, ModelStep, TrimStep
+from agentkv.engine.decode.token_steps import DecodeOutcome, TokenSteps
 from agentkv.kv.log import feeds_rows
 
 if TYPE_CHECKING:
     import numpy as np
+    from anyio.lowlevel import EventLoopToken
 
     from agentkv.kv.log import KVLog, KVSlot, RowsSlot
 
@@ -63,19 +61,15 @@ class DecodeBackend(Protocol):
                     tpot: float) -> GenerationMetrics: ...
     def room(self, slot: KVSlot | None, tokens: int, *, rows: int = 1,
              rewrite: bool = False) -> AbstractAsyncContextManager[None]: ...
+    def room_blocking(self, slot: KVSlot | None, tokens: int, *,
+                      token: EventLoopToken) -> AbstractContextManager[None]: ...
+    @property
+    def decodes_in_thread(self) -> bool: ...
+
+logger = logging.getLogger(__name__)
 
 RunBlocking = Callable[..., Awaitable[Any]]
 """``await run(fn, *args)``: a session's way to run a blocking step in a worker thread."""
-
-
-@dataclass(frozen=True)
-class DecodeOutcome:
-    """How a decode loop ended."""
-
-    generated: list[int]
-    text: str
-    finish_reason: str
-    first_token_at: float | None
 
 
 def step_counts(slot: object) -> StepCounts | None:
@@ -98,114 +92,54 @@ def stop_ids_for(config: GenerationConfig, eos_token_ids: frozenset[int]) -> fro
     return frozenset(config.stop_token_ids) | (frozenset() if config.ignore_eos else eos_token_ids)
 
 
-async def decode_tokens(
-    choose: Callable[[list[int]], int],
-    feed: Callable[[list[int]], Awaitable[None]],
-    *,
-    config: GenerationConfig,
-    decode_text: Callable[[Sequence[int]], str],
-    stop_ids: frozenset[int],
-    max_new: int,
-    constraint: TokenConstraint | None,
-    score: Callable[[int], TokenLogprob] | None = None,
-    forcing: ForcingConstraint | None = None,
-    counts: FastForwardCounts | None = None,
-    on_forced: Callable[[], None] | None = None,
-    drafts: Drafts | None = None,
-) -> AsyncGenerator[TokenDelta | DecodeOutcome, None]:
-    """Yield a ``TokenDelta`` per token (text never splits a UTF-8 character), then the outcome.
+async def run_steps(steps: TokenSteps, execute: Callable[[ModelStep], Awaitable[Any]]
+                    ) -> AsyncGenerator[TokenDelta | DecodeOutcome, None]:
+    """Drive ``steps`` on the event loop, awaiting ``execute(step)`` for each model step (in a
+    worker thread): a ``TokenDelta`` per token, then the outcome. However the stream ends (closed,
+    cancelled, a step failed), the KV log then holds what one-by-one decoding's would, settled
+    shielded from the cancellation; a settle that fails too is logged and the first error goes on.
+    Skipped when another task closes this (an abandoned generator finalized later, after its caller
+    let the slot go: the next alignment trims the tail then)::
 
-    ``choose(generated)`` picks the next id; ``feed(ids)`` runs ids through the model in one
-    step; ``score(id)`` (when log-probabilities are asked for) reads the chosen id's
-    log-probability from the same logits, before the feed. With ``forcing`` (the constraint, when
-    it fast-forwards: ``fast_forward.forced_source``) a token it forces is taken without
-    ``choose`` (``on_forced()`` then stands for the draw the sampler would have made), and
-    accepted tokens are fed only when the model must choose again or the loop ends: a forced
-    run goes in one feed with the token before it. ``counts`` adds up forced tokens and feeds.
-    With ``drafts``, those feeds go through ``drafts.feed`` with a draft after them, ``choose``
-    reads ``drafts.logits``, and a token the draft fed already is not fed again; however the loop
-    ends (closed or cancelled too), the KV log then holds what one-by-one decoding's would.
+        async for event in run_steps(TokenSteps(choose, config=cfg, ...), execute):
+            ...
     """
-    decoder = IncrementalDecoder(decode_text)
-    stopper = StopStringMatcher(list(config.stop_strings))
-    counts = counts if counts is not None else FastForwardCounts()
-    generated: list[int] = []
-    pending: list[int] = []  # accepted tokens not fed yet
-    held = 0  # generated tokens one-by-one decoding has in the KV or pending now
-    pieces: list[str] = []
-    first_at: float | None = None
-    finish = "length"
-    owner = _task_id()
+    run = steps.run()
+    owner = current_task_id()
+    failed = False
     try:
-        while len(generated) < max_new:
-            token = next_forced(forcing)
-            if token is None:
-                if pending:
-                    if drafts is not None:
-                        await drafts.feed(pending, max_new - len(generated) - 1)
-                    else:
-                        await feed(pending)
-                    counts.fed_in(len(pending))
-                    pending = []
-                token = choose(generated)
+        reply: Any = None
+        while True:
+            try:
+                item = run.send(reply)
+            except StopIteration:
+                return
+            if isinstance(item, MODEL_STEPS):
+                reply = await execute(item)
             else:
-                counts.forced += 1
-                if on_forced is not None:
-                    on_forced()
-            if first_at is None:
-                first_at = time.perf_counter()
-            generated.append(token)
-            fed = drafts is not None and await drafts.accept(token)
-            if constraint is not None:
-                constraint.advance(token)
-            if token in stop_ids:
-                finish = "stop"
-                break
-            logprob = score(token) if score is not None else None
-            text, stopped = stopper.feed(decoder.push(token))
-            pieces.append(text)
-            yield TokenDelta(token, text, logprob)
-            if stopped:
-                finish = "stop_string"
-                break
-            if constraint is not None and constraint.is_finished():
-                finish = "constraint"
-                break
-            if len(generated) == max_new:
-                break
-            held += 1
-            if fed:
-                counts.confirmed += 1
-            else:
-                pending.append(token)
+                reply = None
+                yield item
+    except BaseException:
+        failed = True
+        raise
     finally:
-        # NOTE: also when the consumer closes the stream or the task is cancelled with a draft
-        # ahead: its unconfirmed tokens (and the last token) leave the KV log, shielded from the
-        # cancellation. Skipped when another task runs this: an abandoned generator finalized
-        # later, after its caller let the slot go (the next alignment trims the tail then).
-        if drafts is not None and owner is not None and _task_id() == owner:
+        run.close()
+        if owner is not None and current_task_id() == owner:
             with anyio.CancelScope(shield=True):
-                await drafts.settle(held - len(pending))
-    if pending:  # NOTE: the tokens before the one that ended generation, as one-by-one would have fed
-        await feed(pending)
-        counts.fed_in(len(pending))
-    if finish == "stop_string":
-        finish = "stop"
-    else:
-        tail, _ = stopper.feed(decoder.flush())
-        tail += stopper.flush()
-        if tail:
-            pieces.append(tail)
-            yield TokenDelta(generated[-1] if generated else -1, tail)
-    yield DecodeOutcome(generated, "".join(pieces), finish, first_at)
+                await settle_or_log(steps.settle(), execute, failed=failed)
 
 
-def _task_id() -> int | None:
-    """The running task's id; None outside one (a generator closed after its event loop)."""
+async def settle_or_log(settle: Iterator[ModelStep], execute: Callable[[ModelStep], Awaitable[Any]], *,
+                        failed: bool) -> None:
+    """Run a loop's settle steps; when the loop already ``failed``, a failing settle is logged
+    and the loop's own error goes on (``await settle_or_log(steps.settle(), execute, failed=True)``)."""
     try:
-        return anyio.get_current_task().id
-    except RuntimeError:
-        return None
+        for step in settle:
+            await execute(step)
+    except Exception:
+        if not failed:
+            raise
+        logger.exception("settling the KV log after a failed decode step failed too; the first error follows")
 
 
 def timing(started: float, first_at: float | None, generated: int) -> tuple[float, float]:
@@ -259,25 +193,62 @@ class DecodeLoop:
                 yield event
 
     async def run_sequential(self) -> AsyncGenerator[TokenDelta | GenerationResult, None]:
-        """Tokens from ``chooser()``, or forced by the constraint: a delta per token, then the result."""
-        log = self.log
-
-        async def feed(tokens: list[int]) -> None:
-            async with self.engine.room(self.slot, len(tokens)):
-                await self.run_blocking(log.feed, self.slot, tokens)
-
-        self.drafts = self.make_drafts(feed)
-        events = decode_tokens(
-            self.chooser(), feed, config=self.config, decode_text=self.engine.tokenizer.decode,
-            stop_ids=self.stop_ids, max_new=self.max_new, constraint=self.constraint, score=self.scorer(),
-            forcing=self.forcing(), counts=self.fast_forward, on_forced=self.skip_draw, drafts=self.drafts,
+        """Tokens from ``chooser()``, or forced by the constraint: a delta per token, then the
+        result. The token loop runs in one worker thread when the backend allows it
+        (``threaded.run_steps_in_thread``: no thread hop per token), else step by step here."""
+        self.drafts = self.make_drafts()
+        steps = TokenSteps(
+            self.chooser(), config=self.config, decode_text=self.engine.tokenizer.decode, stop_ids=self.stop_ids,
+            max_new=self.max_new, constraint=self.constraint, score=self.scorer(), forcing=self.forcing(),
+            counts=self.fast_forward, on_forced=self.skip_draw, drafts=self.drafts,
         )
+        base = len(self.log)
+        if self.engine.decodes_in_thread:
+            events = run_steps_in_thread(steps, self.blocking_executor(base))
+        else:
+            events = run_steps(steps, self.executor(base))
         async with aclosing(events):
             async for event in events:
                 if isinstance(event, DecodeOutcome):
                     yield self.finish(event.generated, event.text, event.finish_reason, event.first_token_at)
                 else:
                     yield event
+
+    def executor(self, base: int) -> Callable[[ModelStep], Awaitable[Any]]:
+        """``await execute(step)``: one model step of the token loop, run in a worker thread with
+        room made for it (``base``: the log's length before the first generated token)."""
+        log, slot, run = self.log, self.slot, self.run_blocking
+
+        async def execute(step: ModelStep) -> Any:
+            if isinstance(step, TrimStep):
+                if len(log) > base + step.keep:
+                    await run(log.trim, slot, base + step.keep)
+                return None
+            async with self.engine.room(slot, len(step.ids)):
+                if isinstance(step, FeedRowsStep):
+                    return await run(log.feed_rows, slot, step.ids, step.rows)
+                await run(log.feed, slot, step.ids)
+                return None
+
+        return execute
+
+    def blocking_executor(self, base: int) -> Callable[[ModelStep], Any]:
+        """``execute(step)`` for a worker thread: ``executor``'s step run in the calling thread,
+        the room made there too (the event loop only when blocks must be freed first)."""
+        log, slot = self.log, self.slot
+        token = anyio.lowlevel.current_token()
+
+        def execute(step: ModelStep) -> Any:
+            if isinstance(step, TrimStep):
+                log.trim(slot, base + step.keep)
+                return None
+            with self.engine.room_blocking(slot, len(step.ids), token=token):
+                if isinstance(step, FeedRowsStep):
+                    return log.feed_rows(cast("RowsSlot", slot), step.ids, step.rows)
+                log.feed(slot, step.ids)
+                return None
+
+        return execute
 
     def chooser(self) -> Callable[[list[int]], int]:
         """``choose(generated)``: the next token, sampled from the log's last logits under the
@@ -305,7 +276,7 @@ class DecodeLoop:
             return None
         return forced_source(self.constraint, self.config)
 
-    def make_drafts(self, feed: Callable[[list[int]], Awaitable[None]]) -> Drafts | None:
+    def make_drafts(self) -> Drafts | None:
         """Prompt-lookup drafts for this call (``decode/prompt_lookup.py``), or None: off unless the
         config asks for them without log-probabilities or beams (greedy or sampled), the slot
         returns several positions' logits (paged), and the loop chooses by the logits (not a script)."""
@@ -313,18 +284,8 @@ class DecodeLoop:
         if not (cfg.prompt_lookup and cfg.logprobs is None and cfg.num_beams == 1) \
                 or not feeds_rows(self.slot) or type(self).chooser is not DecodeLoop.chooser:
             return None
-        log, slot = self.log, cast("RowsSlot", self.slot)
-
-        async def feed_rows(tokens: list[int], rows: int) -> np.ndarray:
-            async with self.engine.room(slot, len(tokens)):
-                logits: np.ndarray = await self.run_blocking(log.feed_rows, slot, tokens, rows)
-                return logits
-
-        async def trim(n: int) -> None:
-            await self.run_blocking(log.trim, slot, len(log) - n)
-
-        cap = getattr(slot, "draft_cap", None)
-        return Drafts(PromptLookup(log.tokens), feed, feed_rows, trim, cap=cap if callable(cap) else None)
+        cap = getattr(self.slot, "draft_cap", None)
+        return Drafts(PromptLookup(self.log.tokens), cap=cap if callable(cap) else None)
 
     def skip_draw(self) -> None:
         """Stand for the draw sampling would have made for a forced token (its mask allowed only

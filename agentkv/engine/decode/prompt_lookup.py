@@ -25,10 +25,13 @@ or off under exact numerics). Pure Python and numpy::
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+
+from agentkv.engine.decode.model_steps import FeedRowsStep, FeedStep, ModelStep, TrimStep
 
 MAX_NGRAM = 3
 """Longest suffix looked up (openvino-genai's prompt lookup uses 3 too)."""
@@ -120,33 +123,28 @@ class DraftBudget:
             self.size, self.backoff = max(1, accepted + 1), 1
 
 
-FeedRows = Callable[[list[int], int], Awaitable[np.ndarray]]
-"""``await feed_rows(ids, rows)``: feed ``ids`` in one step; logits ``[rows, vocab]`` of the last rows."""
-Feed = Callable[[list[int]], Awaitable[None]]
-"""``await feed(ids)``: feed ``ids`` in one step (the plain path)."""
-Trim = Callable[[int], Awaitable[None]]
-"""``await trim(n)``: take the last ``n`` tokens back out of the KV log."""
 DraftCap = Callable[[], int]
 """``cap()``: the most drafted tokens the next feed may carry now (the slot's share of a step it
 shares with other sessions: ``PagedSlot.draft_cap``)."""
 
 
 class Drafts:
-    """One call's drafts: propose, verify in the pending tokens' feed, confirm or trim.
+    """One call's drafts: propose, verify in the pending tokens' feed, confirm or trim. No I/O:
+    its methods are generators of the model steps they need (``token_steps``), which the decode
+    loop's driver runs.
 
-    The decode loop calls ``feed(pending, left)`` instead of its plain feed, chooses from
-    ``logits`` when set, tells ``accept(token)`` every token it takes (True: already fed), and
-    ``settle(keep)`` at the end (also when the call is closed or cancelled)::
+    The loop feeds through ``feed(pending, left)`` instead of its plain feed, chooses from
+    ``logits`` when set, and tells ``accept(token)`` every token it takes (True: already fed)::
 
-        drafts = Drafts(PromptLookup(prompt), feed, feed_rows, trim)
+        drafts = Drafts(PromptLookup(prompt))
+        yield from drafts.feed(pending, left)       # a FeedRowsStep (or a FeedStep: no draft)
+        fed = yield from drafts.accept(token)       # a TrimStep when the draft ends here
     """
 
-    def __init__(self, lookup: PromptLookup, feed: Feed, feed_rows: FeedRows, trim: Trim,
-                 budget: DraftBudget | None = None, cap: DraftCap | None = None) -> None:
+    def __init__(self, lookup: PromptLookup, budget: DraftBudget | None = None, cap: DraftCap | None = None) -> None:
         self.lookup = lookup
         self.budget = budget if budget is not None else DraftBudget()
         self._cap = cap
-        self._feed, self._feed_rows, self._trim = feed, feed_rows, trim
         self.ahead: list[int] = []
         """Drafted tokens fed but not chosen yet, in order."""
         self._rows: np.ndarray | None = None
@@ -165,7 +163,7 @@ class Drafts:
         (None: the log's last logits are)."""
         return None if self._rows is None else self._rows[self._row]
 
-    async def feed(self, pending: list[int], left: int) -> None:
+    def feed(self, pending: list[int], left: int) -> Generator[ModelStep, Any, None]:
         """Feed ``pending`` (accepted, not fed; not empty) and a draft of at most ``left`` tokens
         after it in one step, keeping the logits from the last pending token on."""
         size = self.budget.take(left)
@@ -173,15 +171,15 @@ class Drafts:
             size = min(size, self._cap())
         draft = self.lookup.propose(size) if size > 0 else []
         if not draft:
-            await self._feed(pending)
+            yield FeedStep(pending)
             self.in_kv += len(pending)
             return
-        self._rows = await self._feed_rows([*pending, *draft], len(draft) + 1)
+        self._rows = yield FeedRowsStep([*pending, *draft], len(draft) + 1)
         self._row, self.ahead, self._draft_len, self._hits = 0, draft, len(draft), 0
         self.in_kv += len(pending) + len(draft)
         self.drafted += len(draft)
 
-    async def accept(self, token: int) -> bool:
+    def accept(self, token: int) -> Generator[ModelStep, Any, bool]:
         """The loop took ``token`` (chosen or forced); True when it was the next drafted token (fed
         already). Another token ends the draft: what was drafted after it leaves the KV log."""
         self.lookup.push(token)
@@ -197,20 +195,11 @@ class Drafts:
                 self.budget.update(self._draft_len, self._hits)
             return True
         self.budget.update(self._draft_len, self._hits)
-        await self.drop_ahead()
+        yield TrimStep(self.in_kv - len(self.ahead))
+        self.in_kv -= len(self.ahead)
+        self.forget_ahead()
         return False
 
-    async def drop_ahead(self) -> None:
-        """Trim the drafted tokens not chosen from the KV log."""
-        if self.ahead:
-            await self._trim(len(self.ahead))
-            self.in_kv -= len(self.ahead)
+    def forget_ahead(self) -> None:
+        """Drop the draft's bookkeeping (the caller trims its tokens from the KV log)."""
         self.ahead, self._rows = [], None
-
-    async def settle(self, keep: int) -> None:
-        """At the loop's end: keep only ``keep`` generated tokens in the KV log (plain decoding's
-        log: every generated token but the last, less those still pending)."""
-        self.ahead, self._rows = [], None
-        if self.in_kv > keep:
-            await self._trim(self.in_kv - keep)
-            self.in_kv = keep

@@ -18,10 +18,12 @@ as taken anew. The block pool itself only reserves, allocates or refuses::
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
+import anyio.from_thread
 import numpy as np
 
 from agentkv.engine.paged.block_pool import BlockPool
@@ -33,6 +35,9 @@ from agentkv.engine.session.backend import OpenSession, SlotBackend
 from agentkv.errors import KVLogCorrupt
 from agentkv.kv.log import KVLog, KVSlot, KVSource
 from agentkv.kv.snapshot import RAW_BLOCKS, KVSnapshot, PrecisionChoice
+
+if TYPE_CHECKING:
+    from anyio.lowlevel import EventLoopToken
 
 
 class PagedBackend(SlotBackend):
@@ -133,6 +138,30 @@ class PagedBackend(SlotBackend):
                 await self.make_room_to_rewrite(slot, tokens)
             else:
                 await self.make_room(slot, tokens, rows=rows)
+            yield
+        finally:
+            if holder is not None and self.block_pool.reserved(holder):
+                self.block_pool.unreserve(holder)
+
+    @contextmanager
+    def room_blocking(self, slot: KVSlot | None, tokens: int, *, token: EventLoopToken) -> Iterator[None]:
+        """``room`` for a step a worker thread runs: free blocks are reserved from the thread (the
+        pool is thread-safe); only when none are left does ``make_room`` run on the event loop
+        (``token``) to evict for them, the thread waiting::
+
+            with backend.room_blocking(slot, len(ids), token=loop_token):
+                log.feed(slot, ids)
+        """
+        holder = slot if isinstance(slot, PagedSlot) else None
+        needed = self.blocks_needed(slot, tokens)
+        if needed == 0:
+            if holder is not None and self.block_pool.reserved(holder):
+                self.block_pool.unreserve(holder)  # left over by a step that did not run
+            yield
+            return
+        try:
+            if not self._reserve(holder, needed):
+                anyio.from_thread.run(partial(self.make_room, slot, tokens), token=token)
             yield
         finally:
             if holder is not None and self.block_pool.reserved(holder):

@@ -27,11 +27,18 @@ import openvino as ov
 from agentkv.engine.openvino.compile import compile_for_device, lm_head
 from agentkv.engine.openvino.models import ModelFiles, compiled_cache_dir
 from agentkv.engine.openvino.numerics import EXACT_CONFIG, PluginNumerics, precision_name
+from agentkv.engine.paged.request_inputs import StepInputs
 from agentkv.kv.u8_blocks import BlockLayout
 from agentkv.errors import UserError
 
 BLOCK_SIZE = 32
 """Tokens per KV block (the CPU plugin's PagedAttention block)."""
+STEP_INPUTS: dict[str, type[np.generic]] = {
+    "input_ids": np.int64, "position_ids": np.int64, "past_lens": np.int32, "subsequence_begins": np.int32,
+    "block_indices": np.int32, "block_indices_begins": np.int32, "max_context_len": np.int32,
+    "logits_indices": np.int64,
+}
+"""The paged model's step inputs (openvino's SDPA-to-PagedAttention names) and their element types."""
 _CACHE_TYPES = {"f32": ov.Type.f32, "f16": ov.Type.f16, "bf16": ov.Type.bf16, "u8": ov.Type.u8}
 """Element type of the blocks per KV precision."""
 
@@ -117,10 +124,12 @@ class PagedModel:
         self.num_blocks = num_blocks
         self.vocab_size = int(self._compiled.output("logits").get_partial_shape()[2].get_length())
         self.lock = threading.RLock()
+        """Held by every step and every read or write of the block storage."""
         self.steps_run = 0
         """Forward passes run so far (batched steps, beam steps, RoPE probes)."""
-        """Held by every step and every read or write of the block storage."""
         self._request = self._compiled.create_infer_request()
+        self._inputs = StepInputs(self._request, STEP_INPUTS)
+        self._logits_output = next(i for i, port in enumerate(self._compiled.outputs) if "logits" in port.get_names())
         self.caches: dict[str, ov.Tensor] = {}
         """``key_cache.N`` / ``value_cache.N`` → the block storage (read and written through ``.data``)."""
         for name, port in cache_ports.items():
@@ -157,17 +166,17 @@ class PagedModel:
 
     def _infer(self, ids: list[int], positions: list[int], sequences: Sequence[SequenceStep], begins: list[int],
                blocks: list[int], block_begins: list[int], rows: list[int]) -> np.ndarray:
-        self._request.infer({
-            "input_ids": np.array(ids, dtype=np.int64),
-            "position_ids": np.array(positions, dtype=np.int64),
-            "past_lens": np.array([s.past_len for s in sequences], dtype=np.int32),
-            "subsequence_begins": np.array(begins, dtype=np.int32),
-            "block_indices": np.array(blocks, dtype=np.int32),
-            "block_indices_begins": np.array(block_begins, dtype=np.int32),
-            "max_context_len": np.array(max(s.past_len + len(s.ids) for s in sequences), dtype=np.int32),
-            "logits_indices": np.array(rows, dtype=np.int64),
-        })
-        logits = self._request.get_tensor("logits").data  # [rows, 1, vocab]
+        write = self._inputs.write
+        write("input_ids", ids)
+        write("position_ids", positions)
+        write("past_lens", [s.past_len for s in sequences])
+        write("subsequence_begins", begins)
+        write("block_indices", blocks)
+        write("block_indices_begins", block_begins)
+        write("max_context_len", max(s.past_len + len(s.ids) for s in sequences))
+        write("logits_indices", rows)
+        self._request.infer()
+        logits = self._request.get_output_tensor(self._logits_output).data  # [rows, 1, vocab] (by index: 4x faster)
         return np.array(logits[:, -1, :], dtype=np.float32)
 
     def copy_block(self, source: int, target: int) -> None:

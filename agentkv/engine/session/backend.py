@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from contextlib import asynccontextmanager
-from typing import Any, Protocol, TypeVar
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import anyio
 import numpy as np
@@ -39,6 +39,9 @@ from agentkv.kv.rope import FIT_TOLERANCE, RopeConvention
 from agentkv.kv.rope_metadata import RopeMetadata
 from agentkv.kv.rope_probe import PROBE_TEXT, measure_convention
 from agentkv.kv.snapshot import KVSnapshot, PrecisionChoice
+
+if TYPE_CHECKING:
+    from anyio.lowlevel import EventLoopToken
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -171,6 +174,20 @@ class SlotBackend:
 
             async with backend.room(slot, len(ids)):
                 await backend.run_blocking(log.feed, slot, ids)
+        """
+        yield
+
+    decodes_in_thread = True
+    """A call's token loop runs in one worker thread (``decode/threaded.py``) rather than one
+    ``await`` per model step (the scripted engine's instant fake steps run inline instead)."""
+
+    @contextmanager
+    def room_blocking(self, slot: KVSlot | None, tokens: int, *, token: EventLoopToken) -> Iterator[None]:
+        """``room`` for a step a worker thread runs (``token``: the event loop to make room on
+        when blocks must be freed first). Slots that own their storage need none (this one)::
+
+            with backend.room_blocking(slot, len(ids), token=loop_token):
+                log.feed(slot, ids)
         """
         yield
 

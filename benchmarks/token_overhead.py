@@ -1,0 +1,161 @@
+"""Per-token overhead of plain decoding: wall time per token less the model's own time.
+
+One session of the paged engine decodes greedy answers (drafts off, ``ignore_eos``). Two clocks
+run inside the same call, so the overhead is measured whatever the machine's speed: the time
+inside ``InferRequest.infer`` (the compiled model itself: what openvino-genai's C++ loop adds
+almost nothing to), and the step batcher's record of each step (infer plus the step's Python:
+inputs, logits copy). ``overhead = TPOT - infer time per token`` is everything agentkv's Python
+costs a token; ``gap = TPOT - step time`` the part between steps. Three ways side by side,
+interleaved: the decode loop in one worker thread (the default), the same loop stepped from the
+event loop (one thread hop per token, as before issue 27's step 0), and a bare loop calling
+``KVLog.feed`` and ``argmax`` in a thread (no decode loop at all). Last line: JSON with the medians.
+Run: ``.venv/bin/python benchmarks/token_overhead.py [--tokens 160] [--repeats 5] [--history 2000]``
+(``--history``: the prompt padded to that many tokens of KV).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import anyio
+import numpy as np
+
+from agentkv.engine.base import GenerationConfig
+from agentkv.engine.paged.engine import PagedEngine
+from agentkv.engine.paged.slot import PagedSlot
+from agentkv.kv.log import KVLog
+
+PROMPT = "Write a long story about a cat who travels around the world and meets many friends."
+
+
+class TimedRequest:
+    """An ``InferRequest`` stand-in that adds up the seconds spent inside ``infer``."""
+
+    def __init__(self, request: object) -> None:
+        self._request, self.seconds, self.calls = request, 0.0, 0
+
+    def infer(self, *args: object) -> object:
+        started = time.perf_counter()
+        try:
+            return self._request.infer(*args)  # type: ignore[attr-defined]
+        finally:
+            self.seconds += time.perf_counter() - started
+            self.calls += 1
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._request, name)
+
+
+def timed(engine: PagedEngine) -> TimedRequest:
+    """The engine's paged model's infer request, timed from now on."""
+    request = engine.paged_model._request  # noqa: SLF001 - a benchmark reads the model's own clock
+    if not isinstance(request, TimedRequest):
+        request = engine.paged_model._request = TimedRequest(request)  # type: ignore[assignment]
+    request.seconds, request.calls = 0.0, 0
+    return request
+
+
+def step_seconds(engine: PagedEngine, since: float) -> list[float]:
+    """The one-token steps that ended after ``since`` (the call's decode steps)."""
+    return [r.seconds for r in engine.batcher.recent_steps() if r.ended_at > since and r.tokens == 1]
+
+
+async def engine_round(engine: PagedEngine, prompt: list[int], tokens: int, *, threaded: bool) -> dict[str, float]:
+    """One generation through the session API; the backend's driver switched for this round."""
+    engine.backend.decodes_in_thread = threaded  # type: ignore[misc]  # an instance flag for the comparison
+    session = await engine.open_session()
+    try:
+        await session.prefill(prompt)
+        since = time.perf_counter()
+        clock = timed(engine)
+        main_cpu = time.thread_time()
+        result = await session.generate(prompt, GenerationConfig(max_new_tokens=tokens, ignore_eos=True,
+                                                                 prompt_lookup=False))
+        main_cpu = time.thread_time() - main_cpu
+    finally:
+        await session.close()
+    return {**figures(result.metrics.tpot_s, step_seconds(engine, since), clock),
+            "event_loop_cpu_ms": main_cpu / tokens * 1e3}
+
+
+def figures(tpot: float, steps: list[float], clock: TimedRequest) -> dict[str, float]:
+    """Milliseconds per token: TPOT, the mean step and infer, the gap between steps, the overhead."""
+    infer = clock.seconds / clock.calls
+    return {"tpot_ms": tpot * 1e3, "step_ms": statistics.fmean(steps) * 1e3, "infer_ms": infer * 1e3,
+            "gap_ms": (tpot - statistics.fmean(steps)) * 1e3, "overhead_ms": (tpot - infer) * 1e3}
+
+
+async def bare_round(engine: PagedEngine, prompt: list[int], tokens: int) -> dict[str, float]:
+    """``KVLog.feed`` + ``argmax`` per token in one thread, through the same batcher."""
+    slot, log = PagedSlot(engine.paged_model, engine.block_pool, engine.batcher), KVLog()
+
+    def decode() -> tuple[float, float]:
+        logits = log.feed(slot, prompt)
+        timed(engine)
+        since = started = time.perf_counter()
+        token = int(np.argmax(logits))
+        for _ in range(tokens - 1):
+            token = int(np.argmax(log.feed(slot, [token])))
+        return (time.perf_counter() - started) / (tokens - 1), since
+
+    try:
+        tpot, since = await anyio.to_thread.run_sync(decode)
+    finally:
+        slot.reset()
+    return figures(tpot, step_seconds(engine, since), timed_request(engine))
+
+
+def timed_request(engine: PagedEngine) -> TimedRequest:
+    request = engine.paged_model._request  # noqa: SLF001
+    assert isinstance(request, TimedRequest)
+    return request
+
+
+async def measure(tokens: int, repeats: int, history: int) -> dict:
+    engine = PagedEngine(num_slots=2)
+    prompt = list(engine.tokenizer.encode(PROMPT))
+    while len(prompt) < history:
+        prompt += prompt
+    prompt = prompt[:max(history, 1)] if history else prompt
+    rounds: dict[str, list[dict[str, float]]] = {"thread": [], "event_loop": [], "bare": []}
+    try:
+        await engine_round(engine, prompt, 16, threaded=True)  # warm-up
+        for repeat in range(repeats):
+            rounds["thread"].append(await engine_round(engine, prompt, tokens, threaded=True))
+            rounds["event_loop"].append(await engine_round(engine, prompt, tokens, threaded=False))
+            rounds["bare"].append(await bare_round(engine, prompt, tokens))
+            line = "  ".join(f"{name} {r[-1]['tpot_ms']:6.2f} ms/tok (overhead {r[-1]['overhead_ms']:5.3f}, "
+                             f"gap {r[-1]['gap_ms']:5.3f})" for name, r in rounds.items())
+            print(f"repeat {repeat + 1}: {line}", flush=True)
+    finally:
+        await engine.aclose()
+    return {name: {key: statistics.median(r[key] for r in runs) for key in runs[0]} for name, runs in rounds.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--tokens", type=int, default=160)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--history", type=int, default=0)
+    args = parser.parse_args()
+    medians = anyio.run(measure, args.tokens, args.repeats, args.history)
+    for name, m in medians.items():
+        print(f"{name:10s} " + "  ".join(f"{k} {v:.3f}" for k, v in m.items()))
+    print(json.dumps({
+        "overhead_ms_thread": round(medians["thread"]["overhead_ms"], 3),
+        "overhead_ms_event_loop": round(medians["event_loop"]["overhead_ms"], 3),
+        "overhead_ms_bare": round(medians["bare"]["overhead_ms"], 3),
+        "gap_ms_thread": round(medians["thread"]["gap_ms"], 3),
+        "gap_ms_event_loop": round(medians["event_loop"]["gap_ms"], 3),
+        "gap_ms_bare": round(medians["bare"]["gap_ms"], 3),
+        "event_loop_cpu_ms_per_token_thread": round(medians["thread"]["event_loop_cpu_ms"], 3),
+        "event_loop_cpu_ms_per_token_event_loop": round(medians["event_loop"]["event_loop_cpu_ms"], 3),
+        "tpot_event_loop_over_thread": round(medians["event_loop"]["tpot_ms"] / medians["thread"]["tpot_ms"], 3),
+    }))
+
+
+if __name__ == "__main__":
+    main()
