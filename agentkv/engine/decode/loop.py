@@ -106,7 +106,6 @@ async def run_steps(steps: TokenSteps, execute: Callable[[ModelStep], Awaitable[
     """
     run = steps.run()
     owner = current_task_id()
-    failed = False
     try:
         reply: Any = None
         while True:
@@ -119,27 +118,22 @@ async def run_steps(steps: TokenSteps, execute: Callable[[ModelStep], Awaitable[
             else:
                 reply = None
                 yield item
-    except BaseException:
-        failed = True
-        raise
     finally:
         run.close()
         if owner is not None and current_task_id() == owner:
             with anyio.CancelScope(shield=True):
-                await settle_or_log(steps.settle(), execute, failed=failed)
+                await settle_or_log(steps.settle(), execute)
 
 
-async def settle_or_log(settle: Iterator[ModelStep], execute: Callable[[ModelStep], Awaitable[Any]], *,
-                        failed: bool) -> None:
-    """Run a loop's settle steps; when the loop already ``failed``, a failing settle is logged
-    and the loop's own error goes on (``await settle_or_log(steps.settle(), execute, failed=True)``)."""
+async def settle_or_log(settle: Iterator[ModelStep], execute: Callable[[ModelStep], Awaitable[Any]]) -> None:
+    """Run a loop's settle steps. Only a loop stopped early (closed, cancelled, a step failed) has
+    any, so a failing settle is logged and the error or cancellation that stopped it goes on (the
+    next alignment trims the log): ``await settle_or_log(steps.settle(), execute)``."""
     try:
         for step in settle:
             await execute(step)
     except Exception:
-        if not failed:
-            raise
-        logger.exception("settling the KV log after a failed decode step failed too; the first error follows")
+        logger.exception("settling the KV log after a decode loop stopped early failed; the first error follows")
 
 
 def timing(started: float, first_at: float | None, generated: int) -> tuple[float, float]:

@@ -80,10 +80,8 @@ class TokenSteps:
         self._constraint, self._forcing, self.drafts = constraint, forcing, drafts
         self._decode_text = decode_text
         self.counts = counts if counts is not None else FastForwardCounts()
-        self.generated: list[int] = []
         self._pending: list[int] = []  # accepted tokens not fed yet
         self._held = 0  # generated tokens one-by-one decoding has in the KV or pending now
-        self._fed = 0  # generated tokens fed without a draft (a draft's in_kv counts the rest)
         self._done = False
 
     @property
@@ -91,17 +89,13 @@ class TokenSteps:
         """Generated tokens one-by-one decoding's KV log holds now: what ``settle`` keeps."""
         return self._held - len(self._pending)
 
-    @property
-    def in_kv(self) -> int:
-        """Generated tokens the KV log holds now (a draft ahead included)."""
-        return self.drafts.in_kv if self.drafts is not None else self._fed
-
     def run(self) -> StepsRun:
         """The loop: yields model steps (send each one's result back), a ``TokenDelta`` per token
         (text never splits a UTF-8 character), then the ``DecodeOutcome``."""
         decoder = IncrementalDecoder(self._decode_text)
         stopper = StopStringMatcher(list(self._config.stop_strings))
-        counts, drafts, constraint, generated = self.counts, self.drafts, self._constraint, self.generated
+        counts, drafts, constraint = self.counts, self.drafts, self._constraint
+        generated: list[int] = []
         pieces: list[str] = []
         first_at: float | None = None
         finish = "length"
@@ -172,9 +166,6 @@ class TokenSteps:
         if self.drafts is not None:
             self.drafts.forget_ahead()
         yield TrimStep(keep)
-        self._fed = min(self._fed, keep)
-        if self.drafts is not None:
-            self.drafts.in_kv = min(self.drafts.in_kv, keep)
 
     def _settle_drafts(self) -> Generator[ModelStep, Any, None]:
         """At the loop's end: a draft ahead, and a drafted token that ended generation, leave the
@@ -197,5 +188,4 @@ class TokenSteps:
             if self.drafts is not None:
                 self.drafts.in_kv += len(pending)
         self._pending = []
-        self._fed += len(pending)
         self.counts.fed_in(len(pending))

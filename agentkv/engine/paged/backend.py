@@ -20,7 +20,6 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import anyio.from_thread
@@ -127,10 +126,8 @@ class PagedBackend(SlotBackend):
                 await backend.run_blocking(log.feed, slot, ids)
 
         ``rewrite``: the step replaces the slot's KV by ``tokens`` positions (a restore, a span drop)."""
-        holder = slot if isinstance(slot, PagedSlot) else None
         if self.blocks_needed(slot, tokens, rows=rows, rewrite=rewrite) == 0:
-            if holder is not None and self.block_pool.reserved(holder):
-                self.block_pool.unreserve(holder)  # left over by a step that did not run
+            self._give_back(slot)  # left over by a step that did not run
             yield
             return
         try:
@@ -140,8 +137,7 @@ class PagedBackend(SlotBackend):
                 await self.make_room(slot, tokens, rows=rows)
             yield
         finally:
-            if holder is not None and self.block_pool.reserved(holder):
-                self.block_pool.unreserve(holder)
+            self._give_back(slot)
 
     @contextmanager
     def room_blocking(self, slot: KVSlot | None, tokens: int, *, token: EventLoopToken) -> Iterator[None]:
@@ -152,20 +148,22 @@ class PagedBackend(SlotBackend):
             with backend.room_blocking(slot, len(ids), token=loop_token):
                 log.feed(slot, ids)
         """
-        holder = slot if isinstance(slot, PagedSlot) else None
         needed = self.blocks_needed(slot, tokens)
         if needed == 0:
-            if holder is not None and self.block_pool.reserved(holder):
-                self.block_pool.unreserve(holder)  # left over by a step that did not run
+            self._give_back(slot)  # left over by a step that did not run
             yield
             return
         try:
-            if not self._reserve(holder, needed):
-                anyio.from_thread.run(partial(self.make_room, slot, tokens), token=token)
+            if not self._reserve(slot if isinstance(slot, PagedSlot) else None, needed):
+                anyio.from_thread.run(self.make_room, slot, tokens, token=token)
             yield
         finally:
-            if holder is not None and self.block_pool.reserved(holder):
-                self.block_pool.unreserve(holder)
+            self._give_back(slot)
+
+    def _give_back(self, slot: KVSlot | None) -> None:
+        """Return what ``slot`` reserved and no step took (thread-safe)."""
+        if isinstance(slot, PagedSlot) and self.block_pool.reserved(slot):
+            self.block_pool.unreserve(slot)
 
     async def make_room(self, slot: KVSlot | None, tokens: int, *, rows: int = 1) -> None:
         """Free and reserve for ``slot`` the blocks it takes to hold ``tokens`` more positions
