@@ -37,10 +37,10 @@ class TimedRequest:
     def __init__(self, request: object) -> None:
         self._request, self.seconds, self.calls = request, 0.0, 0
 
-    def infer(self, *args: object) -> object:
+    def infer(self, *args: object, **kwargs: object) -> object:
         started = time.perf_counter()
         try:
-            return self._request.infer(*args)  # type: ignore[attr-defined]
+            return self._request.infer(*args, **kwargs)  # type: ignore[attr-defined]
         finally:
             self.seconds += time.perf_counter() - started
             self.calls += 1

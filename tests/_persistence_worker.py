@@ -1,11 +1,14 @@
 """Subprocess side of the persistence tests: runs one turn against a store and reports as JSON.
 
     python tests/_persistence_worker.py slow-turn <db_url> <session_id>     # scripted, slow: to be killed or to hold the lease
-    python tests/_persistence_worker.py resume-turn <db_url> <session_id> <text>   # real model: resume, run, print metrics
+    python tests/_persistence_worker.py resume-turn <db_url> <session_id> <text> [max_new_tokens]   # real model: resume, run, print metrics
+
+``max_new_tokens`` (optional) caps the answers of the resumed agent as the test capped the original's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -29,13 +32,16 @@ async def slow_turn(url: str, session_id: str) -> None:
     await runtime.run(session, "tell me everything")
 
 
-async def resume_turn(url: str, session_id: str, text: str) -> None:
+async def resume_turn(url: str, session_id: str, text: str, max_new_tokens: str | None = None) -> None:
     from agentkv.engine.factory import open_engine
+
+    agent = AGENT if max_new_tokens is None else dataclasses.replace(
+        AGENT, generation=AGENT.generation.model_copy(update={"max_new_tokens": int(max_new_tokens)}))
 
     # NOTE: the same backend as the test's engine fixture (snapshots do not cross backends)
     engine = open_engine(num_slots=1, backend=os.environ.get("AGENTKV_TEST_ENGINE", "paged"))
     store = Store(url)
-    runtime = Runtime(engine, store, agents=[AGENT])
+    runtime = Runtime(engine, store, agents=[agent])
     session = await runtime.resume(session_id)
     result = await runtime.run(session, text)
     m = result.call_metrics[0]

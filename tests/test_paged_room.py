@@ -81,11 +81,14 @@ class FakePagedModel:
 
 
 def make_backend(pool: BlockPool, num_slots: int, *, batched: bool = False) -> PagedBackend:
+    """``batched``: the slots feed through one ``StepBatcher``, kept as ``backend.test_batcher``."""
     model = FakePagedModel(pool)
     batcher = StepBatcher(model.step, max_batch=num_slots) if batched else None  # type: ignore[arg-type]
-    return PagedBackend(model, pool, slots=[PagedSlot(model, pool, batcher) for _ in range(num_slots)],  # type: ignore[arg-type]
-                        tokenizer=ScriptedTokenizer(), fingerprint="fake", eos_token_ids={ScriptedTokenizer().eos_token_id},
-                        max_context_len=4096, kv_bytes_per_token=8)
+    backend = PagedBackend(model, pool, slots=[PagedSlot(model, pool, batcher) for _ in range(num_slots)],  # type: ignore[arg-type]
+                           tokenizer=ScriptedTokenizer(), fingerprint="fake", eos_token_ids={ScriptedTokenizer().eos_token_id},
+                           max_context_len=4096, kv_bytes_per_token=8)
+    backend.test_batcher = batcher  # type: ignore[attr-defined]
+    return backend
 
 
 async def assert_kv_is_tokens(session: SlotSession) -> None:
@@ -255,3 +258,15 @@ async def test_a_beam_search_makes_room_for_every_block_it_takes_its_final_colla
     assert pool.unreserved_blocks == pool.free_blocks
     await backend.close_sessions()
     assert_pool_empty(pool)
+
+
+async def test_a_session_whose_call_ended_is_no_longer_waited_for_by_the_step_batcher():
+    backend = make_backend(BlockPool(16), num_slots=2, batched=True)
+    batcher = backend.test_batcher  # type: ignore[attr-defined]
+    first, second = SlotSession(backend), SlotSession(backend)
+    await first.generate(list(range(100, 140)), GenerationConfig(max_new_tokens=4, prompt_lookup=False))
+    # the step batcher waits for callers that stepped lately: a session between calls is not one
+    assert batcher.stats().steps > 0 and batcher.load(caller=object()).others == 0
+    await second.prefill(list(range(200, 240)))
+    assert batcher.load(caller=object()).others == 0
+    await backend.close_sessions()

@@ -12,9 +12,11 @@ from agentkv.engine.base import GenerationConfig
 from agentkv.engine.decode.sampling import (
     StopStringMatcher,
     apply_penalties,
+    draw,
     log_softmax,
     make_rng,
     sample_next,
+    target_distribution,
     token_logprobs,
 )
 from agentkv.errors import ConstraintError, UserError
@@ -36,6 +38,19 @@ def test_temperature_zero_is_argmax_and_leaves_logits_unchanged() -> None:
     before = logits.copy()
     assert sample_next(logits, GenerationConfig(), make_rng(0)) == int(np.argmax(logits))
     np.testing.assert_array_equal(logits, before)
+
+
+@settings(max_examples=200, deadline=None)
+@given(values=st.lists(st.sampled_from([-np.inf, -2.5, 0.0, 0.0, 1.0, 7.25, 7.25, 7.25 + 1e-9, np.inf, np.nan]),
+                       min_size=1, max_size=12),
+       dtype=st.sampled_from([np.float16, np.float32, np.float64]), row=st.booleans())
+def test_plain_greedy_takes_the_distributions_token_without_building_it(values: list[float], dtype: type,
+                                                                         row: bool) -> None:
+    # the shortcut in sample_next must pick what draw(target_distribution) picks: ties, infinities,
+    # NaN, other float types and a [1, vocab] row included
+    logits = np.array([values] if row else values, dtype=dtype)
+    expected = draw(target_distribution(logits, GenerationConfig()), make_rng(0))
+    assert sample_next(logits, GenerationConfig(), make_rng(0)) == expected
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -136,6 +136,29 @@ def test_callers_that_stopped_feeding_are_waited_for_at_most_two_steps():
     assert [len(batch) for batch in step.batches[-2:]] == [1, 1]
 
 
+def test_a_caller_whose_call_ended_is_not_waited_for_nor_counted():
+    # a wait of 5 s per step for a departed caller would be plain in the elapsed time
+    batcher = StepBatcher(RecordingStep(seconds=0.01), max_batch=4, gather=500.0, max_gather_s=5.0)
+    batcher.run(seq(1), caller="a")
+    batcher.forget("a")
+    assert batcher.load(caller="b").others == 0
+    started = time.perf_counter()
+    batcher.run(seq(2), caller="b")
+    batcher.run(seq(3), caller="b")
+    assert time.perf_counter() - started < 5.0
+
+
+def test_a_leader_waiting_for_a_caller_stops_waiting_when_it_is_forgotten():
+    batcher = StepBatcher(RecordingStep(seconds=0.01), max_batch=4, gather=5000.0, max_gather_s=30.0)
+    batcher.run(seq(1), caller="a")
+    timer = threading.Timer(0.2, batcher.forget, args=("a",))
+    timer.start()
+    started = time.perf_counter()
+    batcher.run(seq(2), caller="b")  # gathers for "a" until it is forgotten, not for 30 s
+    timer.join()
+    assert time.perf_counter() - started < 15.0
+
+
 def test_a_caller_queued_behind_a_step_is_told_how_long_it_waited():
     step = RecordingStep(seconds=0.2)
     batcher = StepBatcher(step, max_batch=1)

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import numpy as np
 import pytest
+from zoo_helpers import exact_zoo_engine
 
 from agentkv import Agent, GenerationConfig, Runtime, open_engine, tool
 from agentkv.engine.openvino.models import ModelFiles
@@ -27,7 +28,6 @@ pytestmark = pytest.mark.model
 
 ZOO = Path(__file__).resolve().parent.parent / "data" / "zoo"
 FAMILIES = sorted(p.name for p in ZOO.iterdir() if (p / "reference.json").is_file()) if ZOO.is_dir() else []
-_ENGINES: dict[str, Any] = {}
 
 
 @tool
@@ -42,11 +42,8 @@ def forecast(city: Literal["Paris", "Rome"], tomorrow: bool) -> str:
 
 
 def _engine(family: str) -> Any:
-    """One engine per family for the module (exact numerics, no prefix cache)."""
-    if family not in _ENGINES:
-        _ENGINES[family] = open_engine(ZOO / family, exact=True, num_slots=1, prefix_cache_bytes=0,
-                                       kv_cache_bytes=16 << 20)
-    return _ENGINES[family]
+    """One engine per family (exact numerics, no prefix cache, one slot), shared with test_tool_formats_model."""
+    return exact_zoo_engine(family, num_slots=1)
 
 
 def _generation_eos(family: str) -> list[int]:

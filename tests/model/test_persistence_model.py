@@ -5,6 +5,7 @@ The tests here run the real model; the scripted ones are in ``tests/test_persist
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import sys
@@ -18,14 +19,21 @@ from agentkv.memory import Store
 
 pytestmark = pytest.mark.model
 
+RESUME_MAX_NEW = 32
+"""Answer cap of the resume test: its answers are cut by length either way (the model runs on
+past 256 tokens), and what it checks (same text, KV restored, only the new turn prefilled) holds
+for any length; 32 instead of the agent's 256 saves three times 224 decode steps."""
+RESUME_AGENT = dataclasses.replace(AGENT, generation=AGENT.generation.model_copy(
+    update={"max_new_tokens": RESUME_MAX_NEW}))
+
 
 async def test_resume_in_a_new_process_restores_the_kv_and_answers_as_the_original(engine, tmp_path):
     original = tmp_path / "a"
     original.mkdir()
     url_a = f"sqlite:///{original / 'agentkv.db'}"
     store = Store(url_a)
-    runtime = Runtime(engine, store, agents=[AGENT])
-    session = await runtime.open_conversation(AGENT, session_id="resume-me")
+    runtime = Runtime(engine, store, agents=[RESUME_AGENT])
+    session = await runtime.open_conversation(RESUME_AGENT, session_id="resume-me")
     await runtime.run(session, "Name three colours.")
     await runtime.aclose()
     await store.close()
@@ -33,7 +41,7 @@ async def test_resume_in_a_new_process_restores_the_kv_and_answers_as_the_origin
     shutil.copytree(original, copy)
     # Continue in this process...
     store = Store(url_a)
-    runtime = Runtime(engine, store, agents=[AGENT])
+    runtime = Runtime(engine, store, agents=[RESUME_AGENT])
     session = await runtime.resume("resume-me")
     expected = await runtime.run(session, "Now name three animals.")
     await runtime.aclose()
@@ -41,7 +49,7 @@ async def test_resume_in_a_new_process_restores_the_kv_and_answers_as_the_origin
     # ...and in a fresh process from the copied database and snapshot files.
     done = await anyio.run_process(
         [sys.executable, WORKER, "resume-turn", f"sqlite:///{copy / 'agentkv.db'}", "resume-me",
-         "Now name three animals."], cwd=ROOT, check=True)
+         "Now name three animals.", str(RESUME_MAX_NEW)], cwd=ROOT, check=True)
     report = json.loads(done.stdout.decode().strip().splitlines()[-1])
     assert report["text"] == expected.final_text
     assert report["restored"] > 0

@@ -12,8 +12,9 @@ from typing import Any, Literal
 
 import openvino_genai
 import pytest
+from zoo_helpers import exact_zoo_engine
 
-from agentkv import Agent, GenerationConfig, Runtime, open_engine, tool
+from agentkv import Agent, GenerationConfig, Runtime, tool
 from agentkv.chat.messages import ToolCall
 from agentkv.chat.tool_formats import JsonCallFormat, ToolCallFormat, detect_tool_format
 from agentkv.tools import calculator
@@ -115,7 +116,7 @@ async def test_every_zoo_model_answers_in_its_native_call_format_and_the_kv_hold
     the family's own markup under the format the renderer detected (Mistral: the [TOOL_CALLS]
     control token, then a 9-character id the tool result carries) or, under ``auto``, may answer
     in text; a call parses, the tool runs, and no later call breaks the KV."""
-    engine = open_engine(ZOO / family, exact=True, num_slots=1, prefix_cache_bytes=0, kv_cache_bytes=16 << 20)
+    engine = exact_zoo_engine(family, num_slots=1)  # opened once per family (test_own_model_tools too)
     agent = Agent(name="weather", tools=[forecast], tool_choice=tool_choice, max_model_calls=3,
                   parallel_tool_calls=False, generation=GenerationConfig(max_new_tokens=80))
     runtime = Runtime(engine)

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from zoo_helpers import exact_zoo_engine
 
-from agentkv import open_engine
 from agentkv.engine.base import GenerationConfig
 
 pytestmark = pytest.mark.model
@@ -39,19 +39,14 @@ LOGPROB_TOL = 2e-3
 TIE_GAP = 2e-3
 """A top-2 logit gap at or below this lets the two argmaxes part (~4x the largest measured noise)."""
 
-_ENGINES: dict[str, Any] = {}
-
 
 def _reference(family: str) -> dict[str, Any]:
     return json.loads((ZOO / family / "reference.json").read_text(encoding="utf-8"))
 
 
 def _engine(family: str) -> Any:
-    """One engine per family for the whole module (exact numerics, no prefix cache)."""
-    if family not in _ENGINES:
-        _ENGINES[family] = open_engine(ZOO / family, exact=True, num_slots=2, prefix_cache_bytes=0,
-                                       kv_cache_bytes=16 << 20)
-    return _ENGINES[family]
+    """One engine per family (exact numerics, no prefix cache), shared with the other zoo module."""
+    return exact_zoo_engine(family)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

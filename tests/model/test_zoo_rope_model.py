@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from zoo_helpers import exact_zoo_engine
 
-from agentkv import open_engine
 from agentkv.kv.log import KVLog
 from agentkv.kv.rope import prefill_at_offset, rope_metadata
 
@@ -47,14 +47,10 @@ TEXT = ("The history of the printing press begins in the fifteenth century, when
 LOGIT_TOL = 1e-3
 """f32 KV, exact numerics: the KV's precision tolerance (DESIGN.md: chunked vs one-pass 4e-5)."""
 
-_ENGINES: dict[str, Any] = {}
-
 
 def _engine(family: str) -> Any:
-    if family not in _ENGINES:
-        _ENGINES[family] = open_engine(ZOO / family, exact=True, num_slots=2, prefix_cache_bytes=0,
-                                       kv_cache_bytes=16 << 20)
-    return _ENGINES[family]
+    """One engine per family (exact numerics, no prefix cache), shared with test_zoo_model."""
+    return exact_zoo_engine(family)
 
 
 def _config(family: str) -> dict[str, Any]:

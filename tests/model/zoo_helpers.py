@@ -1,8 +1,9 @@
 """Shared pieces of the model-zoo conformance tests, and the new-process side of their restore check.
 
 The zoo (tests/data/zoo) holds tiny random-weight IRs of seven instruct families. Each test module
-opens one engine per family with ``open_zoo_engine`` (exact numerics, a prefix cache, small KV);
-the restore test resumes stored conversations in a fresh process by running this file::
+opens one engine per family with ``open_zoo_engine`` (exact numerics, a prefix cache, small KV), or
+shares the session's ``exact_zoo_engine`` (the same without a prefix cache); the restore test
+resumes stored conversations in a fresh process by running this file::
 
     python tests/model/zoo_helpers.py <jobs.json>
 
@@ -37,6 +38,23 @@ def open_zoo_engine(family: str) -> Any:
     from agentkv import open_engine
 
     return open_engine(ZOO / family, exact=True, num_slots=2, kv_cache_bytes=ZOO_KV_BYTES)
+
+
+_EXACT_ENGINES: dict[tuple[str, int], Any] = {}
+
+
+def exact_zoo_engine(family: str, num_slots: int = 2) -> Any:
+    """The zoo model ``family`` on the paged engine with exact numerics and no prefix cache,
+    opened once per test session for each slot count: the zoo modules share it (each closes its
+    sessions; a ``Runtime`` registers its agents' prefixes there, which moves later prompts' chunk
+    boundaries: exact numerics keep logits within ~5e-5, and no assertion depends on a near tie): ``exact_zoo_engine("qwen3")``, ``exact_zoo_engine("gemma2", num_slots=1)``."""
+    from agentkv import open_engine
+
+    key = (family, num_slots)
+    if key not in _EXACT_ENGINES:
+        _EXACT_ENGINES[key] = open_engine(ZOO / family, exact=True, num_slots=num_slots, prefix_cache_bytes=0,
+                                          kv_cache_bytes=ZOO_KV_BYTES)
+    return _EXACT_ENGINES[key]
 
 
 def restore_agent() -> Any:

@@ -229,6 +229,8 @@ def sample_next(
 
     ``sample_next(logits, GenerationConfig(temperature=0.7, top_p=0.9), make_rng(0))``
     """
+    if config.temperature == 0.0 and allowed is None and not _penalties_active(config):
+        return int(np.argmax(np.asarray(logits, dtype=np.float32)))  # what draw(target_distribution) gives
     distribution = target_distribution(logits, config, context_ids=context_ids, generated_ids=generated_ids,
                                        allowed=allowed)
     return draw(distribution, rng)

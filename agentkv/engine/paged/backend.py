@@ -160,6 +160,11 @@ class PagedBackend(SlotBackend):
         finally:
             self._give_back(slot)
 
+    def lease_ended(self, slot: KVSlot) -> None:
+        """The step batcher stops waiting for ``slot``'s next feed: ``backend.lease_ended(slot)``."""
+        if isinstance(slot, PagedSlot) and slot.batcher is not None:
+            slot.batcher.forget(slot)
+
     def _give_back(self, slot: KVSlot | None) -> None:
         """Return what ``slot`` reserved and no step took (thread-safe)."""
         if isinstance(slot, PagedSlot) and self.block_pool.reserved(slot):

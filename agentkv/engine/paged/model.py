@@ -175,9 +175,12 @@ class PagedModel:
         write("block_indices_begins", block_begins)
         write("max_context_len", max(s.past_len + len(s.ids) for s in sequences))
         write("logits_indices", rows)
-        self._request.infer()
-        logits = self._request.get_output_tensor(self._logits_output).data  # [rows, 1, vocab] (by index: 4x faster)
-        return np.array(logits[:, -1, :], dtype=np.float32)
+        # NOTE: share_outputs: infer() would copy the logits into a new array only for the copy
+        # below (measured: ~0.1 ms a token, a cold 196 KB copy). Setting an array of ours as the
+        # output instead costs as much (set_output_tensor: ~40 us, and argmax then reads it cold).
+        self._request.infer(share_outputs=True)
+        out = self._request.get_output_tensor(self._logits_output).data  # [rows, 1, vocab] (by index: 4x faster)
+        return np.array(out[:, -1, :], dtype=np.float32)
 
     def copy_block(self, source: int, target: int) -> None:
         """Copy block ``source`` into block ``target`` in every layer's K and V (raw: any precision)."""

@@ -121,7 +121,7 @@ class SlotBackend:
         self._restores_exact = restores_exact
         self.prefill_chunk_size = prefill_chunk_size
         self.snapshot_precision: PrecisionChoice = snapshot_precision
-        self.pool = SlotPool(list(slots), host=HostKVStore(offload_bytes, spill_dir))
+        self.pool = SlotPool(list(slots), host=HostKVStore(offload_bytes, spill_dir), lease_ended=self.lease_ended)
         """The slots sessions are bound to, and the host store of offloaded KV."""
         self.boundaries = PrefixBoundaries()
         """Registered prefixes: chunk boundaries of every prefill, cached or not (canonical chunking)."""
@@ -176,6 +176,11 @@ class SlotBackend:
                 await backend.run_blocking(log.feed, slot, ids)
         """
         yield
+
+    def lease_ended(self, slot: KVSlot) -> None:
+        """A lease on ``slot`` ended (a session's call, a probe): the paged backend's step
+        batcher stops waiting for that slot's next feed. Nothing to do for slots that own their
+        storage (this one): ``backend.lease_ended(slot)``."""
 
     decodes_in_thread = True
     """A call's token loop runs in one worker thread (``decode/threaded.py``) rather than one

