@@ -40,6 +40,9 @@ class FakeSlot:
         self.rows = [[]]
 
     def trim(self, n):
+        if self.fail_writes:  # as a stateful trim that fails after rewriting some layers
+            self.rows = [row[:n] for row in self.rows[:1]] + self.rows[1:]
+            raise RuntimeError("device lost")
         self.rows = [row[:n] for row in self.rows]
 
     def read(self):
@@ -64,7 +67,7 @@ def test_feed_cuts_at_registered_boundaries_and_absolute_chunk_multiples():
     assert log.tokens == slot.rows[0] and int(log.last_logits.argmax()) == 9
 
 
-def test_a_failed_write_leaves_the_slot_and_the_log_empty_never_half_changed():
+def test_a_failed_write_or_trim_leaves_the_slot_and_the_log_empty_never_half_changed():
     slot, log = FakeSlot(), KVLog()
     log.feed(slot, [1, 2, 3])
     slot.fail_writes = True
@@ -76,6 +79,10 @@ def test_a_failed_write_leaves_the_slot_and_the_log_empty_never_half_changed():
     log.feed(slot, [1, 2, 3])
     with pytest.raises(RuntimeError):
         log.drop(slot, 0, 1, RopeConvention("none", (), None, None, 0.0))
+    assert log.tokens == [] and slot.length() == 0
+    log.feed(slot, [1, 2, 3])
+    with pytest.raises(RuntimeError):
+        log.trim(slot, 1)
     assert log.tokens == [] and slot.length() == 0
 
 

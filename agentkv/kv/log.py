@@ -131,14 +131,20 @@ class KVLog:
         return np.concatenate(got)
 
     def trim(self, slot: KVSlot, n: int) -> None:
-        """Keep the first ``n`` tokens and their KV (a trim to 0 makes the log exact again)."""
+        """Keep the first ``n`` tokens and their KV (a trim to 0 makes the log exact again). On
+        failure the slot and the log are empty, as after a failed ``load`` (a stateful trim
+        rewrites the KV layer by layer: never partial KV)."""
         if n >= len(self.tokens):
             return
         if n == 0:
             slot.reset()
             self.forget()
             return
-        slot.trim(n)
+        try:
+            slot.trim(n)
+        except BaseException:
+            self.clear(slot)
+            raise
         del self.tokens[n:]
         self.last_logits = None
 
