@@ -1,5 +1,5 @@
 """Tests of prompt-lookup drafts (``agentkv/engine/decode/prompt_lookup.py`` and the decode loop):
-the proposer finds the latest earlier occurrence of the longest suffix, the budget grows and backs
+the proposer finds the latest earlier occurrence of the longest suffix, drafts keep two sizes and back
 off, and greedy decoding with drafts gives the very tokens, stream, stop and KV log of plain
 decoding (grammar masks and forced runs included) in fewer feeds. A fake model stands in: its
 logits depend on the last three tokens only, so the log's own n-grams predict it well. No model
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from agentkv.engine.base import GenerationConfig, TokenDelta
 from agentkv.engine.decode.fast_forward import FastForwardCounts
-from agentkv.engine.decode.prompt_lookup import MAX_BACKOFF, DraftBudget, Drafts, PromptLookup
+from agentkv.engine.decode.prompt_lookup import GOOD_DRAFT, MAX_BACKOFF, DraftBudget, Drafts, PromptLookup
 from agentkv.engine.decode.model_steps import FeedStep
 from agentkv.engine.decode.token_steps import DecodeOutcome, TokenSteps
 from _drive import DRIVERS, blocking_executor, drive
@@ -72,21 +72,37 @@ def test_propose_equals_the_plain_rule(tokens, limit, ngrams):
     assert lookup.propose(limit) == reference_proposal(tokens, limit, *ngrams)
 
 
-def test_budget_doubles_after_whole_drafts_shrinks_to_what_was_accepted_and_backs_off_after_refusals():
-    budget = DraftBudget(size=4, max_size=8)
-    budget.update(4, 4)
+def test_budget_drafts_its_size_while_drafts_go_well_its_small_size_after_one_that_did_not_and_backs_off():
+    budget = DraftBudget(size=8, small=3)
+    assert budget.take(left=100) == 8 and budget.take(left=2) == 2
+    budget.update(8, GOOD_DRAFT)
+    assert budget.take(left=100) == 8  # confirmed enough: the size stays (one verify shape)
+    budget.update(8, GOOD_DRAFT - 1)
+    assert budget.take(left=100) == 3  # a verify that yields 1-2 tokens costs more than it saves
+    budget.update(3, 3)
     assert budget.take(left=100) == 8
-    budget.update(8, 3)
-    assert budget.take(left=100) == 4 and budget.take(left=2) == 2
+    budget.update(1, 1)  # a draft cut short (max_new_tokens) confirmed whole goes well too
+    assert budget.take(left=100) == 8
     skipped = []
     for _ in range(6):  # refused at once, again and again: the pause doubles up to MAX_BACKOFF
-        budget.update(budget.size, 0)
+        budget.update(8, 0)
         skipped.append(budget.skip)
         while budget.take(left=100) == 0:
             pass
-    assert skipped == [1, 2, 4, 8, 16, MAX_BACKOFF] and budget.size == 1
-    budget.update(1, 1)
-    assert budget.backoff == 1 and budget.take(left=100) == 2
+    assert skipped == [1, 2, 4, 8, 16, MAX_BACKOFF]
+    budget.update(3, 1)
+    assert budget.backoff == 1 and budget.skip == 0 and budget.take(left=100) == 3
+
+
+def test_a_short_lookup_is_padded_to_the_drafts_size_by_repeating_what_it_found():
+    drafts = Drafts(PromptLookup([1, 2, 3, 4, 5, 1, 2, 3]), DraftBudget(size=6))
+    steps = drafts.feed([3], left=100)  # 3 was taken (the lookup has it) and is pending
+    step = next(steps)
+    # (1, 2, 3) was followed by 4 5 1 2 3, up to the log's end, where the log goes on with 4 ...
+    assert step.ids == [3, 4, 5, 1, 2, 3, 4] and step.rows == 7
+    with pytest.raises(StopIteration):
+        steps.send(np.zeros((7, VOCAB), np.float32))
+    assert drafts.ahead == [4, 5, 1, 2, 3, 4] and drafts.drafted == 6
 
 
 class Markov:

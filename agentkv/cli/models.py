@@ -227,7 +227,7 @@ def _engine_choice(path: Path) -> str:
     logger.addHandler(handler)
     try:
         with err.status(f"Compiling {path.name} (open_engine)…"):
-            engine = open_engine(path)
+            engine = open_engine(path, chunk_graph=False)  # only which engine: no second graph
         anyio.run(engine.aclose)
     finally:
         logger.removeHandler(handler)

@@ -137,7 +137,7 @@ class GenerationMetrics:
     steps_saved: int = 0
     """Model steps saved against one per token: forced runs fed as one chunk, plus confirmed drafted tokens."""
     drafted_tokens: int = 0
-    """Tokens proposed by prompt-lookup drafts."""
+    """Draft positions prompt-lookup fed for the model to check (a short lookup is padded)."""
     accepted_tokens: int = 0
     """Drafted tokens the model's own choice confirmed."""
 

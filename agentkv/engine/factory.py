@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 Backend = Literal["auto", "paged", "stateful"]
 BACKENDS = ("auto", "paged", "stateful")
 ENGINE_ENV = "AGENTKV_ENGINE"
-_PAGED_ONLY = ("kv_cache_bytes", "max_batch", "max_step_tokens")
+_PAGED_ONLY = ("kv_cache_bytes", "max_batch", "max_step_tokens", "chunk_graph")
 
 
 def open_engine(

@@ -10,6 +10,9 @@ The tests here run the real model; the scripted ones are in ``tests/test_paged.p
 
 from __future__ import annotations
 
+import logging
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -89,6 +92,55 @@ def test_sequences_stepped_together_match_each_alone(exact_paged):
              exact_paged.step([SequenceStep(IDS[100:140], 0, [33, 34])])[0]]
     together = exact_paged.step([SequenceStep(IDS[:70], 0, [35, 36, 37]), SequenceStep(IDS[100:140], 0, [38, 39])])
     assert max(np.abs(together[i] - alone[i]).max() for i in range(2)) <= 1e-3
+
+
+def test_one_token_steps_and_chunks_on_their_own_graphs_give_the_logits_of_one_graph(exact_paged):
+    """The default model is small enough for a second graph (``chunk_graph``); the two graphs step
+    the same blocks, so decode steps read the KV chunks wrote and the other way round, bit for bit."""
+    from agentkv.engine.openvino.models import resolve_model
+    from agentkv.engine.paged.model import PagedModel, SequenceStep
+
+    assert exact_paged.chunk_graph and exact_paged.chunk_graph_ready.wait(300) and exact_paged.graphs == 2
+    single = PagedModel(resolve_model(None), num_blocks=8, kv_cache_precision="f32", exact=True, chunk_graph=False)
+    assert not single.chunk_graph and single.graphs == 1 and single.chunk_graph_ready.is_set()
+    a, b = [0, 1, 2], [3, 4, 5]
+    script = [  # prefill, decode, a verify of 5 rows, decode, a forced chunk, two sequences decoding together
+        [SequenceStep(IDS[:50], 0, a)], [SequenceStep(IDS[50:51], 50, a)],
+        [SequenceStep(IDS[51:56], 51, a, last_rows=5)], [SequenceStep(IDS[56:57], 56, a)],
+        [SequenceStep(IDS[57:60], 57, a)], [SequenceStep(IDS[200:240], 0, b)],
+        [SequenceStep(IDS[60:61], 60, a), SequenceStep(IDS[240:241], 40, b)],
+    ]
+    for step in script:
+        shifted = [replace(seq, blocks=[40 + block for block in seq.blocks]) for seq in step]
+        assert np.array_equal(exact_paged.step(shifted), single.step(step))
+
+
+def test_when_the_second_graph_fails_to_compile_one_graph_runs_every_step_and_a_warning_says_so(
+        exact_paged, monkeypatch, caplog):
+    import agentkv.engine.paged.model as paged_model
+    from agentkv.engine.openvino.models import resolve_model
+    from agentkv.engine.paged.model import PagedModel, SequenceStep
+    from agentkv.errors import ModelCompileFailed
+
+    compiles = []
+    real = paged_model.compile_for_device
+
+    def second_fails(*args, **kwargs):
+        compiles.append(1)
+        if len(compiles) == 2:
+            raise ModelCompileFailed("out of memory (a test)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(paged_model, "compile_for_device", second_fails)
+    with caplog.at_level(logging.WARNING, logger="agentkv.engine.paged.model"):
+        model = PagedModel(resolve_model(None), num_blocks=8, kv_cache_precision="f32", exact=True, chunk_graph=True)
+        assert model.chunk_graph_ready.wait(300)
+    assert model.graphs == 1 and len(compiles) == 2 and "second graph failed" in caplog.text
+    chunk = model.step([SequenceStep(IDS[:40], 0, [0, 1])])
+    exact_paged.chunk_graph_ready.wait(300)
+    assert np.array_equal(chunk, exact_paged.step([SequenceStep(IDS[:40], 0, [50, 51])]))
+    assert np.array_equal(model.step([SequenceStep(IDS[40:41], 40, [0, 1])]),
+                          exact_paged.step([SequenceStep(IDS[40:41], 40, [50, 51])]))
 
 
 # ---- KVLog on a paged slot ------------------------------------------------------------------

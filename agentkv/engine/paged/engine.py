@@ -59,6 +59,7 @@ class PagedEngine(OpenVINOEngine):
         max_batch: int | None = None,
         max_step_tokens: int = DEFAULT_MAX_TOKENS,
         prefill_chunk_size: int | None = DEFAULT_PREFILL_CHUNK,
+        chunk_graph: bool | None = None,
         **options: Any,
     ) -> None:
         """``kv_cache_bytes`` sizes the shared KV blocks; ``num_slots`` bounds the sessions that
@@ -67,6 +68,11 @@ class PagedEngine(OpenVINOEngine):
         what one model step takes from the sessions feeding at the same time.
         ``prefill_chunk_size`` (a multiple of the 32-token block; None: whole prompts) cuts long
         prefills into steps, so sessions decoding meanwhile get a step between chunks.
+        ``chunk_graph`` compiles the model a second time for steps that feed several tokens of
+        a sequence (prefill chunks, draft verifies, forced tokens), so one-token decode steps keep
+        their graph's shapes (``PagedModel``; a shape change costs ~7–12 ms a step on 2 cores);
+        None: on CPU when the weights file is at most 1 GiB (a second copy of the compiled
+        weights: +210 MB for the default model).
         Other options as ``OpenVINOEngine`` (``kv_cache_precision`` "f16", "f32" or "u8",
         ``exact``…). With u8 blocks, ``snapshot_precision`` "auto" or "u8" keeps the raw blocks."""
         if options.get("kv_cache_precision") == "bf16":
@@ -82,6 +88,7 @@ class PagedEngine(OpenVINOEngine):
         self._kv_cache_bytes = kv_cache_bytes
         self._max_batch = max_batch or num_slots
         self._max_step_tokens = max_step_tokens
+        self._chunk_graph_option = chunk_graph
         super().__init__(model, num_slots=num_slots, prefill_chunk_size=prefill_chunk_size, **options)
 
     def _fingerprint_tag(self) -> str:
@@ -96,7 +103,8 @@ class PagedEngine(OpenVINOEngine):
         """Compile the paged model and give each slot a block table over one shared pool."""
         # NOTE: the engine checked and merged its options already (exact=True is in ``config``)
         model = PagedModel(self.files, kv_cache_bytes=self._kv_cache_bytes, device=device,
-                           kv_cache_precision=config["KV_CACHE_PRECISION"], ov_config=_extra(config))
+                           kv_cache_precision=config["KV_CACHE_PRECISION"], ov_config=_extra(config),
+                           chunk_graph=self._chunk_graph_option)
         self.block_pool = BlockPool(model.num_blocks)
         """The KV blocks every session's table draws from."""
         self.paged_model = model

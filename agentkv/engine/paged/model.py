@@ -1,4 +1,4 @@
-"""The PagedAttention form of a model: one compiled model, caller-owned KV blocks, a step over many sequences.
+"""The PagedAttention form of a model: compiled once or twice, caller-owned KV blocks, a step over many sequences.
 
 ``openvino._offline_transformations.paged_attention_transformation`` rewrites each attention of
 the IR into OpenVINO's PagedAttention op. The KV then lives in ``key_cache.N`` / ``value_cache.N``
@@ -12,11 +12,20 @@ sequences, each feeding its new tokens after ``past_len`` cached ones::
 A gather before the LM head keeps only each sequence's last position (prefill needs no more), or
 the last ``last_rows`` positions of a sequence that asks for more (a verified draft).
 Blocking and thread-safe: ``lock`` serialises steps and access to the block storage (one
-InferRequest serves every sequence). No sessions, no messages here.
+InferRequest serves every sequence of a step). No sessions, no messages here.
+
+Two compiled graphs (``chunk_graph``): the CPU plugin re-prepares a graph whenever its input
+shapes change, ~7–12 ms of a ~20 ms decode step of the default model on 2 cores (measured,
+issue 27), and a one-token step after a draft's verify, or after forced tokens fed as a chunk,
+paid it twice. So one-token-per-sequence steps run on one compiled graph, every other step
+(prefill chunks, verifies, forced chunks) on a second compilation of the same model over the
+same KV blocks: decoding keeps its shapes. The graphs give bit-identical logits; the second is
+compiled in the background (``chunk_graph_ready``), the first runs every step until then.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -27,7 +36,7 @@ import openvino as ov
 from agentkv.engine.openvino.compile import compile_for_device, lm_head
 from agentkv.engine.openvino.models import ModelFiles, compiled_cache_dir
 from agentkv.engine.openvino.numerics import EXACT_CONFIG, PluginNumerics, precision_name
-from agentkv.engine.paged.request_inputs import StepInputs
+from agentkv.engine.paged.request_inputs import StepRequest
 from agentkv.kv.u8_blocks import BlockLayout
 from agentkv.errors import UserError
 
@@ -39,6 +48,12 @@ STEP_INPUTS: dict[str, type[np.generic]] = {
     "logits_indices": np.int64,
 }
 """The paged model's step inputs (openvino's SDPA-to-PagedAttention names) and their element types."""
+CHUNK_GRAPH_MAX_WEIGHTS = 1 << 30
+"""``chunk_graph=None`` compiles the second graph on CPU when the weights file is at most this big:
+it holds a second copy of the compiled weights (the default model: +210 MB RSS, measured), and the
+shape change it saves costs the same milliseconds whatever the model's size, a smaller share of a
+larger model's step. The cost was measured on the CPU plugin only."""
+logger = logging.getLogger(__name__)
 _CACHE_TYPES = {"f32": ov.Type.f32, "f16": ov.Type.f16, "bf16": ov.Type.bf16, "u8": ov.Type.u8}
 """Element type of the blocks per KV precision."""
 
@@ -76,7 +91,11 @@ class PagedModel:
         kv_cache_precision: str = "f16",
         exact: bool = False,
         ov_config: dict[str, str] | None = None,
+        chunk_graph: bool | None = None,
     ) -> None:
+        """``chunk_graph``: compile the model twice, one graph for one-token-per-sequence steps and
+        one for the rest (see the module docstring); None: on CPU when the weights file is at most
+        ``CHUNK_GRAPH_MAX_WEIGHTS``."""
         if (num_blocks is None) == (kv_cache_bytes is None):
             raise UserError("give PagedModel either num_blocks or kv_cache_bytes")
         if kv_cache_precision not in _CACHE_TYPES:
@@ -127,16 +146,55 @@ class PagedModel:
         """Held by every step and every read or write of the block storage."""
         self.steps_run = 0
         """Forward passes run so far (batched steps, beam steps, RoPE probes)."""
-        self._request = self._compiled.create_infer_request()
-        self._inputs = StepInputs(self._request, STEP_INPUTS)
-        self._logits_output = next(i for i, port in enumerate(self._compiled.outputs) if "logits" in port.get_names())
         self.caches: dict[str, ov.Tensor] = {}
         """``key_cache.N`` / ``value_cache.N`` → the block storage (read and written through ``.data``)."""
         for name, port in cache_ports.items():
             tensor = ov.Tensor(port.get_element_type(), [num_blocks, *shapes[name]])
             tensor.data[...] = 0
-            self._request.set_tensor(name, tensor)
             self.caches[name] = tensor
+        self._decode_request = StepRequest(self._compiled, self.caches, STEP_INPUTS)
+        """Runs the steps where every sequence feeds one token."""
+        self._chunk_request = self._decode_request
+        """Runs the other steps: the second graph's request once compiled, the decode one until then (or for good)."""
+        if chunk_graph is None:
+            weights = files.model_xml.with_suffix(".bin")
+            chunk_graph = device.upper() == "CPU" and (not weights.is_file()
+                                                     or weights.stat().st_size <= CHUNK_GRAPH_MAX_WEIGHTS)
+        self.chunk_graph = chunk_graph
+        """Whether multi-token steps get a graph of their own (``chunk_graph_ready`` says when it is there)."""
+        self.chunk_graph_ready = threading.Event()
+        """Set once the graphs are final: the second one runs the multi-token steps, or its
+        compilation failed (logged), or there is none (set at once)."""
+        if not chunk_graph:
+            self.chunk_graph_ready.set()
+            return
+        # NOTE: compiled in the background (~3 s of a ~7 s open on 2 cores): the graphs give the
+        # same logits, so steps use the decode graph until it is there. Not a daemon: an exit
+        # waits for the compilation instead of unloading the plugin under it.
+        try:
+            threading.Thread(target=self._compile_chunk_graph, args=(core, model, device, config),
+                             name="agentkv-chunk-graph").start()
+        except RuntimeError:
+            logger.warning("no thread for the paged model's second graph: one graph runs every step", exc_info=True)
+            self.chunk_graph_ready.set()
+
+    def _compile_chunk_graph(self, core: ov.Core, model: ov.Model, device: str, config: dict[str, str]) -> None:
+        """Compile the second graph and hand it the multi-token steps (a failure keeps one graph, logged)."""
+        try:
+            request = StepRequest(compile_for_device(core, model, device, config), self.caches, STEP_INPUTS)
+        except Exception:
+            logger.warning("compiling the paged model's second graph failed: multi-token steps share the "
+                           "decode graph (correct, slower after each draft)", exc_info=True)
+        else:
+            with self.lock:
+                self._chunk_request = request
+        finally:
+            self.chunk_graph_ready.set()
+
+    @property
+    def graphs(self) -> int:
+        """Compiled graphs running steps now: 2 once the chunk graph is there, else 1."""
+        return 1 if self._chunk_request is self._decode_request else 2
 
     def step(self, sequences: Sequence[SequenceStep]) -> np.ndarray:
         """Feed every sequence its ids; float32 logits ``[sum(logit_rows(sequences)), vocab]``: each
@@ -166,7 +224,8 @@ class PagedModel:
 
     def _infer(self, ids: list[int], positions: list[int], sequences: Sequence[SequenceStep], begins: list[int],
                blocks: list[int], block_begins: list[int], rows: list[int]) -> np.ndarray:
-        write = self._inputs.write
+        request = self._decode_request if len(ids) == len(sequences) else self._chunk_request
+        write = request.inputs.write
         write("input_ids", ids)
         write("position_ids", positions)
         write("past_lens", [s.past_len for s in sequences])
@@ -175,12 +234,7 @@ class PagedModel:
         write("block_indices_begins", block_begins)
         write("max_context_len", max(s.past_len + len(s.ids) for s in sequences))
         write("logits_indices", rows)
-        # NOTE: share_outputs: infer() would copy the logits into a new array only for the copy
-        # below (measured: ~0.1 ms a token, a cold 196 KB copy). Setting an array of ours as the
-        # output instead costs as much (set_output_tensor: ~40 us, and argmax then reads it cold).
-        self._request.infer(share_outputs=True)
-        out = self._request.get_output_tensor(self._logits_output).data  # [rows, 1, vocab] (by index: 4x faster)
-        return np.array(out[:, -1, :], dtype=np.float32)
+        return request.infer()
 
     def copy_block(self, source: int, target: int) -> None:
         """Copy block ``source`` into block ``target`` in every layer's K and V (raw: any precision)."""
