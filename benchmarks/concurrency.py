@@ -121,7 +121,6 @@ def cb_seconds(ir_dir: str, tokenizer, count: int) -> float:
 
 async def measure(counts: list[int]) -> dict:
     paged = PagedEngine(num_slots=max(counts) + 3)
-    paged.paged_model.chunk_graph_ready.wait()  # measure with both graphs
     figures: dict = {}
     rates = {}
     for count in counts:

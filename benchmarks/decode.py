@@ -211,12 +211,9 @@ def ratio(on: Mode | None, off: Mode | None) -> float | None:
 
 async def main(args: argparse.Namespace) -> None:
     from agentkv.engine.factory import open_engine
-    from agentkv.engine.paged.engine import PagedEngine
 
     workloads = set(args.workloads.split(","))
     engine = open_engine(exact=True) if args.exact else open_engine()
-    if isinstance(engine, PagedEngine):
-        engine.paged_model.chunk_graph_ready.wait()  # measure with both graphs
     rows: list[tuple[str, Mode]] = []
     off = on = spec = Mode("plain")
     quote: tuple[Mode, Mode] | None = None

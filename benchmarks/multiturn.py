@@ -75,7 +75,6 @@ class AgentkvChat:
 
 async def measure(turns: int, answer_tokens: int, paged_options: dict) -> dict:
     stateful, paged = StatefulEngine(num_slots=2), PagedEngine(num_slots=2, **paged_options)
-    paged.paged_model.chunk_graph_ready.wait()  # measure with both graphs
     system = Message.system("You are a helpful assistant that summarises text.")
     chats = {"agentkv": AgentkvChat(stateful, system, answer_tokens), "paged": AgentkvChat(paged, system, answer_tokens),
              "paged_drafts": AgentkvChat(paged, system, answer_tokens, drafts=True)}

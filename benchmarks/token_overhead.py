@@ -116,7 +116,6 @@ def timed_request(engine: PagedEngine) -> TimedRequest:
 
 async def measure(tokens: int, repeats: int, history: int) -> dict:
     engine = PagedEngine(num_slots=2)
-    engine.paged_model.chunk_graph_ready.wait()  # measure with both graphs
     prompt = list(engine.tokenizer.encode(PROMPT))
     while len(prompt) < history:
         prompt += prompt

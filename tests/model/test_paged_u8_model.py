@@ -149,7 +149,7 @@ def test_u8_blocks_stepped_on_two_graphs_give_the_logits_of_one_graph(paged_u8):
     from agentkv.engine.paged.model import PagedModel, SequenceStep
 
     two = paged_u8.paged_model
-    assert two.chunk_graph_ready.wait(300) and two.graphs == 2
+    assert two.graphs == 2
     one = PagedModel(resolve_model(None), num_blocks=8, kv_cache_precision="u8", chunk_graph=False)
     assert one.block_shapes == two.block_shapes
     ids = np.random.default_rng(1).integers(200, 40000, 80).tolist()

@@ -19,8 +19,7 @@ shapes change, ~7–12 ms of a ~20 ms decode step of the default model on 2 core
 issue 27), and a one-token step after a draft's verify, or after forced tokens fed as a chunk,
 paid it twice. So one-token-per-sequence steps run on one compiled graph, every other step
 (prefill chunks, verifies, forced chunks) on a second compilation of the same model over the
-same KV blocks: decoding keeps its shapes. The graphs give bit-identical logits; the second is
-compiled in the background (``chunk_graph_ready``), the first runs every step until then.
+same KV blocks: decoding keeps its shapes. The graphs give bit-identical logits.
 """
 
 from __future__ import annotations
@@ -155,41 +154,26 @@ class PagedModel:
         self._decode_request = StepRequest(self._compiled, self.caches, STEP_INPUTS)
         """Runs the steps where every sequence feeds one token."""
         self._chunk_request = self._decode_request
-        """Runs the other steps: the second graph's request once compiled, the decode one until then (or for good)."""
+        """Runs the other steps: the second graph's request, or the decode one when there is none."""
         if chunk_graph is None:
             weights = files.model_xml.with_suffix(".bin")
             chunk_graph = device.upper() == "CPU" and (not weights.is_file()
                                                      or weights.stat().st_size <= CHUNK_GRAPH_MAX_WEIGHTS)
         self.chunk_graph = chunk_graph
-        """Whether multi-token steps get a graph of their own (``chunk_graph_ready`` says when it is there)."""
-        self.chunk_graph_ready = threading.Event()
-        """Set once the graphs are final: the second one runs the multi-token steps, or its
-        compilation failed (logged), or there is none (set at once)."""
-        if not chunk_graph:
-            self.chunk_graph_ready.set()
-            return
-        # NOTE: compiled in the background (~3 s of a ~7 s open on 2 cores): the graphs give the
-        # same logits, so steps use the decode graph until it is there. Not a daemon: an exit
-        # waits for the compilation instead of unloading the plugin under it.
-        try:
-            threading.Thread(target=self._compile_chunk_graph, args=(core, model, device, config),
-                             name="agentkv-chunk-graph").start()
-        except RuntimeError:
-            logger.warning("no thread for the paged model's second graph: one graph runs every step", exc_info=True)
-            self.chunk_graph_ready.set()
+        """Whether multi-token steps were asked to get a graph of their own (``graphs`` says if they did)."""
+        if chunk_graph:
+            # NOTE: not in a background thread: OpenVINO compiles that overlap in one process left
+            # it in the C locale (measured in CI: Python's open() then decoded files as ASCII)
+            self._compile_chunk_graph(core, model, device, config)
 
     def _compile_chunk_graph(self, core: ov.Core, model: ov.Model, device: str, config: dict[str, str]) -> None:
         """Compile the second graph and hand it the multi-token steps (a failure keeps one graph, logged)."""
         try:
-            request = StepRequest(compile_for_device(core, model, device, config), self.caches, STEP_INPUTS)
+            self._chunk_request = StepRequest(compile_for_device(core, model, device, config), self.caches,
+                                              STEP_INPUTS)
         except Exception:
             logger.warning("compiling the paged model's second graph failed: multi-token steps share the "
                            "decode graph (correct, slower after each draft)", exc_info=True)
-        else:
-            with self.lock:
-                self._chunk_request = request
-        finally:
-            self.chunk_graph_ready.set()
 
     @property
     def graphs(self) -> int:
