@@ -56,7 +56,7 @@ def pid_is_alive(pid: int) -> bool:
 def _is_zombie(pid: int) -> bool:
     """True for a process that exited but was not reaped yet (Linux ``/proc``; else False)."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        stat = Path(f"/proc/{pid}/stat").read_text(encoding="utf-8", errors="replace")
     except OSError:
         return False
     # The state follows the parenthesised command name, which may itself contain ") ".

@@ -138,7 +138,7 @@ class LocalCluster:
         try:
             binary = haproxy_binary()
             launched = [self._launch(i) for i in range(replicas)]
-            self._start_haproxy(binary, render_haproxy_config(config.read_text(), replicas))
+            self._start_haproxy(binary, render_haproxy_config(config.read_text(encoding="utf-8"), replicas))
             for i, began in enumerate(launched):
                 self._wait_ready(i, began)
             for i in range(replicas):
@@ -284,7 +284,7 @@ class LocalCluster:
 
     def _start_haproxy(self, binary: str, config: str) -> None:
         path = self.log_dir / "haproxy.cfg"
-        path.write_text(config)
+        path.write_text(config, encoding="utf-8")
         env = {**os.environ, "AGENTKV_PROXY_BIND": f"127.0.0.1:{self.proxy_port}",
                "AGENTKV_PROXY_STATS_BIND": f"127.0.0.1:{self.stats_port}",
                "AGENTKV_PROXY_SOCKET": str(self.log_dir / "haproxy.sock"),

@@ -48,7 +48,7 @@ class ModelFiles:
     def config(self) -> dict[str, Any]:
         """The IR's ``config.json`` (optimum-intel exports), or {} when there is none."""
         path = self.ir_dir / "config.json"
-        return dict(json.loads(path.read_text())) if path.is_file() else {}
+        return dict(json.loads(path.read_text(encoding="utf-8"))) if path.is_file() else {}
 
     def tokenizer_json(self) -> str | None:
         """The Hugging Face ``tokenizer.json`` text beside the IR (optimum-intel exports it), or
@@ -76,7 +76,7 @@ class ModelFiles:
             return {}
         sidecar = self.ir_dir / "agentkv_gguf_metadata.json"
         if sidecar.is_file():
-            return dict(json.loads(sidecar.read_text()))
+            return dict(json.loads(sidecar.read_text(encoding="utf-8")))
         meta = _read_gguf_metadata(self.gguf_path)
         tmp = sidecar.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(meta))
