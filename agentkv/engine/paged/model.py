@@ -162,8 +162,8 @@ class PagedModel:
         self.chunk_graph = chunk_graph
         """Whether multi-token steps were asked to get a graph of their own (``graphs`` says if they did)."""
         if chunk_graph:
-            # NOTE: not in a background thread: OpenVINO compiles that overlap in one process left
-            # it in the C locale (measured in CI: Python's open() then decoded files as ASCII)
+            # NOTE: not in a background thread: OpenVINO switches the process to the C locale for a
+            # moment while it compiles (measured), and Python's open() elsewhere then decoded as ASCII
             self._compile_chunk_graph(core, model, device, config)
 
     def _compile_chunk_graph(self, core: ov.Core, model: ov.Model, device: str, config: dict[str, str]) -> None:
