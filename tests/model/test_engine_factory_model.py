@@ -21,7 +21,7 @@ def test_the_default_on_cpu_is_the_paged_engine_and_stateful_is_one_word_away(mo
     monkeypatch.delenv("AGENTKV_ENGINE", raising=False)
     paged = open_engine(num_slots=1, kv_cache_bytes=16 << 20, chunk_graph=False)
     assert isinstance(paged, PagedEngine) and paged.fingerprint.endswith(":paged")
-    assert not paged.paged_model.chunk_graph
+    assert paged.paged_model.graphs == 1
     stateful = open_engine(backend="stateful", num_slots=1, kv_cache_bytes=16 << 20, chunk_graph=True)  # paged-only options dropped
     assert type(stateful) is StatefulEngine and not stateful.fingerprint.endswith(":paged")
 

@@ -159,25 +159,19 @@ class PagedModel:
             weights = files.model_xml.with_suffix(".bin")
             chunk_graph = device.upper() == "CPU" and (not weights.is_file()
                                                      or weights.stat().st_size <= CHUNK_GRAPH_MAX_WEIGHTS)
-        self.chunk_graph = chunk_graph
-        """Whether multi-token steps were asked to get a graph of their own (``graphs`` says if they did)."""
         if chunk_graph:
             # NOTE: not in a background thread: OpenVINO switches the process to the C locale for a
             # moment while it compiles (measured), and Python's open() elsewhere then decoded as ASCII
-            self._compile_chunk_graph(core, model, device, config)
-
-    def _compile_chunk_graph(self, core: ov.Core, model: ov.Model, device: str, config: dict[str, str]) -> None:
-        """Compile the second graph and hand it the multi-token steps (a failure keeps one graph, logged)."""
-        try:
-            self._chunk_request = StepRequest(compile_for_device(core, model, device, config), self.caches,
-                                              STEP_INPUTS)
-        except Exception:
-            logger.warning("compiling the paged model's second graph failed: multi-token steps share the "
-                           "decode graph (correct, slower after each draft)", exc_info=True)
+            try:
+                self._chunk_request = StepRequest(compile_for_device(core, model, device, config), self.caches,
+                                                  STEP_INPUTS)
+            except Exception:
+                logger.warning("compiling the paged model's second graph failed: multi-token steps share the "
+                               "decode graph (correct, slower after each draft)", exc_info=True)
 
     @property
     def graphs(self) -> int:
-        """Compiled graphs running steps now: 2 once the chunk graph is there, else 1."""
+        """Compiled graphs running steps: 2 with a chunk graph, 1 without one (off, or its compile failed)."""
         return 1 if self._chunk_request is self._decode_request else 2
 
     def step(self, sequences: Sequence[SequenceStep]) -> np.ndarray:
