@@ -20,6 +20,10 @@ from agentkv.testing.engine_guard import REFUSAL
 
 PG_ENV = "AGENTKV_TEST_POSTGRES_URL"
 
+# NOTE: engines closed in one test hand their compiled paged graphs to the next test's engine on
+# the same settings (``engine/paged/compiled_pool.py``): ~7 s of compiling per default engine saved
+os.environ.setdefault("AGENTKV_KEEP_COMPILED", "6")
+
 from agentkv.engine.base import GenerationConfig
 
 

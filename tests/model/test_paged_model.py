@@ -119,6 +119,7 @@ def test_when_the_second_graph_fails_to_compile_one_graph_runs_every_step_and_a_
         exact_paged, monkeypatch, caplog):
     import agentkv.engine.paged.model as paged_model
     from agentkv.engine.openvino.models import resolve_model
+    from agentkv.engine.paged.compiled_pool import CompiledPool
     from agentkv.engine.paged.model import PagedModel, SequenceStep
     from agentkv.errors import ModelCompileFailed
 
@@ -132,6 +133,7 @@ def test_when_the_second_graph_fails_to_compile_one_graph_runs_every_step_and_a_
         return real(*args, **kwargs)
 
     monkeypatch.setattr(paged_model, "compile_for_device", second_fails)
+    monkeypatch.setattr(paged_model, "COMPILED", CompiledPool())  # compile, do not reuse
     with caplog.at_level(logging.WARNING, logger="agentkv.engine.paged.model"):
         model = PagedModel(resolve_model(None), num_blocks=8, kv_cache_precision="f32", exact=True, chunk_graph=True)
     assert model.graphs == 1 and len(compiles) == 2 and "second graph failed" in caplog.text
@@ -139,6 +141,39 @@ def test_when_the_second_graph_fails_to_compile_one_graph_runs_every_step_and_a_
     assert np.array_equal(chunk, exact_paged.step([SequenceStep(IDS[:40], 0, [50, 51])]))
     assert np.array_equal(model.step([SequenceStep(IDS[40:41], 40, [0, 1])]),
                           exact_paged.step([SequenceStep(IDS[40:41], 40, [50, 51])]))
+
+
+def test_a_released_models_graphs_open_the_next_one_on_the_same_settings_without_compiling(
+        exact_paged, monkeypatch):
+    """``AGENTKV_KEEP_COMPILED``: the graphs of a released model (a closed engine) run the next
+    model on the same files and settings: no compile, the same logits bit for bit; a model on
+    other settings compiles its own; the released one refuses to step."""
+    import agentkv.engine.paged.model as paged_model
+    from agentkv.engine.openvino.models import resolve_model
+    from agentkv.engine.paged.compiled_pool import KEEP_ENV, CompiledPool
+    from agentkv.engine.paged.model import PagedModel, SequenceStep
+
+    pool, compiles, real = CompiledPool(), [], paged_model.compile_for_device
+    monkeypatch.setattr(paged_model, "COMPILED", pool)
+    monkeypatch.setattr(paged_model, "compile_for_device", lambda *a, **k: compiles.append(1) or real(*a, **k))
+    monkeypatch.setenv(KEEP_ENV, "2")
+    first = PagedModel(resolve_model(None), num_blocks=8, kv_cache_precision="f32", exact=True, chunk_graph=True)
+    prefill, decode = [SequenceStep(IDS[:40], 0, [0, 1])], [SequenceStep(IDS[40:41], 40, [0, 1])]
+    expected = [first.step(prefill), first.step(decode)]
+    assert len(compiles) == 2
+    first.release()
+    first.release()  # once is enough
+    assert pool.idle_graphs() == 2 and first.graphs == 0
+    with pytest.raises(UserError, match="released"):
+        first.step(decode)
+    second = PagedModel(resolve_model(None), num_blocks=8, kv_cache_precision="f32", exact=True, chunk_graph=True)
+    assert len(compiles) == 2 and second.graphs == 2 and pool.idle_graphs() == 0
+    assert np.array_equal(second.step(prefill), expected[0]) and np.array_equal(second.step(decode), expected[1])
+    other = PagedModel(resolve_model(None), num_blocks=8, kv_cache_precision="f32", exact=True, chunk_graph=False)
+    assert len(compiles) == 3 and other.graphs == 1
+    monkeypatch.setenv(KEEP_ENV, "0")
+    second.release()
+    assert pool.idle_graphs() == 0
 
 
 # ---- KVLog on a paged slot ------------------------------------------------------------------

@@ -114,6 +114,13 @@ class PagedEngine(OpenVINOEngine):
         return CompiledSlots(slots=slots, numerics=model.numerics, num_layers=model.num_layers,
                              vocab_size=model.vocab_size, kv_bytes_per_token=model.block_bytes // BLOCK_SIZE)
 
+    async def aclose(self) -> None:
+        """Close every session, then release the paged model (its KV blocks; its compiled graphs
+        go to the next engine on the same model when ``AGENTKV_KEEP_COMPILED`` allows):
+        ``await engine.aclose()``."""
+        await super().aclose()
+        self.paged_model.release()
+
     def counters(self) -> EngineCounters:
         """The pool's blocks (held by sessions, forks or cached prefixes: used; in the tables of
         sessions running a call, or reserved for a step: active; the other held ones:

@@ -20,12 +20,17 @@ issue 27), and a one-token step after a draft's verify, or after forced tokens f
 paid it twice. So one-token-per-sequence steps run on one compiled graph, every other step
 (prefill chunks, verifies, forced chunks) on a second compilation of the same model over the
 same KV blocks: decoding keeps its shapes. The graphs give bit-identical logits.
+
+OpenVINO's compiled-blob cache (``CACHE_DIR``) cannot hold these graphs, so each model compiles
+them; ``release()`` (what closing an engine does) hands them to the next model on the same files
+and settings when ``AGENTKV_KEEP_COMPILED`` allows (``compiled_pool.py``).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -33,8 +38,9 @@ import numpy as np
 import openvino as ov
 
 from agentkv.engine.openvino.compile import compile_for_device, lm_head
-from agentkv.engine.openvino.models import ModelFiles, compiled_cache_dir
+from agentkv.engine.openvino.models import ModelFiles
 from agentkv.engine.openvino.numerics import EXACT_CONFIG, PluginNumerics, precision_name
+from agentkv.engine.paged.compiled_pool import COMPILED, GraphKey, HeldGraphs, keep_limit
 from agentkv.engine.paged.request_inputs import StepRequest
 from agentkv.kv.u8_blocks import BlockLayout
 from agentkv.errors import UserError
@@ -102,21 +108,30 @@ class PagedModel:
         if exact and kv_cache_precision != "f32":
             raise UserError("exact=True needs kv_cache_precision='f32'")
         core = ov.Core()
-        model = core.read_model(str(files.model_xml))
-        from openvino._offline_transformations import paged_attention_transformation
-
-        self.heads, self.head_dim = _state_kv_shape(model)
-        paged_attention_transformation(model, False, False, False, False, False)
-        config = {"CACHE_DIR": str(compiled_cache_dir()), **(EXACT_CONFIG if exact else {}),
-                  "KV_CACHE_PRECISION": kv_cache_precision, **(ov_config or {})}
+        # NOTE: no CACHE_DIR: OpenVINO 2026.4 drops the PagedAttention ops' runtime info (head sizes)
+        # from a compiled blob, so importing one fails and the plugin compiles again, after hashing
+        # the whole model first (measured: 4.8 s a graph with the cache, 3.6 s without)
+        config = {**(EXACT_CONFIG if exact else {}), "KV_CACHE_PRECISION": kv_cache_precision, **(ov_config or {})}
         # NOTE: with bf16 compute the plugin writes bf16 into a 16-bit cache whatever it is called:
         # type it bf16, or reading it as f16 gives garbage (measured: keys off by ~100 %).
         if kv_cache_precision == "f16" and _compute_precision(core, device, config) == "bf16":
             kv_cache_precision = "bf16"
         element = _CACHE_TYPES[kv_cache_precision]
-        self.num_layers = _type_caches(model, element, (self.heads, self.head_dim))
-        _gather_positions(model)
-        self._compiled = compile_for_device(core, model, device, config)
+        if chunk_graph is None:
+            weights = files.model_xml.with_suffix(".bin")
+            chunk_graph = device.upper() == "CPU" and (not weights.is_file()
+                                                     or weights.stat().st_size <= CHUNK_GRAPH_MAX_WEIGHTS)
+        keep_limit()  # NOTE: a bad AGENTKV_KEEP_COMPILED fails here, not when the engine closes
+        key = GraphKey.of(files, device, config, kv_cache_precision, graphs=2 if chunk_graph else 1)
+        held = COMPILED.take(key) or _compile_graphs(core, files, device, config, element, chunk_graph)
+        self._held: HeldGraphs | None = held
+        self._give_back = weakref.finalize(self, COMPILED.give_back, key, held)
+        """Hands the graphs to ``COMPILED`` once: on ``release()``, or when this model is collected."""
+        self._give_back.atexit = False
+        if len(held.compiled) < key.graphs:  # NOTE: a failed second compile is not handed on as if whole
+            self._give_back.detach()
+        self.heads, self.head_dim, self.num_layers = held.heads, held.head_dim, held.num_layers
+        self._compiled = held.compiled[0]
         # NOTE: the plugin chooses a u8 cache's block shapes (its quantisation parameters live in
         # the blocks, by channel or by token): read them from the compiled model.
         cache_ports = {port.get_any_name(): port for port in self._compiled.inputs
@@ -155,23 +170,27 @@ class PagedModel:
         """Runs the steps where every sequence feeds one token."""
         self._chunk_request = self._decode_request
         """Runs the other steps: the second graph's request, or the decode one when there is none."""
-        if chunk_graph is None:
-            weights = files.model_xml.with_suffix(".bin")
-            chunk_graph = device.upper() == "CPU" and (not weights.is_file()
-                                                     or weights.stat().st_size <= CHUNK_GRAPH_MAX_WEIGHTS)
-        if chunk_graph:
-            # NOTE: not in a background thread: OpenVINO switches the process to the C locale for a
-            # moment while it compiles (measured), and Python's open() elsewhere then decoded as ASCII
-            try:
-                self._chunk_request = StepRequest(compile_for_device(core, model, device, config), self.caches,
-                                                  STEP_INPUTS)
-            except Exception:
-                logger.warning("compiling the paged model's second graph failed: multi-token steps share the "
-                               "decode graph (correct, slower after each draft)", exc_info=True)
+        if len(held.compiled) > 1:
+            self._chunk_request = StepRequest(held.compiled[1], self.caches, STEP_INPUTS)
+
+    def release(self) -> None:
+        """Drop the KV blocks and hand the compiled graphs on (``compiled_pool``: the next model
+        on the same files and settings takes them when ``AGENTKV_KEEP_COMPILED`` allows); a step
+        after it raises ``UserError``. What closing an engine does: ``model.release()``."""
+        with self.lock:
+            if self._held is None:
+                return
+            self._held = None
+            self.caches = {}
+            del self._decode_request, self._chunk_request
+        self._give_back()
 
     @property
     def graphs(self) -> int:
-        """Compiled graphs running steps: 2 with a chunk graph, 1 without one (off, or its compile failed)."""
+        """Compiled graphs running steps: 2 with a chunk graph, 1 without one (off, or its compile
+        failed), 0 once released."""
+        if self._held is None:
+            return 0
         return 1 if self._chunk_request is self._decode_request else 2
 
     def step(self, sequences: Sequence[SequenceStep]) -> np.ndarray:
@@ -197,6 +216,8 @@ class PagedModel:
             begins.append(len(ids))
             block_begins.append(len(blocks))
         with self.lock:
+            if self._held is None:
+                raise UserError("this paged model was released (its engine was closed): open a new engine")
             self.steps_run += 1
             return self._infer(ids, positions, sequences, begins, blocks, block_begins, rows)
 
@@ -229,6 +250,29 @@ class PagedModel:
         """Per layer, numpy views ``(keys, values)`` of ``[num_blocks, *block_shapes[i]]``."""
         return [(self.caches[f"key_cache.{i}"].data, self.caches[f"value_cache.{i}"].data)
                 for i in range(self.num_layers)]
+
+
+def _compile_graphs(core: ov.Core, files: ModelFiles, device: str, config: dict[str, str], element: ov.Type,
+                    chunk_graph: bool) -> HeldGraphs:
+    """Read the stateful IR, make it paged (typed caches, positions gathered before the LM head)
+    and compile it once, or twice with ``chunk_graph`` (a failed second compile keeps one graph)."""
+    model = core.read_model(str(files.model_xml))
+    from openvino._offline_transformations import paged_attention_transformation
+
+    heads, head_dim = _state_kv_shape(model)
+    paged_attention_transformation(model, False, False, False, False, False)
+    num_layers = _type_caches(model, element, (heads, head_dim))
+    _gather_positions(model)
+    compiled = [compile_for_device(core, model, device, config)]
+    if chunk_graph:
+        # NOTE: not in a background thread: OpenVINO switches the process to the C locale for a
+        # moment while it compiles (measured), and Python's open() elsewhere then decoded as ASCII
+        try:
+            compiled.append(compile_for_device(core, model, device, config))
+        except Exception:
+            logger.warning("compiling the paged model's second graph failed: multi-token steps share the "
+                           "decode graph (correct, slower after each draft)", exc_info=True)
+    return HeldGraphs(tuple(compiled), heads, head_dim, num_layers)
 
 
 def _compute_precision(core: ov.Core, device: str, config: dict[str, str]) -> str:
