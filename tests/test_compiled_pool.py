@@ -66,10 +66,47 @@ def test_without_the_setting_nothing_is_kept(files, monkeypatch):
 
 
 @pytest.mark.parametrize("value", ["-1", "two", "1.5"])
-def test_a_bad_keep_setting_is_a_user_error_naming_it(files, monkeypatch, value):
+def test_a_bad_keep_setting_is_a_user_error_naming_it_and_the_pool_then_keeps_nothing(files, monkeypatch, value):
     monkeypatch.setenv(KEEP_ENV, value)
     with pytest.raises(UserError, match=KEEP_ENV):
-        CompiledPool().give_back(key(files), held())
+        keep_limit()
+    pool = CompiledPool()
+    pool.give_back(key(files), held())  # an engine closing, or a collection: never raises
+    assert pool.idle_graphs() == 0
+
+
+def test_a_bad_keep_setting_fails_open_engine_instead_of_falling_back_to_the_stateful_engine(monkeypatch):
+    from agentkv.engine.factory import open_engine
+
+    monkeypatch.setenv(KEEP_ENV, "lots")
+    with pytest.raises(UserError, match=KEEP_ENV):
+        open_engine(None)
+
+
+def test_a_graph_given_back_during_a_collection_while_the_pool_is_busy_waits_for_it(files, monkeypatch):
+    """A finalizer may run in a thread that holds the pool's lock: give_back only queues."""
+    monkeypatch.setenv(KEEP_ENV, "2")
+    pool, graphs = CompiledPool(), held()
+    with pool._lock:  # noqa: SLF001 - what a collection inside take() looks like
+        pool.give_back(key(files), graphs)
+    assert pool.take(key(files)) is graphs
+
+
+def test_model_files_reached_through_symlinks_are_told_apart_by_what_they_lead_to(tmp_path):
+    """A hub cache: two snapshots whose XML links to one blob, their weights to different blobs."""
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    (blobs / "xml").write_text("<net/>", encoding="utf-8")
+    (blobs / "bin-a").write_bytes(b"\0" * 16)
+    (blobs / "bin-b").write_bytes(b"\1" * 16)
+    keys = []
+    for name in ("a", "b"):
+        snapshot = tmp_path / name
+        snapshot.mkdir()
+        (snapshot / "openvino_model.xml").symlink_to(blobs / "xml")
+        (snapshot / "openvino_model.bin").symlink_to(blobs / f"bin-{name}")
+        keys.append(key(ModelFiles(ir_dir=snapshot, gguf_path=None)))
+    assert keys[0] != keys[1]
 
 
 def test_clear_drops_every_idle_graph(files, monkeypatch):

@@ -17,6 +17,7 @@ from datetime import timedelta
 from agentkv.cli.agent import CLIUsageError
 from agentkv.memory import Store
 from agentkv.memory.database import ENV_HOME
+from agentkv.engine.paged.compiled_pool import KEEP_ENV
 from agentkv.memory.snapshots import ENV_SNAPSHOT_URL
 from agentkv.memory.store import ENV_DB_URL
 
@@ -36,6 +37,8 @@ ENVIRONMENT_HELP = f"""Environment variables:
 {ENV_MODEL}: GGUF file or OpenVINO IR directory (--model wins); default: SmolLM2-135M-Instruct.
 
 {ENV_CACHE_DIR}: where the default model is converted to OpenVINO IR and compiled blobs are cached; default: the user cache directory.
+
+{KEEP_ENV}: compiled paged graphs a process keeps when an engine closes, for the next engine on the same model and settings (2 per engine on the default model); default: 0.
 """
 """The ``--help`` epilog (typer's rich help keeps paragraphs separated by blank lines)."""
 

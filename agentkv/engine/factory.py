@@ -25,6 +25,7 @@ from typing import Any, Literal
 from agentkv.engine.openvino.compile import openvino_cause
 from agentkv.engine.openvino.engine import OpenVINOEngine
 from agentkv.engine.openvino.models import resolve_model
+from agentkv.engine.paged.compiled_pool import keep_limit
 from agentkv.errors import ModelNotFound, UserError
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,8 @@ def open_engine(
     if chosen not in BACKENDS:
         raise UserError(f"engine backend must be one of {', '.join(BACKENDS)}, got {chosen!r} "
                         f"(from {'the backend argument' if backend else ENGINE_ENV})")
+    if chosen in ("auto", "paged"):
+        keep_limit()  # NOTE: a bad AGENTKV_KEEP_COMPILED is the user's to fix, not a reason to fall back
     ir_dir = _ir_dir(model)
     if chosen == "auto":
         chosen = "stateful" if device.upper().startswith("NPU") else "paged"

@@ -29,6 +29,8 @@ import os
 from dataclasses import replace
 from typing import Any
 
+import anyio
+
 from agentkv.engine.base import EngineCounters
 from agentkv.engine.openvino.engine import CompiledSlots, OpenVINOEngine
 from agentkv.engine.paged.backend import PagedBackend
@@ -118,8 +120,11 @@ class PagedEngine(OpenVINOEngine):
         """Close every session, then release the paged model (its KV blocks; its compiled graphs
         go to the next engine on the same model when ``AGENTKV_KEEP_COMPILED`` allows):
         ``await engine.aclose()``."""
-        await super().aclose()
-        self.paged_model.release()
+        try:
+            await super().aclose()
+        finally:  # NOTE: in a thread: release waits for a step in flight, the event loop does not
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self.paged_model.release)
 
     def counters(self) -> EngineCounters:
         """The pool's blocks (held by sessions, forks or cached prefixes: used; in the tables of

@@ -131,10 +131,10 @@ class PagedModel:
         if len(held.compiled) < key.graphs:  # NOTE: a failed second compile is not handed on as if whole
             self._give_back.detach()
         self.heads, self.head_dim, self.num_layers = held.heads, held.head_dim, held.num_layers
-        self._compiled = held.compiled[0]
+        compiled = held.compiled[0]
         # NOTE: the plugin chooses a u8 cache's block shapes (its quantisation parameters live in
         # the blocks, by channel or by token): read them from the compiled model.
-        cache_ports = {port.get_any_name(): port for port in self._compiled.inputs
+        cache_ports = {port.get_any_name(): port for port in compiled.inputs
                        if port.get_any_name().startswith(("key_cache.", "value_cache."))}
         shapes = {name: tuple(d.get_length() for d in list(port.get_partial_shape())[1:])
                   for name, port in cache_ports.items()}
@@ -151,11 +151,11 @@ class PagedModel:
         if num_blocks < 1:
             raise UserError(f"the KV cache needs at least one block; got num_blocks={num_blocks} "
                             f"(kv_cache_bytes={kv_cache_bytes})")
-        self.numerics = replace(PluginNumerics.of(self._compiled, kv_cache_precision), kv_cache=kv_cache_precision)
+        self.numerics = replace(PluginNumerics.of(compiled, kv_cache_precision), kv_cache=kv_cache_precision)
         self.kv_cache_precision = kv_cache_precision
         """The blocks' element type: "f32", "f16", "bf16" (f16 asked, bf16 compute) or "u8"."""
         self.num_blocks = num_blocks
-        self.vocab_size = int(self._compiled.output("logits").get_partial_shape()[2].get_length())
+        self.vocab_size = int(compiled.output("logits").get_partial_shape()[2].get_length())
         self.lock = threading.RLock()
         """Held by every step and every read or write of the block storage."""
         self.steps_run = 0
@@ -166,7 +166,7 @@ class PagedModel:
             tensor = ov.Tensor(port.get_element_type(), [num_blocks, *shapes[name]])
             tensor.data[...] = 0
             self.caches[name] = tensor
-        self._decode_request = StepRequest(self._compiled, self.caches, STEP_INPUTS)
+        self._decode_request = StepRequest(compiled, self.caches, STEP_INPUTS)
         """Runs the steps where every sequence feeds one token."""
         self._chunk_request = self._decode_request
         """Runs the other steps: the second graph's request, or the decode one when there is none."""
@@ -184,6 +184,11 @@ class PagedModel:
             self.caches = {}
             del self._decode_request, self._chunk_request
         self._give_back()
+
+    def _check_held(self) -> None:
+        """Raise ``UserError`` once the model is released (``lock`` held)."""
+        if self._held is None:
+            raise UserError("this paged model was released (its engine was closed): open a new engine")
 
     @property
     def graphs(self) -> int:
@@ -216,8 +221,7 @@ class PagedModel:
             begins.append(len(ids))
             block_begins.append(len(blocks))
         with self.lock:
-            if self._held is None:
-                raise UserError("this paged model was released (its engine was closed): open a new engine")
+            self._check_held()
             self.steps_run += 1
             return self._infer(ids, positions, sequences, begins, blocks, block_begins, rows)
 
@@ -238,6 +242,7 @@ class PagedModel:
     def copy_block(self, source: int, target: int) -> None:
         """Copy block ``source`` into block ``target`` in every layer's K and V (raw: any precision)."""
         with self.lock:
+            self._check_held()
             for tensor in self.caches.values():
                 data = tensor.data
                 data[target] = data[source]
@@ -248,6 +253,8 @@ class PagedModel:
 
     def cache_layers(self) -> list[tuple[np.ndarray, np.ndarray]]:
         """Per layer, numpy views ``(keys, values)`` of ``[num_blocks, *block_shapes[i]]``."""
+        with self.lock:
+            self._check_held()
         return [(self.caches[f"key_cache.{i}"].data, self.caches[f"value_cache.{i}"].data)
                 for i in range(self.num_layers)]
 
