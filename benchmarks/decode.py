@@ -46,7 +46,7 @@ CASES_PATH = Path(__file__).resolve().parents[1] / "tests" / "data" / "function_
 
 def tool_call_prompts(engine: Engine, count: int) -> list[tuple[str, list[int], str]]:
     """(case id, prompt ids, grammar) for ``count`` cases taken round-robin across categories."""
-    data = json.loads(CASES_PATH.read_text())
+    data = json.loads(CASES_PATH.read_text(encoding="utf-8"))
     by_category: dict[str, list[dict[str, Any]]] = {}
     for case in data["cases"]:
         by_category.setdefault(case["category"], []).append(case)

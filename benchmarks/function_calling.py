@@ -66,7 +66,7 @@ class FunctionCallingSet:
 
     @classmethod
     def load(cls, path: Path = CASES_PATH) -> FunctionCallingSet:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
         return cls(data["tools"], data["cases"])
 
     def subset(self, count: int) -> list[dict[str, Any]]:

@@ -19,7 +19,7 @@ def imports_of(path: Path) -> set[str]:
     """Every module ``path`` imports, wherever the import sits (TYPE_CHECKING and functions too)."""
     found: set[str] = set()
     package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -163,5 +163,5 @@ def test_kv_imports_no_openvino_and_nothing_of_the_engine():
 
 def test_no_file_passes_400_lines():
     long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > 400}
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > 400}
     assert long == {}

@@ -274,7 +274,7 @@ def test_model_conversion_names_the_final_directory(tmp_path, monkeypatch, capsy
     class FakePipeline:
         def __init__(self, path, device, **kwargs):
             for name in models.IR_FILES:
-                (Path(path).parent / name).write_text("ir")
+                (Path(path).parent / name).write_text("ir", encoding="utf-8")
 
     monkeypatch.setattr(openvino_genai, "LLMPipeline", FakePipeline)
     monkeypatch.setattr(models.ModelFiles, "gguf_metadata", lambda self: {})

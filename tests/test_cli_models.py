@@ -48,8 +48,8 @@ def test_info_reads_each_zoo_family_without_compiling(family):
     assert result.exit_code == 0, result.output
     assert max(map(len, result.output.splitlines())) <= 80
     rows = lines_of(result.output)
-    config = json.loads((ZOO / family / "config.json").read_text())
-    eos = json.loads((ZOO / family / "generation_config.json").read_text())["eos_token_id"]
+    config = json.loads((ZOO / family / "config.json").read_text(encoding="utf-8"))
+    eos = json.loads((ZOO / family / "generation_config.json").read_text(encoding="utf-8"))["eos_token_id"]
     assert rows["family"].startswith(FAMILIES[family] + " (")
     assert rows["eos ids"] == ", ".join(map(str, eos if isinstance(eos, list) else [eos]))
     assert rows["context length"] == str(config["max_position_embeddings"])
@@ -98,7 +98,7 @@ def test_list_shows_the_cached_models_their_size_and_the_default(isolated_cache,
 def bad_config(tmp_path: Path) -> Path:
     directory = tmp_path / "broken"
     shutil.copytree(ZOO / "qwen2_5", directory, ignore=shutil.ignore_patterns("*.bin", "*.xml"))
-    (directory / "tokenizer_config.json").write_text("{not json")
+    (directory / "tokenizer_config.json").write_text("{not json", encoding="utf-8")
     return directory
 
 

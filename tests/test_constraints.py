@@ -264,7 +264,7 @@ def test_a_gpt2_vocabulary_is_not_read_as_sentencepiece(vocab):
 
 
 def test_tokenizer_json_keeps_qwens_tool_call_ordinary_and_its_chatml_markers_special():
-    text = (ZOO / "qwen2_5" / "tokenizer.json").read_text()
+    text = (ZOO / "qwen2_5" / "tokenizer.json").read_text(encoding="utf-8")
     factory = ConstraintFactory.from_tokenizer_json(text, eos_token_id=[2, 0], vocab_size=2400)
     llt = factory.tokenizer
     assert factory.vocab_size == llt.vocab_size == 2400
@@ -277,7 +277,7 @@ def test_tokenizer_json_keeps_qwens_tool_call_ordinary_and_its_chatml_markers_sp
 
 
 def test_tokenizer_json_of_a_sentencepiece_vocabulary_decodes_spaces_and_bytes():
-    text = (ZOO / "gemma3" / "tokenizer.json").read_text()
+    text = (ZOO / "gemma3" / "tokenizer.json").read_text(encoding="utf-8")
     vocab = json.loads(text)["model"]["vocab"]
     llt = ConstraintFactory.from_tokenizer_json(text, eos_token_id=[1, 5], vocab_size=3000).tokenizer
     assert llt.decode_bytes([vocab["\u2581a"]]) == b" a" and llt.decode_bytes([vocab["<0x41>"]]) == b"A"
@@ -285,7 +285,7 @@ def test_tokenizer_json_of_a_sentencepiece_vocabulary_decodes_spaces_and_bytes()
 
 
 def test_tokenizer_json_wider_than_the_logits_is_refused():
-    text = (ZOO / "qwen2_5" / "tokenizer.json").read_text()
+    text = (ZOO / "qwen2_5" / "tokenizer.json").read_text(encoding="utf-8")
     with pytest.raises(ConstraintError, match="vocab_size 2000"):
         ConstraintFactory.from_tokenizer_json(text, eos_token_id=2, vocab_size=2000)
 

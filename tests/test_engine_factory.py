@@ -37,7 +37,7 @@ def test_a_cache_dir_that_cannot_be_created_compiles_without_the_cache_and_warns
     from agentkv.engine.openvino.compile import compile_for_device
 
     blocker = tmp_path / "a-file"
-    blocker.write_text("not a directory")
+    blocker.write_text("not a directory", encoding="utf-8")
     with caplog.at_level(logging.WARNING, logger="agentkv.engine.openvino.compile"):
         compiled = compile_for_device(ov.Core(), tiny_model(), "CPU", {"CACHE_DIR": str(blocker / "sub")})
     assert compiled.outputs
@@ -83,7 +83,7 @@ def test_naming_the_compiled_cache_dir_never_fails_even_under_a_file(tmp_path, m
     from agentkv.engine.openvino.models import CACHE_ENV, compiled_cache_dir
 
     blocker = tmp_path / "a-file"
-    blocker.write_text("")
+    blocker.write_text("", encoding="utf-8")
     monkeypatch.setenv(CACHE_ENV, str(blocker / "cache"))
     assert compiled_cache_dir() == blocker / "cache" / "compiled"  # compile_for_device then warns and goes on
 

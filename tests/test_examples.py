@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def readme_block(containing: str) -> str:
     """The README's one ```python block that contains ``containing``."""
-    blocks = [b for b in re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(encoding="utf-8"), re.S)
               if containing in b]
     assert len(blocks) == 1, f"{len(blocks)} README blocks contain {containing!r}"
     return blocks[0]

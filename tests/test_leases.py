@@ -108,7 +108,7 @@ async def test_a_killed_but_unreaped_local_holder_counts_as_dead(store: Store) -
         await store.acquire_lease(sid, f"{HOST}:{child.pid}:zombie", ttl_s=600)
         os.kill(child.pid, signal.SIGKILL)
         deadline = time.monotonic() + 5
-        while "Z" not in Path(f"/proc/{child.pid}/stat").read_text().rpartition(")")[2][:3]:
+        while "Z" not in Path(f"/proc/{child.pid}/stat").read_text(encoding="utf-8").rpartition(")")[2][:3]:
             assert time.monotonic() < deadline, "the child did not become a zombie"
             await anyio.sleep(0.01)
         await store.acquire_lease(sid, "worker-b")

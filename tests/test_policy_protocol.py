@@ -296,7 +296,7 @@ def test_policies_import_only_their_protocol_and_the_layers_it_names():
     sessions are reached through ``agentkv.policies.protocol`` only."""
     package = Path(__file__).resolve().parent.parent / "agentkv" / "policies"
     for path in sorted(package.glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("agentkv"):
                 assert node.module.startswith(ALLOWED), f"{path.name} imports {node.module}"
                 if node.module == "agentkv.engine.base":

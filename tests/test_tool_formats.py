@@ -37,9 +37,9 @@ CLOCK = ToolCall(id="Z9y8X7w6v", name="clock")
 
 def zoo_factory(family: str) -> ConstraintFactory:
     directory = DATA / "zoo" / family
-    config = json.loads((directory / "config.json").read_text())
+    config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
     eos = config.get("eos_token_id")
-    return ConstraintFactory.from_tokenizer_json((directory / "tokenizer.json").read_text(),
+    return ConstraintFactory.from_tokenizer_json((directory / "tokenizer.json").read_text(encoding="utf-8"),
                                                  eos_token_id=eos, vocab_size=config["vocab_size"])
 
 
@@ -207,7 +207,7 @@ TEMPLATES = {
 
 @pytest.mark.parametrize("family", sorted(TEMPLATES))
 def test_detect_tool_format_picks_each_templates_format(family: str) -> None:
-    template = (DATA / "templates" / f"{family}.jinja").read_text()
+    template = (DATA / "templates" / f"{family}.jinja").read_text(encoding="utf-8")
     vocabulary = {"<s>": 1, "</s>": 2, "[TOOL_CALLS]": 9} if family == "mistral_nemo" else {"<|im_end|>": 2}
     found = detect_tool_format(template, vocabulary)
     assert found.name == TEMPLATES[family]

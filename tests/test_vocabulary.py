@@ -101,7 +101,7 @@ def test_neither_the_package_nor_its_docs_name_an_old_class():
     files = [*PACKAGE.rglob("*.py"), *(root / "examples").glob("*.py"), *(root / "benchmarks").glob("*.py"),
              root / "README.md"]
     found = [f"{p.relative_to(root)}:{n}: {m[0]}" for p in sorted(files)
-             for n, line in enumerate(p.read_text().splitlines(), 1) if (m := old.search(line))]
+             for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if (m := old.search(line))]
     assert found == []
 
 
@@ -116,7 +116,7 @@ def test_the_runtime_and_the_agent_keep_no_old_member(owner, old):
 def module_marks(path: Path) -> list[str]:
     """``pytestmark = pytest.mark.model`` (or a list holding it) at module level: the marks it names."""
     marks = []
-    for node in ast.parse(path.read_text()).body:
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
         if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "pytestmark"
                                                 for t in node.targets):
             values = node.value.elts if isinstance(node.value, (ast.List, ast.Tuple)) else [node.value]
@@ -126,7 +126,7 @@ def module_marks(path: Path) -> list[str]:
 
 def model_marks_anywhere(path: Path) -> list[int]:
     """Lines where ``path`` uses ``pytest.mark.model`` (decorator, ``pytestmark``, ``pytest.param``)."""
-    return sorted(node.lineno for node in ast.walk(ast.parse(path.read_text()))
+    return sorted(node.lineno for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
                   if isinstance(node, ast.Attribute) and node.attr == "model"
                   and ast.unparse(node.value) == "pytest.mark")
 
@@ -146,6 +146,6 @@ def test_no_test_directly_in_tests_is_marked_model():
 def test_the_mark_finders_see_what_they_look_for(tmp_path):
     marked = tmp_path / "test_x.py"
     marked.write_text("import pytest\npytestmark = [pytest.mark.model, pytest.mark.slow]\n\n"
-                      "@pytest.mark.model\ndef test_x():\n    pass\n")
+                      "@pytest.mark.model\ndef test_x():\n    pass\n", encoding="utf-8")
     assert module_marks(marked) == ["pytest.mark.model", "pytest.mark.slow"]
     assert model_marks_anywhere(marked) == [2, 4]

@@ -4,7 +4,7 @@
 gives each layer's radians per position of each pair, exactly or rounded to fp16 as
 optimum-intel's fp16 export stores its ``inv_freq``::
 
-    meta = rope_metadata(json.loads(Path("config.json").read_text()), {})
+    meta = rope_metadata(json.loads(Path("config.json").read_text(encoding="utf-8")), {})
     meta.frequencies(layer=0, rotary_dim=12)          # float64 [6]
     meta.frequencies(layer=0, rotary_dim=12, rounding="fp16")
 

@@ -64,7 +64,7 @@ def render_haproxy_config(template: str, replicas: int) -> str:
     """``template`` (``deploy/haproxy.cfg``'s text) with each of its replica blocks made of
     ``replicas`` server lines, each a copy of the block's first line with its number changed::
 
-        render_haproxy_config(DEFAULT_CONFIG.read_text(), 5)   # replica1..replica5, ${AGENTKV_REPLICA_1..5}
+        render_haproxy_config(DEFAULT_CONFIG.read_text(encoding="utf-8"), 5)  # replica1..5, ${AGENTKV_REPLICA_1..5}
     """
     def render(block: re.Match[str]) -> str:
         servers = [line for line in block.group("lines").splitlines() if line.strip().startswith("server ")]

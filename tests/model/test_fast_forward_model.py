@@ -21,7 +21,7 @@ from agentkv.engine.base import Engine, GenerationConfig, GenerationResult, KVSe
 
 pytestmark = pytest.mark.model
 
-CASES = json.loads((Path(__file__).resolve().parents[1] / "data" / "function_calling.json").read_text())
+CASES = json.loads((Path(__file__).resolve().parents[1] / "data" / "function_calling.json").read_text(encoding="utf-8"))
 PICKED = ["simple_0", "multiple_0", "parallel_0", "nested_0", "enum_0", "parallel_multiple_0"]
 # NOTE: drafts off on both sides: model_steps here counts fast-forward alone
 ON = GenerationConfig(max_new_tokens=96, prompt_lookup=False)

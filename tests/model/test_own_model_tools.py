@@ -47,7 +47,7 @@ def _engine(family: str) -> Any:
 
 
 def _generation_eos(family: str) -> list[int]:
-    value = json.loads((ZOO / family / "generation_config.json").read_text())["eos_token_id"]
+    value = json.loads((ZOO / family / "generation_config.json").read_text(encoding="utf-8"))["eos_token_id"]
     return [value] if isinstance(value, int) else list(value)
 
 
@@ -108,8 +108,8 @@ def test_eos_set_holds_the_tokenizers_eos_and_generation_configs_ids(family: str
 @pytest.mark.parametrize("family", FAMILIES)
 async def test_a_generation_stops_on_each_generation_config_eos(family: str) -> None:
     engine = _engine(family)
-    vocab_size = int(json.loads((ZOO / family / "config.json").read_text())["vocab_size"])
-    prompt = json.loads((ZOO / family / "reference.json").read_text())["prompt_ids"]
+    vocab_size = int(json.loads((ZOO / family / "config.json").read_text(encoding="utf-8"))["vocab_size"])
+    prompt = json.loads((ZOO / family / "reference.json").read_text(encoding="utf-8"))["prompt_ids"]
     not_eos = next(i for i in range(10, vocab_size) if i not in engine.eos_token_ids)
     session = await engine.open_session()
     try:
@@ -127,11 +127,11 @@ async def test_a_generation_stops_on_each_generation_config_eos(family: str) -> 
 def test_generation_config_eos_may_be_an_int_or_a_list_or_absent(tmp_path: Path) -> None:
     files = ModelFiles(ir_dir=tmp_path, gguf_path=None)
     assert files.generation_eos_ids() == [] and files.tokenizer_json() is None
-    (tmp_path / "generation_config.json").write_text('{"eos_token_id": 106}')
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": 106}', encoding="utf-8")
     assert files.generation_eos_ids() == [106]
-    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [1, 106]}')
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [1, 106]}', encoding="utf-8")
     assert files.generation_eos_ids() == [1, 106]
-    (tmp_path / "generation_config.json").write_text('{"bos_token_id": 2}')
+    (tmp_path / "generation_config.json").write_text('{"bos_token_id": 2}', encoding="utf-8")
     assert files.generation_eos_ids() == []
 
 

@@ -100,7 +100,8 @@ async def test_max_new_tokens_and_stop_strings_cut_where_plain_decoding_does(pag
 
 
 async def test_drafts_under_a_grammar_equal_plain_decoding_under_exact_numerics(paged_exact):
-    cases = json.loads((Path(__file__).resolve().parents[1] / "data" / "function_calling.json").read_text())
+    cases_path = Path(__file__).resolve().parents[1] / "data" / "function_calling.json"
+    cases = json.loads(cases_path.read_text(encoding="utf-8"))
     drafted = 0
     for case_id in ["simple_0", "parallel_0", "nested_0"]:
         case = next(c for c in cases["cases"] if c["id"] == case_id)

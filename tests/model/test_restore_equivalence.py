@@ -101,13 +101,13 @@ async def resumer(tmp_path_factory: pytest.TempPathFactory
                 try:
                     line = (await lines.receive_until(b"\n", 1 << 26)).decode()
                 except (anyio.EndOfStream, anyio.IncompleteRead):
-                    pytest.fail(f"the resuming process ended: {errors.read_text()[-3000:]}")
+                    pytest.fail(f"the resuming process ended: {errors.read_text(encoding='utf-8')[-3000:]}")
                 if line.startswith("{"):
                     return dict(json.loads(line))
 
     async def resume(profile: str, jobs_path: Path) -> dict[str, Any]:
         if process.returncode is not None:
-            pytest.fail(f"the resuming process ended earlier: {errors.read_text()[-3000:]}")
+            pytest.fail(f"the resuming process ended earlier: {errors.read_text(encoding='utf-8')[-3000:]}")
         try:
             await stdin.send(f"{profile} {jobs_path}\n".encode())
             return await answer()
@@ -178,7 +178,8 @@ async def test_restored_offloaded_and_cached_sessions_answer_like_the_uninterrup
     finally:
         await engine.aclose()
     jobs_path = tmp_path / "jobs.json"
-    jobs_path.write_text(json.dumps({"system": system, "conversations": jobs, "max_new_tokens": MAX_NEW}))
+    payload = {"system": system, "conversations": jobs, "max_new_tokens": MAX_NEW}
+    jobs_path.write_text(json.dumps(payload), encoding="utf-8")
     resumed = await resumer(profile, jobs_path)
     assert resumed["answers"] == expected
     # each resume reused its snapshot (no silent re-prefill) and reports an exact KV

@@ -29,7 +29,7 @@ ARGUMENTS: dict[str, Any] = {"expression": "2+2", "note": "x<y> & 'é' \"q\"", "
 
 
 def vocabulary(family: str) -> dict[str, int]:
-    data = json.loads((ZOO / family / "tokenizer.json").read_text())
+    data = json.loads((ZOO / family / "tokenizer.json").read_text(encoding="utf-8"))
     found = dict(data["model"]["vocab"])
     found.update({token["content"]: token["id"] for token in data.get("added_tokens", [])})
     return found

@@ -115,7 +115,7 @@ async def restored(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[s
         except Exception as error:  # reported by that family's test: one broken model must not hide the others
             cases[family] = {"error": f"{type(error).__name__}: {error}"}
     jobs = base / "jobs.json"
-    jobs.write_text(json.dumps([case["job"] for case in cases.values() if "job" in case]))
+    jobs.write_text(json.dumps([case["job"] for case in cases.values() if "job" in case]), encoding="utf-8")
     done = subprocess.run([sys.executable, WORKER, str(jobs)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
@@ -297,7 +297,7 @@ async def test_a_run_ends_on_each_generation_config_eos_and_the_next_turn_reuses
 @pytest.mark.parametrize("family", FAMILIES)
 async def test_each_generation_config_eos_stops_a_stream_silently_unless_eos_is_ignored(family: str) -> None:
     engine = _engine(family)
-    prompt = json.loads((ZOO / family / "reference.json").read_text())["prompt_ids"]
+    prompt = json.loads((ZOO / family / "reference.json").read_text(encoding="utf-8"))["prompt_ids"]
     session = await engine.open_session()
     try:
         for eos in generation_eos(family):

@@ -56,7 +56,7 @@ def tokenizer(family: str) -> Any:
 
 
 def stop_ids(family: str) -> frozenset[int]:
-    ids = json.loads((ZOO / family / "generation_config.json").read_text())["eos_token_id"]
+    ids = json.loads((ZOO / family / "generation_config.json").read_text(encoding="utf-8"))["eos_token_id"]
     return frozenset(ids if isinstance(ids, list) else [ids])
 
 

@@ -54,7 +54,7 @@ def _engine(family: str) -> Any:
 
 
 def _config(family: str) -> dict[str, Any]:
-    return dict(json.loads((ZOO / family / "config.json").read_text()))
+    return dict(json.loads((ZOO / family / "config.json").read_text(encoding="utf-8")))
 
 
 def _ids(engine: Any, n: int) -> list[int]:

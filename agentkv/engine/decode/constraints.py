@@ -7,7 +7,7 @@ control tokens from its ``added_tokens`` ``special`` flags) or from a GGUF's
 engine asks the constraint, per step, which tokens may come next; llguidance computes it from a
 Lark grammar (with inline ``%json`` schemas) or a JSON-schema grammar::
 
-    factory = ConstraintFactory.from_tokenizer_json(Path("tokenizer.json").read_text(),
+    factory = ConstraintFactory.from_tokenizer_json(Path("tokenizer.json").read_text(encoding="utf-8"),
                                                     eos_token_id=[2, 0], vocab_size=152064)
     meta = resolve_model(None).gguf_metadata()
     factory = ConstraintFactory(meta["tokenizer.ggml.tokens"], eos_token_id=2, vocab_size=49152,

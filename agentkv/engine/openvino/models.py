@@ -79,7 +79,7 @@ class ModelFiles:
             return dict(json.loads(sidecar.read_text(encoding="utf-8")))
         meta = _read_gguf_metadata(self.gguf_path)
         tmp = sidecar.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(meta))
+        tmp.write_text(json.dumps(meta), encoding="utf-8")
         os.replace(tmp, sidecar)
         return meta
 
