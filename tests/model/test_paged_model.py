@@ -176,6 +176,23 @@ def test_a_released_models_graphs_open_the_next_one_on_the_same_settings_without
     assert pool.idle_graphs() == 0
 
 
+def test_a_model_dropped_in_a_reference_cycle_without_release_gives_its_graphs_to_the_next_one(monkeypatch):
+    import agentkv.engine.paged.model as paged_model
+    from agentkv.engine.openvino.models import resolve_model
+    from agentkv.engine.paged.compiled_pool import KEEP_ENV, CompiledPool
+    from agentkv.engine.paged.model import PagedModel
+
+    pool, compiles, real = CompiledPool(), [], paged_model.compile_for_device
+    monkeypatch.setattr(paged_model, "COMPILED", pool)
+    monkeypatch.setattr(paged_model, "compile_for_device", lambda *a, **k: compiles.append(1) or real(*a, **k))
+    monkeypatch.setenv(KEEP_ENV, "1")
+    dropped = PagedModel(resolve_model(None), num_blocks=4, kv_cache_precision="f32", exact=True, chunk_graph=False)
+    dropped.cycle = dropped  # type: ignore[attr-defined]  # as an engine and its backend refer to each other
+    del dropped
+    again = PagedModel(resolve_model(None), num_blocks=4, kv_cache_precision="f32", exact=True, chunk_graph=False)
+    assert len(compiles) == 1 and again.graphs == 1
+
+
 # ---- KVLog on a paged slot ------------------------------------------------------------------
 def test_kvlog_runs_on_a_paged_slot_trim_refeed_and_restore_stay_exact(exact_paged):
     from agentkv.engine.paged.slot import PagedSlot

@@ -28,6 +28,7 @@ and settings when ``AGENTKV_KEEP_COMPILED`` allows (``compiled_pool.py``).
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import weakref
@@ -121,9 +122,14 @@ class PagedModel:
             weights = files.model_xml.with_suffix(".bin")
             chunk_graph = device.upper() == "CPU" and (not weights.is_file()
                                                      or weights.stat().st_size <= CHUNK_GRAPH_MAX_WEIGHTS)
-        keep_limit()  # NOTE: a bad AGENTKV_KEEP_COMPILED fails here, not when the engine closes
         key = GraphKey.of(files, device, config, kv_cache_precision, graphs=2 if chunk_graph else 1)
-        held = COMPILED.take(key) or _compile_graphs(core, files, device, config, element, chunk_graph)
+        held = COMPILED.take(key)
+        if held is None and keep_limit() > 0:
+            # NOTE: an engine dropped without aclose() sits in reference cycles: it gives its graphs
+            # back only once collected (a collection costs milliseconds, a compile seconds)
+            gc.collect()
+            held = COMPILED.take(key)
+        held = held or _compile_graphs(core, files, device, config, element, chunk_graph)
         self._held: HeldGraphs | None = held
         self._give_back = weakref.finalize(self, COMPILED.give_back, key, held)
         """Hands the graphs to ``COMPILED`` once: on ``release()``, or when this model is collected."""
