@@ -21,6 +21,11 @@ class UserError(AgentKVError):
     """The library was used in a way it does not support (a bug in the caller)."""
 
 
+class PagedFormUnsupported(UserError):
+    """The model has no PagedAttention form the paged engine can run (no ``[batch, heads, T, head_dim]``
+    KV states, logits not from a MatMul): ``open_engine`` then uses the stateful engine."""
+
+
 class ModelNotFound(AgentKVError):
     """No model could be found at the given path (or the default model is not installed)."""
 

@@ -4,6 +4,7 @@ the model has no paged form; clear errors for a backend that does not exist."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -111,3 +112,16 @@ def test_a_gguf_that_cannot_be_converted_fails_once_with_its_cause_not_a_paged_f
     assert len(conversions) == 1
     assert str(broken) in str(caught.value) and "failed at" not in str(caught.value)
     assert "paged engine is not available" not in caplog.text
+
+
+def test_a_bad_paged_option_is_the_callers_error_not_a_fallback_to_the_stateful_engine(monkeypatch):
+    """Only a model without a paged form (``PagedFormUnsupported``) or OpenVINO's own error makes
+    ``open_engine`` fall back; a paged option out of range is raised as it is."""
+    import agentkv.engine.factory as factory
+
+    monkeypatch.delenv("AGENTKV_ENGINE", raising=False)
+    monkeypatch.setattr(factory, "_ir_dir", lambda model: Path("unused"))
+    monkeypatch.setattr(factory, "_paged", lambda ir_dir, device, options: (_ for _ in ()).throw(
+        UserError("kv_cache_bytes must be > 0, got 0")))
+    with pytest.raises(UserError, match="kv_cache_bytes must be > 0"):
+        factory.open_engine(None, kv_cache_bytes=0)

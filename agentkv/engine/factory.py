@@ -7,8 +7,9 @@
     engine = open_engine("path/to/ir", device="NPU")   # stateful: NPUs run the stateful form
 
 ``backend="auto"`` (the default, or ``AGENTKV_ENGINE``) picks paged unless the device is an NPU;
-if the model cannot be turned into its PagedAttention form, it says why in a warning and uses
-the stateful engine. Options go to the engine chosen (``num_slots``, ``exact``,
+if the model cannot be turned into its PagedAttention form (``PagedFormUnsupported``, or
+OpenVINO's error), it says why in a warning and uses the stateful engine; a bad option is the
+caller's ``UserError``, never a fallback. Options go to the engine chosen (``num_slots``, ``exact``,
 ``kv_cache_precision``…; ``kv_cache_bytes`` / ``max_batch`` only mean something to the paged one).
 
 The model is resolved first, once: a GGUF that cannot be converted raises ``ModelNotFound`` naming
@@ -26,7 +27,7 @@ from agentkv.engine.openvino.compile import openvino_cause
 from agentkv.engine.openvino.engine import OpenVINOEngine
 from agentkv.engine.openvino.models import resolve_model
 from agentkv.engine.paged.compiled_pool import keep_limit
-from agentkv.errors import ModelNotFound, UserError
+from agentkv.errors import ModelNotFound, PagedFormUnsupported, UserError
 
 logger = logging.getLogger(__name__)
 
@@ -50,14 +51,14 @@ def open_engine(
         raise UserError(f"engine backend must be one of {', '.join(BACKENDS)}, got {chosen!r} "
                         f"(from {'the backend argument' if backend else ENGINE_ENV})")
     if chosen in ("auto", "paged"):
-        keep_limit()  # NOTE: a bad AGENTKV_KEEP_COMPILED is the user's to fix, not a reason to fall back
+        keep_limit()  # NOTE: a bad AGENTKV_KEEP_COMPILED fails before the model is resolved
     ir_dir = _ir_dir(model)
     if chosen == "auto":
         chosen = "stateful" if device.upper().startswith("NPU") else "paged"
         if chosen == "paged":
             try:
                 return _paged(ir_dir, device, options)
-            except (UserError, RuntimeError) as error:
+            except (PagedFormUnsupported, RuntimeError) as error:  # NOTE: not the caller's own mistakes
                 logger.warning("the paged engine is not available for this model (%s); using the stateful "
                                "engine", error)
                 chosen = "stateful"

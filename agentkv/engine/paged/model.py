@@ -44,7 +44,7 @@ from agentkv.engine.openvino.numerics import EXACT_CONFIG, PluginNumerics, preci
 from agentkv.engine.paged.compiled_pool import COMPILED, GraphKey, HeldGraphs, keep_limit
 from agentkv.engine.paged.request_inputs import StepRequest
 from agentkv.kv.u8_blocks import BlockLayout
-from agentkv.errors import UserError
+from agentkv.errors import PagedFormUnsupported, UserError
 
 BLOCK_SIZE = 32
 """Tokens per KV block (the CPU plugin's PagedAttention block)."""
@@ -321,7 +321,7 @@ def _state_kv_shape(model: ov.Model) -> tuple[int, int]:
             shape = op.get_output_partial_shape(0)
             if shape.rank.get_length() == 4 and shape[1].is_static and shape[3].is_static:
                 return shape[1].get_length(), shape[3].get_length()
-    raise UserError("the model has no [batch, heads, T, head_dim] KV states: export a stateful LLM IR "
+    raise PagedFormUnsupported("the model has no [batch, heads, T, head_dim] KV states: export a stateful LLM IR "
                     "(optimum-intel, or openvino-genai's GGUF conversion)")
 
 
@@ -333,7 +333,7 @@ def _gather_positions(model: ov.Model) -> None:
 
     matmul = lm_head(model)
     if matmul is None:
-        raise UserError("the model's logits do not come from a MatMul through elementwise ops only; "
+        raise PagedFormUnsupported("the model's logits do not come from a MatMul through elementwise ops only; "
                         "cannot keep only the last positions")
     indices = ops.parameter(ov.PartialShape([-1]), ov.Type.i64, name="logits_indices")
     indices.output(0).get_tensor().set_names({"logits_indices"})
