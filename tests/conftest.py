@@ -57,6 +57,24 @@ TEST_ENGINE = os.environ.get("AGENTKV_TEST_ENGINE", "paged")
 """Which engine the ``engine`` fixture is: "paged" (the default engine) or "stateful"."""
 
 
+@pytest.fixture
+def private_compiled_pool(monkeypatch):
+    """A fresh pool of compiled paged graphs for this test, and a list that grows by one per
+    compile: ``pool, compiles = private_compiled_pool`` (the suite's shared pool is left alone)."""
+    import agentkv.engine.paged.model as paged_model
+    from agentkv.engine.paged.compiled_pool import CompiledPool
+
+    pool, compiles, real = CompiledPool(), [], paged_model.compile_for_device
+
+    def counted(*args, **kwargs):
+        compiles.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(paged_model, "COMPILED", pool)
+    monkeypatch.setattr(paged_model, "compile_for_device", counted)
+    return pool, compiles
+
+
 @pytest.fixture(scope="session")
 def stateful_engine():
     """The stateful engine with the default settings (f16 KV cache, this CPU's numerics), 4 slots."""

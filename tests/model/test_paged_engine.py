@@ -246,18 +246,16 @@ async def test_counters_move_with_a_generate_on_both_engines(paged, engine_f32):
     assert paged.counters().prefix_cache_hit_tokens == hits + len(system)
 
 
-async def test_a_closed_paged_engine_hands_its_graphs_to_the_next_one_and_refuses_to_step(monkeypatch):
+async def test_a_closed_paged_engine_hands_its_graphs_to_the_next_one_and_refuses_to_step(
+        monkeypatch, private_compiled_pool):
     """``aclose`` releases the paged model: its sessions are closed, a session opened after it gets
     a clear error when it steps, and with ``AGENTKV_KEEP_COMPILED`` the next engine on the same
     settings opens without compiling and answers what the first one answered."""
-    import agentkv.engine.paged.model as paged_model
-    from agentkv.engine.paged.compiled_pool import KEEP_ENV, CompiledPool
+    from agentkv.engine.paged.compiled_pool import KEEP_ENV
     from agentkv.engine.paged.engine import PagedEngine
     from agentkv.errors import UserError
 
-    pool, compiles, real = CompiledPool(), [], paged_model.compile_for_device
-    monkeypatch.setattr(paged_model, "COMPILED", pool)
-    monkeypatch.setattr(paged_model, "compile_for_device", lambda *a, **k: compiles.append(1) or real(*a, **k))
+    pool, compiles = private_compiled_pool
     monkeypatch.setenv(KEEP_ENV, "2")
     config = GenerationConfig(max_new_tokens=6, ignore_eos=True)
     answers = []

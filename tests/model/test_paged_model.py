@@ -144,18 +144,15 @@ def test_when_the_second_graph_fails_to_compile_one_graph_runs_every_step_and_a_
 
 
 def test_a_released_models_graphs_open_the_next_one_on_the_same_settings_without_compiling(
-        exact_paged, monkeypatch):
+        exact_paged, monkeypatch, private_compiled_pool):
     """``AGENTKV_KEEP_COMPILED``: the graphs of a released model (a closed engine) run the next
     model on the same files and settings: no compile, the same logits bit for bit; a model on
     other settings compiles its own; the released one refuses to step."""
-    import agentkv.engine.paged.model as paged_model
     from agentkv.engine.openvino.models import resolve_model
-    from agentkv.engine.paged.compiled_pool import KEEP_ENV, CompiledPool
+    from agentkv.engine.paged.compiled_pool import KEEP_ENV
     from agentkv.engine.paged.model import PagedModel, SequenceStep
 
-    pool, compiles, real = CompiledPool(), [], paged_model.compile_for_device
-    monkeypatch.setattr(paged_model, "COMPILED", pool)
-    monkeypatch.setattr(paged_model, "compile_for_device", lambda *a, **k: compiles.append(1) or real(*a, **k))
+    pool, compiles = private_compiled_pool
     monkeypatch.setenv(KEEP_ENV, "2")
     first = PagedModel(resolve_model(None), num_blocks=8, kv_cache_precision="f32", exact=True, chunk_graph=True)
     prefill, decode = [SequenceStep(IDS[:40], 0, [0, 1])], [SequenceStep(IDS[40:41], 40, [0, 1])]
@@ -176,15 +173,13 @@ def test_a_released_models_graphs_open_the_next_one_on_the_same_settings_without
     assert pool.idle_graphs() == 0
 
 
-def test_a_model_dropped_in_a_reference_cycle_without_release_gives_its_graphs_to_the_next_one(monkeypatch):
-    import agentkv.engine.paged.model as paged_model
+def test_a_model_dropped_in_a_reference_cycle_without_release_gives_its_graphs_to_the_next_one(
+        monkeypatch, private_compiled_pool):
     from agentkv.engine.openvino.models import resolve_model
-    from agentkv.engine.paged.compiled_pool import KEEP_ENV, CompiledPool
+    from agentkv.engine.paged.compiled_pool import KEEP_ENV
     from agentkv.engine.paged.model import PagedModel
 
-    pool, compiles, real = CompiledPool(), [], paged_model.compile_for_device
-    monkeypatch.setattr(paged_model, "COMPILED", pool)
-    monkeypatch.setattr(paged_model, "compile_for_device", lambda *a, **k: compiles.append(1) or real(*a, **k))
+    _, compiles = private_compiled_pool
     monkeypatch.setenv(KEEP_ENV, "1")
     dropped = PagedModel(resolve_model(None), num_blocks=4, kv_cache_precision="f32", exact=True, chunk_graph=False)
     dropped.cycle = dropped  # type: ignore[attr-defined]  # as an engine and its backend refer to each other

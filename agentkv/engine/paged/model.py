@@ -321,8 +321,8 @@ def _state_kv_shape(model: ov.Model) -> tuple[int, int]:
             shape = op.get_output_partial_shape(0)
             if shape.rank.get_length() == 4 and shape[1].is_static and shape[3].is_static:
                 return shape[1].get_length(), shape[3].get_length()
-    raise PagedFormUnsupported("the model has no [batch, heads, T, head_dim] KV states: export a stateful LLM IR "
-                    "(optimum-intel, or openvino-genai's GGUF conversion)")
+    raise PagedFormUnsupported("the model has no [batch, heads, T, head_dim] KV states: export a stateful "
+                               "LLM IR (optimum-intel, or openvino-genai's GGUF conversion)")
 
 
 def _gather_positions(model: ov.Model) -> None:
@@ -333,8 +333,8 @@ def _gather_positions(model: ov.Model) -> None:
 
     matmul = lm_head(model)
     if matmul is None:
-        raise PagedFormUnsupported("the model's logits do not come from a MatMul through elementwise ops only; "
-                        "cannot keep only the last positions")
+        raise PagedFormUnsupported("the model's logits do not come from a MatMul through elementwise ops "
+                                   "only; cannot keep only the last positions")
     indices = ops.parameter(ov.PartialShape([-1]), ov.Type.i64, name="logits_indices")
     indices.output(0).get_tensor().set_names({"logits_indices"})
     hidden = ops.gather(matmul.input_value(0), indices, np.array(0, np.int64))
