@@ -2,13 +2,15 @@
 
 One session of the paged engine decodes greedy answers (drafts off, ``ignore_eos``). Two clocks
 run inside the same call, so the overhead is measured whatever the machine's speed: the time
-inside ``InferRequest.infer`` (the compiled model itself: what openvino-genai's C++ loop adds
-almost nothing to), and the step batcher's record of each step (infer plus the step's Python:
-inputs, logits copy). ``overhead = TPOT - infer time per token`` is everything agentkv's Python
-costs a token; ``gap = TPOT - step time`` the part between steps. Three ways side by side,
-interleaved: the decode loop in one worker thread (the default), the same loop stepped from the
-event loop (one thread hop per token, as before issue 27's step 0), and a bare loop calling
-``KVLog.feed`` and ``argmax`` in a thread (no decode loop at all). Last line: JSON with the medians.
+inside the decode graph's infer calls (``infer``, or ``start_async`` to the end of ``wait``: the
+compiled model itself, what openvino-genai's C++ loop adds almost nothing to), and the step
+batcher's record of each step (infer plus the step's Python: inputs, logits). ``overhead = TPOT -
+infer time per token`` is everything agentkv's Python costs a token; ``gap = TPOT - step time``
+the part between steps. Four ways side by side, interleaved: the decode loop in one worker thread
+with runs of one-token steps (the default, ``GenerationConfig.decode_run``), the same loop one
+token per feed (``decode_run=1``), the loop stepped from the event loop (one thread hop per feed),
+and a bare loop calling ``KVLog.feed`` and ``argmax`` in a thread (no decode loop at all). Last
+line: JSON with the medians.
 Run: ``.venv/bin/python benchmarks/token_overhead.py [--tokens 160] [--repeats 5] [--history 2000]``
 (``--history``: the prompt padded to that many tokens of KV).
 """
@@ -31,31 +33,55 @@ from agentkv.kv.log import KVLog
 PROMPT = "Write a long story about a cat who travels around the world and meets many friends."
 
 
-class TimedRequest:
-    """An ``InferRequest`` stand-in that adds up the seconds spent inside ``infer``."""
+class InferClock:
+    """Seconds spent inside the decode graph's infer calls, and how many."""
 
-    def __init__(self, request: object) -> None:
-        self._request, self.seconds, self.calls = request, 0.0, 0
+    def __init__(self) -> None:
+        self.seconds, self.calls = 0.0, 0
+
+
+class TimedRequest:
+    """An ``InferRequest`` stand-in that adds up the seconds spent inside ``infer`` (and between
+    ``start_async`` and the end of ``wait``) on a shared clock."""
+
+    def __init__(self, request: object, clock: InferClock) -> None:
+        self._request, self.clock, self._started = request, clock, 0.0
 
     def infer(self, *args: object, **kwargs: object) -> object:
         started = time.perf_counter()
         try:
             return self._request.infer(*args, **kwargs)  # type: ignore[attr-defined]
         finally:
-            self.seconds += time.perf_counter() - started
-            self.calls += 1
+            self.clock.seconds += time.perf_counter() - started
+            self.clock.calls += 1
+
+    def start_async(self, *args: object, **kwargs: object) -> object:
+        self._started = time.perf_counter()
+        return self._request.start_async(*args, **kwargs)  # type: ignore[attr-defined]
+
+    def wait(self) -> object:
+        try:
+            return self._request.wait()  # type: ignore[attr-defined]
+        finally:
+            self.clock.seconds += time.perf_counter() - self._started
+            self.clock.calls += 1
 
     def __getattr__(self, name: str) -> object:
         return getattr(self._request, name)
 
 
-def timed(engine: PagedEngine) -> TimedRequest:
-    """The engine's paged model's infer request, timed from now on."""
-    request = engine.paged_model._decode_request.request  # noqa: SLF001 - a benchmark reads the decode graph's own clock
-    if not isinstance(request, TimedRequest):
-        request = engine.paged_model._decode_request.request = TimedRequest(request)  # type: ignore[assignment]
-    request.seconds, request.calls = 0.0, 0
-    return request
+def timed(engine: PagedEngine) -> InferClock:
+    """The clock of the engine's decode-graph requests (batched steps and one-token runs), from now on."""
+    model = engine.paged_model
+    # NOTE: a benchmark reads the decode graph's own clock
+    graphs = [model._decode_request, model._alone_request]  # noqa: SLF001
+    timed_ones = [g.request for g in graphs if isinstance(g.request, TimedRequest)]
+    clock = timed_ones[0].clock if timed_ones else InferClock()
+    for graph in graphs:
+        if not isinstance(graph.request, TimedRequest):
+            graph.request = TimedRequest(graph.request, clock)  # type: ignore[assignment]
+    clock.seconds, clock.calls = 0.0, 0
+    return clock
 
 
 def step_seconds(engine: PagedEngine, since: float) -> list[float]:
@@ -63,7 +89,8 @@ def step_seconds(engine: PagedEngine, since: float) -> list[float]:
     return [r.seconds for r in engine.batcher.recent_steps() if r.ended_at > since and r.tokens == 1]
 
 
-async def engine_round(engine: PagedEngine, prompt: list[int], tokens: int, *, threaded: bool) -> dict[str, float]:
+async def engine_round(engine: PagedEngine, prompt: list[int], tokens: int, *, threaded: bool,
+                       run: int = GenerationConfig().decode_run) -> dict[str, float]:
     """One generation through the session API; the backend's driver switched for this round."""
     engine.backend.decodes_in_thread = threaded  # type: ignore[misc]  # an instance flag for the comparison
     session = await engine.open_session()
@@ -73,7 +100,7 @@ async def engine_round(engine: PagedEngine, prompt: list[int], tokens: int, *, t
         clock = timed(engine)
         main_cpu = time.thread_time()
         result = await session.generate(prompt, GenerationConfig(max_new_tokens=tokens, ignore_eos=True,
-                                                                 prompt_lookup=False))
+                                                                 prompt_lookup=False, decode_run=run))
         main_cpu = time.thread_time() - main_cpu
     finally:
         await session.close()
@@ -81,7 +108,7 @@ async def engine_round(engine: PagedEngine, prompt: list[int], tokens: int, *, t
             "event_loop_cpu_ms": main_cpu / tokens * 1e3}
 
 
-def figures(tpot: float, steps: list[float], clock: TimedRequest) -> dict[str, float]:
+def figures(tpot: float, steps: list[float], clock: InferClock) -> dict[str, float]:
     """Milliseconds per token: TPOT, the mean step and infer, the gap between steps, the overhead."""
     infer = clock.seconds / clock.calls
     return {"tpot_ms": tpot * 1e3, "step_ms": statistics.fmean(steps) * 1e3, "infer_ms": infer * 1e3,
@@ -105,13 +132,8 @@ async def bare_round(engine: PagedEngine, prompt: list[int], tokens: int) -> dic
         tpot, since = await anyio.to_thread.run_sync(decode)
     finally:
         slot.reset()
-    return figures(tpot, step_seconds(engine, since), timed_request(engine))
-
-
-def timed_request(engine: PagedEngine) -> TimedRequest:
-    request = engine.paged_model._decode_request.request  # noqa: SLF001
-    assert isinstance(request, TimedRequest)
-    return request
+    clock = engine.paged_model._decode_request.request.clock  # type: ignore[attr-defined]  # noqa: SLF001
+    return figures(tpot, step_seconds(engine, since), clock)
 
 
 async def measure(tokens: int, repeats: int, history: int) -> dict:
@@ -120,11 +142,12 @@ async def measure(tokens: int, repeats: int, history: int) -> dict:
     while len(prompt) < history:
         prompt += prompt
     prompt = prompt[:max(history, 1)] if history else prompt
-    rounds: dict[str, list[dict[str, float]]] = {"thread": [], "event_loop": [], "bare": []}
+    rounds: dict[str, list[dict[str, float]]] = {"thread": [], "one_by_one": [], "event_loop": [], "bare": []}
     try:
         await engine_round(engine, prompt, 16, threaded=True)  # warm-up
         for repeat in range(repeats):
             rounds["thread"].append(await engine_round(engine, prompt, tokens, threaded=True))
+            rounds["one_by_one"].append(await engine_round(engine, prompt, tokens, threaded=True, run=1))
             rounds["event_loop"].append(await engine_round(engine, prompt, tokens, threaded=False))
             rounds["bare"].append(await bare_round(engine, prompt, tokens))
             line = "  ".join(f"{name} {r[-1]['tpot_ms']:6.2f} ms/tok (overhead {r[-1]['overhead_ms']:5.3f}, "
@@ -146,6 +169,7 @@ def main() -> None:
         print(f"{name:10s} " + "  ".join(f"{k} {v:.3f}" for k, v in m.items()))
     print(json.dumps({
         "overhead_ms_thread": round(medians["thread"]["overhead_ms"], 3),
+        "overhead_ms_one_by_one": round(medians["one_by_one"]["overhead_ms"], 3),
         "overhead_ms_event_loop": round(medians["event_loop"]["overhead_ms"], 3),
         "overhead_ms_bare": round(medians["bare"]["overhead_ms"], 3),
         "gap_ms_thread": round(medians["thread"]["gap_ms"], 3),

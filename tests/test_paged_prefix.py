@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from agentkv.engine.paged.backend import PagedBackend
 from agentkv.engine.paged.block_pool import BlockPool, KVPoolExhausted
 from agentkv.kv.chunking import PrefixBoundaries
-from agentkv.engine.paged.model import BLOCK_SIZE
+from agentkv.engine.paged.model import BLOCK_SIZE, SequenceStep
 from agentkv.engine.paged.prefix import PagedPrefixCache
 from agentkv.engine.paged.slot import PagedSlot
 from agentkv.engine.paged.shared_blocks import SharedBlocks
@@ -35,6 +35,10 @@ class FakePagedModel:
         self.lock = threading.RLock()
         self.keys = np.full((pool.num_blocks, 1, BLOCK_SIZE, 1), -1.0, dtype=np.float32)
         self.values = self.keys.copy()
+
+    def step_alone(self, token, past_len, blocks):
+        row = self.step([SequenceStep([token], past_len, blocks)])[0]
+        return int(np.argmax(row)), row
 
     def step(self, sequences):
         for seq in sequences:

@@ -78,6 +78,10 @@ class BigramPagedModel:
         self.keys = np.full((pool.num_blocks, 1, BLOCK_SIZE, 1), -1.0, dtype=np.float32)
         self.values = self.keys.copy()
 
+    def step_alone(self, token: int, past_len: int, blocks: list[int]) -> tuple[int, np.ndarray]:
+        row = self.step([SequenceStep([token], past_len, blocks)])[0]
+        return int(np.argmax(row)), row
+
     def step(self, sequences: list[SequenceStep]) -> np.ndarray:
         rows = []
         for seq in sequences:

@@ -1,15 +1,14 @@
 """The engine contract: GenerationConfig, typed results, and the Engine / KVSession protocols.
 
-Everything above ``engine/`` (runner, policies, runtime) talks to a model only
-through these types, so the real OpenVINO engine and the scripted test engine
-are interchangeable::
+Everything above ``engine/`` (runner, policies, runtime) talks to a model only through these
+types, so the real OpenVINO engine and the scripted test engine are interchangeable::
 
     session = await engine.open_session()
     result = await session.generate(prompt_ids, GenerationConfig(max_new_tokens=32))
     print(result.text, result.metrics.prefilled_tokens)
 
-The invariant every implementation keeps: the session's KV is exactly the KV
-of ``session.tokens`` at positions ``0..len-1`` (unless ``session.shifted``).
+The invariant every implementation keeps: the session's KV is exactly the KV of ``session.tokens``
+at positions ``0..len-1`` (unless ``session.shifted``).
 """
 
 from __future__ import annotations
@@ -34,9 +33,8 @@ MAX_LOGPROBS = 20
 
 
 class GenerationConfig(BaseModel):
-    """How to pick tokens: ``GenerationConfig(max_new_tokens=64)`` is greedy, ``temperature>0`` samples.
-    Invalid values (NaN, infinities) raise ``pydantic.ValidationError`` naming the field and its range
-    (``Agent(generation={...})`` turns them into a ``UserError``)."""
+    """How to pick tokens: ``GenerationConfig(max_new_tokens=64)`` is greedy, ``temperature>0`` samples. Bad
+    values (NaN, infinities) raise ``pydantic.ValidationError`` naming the field (through ``Agent``: ``UserError``)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
@@ -76,6 +74,8 @@ class GenerationConfig(BaseModel):
     """Feed a grammar's forced tokens in one model step (same tokens; off with logprobs or beams)."""
     prompt_lookup: bool = True
     """Paged engine: check guesses copied from the session's log in one step (same tokens; sampled: same draws)."""
+    decode_run: int = Field(8, ge=1)
+    """Tokens decoded back to back, their deltas then streamed together (same tokens; 1: each as it is chosen)."""
 
     @model_validator(mode="after")
     def _check_beams(self) -> GenerationConfig:

@@ -11,13 +11,14 @@ slot's lease::
     log = KVLog(boundaries=engine.boundaries)
     logits = log.feed(slot, prompt_ids)          # canonical chunks; logits after the last id
     rows = log.feed_rows(slot, [t, *draft], 4)   # [4, vocab]: logits after each of the last 4 ids (paged)
+    chosen = log.feed_run(slot, [t], steps=8, choose=pick, ends=lambda t: t == eos)   # a greedy run
     log.trim(slot, 10)
     log.check_integrity(slot)
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -45,6 +46,13 @@ class RowsSlot(KVSlot, Protocol):
     stateful one, whose compiled model keeps the last position only)."""
 
     def feed_rows(self, input_ids: np.ndarray, past_len: int, rows: int) -> np.ndarray: ...
+
+
+class RunSlot(KVSlot, Protocol):
+    """A slot that runs several one-token steps in a row itself (``PagedSlot.feed_run``)."""
+
+    def feed_run(self, token: int, past_len: int, *, steps: int, choose: Callable[[np.ndarray], int],
+                 ends: Callable[[int], bool], chosen: list[int], greedy: bool = False) -> np.ndarray: ...
 
 
 def feeds_rows(slot: object) -> bool:
@@ -129,6 +137,42 @@ class KVLog:
             if wanted > 0:
                 got.append(logits)
         return np.concatenate(got)
+
+    def feed_run(self, slot: KVSlot, ids: Sequence[int], *, steps: int, choose: Callable[[np.ndarray], int],
+                 ends: Callable[[int], bool], greedy: bool = False) -> list[int]:
+        """Feed ``ids``, then each token ``choose(logits)`` picks from the last logits, until
+        ``steps`` tokens are chosen or ``ends(token)``: the chosen tokens, each fed but the last
+        (``last_logits`` are the ones it was chosen from). The feeds are ``feed``'s; a slot with
+        ``feed_run`` (paged) runs the one-token steps itself, back to back while its session steps
+        alone (``greedy``: ``choose`` is the argmax, which such a slot may take from the model).
+        On failure the log holds the tokens fed so far, last logits unknown::
+
+            chosen = log.feed_run(slot, [t], steps=8, choose=pick, ends=lambda t: t in stop_ids)
+        """
+        chosen: list[int] = []
+        run = getattr(slot, "feed_run", None)
+        if len(ids) != 1 or not callable(run):
+            logits = self.feed(slot, ids)
+            while True:
+                chosen.append(choose(logits))
+                if len(chosen) >= steps or ends(chosen[-1]):
+                    return chosen
+                if callable(run):
+                    break
+                logits = self.feed(slot, chosen[-1:])
+        token, start, before = int(chosen[-1] if chosen else ids[0]), len(self.tokens), len(chosen)
+        try:
+            logits = run(token, start, steps=steps - before, choose=choose, ends=ends, chosen=chosen, greedy=greedy)
+        except BaseException:
+            fed = [token, *chosen[before:]][: slot.length() - start]
+            if fed:
+                self.tokens.extend(fed)
+                self.last_logits = None
+            raise
+        self.tokens.append(token)
+        self.tokens.extend(chosen[before:-1])
+        self.last_logits = logits
+        return chosen
 
     def trim(self, slot: KVSlot, n: int) -> None:
         """Keep the first ``n`` tokens and their KV (a trim to 0 makes the log exact again). On

@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from contextlib import AbstractAsyncContextManager, AbstractContextManager, aclosing
 from dataclasses import replace
+from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import anyio
@@ -34,10 +35,10 @@ from agentkv.engine.decode.alignment import Alignment
 from agentkv.engine.decode.beam_decode import run_beam_search
 from agentkv.engine.decode.fast_forward import FastForwardCounts, ForcingConstraint, forced_source
 from agentkv.engine.decode.prompt_lookup import Drafts, PromptLookup
-from agentkv.engine.decode.sampling import make_rng, sample_next, token_logprobs
+from agentkv.engine.decode.sampling import greedy_pick, make_rng, penalties_active, sample_next, token_logprobs
 from agentkv.engine.decode.step_counts import StepCounts
 from agentkv.engine.decode.threaded import current_task_id, run_steps_in_thread
-from agentkv.engine.decode.model_steps import MODEL_STEPS, FeedRowsStep, ModelStep, TrimStep
+from agentkv.engine.decode.model_steps import MODEL_STEPS, FeedRowsStep, ModelStep, RunStep, TrimStep, fed_at_most
 from agentkv.engine.decode.token_steps import DecodeOutcome, TokenSteps
 from agentkv.kv.log import feeds_rows
 
@@ -194,7 +195,7 @@ class DecodeLoop:
         steps = TokenSteps(
             self.chooser(), config=self.config, decode_text=self.engine.tokenizer.decode, stop_ids=self.stop_ids,
             max_new=self.max_new, constraint=self.constraint, score=self.scorer(), forcing=self.forcing(),
-            counts=self.fast_forward, on_forced=self.skip_draw, drafts=self.drafts,
+            counts=self.fast_forward, on_forced=self.skip_draw, drafts=self.drafts, pick=self.picker(),
         )
         base = len(self.log)
         if self.engine.decodes_in_thread:
@@ -218,7 +219,10 @@ class DecodeLoop:
                 if len(log) > base + step.keep:
                     await run(log.trim, slot, base + step.keep)
                 return None
-            async with self.engine.room(slot, len(step.ids)):
+            async with self.engine.room(slot, fed_at_most(step)):
+                if isinstance(step, RunStep):
+                    return await run(partial(log.feed_run, slot, step.ids, steps=step.steps, choose=step.choose,
+                                             ends=step.ends, greedy=step.greedy))
                 if isinstance(step, FeedRowsStep):
                     return await run(log.feed_rows, slot, step.ids, step.rows)
                 await run(log.feed, slot, step.ids)
@@ -236,7 +240,10 @@ class DecodeLoop:
             if isinstance(step, TrimStep):
                 log.trim(slot, base + step.keep)
                 return None
-            with self.engine.room_blocking(slot, len(step.ids), token=token):
+            with self.engine.room_blocking(slot, fed_at_most(step), token=token):
+                if isinstance(step, RunStep):
+                    return log.feed_run(slot, step.ids, steps=step.steps, choose=step.choose, ends=step.ends,
+                                        greedy=step.greedy)
                 if isinstance(step, FeedRowsStep):
                     return log.feed_rows(cast("RowsSlot", slot), step.ids, step.rows)
                 log.feed(slot, step.ids)
@@ -248,7 +255,7 @@ class DecodeLoop:
         """``choose(generated)``: the next token, sampled from the log's last logits under the
         config (and the constraint's mask)."""
         log, cfg = self.log, self.config
-        rng = self._rng = make_rng(cfg.seed)
+        rng = self.call_rng()
 
         def choose(generated: list[int]) -> int:
             # NOTE: while a draft is ahead, log.tokens holds drafted tokens too; the penalties'
@@ -261,6 +268,31 @@ class DecodeLoop:
             return sample_next(logits, cfg, rng, context_ids=log.tokens, generated_ids=generated, allowed=allowed)
 
         return choose
+
+    def picker(self) -> Callable[[np.ndarray], int] | None:
+        """``pick(logits)``: the token ``chooser()`` gives from ``logits`` whatever came before —
+        greedy or sampled, with no constraint, penalties or log-probabilities —, so the model may
+        run several steps choosing by it (``RunStep``); None when ``chooser()`` needs more (then
+        every token goes through it)."""
+        cfg = self.config
+        if self.constraint is not None or cfg.logprobs is not None or penalties_active(cfg) \
+                or type(self).chooser is not DecodeLoop.chooser:
+            return None
+        if cfg.greedy:
+            return greedy_pick
+        rng = self.call_rng()
+
+        def pick(logits: np.ndarray) -> int:
+            return sample_next(logits, cfg, rng)
+
+        return pick
+
+    def call_rng(self) -> np.random.Generator:
+        """The call's one random stream (seeded by the config), which ``chooser()`` and
+        ``picker()`` draw from in token order."""
+        if self._rng is None:
+            self._rng = make_rng(self.config.seed)
+        return self._rng
 
     def forcing(self) -> ForcingConstraint | None:
         """The constraint to take forced tokens from (``fast_forward.forced_source``), or None."""

@@ -1,12 +1,17 @@
 """The model steps a decode loop asks its driver for: feed tokens, feed and return several rows of
-logits, trim the log back. Plain data; ``token_steps`` yields them, a driver runs them::
+logits, run several steps choosing each token, trim the log back. Plain data; ``token_steps``
+yields them, a driver runs them::
 
     step = FeedRowsStep([5, 6, 7], rows=3)    # reply: float32 logits [3, vocab]
+    step = RunStep([5], steps=8, choose=argmax, ends=lambda t: t == eos)   # reply: the chosen ids
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -25,11 +30,29 @@ class FeedRowsStep:
 
 
 @dataclass(frozen=True)
+class RunStep:
+    """Feed ``ids``, then each token ``choose(logits)`` picks, until ``steps`` tokens are chosen or
+    ``ends(token)`` (``KVLog.feed_run``); the reply is the chosen ids, each fed but the last."""
+
+    ids: list[int]
+    steps: int
+    choose: Callable[[np.ndarray], int]
+    ends: Callable[[int], bool]
+    greedy: bool = False
+    """``choose`` is the argmax (the lowest id among equals): a slot may take the model's own."""
+
+
+@dataclass(frozen=True)
 class TrimStep:
     """Keep only the first ``keep`` generated tokens in the KV log (nothing when it holds no more)."""
 
     keep: int
 
 
-ModelStep = FeedStep | FeedRowsStep | TrimStep
-MODEL_STEPS = (FeedStep, FeedRowsStep, TrimStep)
+ModelStep = FeedStep | FeedRowsStep | RunStep | TrimStep
+MODEL_STEPS = (FeedStep, FeedRowsStep, RunStep, TrimStep)
+
+
+def fed_at_most(step: FeedStep | FeedRowsStep | RunStep) -> int:
+    """Tokens ``step`` may add to the KV log (room is made for them before it runs)."""
+    return len(step.ids) + (step.steps - 1 if isinstance(step, RunStep) else 0)

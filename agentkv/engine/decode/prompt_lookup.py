@@ -169,6 +169,7 @@ class Drafts:
         """Tokens proposed (``GenerationMetrics.drafted_tokens``)."""
         self.accepted = 0
         """Drafted tokens the model chose too (``GenerationMetrics.accepted_tokens``)."""
+        self._early = 0  # tokens ``lookahead`` pushed that ``accept`` has not seen yet
 
     @property
     def logits(self) -> np.ndarray | None:
@@ -179,17 +180,39 @@ class Drafts:
     def feed(self, pending: list[int], left: int) -> Generator[ModelStep, Any, None]:
         """Feed ``pending`` (accepted, not fed; not empty) and a draft of at most ``left`` tokens
         after it in one step, keeping the logits from the last pending token on."""
-        size = self.budget.take(left)
-        if size > 0 and self._cap is not None:
-            size = min(size, self._cap())
-        draft = self.lookup.propose(size) if size > 0 else []
+        draft = self.next_draft(left)
         if not draft:
             yield FeedStep(pending)
             self.in_kv += len(pending)
             return
+        yield from self.verify(pending, draft)
+
+    def next_draft(self, left: int) -> list[int]:
+        """The draft to feed after the pending tokens now, at most ``left`` tokens ([]: feed them
+        alone; this chance to draft is spent): ``draft = drafts.next_draft(left)``."""
+        size = self.budget.take(left)
+        if size > 0 and self._cap is not None:
+            size = min(size, self._cap())
+        draft = self.lookup.propose(size) if size > 0 else []
         # NOTE: padded to the size asked for, one verify shape (MAX_DRAFT). A lookup is short only
         # when its match ran into the log's end, where the log goes on repeating what it found
-        draft += [draft[i % len(draft)] for i in range(size - len(draft))]
+        return draft + [draft[i % len(draft)] for i in range(size - len(draft))] if draft else []
+
+    def lookahead(self, token: int) -> bool:
+        """A run of one-token steps chose ``token`` (``RunStep``), which the loop takes later: it
+        joins the lookup now (``accept`` does not add it again), and this is its chance to draft,
+        as feeding it one by one would be. True when a draft would follow it (the run ends there,
+        and the loop's next feed drafts): ``ends = lambda t: t in stop or drafts.lookahead(t)``."""
+        self.lookup.push(token)
+        self._early += 1
+        if self.budget.skip > 0:
+            self.budget.skip -= 1
+            return False
+        return bool(self.lookup.propose(1))
+
+    def verify(self, pending: list[int], draft: list[int]) -> Generator[ModelStep, Any, None]:
+        """Feed ``pending`` and ``draft`` (``next_draft``) in one step, keeping the rows of logits
+        the loop chooses from next."""
         self._rows = yield FeedRowsStep([*pending, *draft], len(draft) + 1)
         self._row, self.ahead, self._draft_len, self._hits = 0, draft, len(draft), 0
         self.in_kv += len(pending) + len(draft)
@@ -198,7 +221,10 @@ class Drafts:
     def accept(self, token: int) -> Generator[ModelStep, Any, bool]:
         """The loop took ``token`` (chosen or forced); True when it was the next drafted token (fed
         already). Another token ends the draft: what was drafted after it leaves the KV log."""
-        self.lookup.push(token)
+        if self._early:
+            self._early -= 1
+        else:
+            self.lookup.push(token)
         if not self.ahead:
             self._rows = None
             return False

@@ -70,7 +70,8 @@ def token_logprobs(logits: np.ndarray, token_id: int, top: int) -> tuple[float, 
     return float(scores[token_id]), best.astype(np.int64), scores[best]
 
 
-def _penalties_active(config: GenerationConfig) -> bool:
+def penalties_active(config: GenerationConfig) -> bool:
+    """True when the config penalises repeated tokens (the choice then depends on what came before)."""
     return (
         config.repetition_penalty != 1.0
         or config.presence_penalty != 0.0
@@ -175,7 +176,7 @@ def target_distribution(
         dist = target_distribution(logits, GenerationConfig(temperature=0.7, top_p=0.9))
     """
     scores = np.asarray(logits, dtype=np.float32).reshape(-1)  # [vocab]
-    if _penalties_active(config):
+    if penalties_active(config):
         scores = apply_penalties(scores, context_ids, generated_ids, config)
     # NOTE: each filter keeps a subset of the previous array; `picks` records the positions it
     # kept, so the drawn position maps back to a token id without a full-vocab arange.
@@ -229,11 +230,17 @@ def sample_next(
 
     ``sample_next(logits, GenerationConfig(temperature=0.7, top_p=0.9), make_rng(0))``
     """
-    if config.temperature == 0.0 and allowed is None and not _penalties_active(config):
-        return int(np.argmax(np.asarray(logits, dtype=np.float32)))  # what draw(target_distribution) gives
+    if config.temperature == 0.0 and allowed is None and not penalties_active(config):
+        return greedy_pick(logits)  # what draw(target_distribution) gives
     distribution = target_distribution(logits, config, context_ids=context_ids, generated_ids=generated_ids,
                                        allowed=allowed)
     return draw(distribution, rng)
+
+
+def greedy_pick(logits: np.ndarray) -> int:
+    """The greedy token of logits ``[vocab]`` taken as float32, the lowest id among equals:
+    ``greedy_pick(np.array([0.1, 2.0, 2.0]))`` → 1."""
+    return int(np.argmax(np.asarray(logits, dtype=np.float32)))
 
 
 def _keep(values: np.ndarray, positions: np.ndarray, picks: list[np.ndarray]) -> np.ndarray:

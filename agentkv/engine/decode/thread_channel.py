@@ -2,7 +2,8 @@
 
 ``post(item)`` from the thread does not wait for the event loop to take the item (on asyncio:
 ``call_soon_threadsafe`` wakes the loop, the thread goes on), except while ``lead`` items are
-still unreceived: a paused or abandoned consumer stops its producer there. ``await receive()``
+still unreceived: a paused or abandoned consumer stops its producer there (an item that stands
+for several, ``post(batch, size=len(batch))``, counts as that many). ``await receive()``
 on the loop takes them in order and is a cancellation point even when items are queued::
 
     channel = ThreadChannel[int](lead=8)          # created on the event loop
@@ -31,18 +32,21 @@ class ThreadChannel(Generic[T]):
     def __init__(self, lead: int) -> None:
         if lead < 1:
             raise ValueError(f"lead must be at least 1, got {lead}")
-        self._items: deque[T] = deque()
+        self._items: deque[tuple[T, int]] = deque()
+        self._unreceived = 0
         self._changed = threading.Condition()
         self._waiter: anyio.Event | None = None
         self._lead = lead
         self._wake = _waker()
 
-    def post(self, item: T, *, wait: bool = True) -> None:
-        """Queue ``item`` (from any thread); with ``wait``, first wait while ``lead`` items are unreceived."""
+    def post(self, item: T, *, wait: bool = True, size: int = 1) -> None:
+        """Queue ``item``, counted as ``size`` items (from any thread); with ``wait``, first wait
+        while ``lead`` items are unreceived."""
         with self._changed:
-            while wait and len(self._items) >= self._lead:
+            while wait and self._unreceived >= self._lead:
                 self._changed.wait()
-            self._items.append(item)
+            self._items.append((item, size))
+            self._unreceived += size
             waiter, self._waiter = self._waiter, None
         if waiter is not None:
             self._wake(waiter.set)
@@ -53,7 +57,8 @@ class ThreadChannel(Generic[T]):
         while True:
             with self._changed:
                 if self._items:
-                    item = self._items.popleft()
+                    item, size = self._items.popleft()
+                    self._unreceived -= size
                     self._changed.notify()
                     return item
                 self._waiter = waiter = anyio.Event()

@@ -4,10 +4,12 @@ Stepping one token at a time from the event loop costs a thread hop and an event
 token (~0.7 ms of Python between two model steps on a 2-core CPU; measured, issue 27). Here the
 whole loop — feed, choose, detokenize, stop — runs in one thread, as openvino-genai's C++ loop
 does, and each delta is handed to the event loop without the thread waiting for it
-(``thread_channel``): the consumer's work overlaps the next model step. The thread runs at most
-``DELTAS_AHEAD`` deltas ahead of its consumer. A stream closed or cancelled stops the thread after
-the step it is in, and the KV log is then settled to what one-by-one decoding's log holds after
-the last delta the consumer received (the thread may have fed tokens beyond it). No OpenVINO here::
+(``thread_channel``): the consumer's work overlaps the next model step. The deltas the loop yields
+between two model steps (a run's, ``RunStep``) go over as one hand-over, one event-loop wake. The
+thread runs at most ``DELTAS_AHEAD`` deltas (and a run) ahead of its consumer. A stream closed or
+cancelled stops the thread after the step it is in (a run: after its current token), and the KV
+log is then settled to what one-by-one decoding's log holds after the last delta the consumer
+received (the thread may have fed tokens beyond it). No OpenVINO here::
 
     events = run_steps_in_thread(TokenSteps(choose, config=cfg, ...), execute_blocking)
     async with aclosing(events):
@@ -21,14 +23,14 @@ import contextvars
 import logging
 import threading
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import anyio
 import anyio.lowlevel
 
 from agentkv.engine.base import TokenDelta
-from agentkv.engine.decode.model_steps import MODEL_STEPS, ModelStep
+from agentkv.engine.decode.model_steps import MODEL_STEPS, ModelStep, RunStep
 from agentkv.engine.decode.thread_channel import ThreadChannel
 from agentkv.engine.decode.token_steps import DecodeOutcome, TokenSteps
 
@@ -40,8 +42,10 @@ except ImportError:  # pragma: no cover - anyio works without it
 logger = logging.getLogger(__name__)
 
 DELTAS_AHEAD = 8
-"""Deltas the thread may have produced that its consumer has not taken: a stream paused (or left
-open) costs at most that many tokens of decoding, and a cancel waits for none of them."""
+"""Deltas the thread may have produced that its consumer has not taken, plus one run's
+(``GenerationConfig.decode_run``: a run's deltas go over together, and the next run starts before
+the hand-over after it waits): a stream paused (or left open) costs at most that many tokens of
+decoding, and a cancel waits for none of them."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,13 @@ class _Delta:
     event: TokenDelta | DecodeOutcome
     kept: int
     """Generated tokens one-by-one decoding's log held when the loop yielded ``event``."""
+
+
+@dataclass(frozen=True)
+class _Deltas:
+    """The deltas the loop yielded between two model steps, in order."""
+
+    deltas: list[_Delta]
 
 
 @dataclass(frozen=True)
@@ -64,11 +75,17 @@ async def run_steps_in_thread(steps: TokenSteps, execute: Callable[[ModelStep], 
     consumer received (a step that failed while the consumer still read: where it failed),
     settled shielded from a cancellation; skipped, like ``run_steps``'s, when another task closes
     the stream. See the module docstring for a call."""
-    channel: ThreadChannel[_Delta | _Finished] = ThreadChannel(DELTAS_AHEAD)
+    channel: ThreadChannel[_Deltas | _Finished] = ThreadChannel(DELTAS_AHEAD)
     stop = threading.Event()
+
+    def interrupted(step: RunStep) -> RunStep:
+        """``step`` ending after the token it is at once the stream stops."""
+        ends = step.ends
+        return replace(step, ends=lambda token: ends(token) or stop.is_set())
 
     def work() -> None:
         error: BaseException | None = None
+        ready: list[_Delta] = []
         try:
             run = steps.run()
             try:
@@ -79,14 +96,19 @@ async def run_steps_in_thread(steps: TokenSteps, execute: Callable[[ModelStep], 
                     except StopIteration:
                         break
                     if isinstance(item, MODEL_STEPS):
+                        if ready:
+                            channel.post(_Deltas(ready), size=len(ready))
+                            ready = []
                         if stop.is_set():
                             break
-                        reply = execute(item)
+                        reply = execute(interrupted(item) if isinstance(item, RunStep) else item)
                     else:
                         reply = None
-                        channel.post(_Delta(item, steps.kept))
+                        ready.append(_Delta(item, steps.kept))
             finally:
                 run.close()
+            if ready:
+                channel.post(_Deltas(ready), size=len(ready))
         except BaseException as failure:  # handed to the consumer, raised there
             error = failure
         finally:
@@ -104,8 +126,9 @@ async def run_steps_in_thread(steps: TokenSteps, execute: Callable[[ModelStep], 
                     raised = True
                     raise error
                 return
-            kept, ended = item.kept, isinstance(item.event, DecodeOutcome)
-            yield item.event
+            for delta in item.deltas:
+                kept, ended = delta.kept, isinstance(delta.event, DecodeOutcome)
+                yield delta.event
     finally:
         stop.set()
         with anyio.CancelScope(shield=True):

@@ -16,21 +16,28 @@ Each chosen token that does not end generation is fed (and joins the session's l
 that ends it is not fed — the next turn's alignment feeds it if the rendered history contains
 it. Tokens a grammar forces are taken without sampling and fed with the token before them as one
 chunk (``fast_forward``); with ``drafts`` (``prompt_lookup``) those feeds carry a guess of the
-next tokens and a token the draft fed already is not fed again. ``settle(keep)`` gives the
-steps that leave one-by-one decoding's log when a driver stops the loop early. No OpenVINO here.
+next tokens and a token the draft fed already is not fed again. With ``pick`` (the token plain
+decoding would choose from given logits: no constraint, penalties or log-probabilities), a feed
+that drafts nothing is a run instead (``RunStep``): the model steps on, each step feeding the
+token ``pick`` chose from the last, up to ``config.decode_run`` tokens, and the loop then takes them in
+order (one delta each), the run's tokens already fed. ``settle(keep)`` gives the steps that leave
+one-by-one decoding's log when a driver stops the loop early. No OpenVINO here.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from agentkv.engine.base import GenerationConfig, TokenConstraint, TokenDelta, TokenLogprob
 from agentkv.engine.decode.detokenize import IncrementalDecoder
 from agentkv.engine.decode.fast_forward import FastForwardCounts, ForcingConstraint, next_forced
-from agentkv.engine.decode.model_steps import FeedStep, ModelStep, TrimStep
+from agentkv.engine.decode.model_steps import FeedStep, ModelStep, RunStep, TrimStep
 from agentkv.engine.decode.prompt_lookup import Drafts
 from agentkv.engine.decode.sampling import StopStringMatcher
 
@@ -57,8 +64,9 @@ class TokenSteps:
     log-probability from the same logits, before the feed. With ``forcing`` (the constraint, when
     it fast-forwards: ``fast_forward.forced_source``) a token it forces is taken without
     ``choose`` (``on_forced()`` then stands for the draw the sampler would have made), and
-    accepted tokens are fed only when the model must choose again or the loop ends. ``counts``
-    adds up forced tokens and feeds."""
+    accepted tokens are fed only when the model must choose again or the loop ends. With
+    ``pick(logits)`` (what ``choose`` would give from those logits, for any ``generated``), feeds
+    that draft nothing run on (``RunStep``). ``counts`` adds up forced tokens and feeds."""
 
     def __init__(
         self,
@@ -74,8 +82,13 @@ class TokenSteps:
         counts: FastForwardCounts | None = None,
         on_forced: Callable[[], None] | None = None,
         drafts: Drafts | None = None,
+        pick: Callable[[np.ndarray], int] | None = None,
     ) -> None:
         self._choose, self._score, self._on_forced = choose, score, on_forced
+        self._pick = pick
+        self._chosen: deque[int] = deque()  # tokens a run chose that the loop has not taken yet
+        self._run_fed = 0  # of those, the ones the run fed (all but its last)
+        self._ran = False
         self._config, self._stop_ids, self._max_new = config, stop_ids, max_new
         self._constraint, self._forcing, self.drafts = constraint, forcing, drafts
         self._decode_text = decode_text
@@ -101,10 +114,15 @@ class TokenSteps:
         finish = "length"
         while len(generated) < self._max_new:
             token = next_forced(self._forcing)
+            run_fed = False
             if token is None:
-                if self._pending:
+                if self._pending and not self._chosen:
                     yield from self._feed_pending(len(generated))
-                token = self._choose(generated)
+                if self._chosen:
+                    token, run_fed = self._chosen.popleft(), self._run_fed > 0
+                    self._run_fed -= run_fed
+                else:
+                    token = self._choose(generated)
             else:
                 counts.forced += 1
                 if self._on_forced is not None:
@@ -135,7 +153,7 @@ class TokenSteps:
             self._held += 1
             if fed:
                 counts.confirmed += 1
-            else:
+            elif not run_fed:
                 self._pending.append(token)
         yield from self._settle_drafts()
         if self._pending:  # NOTE: the tokens before the one that ended generation, as one-by-one would have fed
@@ -168,24 +186,50 @@ class TokenSteps:
         yield TrimStep(keep)
 
     def _settle_drafts(self) -> Generator[ModelStep, Any, None]:
-        """At the loop's end: a draft ahead, and a drafted token that ended generation, leave the
-        KV log (one-by-one decoding never fed them)."""
-        if self.drafts is None:
-            return
-        self.drafts.forget_ahead()
-        if self.drafts.in_kv > self.kept:
-            yield TrimStep(self.kept)
-            self.drafts.in_kv = self.kept
+        """At the loop's end: a draft or a run ahead, and a drafted or run token that ended
+        generation, leave the KV log (one-by-one decoding never fed them)."""
+        self._chosen.clear()
+        if self.drafts is not None:
+            self.drafts.forget_ahead()
+        if self._ran or (self.drafts is not None and self.drafts.in_kv > self.kept):
+            yield TrimStep(self.kept)  # NOTE: nothing to do when the log holds no more
+            if self.drafts is not None:
+                self.drafts.in_kv = self.kept
 
     def _feed_pending(self, generated: int, *, draft: bool = True) -> Generator[ModelStep, Any, None]:
         """Feed the accepted tokens not fed yet (with a draft after them unless ``draft`` is off);
         they stay pending until the step has run."""
-        pending = list(self._pending)
-        if self.drafts is not None and draft:
-            yield from self.drafts.feed(pending, self._max_new - generated - 1)
+        pending, left = list(self._pending), self._max_new - generated - 1
+        guess = self.drafts.next_draft(left) if self.drafts is not None and draft else []
+        if guess:
+            assert self.drafts is not None
+            yield from self.drafts.verify(pending, guess)
+        elif self._pick is not None and draft and left > 0 and self._config.decode_run > 1:
+            yield from self._run(pending, min(self._config.decode_run, left + 1))
+            return
         else:
             yield FeedStep(pending)
             if self.drafts is not None:
                 self.drafts.in_kv += len(pending)
         self._pending = []
         self.counts.fed_in(len(pending))
+
+    def _run(self, pending: list[int], steps: int) -> Generator[ModelStep, Any, None]:
+        """Feed ``pending`` as a run choosing up to ``steps`` tokens; they wait in ``_chosen``."""
+        assert self._pick is not None
+        stop_ids, drafts = self._stop_ids, self.drafts
+        if drafts is None:
+            def ends(token: int) -> bool:
+                return token in stop_ids
+        else:
+            def ends(token: int) -> bool:
+                return token in stop_ids or drafts.lookahead(token)
+        chosen: list[int] = yield RunStep(pending, steps, self._pick, ends, greedy=self._config.greedy)
+        self._ran = True
+        self._pending = []
+        self._chosen.extend(chosen)
+        self._run_fed = len(chosen) - 1
+        self.counts.fed += len(pending) + len(chosen) - 1
+        self.counts.feeds += len(chosen)
+        if drafts is not None:
+            drafts.in_kv += len(pending) + len(chosen) - 1

@@ -17,6 +17,11 @@ take turns (measured before: four sessions settled into two alternating pairs, m
     batcher.recent_steps()     # the last steps one by one: sequences, tokens, seconds, tokens/s
     batcher.load(caller=slot)  # others stepping now; how many drafted tokens this caller may feed
     batcher.forget(slot)       # its call ended: nobody waits for it
+    alone = batcher.alone(slot)  # the model to itself while nobody else steps (None: others do)
+
+A caller that steps alone may take the model for several steps in a row (``alone``: a greedy
+run, ``PagedSlot.feed_run``) without going through the queue each time; it hands the model back
+after the step during which another caller queued, so nobody waits longer than one step.
 
 Drafts (sequences asking for several positions' logits) share steps with the others within a
 budget (``draft_share.py``: ≤ 5 % slower for the others); ``load`` tells a caller its share.
@@ -115,6 +120,42 @@ class StepLoad:
     """The shared steps' draft budget left, in steps (``DraftShare.credit``)."""
 
 
+class AloneSteps:
+    """The model held by one caller while nobody else steps (``StepBatcher.alone``): it runs its
+    steps itself, ``counted`` after each, and ``close()`` hands the model back::
+
+        alone = batcher.alone(slot)
+        if alone is not None:
+            try:
+                while ...:
+                    started = time.perf_counter(); logits = model.step_alone(...)
+                    alone.counted(started)
+                    if alone.others_waiting: break
+            finally:
+                alone.close()
+    """
+
+    __slots__ = ("_batcher", "caller", "_steps")
+
+    def __init__(self, batcher: StepBatcher, caller: Hashable) -> None:
+        self._batcher, self.caller = batcher, caller
+        self._steps: list[tuple[float, float]] = []
+
+    @property
+    def others_waiting(self) -> bool:
+        """Another caller queued for a step: hand the model back after this one."""
+        return bool(self._batcher._queue)  # noqa: SLF001 - a length read; the batcher's own helper
+
+    def counted(self, started: float) -> None:
+        """A one-token step that began at ``started`` (``time.perf_counter()``) has just ended."""
+        self._steps.append((started, time.perf_counter()))
+
+    def close(self) -> None:
+        """Count the steps and hand the model back (once)."""
+        steps, self._steps = self._steps, []
+        self._batcher._end_alone(self.caller, steps)  # noqa: SLF001
+
+
 class _Pending:
     __slots__ = ("sequence", "caller", "queued_at", "outcome", "error", "done")
 
@@ -185,6 +226,26 @@ class StepBatcher:
             raise pending.error
         assert pending.outcome is not None
         return pending.outcome
+
+    def alone(self, caller: Hashable) -> AloneSteps | None:
+        """The model for ``caller``'s steps alone when nobody else steps, waits or stepped in the
+        last two steps (None otherwise: feed through ``run``, batched). Until ``close()``,
+        others queue as during a step: see ``AloneSteps`` for a call."""
+        with self._changed:
+            if self._running or self._queue or any(c != caller for c in self._recent):
+                return None
+            self._running = True
+        return AloneSteps(self, caller)
+
+    def _end_alone(self, caller: Hashable, steps: list[tuple[float, float]]) -> None:
+        """Count ``caller``'s steps taken alone, and let the queue run."""
+        with self._changed:
+            try:
+                for started, ended in steps:
+                    self._count([caller], [0.0], started, ended, tokens=1, drafting=0)
+            finally:
+                self._running = False
+                self._changed.notify_all()
 
     def forget(self, caller: Hashable) -> None:
         """``caller`` ended its call: no step waits for its next feed, and it no longer counts as
@@ -257,27 +318,29 @@ class StepBatcher:
                 p.outcome = StepOutcome(logits[end - 1], rows, len(batch), started - p.queued_at)
         ended = time.perf_counter()
         tokens = sum(len(p.sequence.ids) for p in batch)
+        drafting = sum(1 for p in batch if p.sequence.last_rows > 1 and len(p.sequence.ids) > 1)
         with self._changed:
             try:
-                self._count(batch, started, ended, tokens)
+                self._count([p.caller for p in batch], [started - p.queued_at for p in batch], started, ended,
+                            tokens=tokens, drafting=drafting)
             finally:
                 for p in batch:
                     p.done = True
 
-    def _count(self, batch: list[_Pending], started: float, ended: float, tokens: int) -> None:
-        """The counters, the recent callers and the draft credit after a step (``_changed`` held)."""
+    def _count(self, callers: list[Hashable | None], waits: list[float], started: float, ended: float, *,
+               tokens: int, drafting: int) -> None:
+        """The counters, the recent callers and the draft credit after a step of ``callers``'
+        sequences, which waited ``waits`` seconds for it (``_changed`` held)."""
         self._last_step_s = ended - started
         self._steps += 1
-        for p in batch:
-            if p.caller is not None:
-                self._recent[p.caller] = self._steps
+        for caller in callers:
+            if caller is not None:
+                self._recent[caller] = self._steps
         self._recent = {c: step for c, step in self._recent.items() if step >= self._steps - 1}
-        drafting = sum(1 for p in batch if p.sequence.last_rows > 1 and len(p.sequence.ids) > 1)
-        self._drafts.record(len(batch), drafting, shared=len(self._recent) > 1)
-        self._sequences += len(batch)
+        self._drafts.record(len(callers), drafting, shared=len(self._recent) > 1)
+        self._sequences += len(callers)
         self._tokens += tokens
-        self._largest = max(self._largest, len(batch))
-        self._queued_s += sum(started - p.queued_at for p in batch)
+        self._largest = max(self._largest, len(callers))
+        self._queued_s += sum(waits)
         self._busy_s += ended - started
-        self._records.append(StepRecord(len(batch), tokens, ended - started,
-                                        max(started - p.queued_at for p in batch), ended, drafting))
+        self._records.append(StepRecord(len(callers), tokens, ended - started, max(waits), ended, drafting))

@@ -17,6 +17,15 @@ openvino's own copy::
     graph = StepRequest(compiled, caches, STEP_INPUTS)
     graph.inputs.write("input_ids", [5]); ...
     logits = graph.infer()                     # float32 [rows, vocab], ours
+
+``OneTokenRequest`` is a request of the decode graph that only ever steps one sequence by one
+token (a greedy run, ``PagedSlot.feed_run``): its inputs keep their shapes, so a step writes four
+numbers into views taken once (and the block table when it grew), and the logits land in an array
+of ours set as the output once — nothing wrapped or copied around the infer::
+
+    alone = OneTokenRequest(compiled, caches, STEP_INPUTS)
+    greedy = alone.step(token, past_len=130, blocks=table)   # the graph's argmax
+    alone.logits                                             # float32 [vocab], ours, overwritten by the next step
 """
 
 from __future__ import annotations
@@ -26,6 +35,9 @@ from typing import Any
 
 import numpy as np
 import openvino as ov
+
+BLOCK_SIZE = 32
+"""Tokens per KV block (the CPU plugin's PagedAttention block)."""
 
 
 class StepInputs:
@@ -68,3 +80,59 @@ class StepRequest:
         self.request.infer(share_outputs=True)
         out = self.request.get_output_tensor(self._logits).data  # [rows, 1, vocab] (by index: 4x faster)
         return np.array(out[:, -1, :], dtype=np.float32)
+
+
+class OneTokenRequest:
+    """An infer request of the decode graph for one sequence's one-token steps only (see the
+    module docstring), over the given KV block tensors."""
+
+    def __init__(self, compiled: ov.CompiledModel, caches: Mapping[str, ov.Tensor],
+                 dtypes: Mapping[str, type[np.generic]]) -> None:
+        self.request = compiled.create_infer_request()
+        for name, tensor in caches.items():
+            self.request.set_tensor(name, tensor)
+        self._inputs = StepInputs(self.request, dtypes)
+        for name, value in (("input_ids", [0]), ("position_ids", [0]), ("past_lens", [0]), ("max_context_len", 1),
+                            ("subsequence_begins", [0, 1]), ("logits_indices", [0])):
+            self._inputs.write(name, value)
+        views = self._inputs._views  # noqa: SLF001 - the same module's class; shapes never change here
+        self._ids, self._positions, self._past = views["input_ids"], views["position_ids"], views["past_lens"]
+        self._context = views["max_context_len"]
+        self._table: list[int] = []
+        ports = {name: (i, port) for i, port in enumerate(compiled.outputs) for name in port.get_names()}
+        vocab = ports["logits"][1].get_partial_shape()[2].get_length()
+        self._logits = np.zeros((1, 1, vocab), dtype=np.float32)
+        self._top = np.zeros((1, 1, 1), dtype=np.int64)
+        self._converted: list[tuple[np.ndarray, int]] = []
+        """Outputs of another element type than ours: read and converted after each step instead."""
+        for array, name, element in ((self._logits, "logits", ov.Type.f32), (self._top, "next_token", ov.Type.i64)):
+            index, port = ports[name]
+            if port.get_element_type() == element:
+                self.request.set_output_tensor(index, ov.Tensor(array, shared_memory=True))
+            else:
+                self._converted.append((array, index))
+
+    @property
+    def logits(self) -> np.ndarray:
+        """float32 ``[vocab]`` of the last step (this request's array: the next step overwrites it)."""
+        row: np.ndarray = self._logits[0, 0]
+        return row
+
+    def step(self, token: int, past_len: int, blocks: list[int]) -> int:
+        """Feed ``token`` after ``past_len`` positions over the table ``blocks`` (at least
+        ``past_len // BLOCK_SIZE + 1`` long; the blocks past that are not read); the greedy next
+        token (the graph's ``next_token``), the logits in ``logits``."""
+        table = blocks[: past_len // BLOCK_SIZE + 1]
+        if table != self._table:
+            self._inputs.write("block_indices", table)
+            self._inputs.write("block_indices_begins", [0, len(table)])
+            self._table = table
+        self._ids[0] = token
+        self._positions[0] = past_len
+        self._past[0] = past_len
+        self._context[...] = past_len + 1
+        self.request.start_async()
+        self.request.wait()
+        for array, index in self._converted:
+            array[...] = self.request.get_output_tensor(index).data
+        return int(self._top[0, 0, 0])

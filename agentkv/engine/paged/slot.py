@@ -19,8 +19,9 @@ cache dequantised / quantised in the plugin's block layout, ``engine/u8_blocks.p
 
 from __future__ import annotations
 
+import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -76,6 +77,50 @@ class PagedSlot:
             raise UserError(f"feed_rows takes one row after the slot's {self._length} positions and 1..T rows "
                             f"(got past_len {past_len}, shape {ids.shape}, rows {rows})")
         return self._feed_one([int(t) for t in ids[0]], past_len, 0, last_rows=rows)
+
+    def feed_run(self, token: int, past_len: int, *, steps: int, choose: Callable[[np.ndarray], int],
+                 ends: Callable[[int], bool], chosen: list[int], greedy: bool = False) -> np.ndarray:
+        """Feed ``token``, append ``choose(logits)`` to ``chosen``, and go on feeding each token so
+        chosen until this call has chosen ``steps`` tokens, ``ends(token)`` says so, or another
+        session queues for a step; the last step's logits ``[vocab]`` (a copy). While nobody else
+        steps, the steps run back to back on the decode graph (``StepBatcher.alone``,
+        ``PagedModel.step_alone``: ~0.5 ms of Python a token less than ``feed``, measured); with
+        others stepping, one ordinary batched step. ``greedy``: ``choose`` is the argmax, so the
+        steps alone take the graph's own (``next_token``) instead of reading the logits. The caller
+        reserves blocks for the tokens fed (the slot's length says how many were, also after a
+        failure): how a run steps::
+
+            chosen = []
+            slot.feed_run(t, 130, steps=8, choose=argmax, ends=lambda t: t == eos, chosen=chosen)
+        """
+        if past_len != self._length or self._extra_rows or steps < 1:
+            raise UserError(f"feed_run takes one row after the slot's {self._length} positions and steps >= 1 "
+                            f"(got past_len {past_len}, {self.rows} rows, steps {steps})")
+        alone = self.batcher.alone(self) if self.batcher is not None else None
+        if alone is None and self.batcher is not None:
+            logits: np.ndarray = self._feed_one([token], past_len, 0, last_rows=1)[0]
+            chosen.append(choose(logits))
+            return logits
+        model, table, until = self.model, self.blocks, len(chosen) + steps
+        try:
+            self._own_block(table, past_len)  # NOTE: only the first write can land in a shared block
+            while True:
+                self._grow(table, past_len + 1)
+                started = time.perf_counter()
+                top, row = model.step_alone(token, past_len, table)
+                past_len = self._length = past_len + 1
+                self.steps.add(1, 0.0)
+                if alone is not None:
+                    alone.counted(started)
+                token = top if greedy else choose(row)
+                chosen.append(token)
+                # NOTE: ends(token) last: a run handed back to others ends anyway, and ends may
+                # spend the token's chance to draft (``Drafts.lookahead``), which the next feed then has
+                if len(chosen) >= until or (alone is not None and alone.others_waiting) or ends(token):
+                    return np.array(row, dtype=np.float32)
+        finally:
+            if alone is not None:
+                alone.close()
 
     def draft_cap(self) -> int:
         """The most drafted tokens this slot's next feed should carry now (``slot.draft_cap()``):

@@ -1,0 +1,379 @@
+"""Tests of runs in the decode loop (issue 27): ``TokenSteps`` with ``pick`` feeds through
+``RunStep``s (several one-token steps back to back) and gives the same tokens, text and KV log as
+one-by-one decoding, through both drivers, with stop ids, stop strings, ``max_new_tokens`` and a
+consumer that leaves mid-run; a paged session decodes the same tokens with runs on or off (greedy,
+seeded sampled, with prompt-lookup drafts between runs) and its KV equals its tokens;
+the pieces a run is made of are tested in ``test_decode_run_pieces.py``. No model runs here:
+fakes, and the bigram paged model of ``test_speculative_sampling``."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import numpy as np
+import pytest
+
+from agentkv.engine.base import GenerationConfig, TokenDelta
+from agentkv.engine.decode.fast_forward import FastForwardCounts
+from agentkv.engine.decode.model_steps import FeedRowsStep, FeedStep, ModelStep, RunStep, TrimStep
+from agentkv.engine.decode.prompt_lookup import Drafts, PromptLookup
+from agentkv.engine.decode.sampling import greedy_pick, make_rng, sample_next
+from agentkv.engine.decode.threaded import run_steps_in_thread
+from agentkv.engine.decode.token_steps import DecodeOutcome, TokenSteps
+from agentkv.engine.paged.backend import PagedBackend
+from agentkv.engine.paged.batcher import StepBatcher
+from agentkv.engine.paged.block_pool import BlockPool
+from agentkv.engine.paged.slot import PagedSlot
+from agentkv.engine.session.session import SlotSession
+from agentkv.testing import ScriptedTokenizer
+from _drive import DRIVERS, drive
+from test_speculative_sampling import BigramPagedModel, assert_kv_is_tokens, bigram_table, counting_table
+
+VOCAB = 8
+PROMPT = [1, 2, 3]
+REPEATING = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5, 6, 7, 1, 2, 3]
+
+
+def random_table(seed: int) -> np.ndarray:
+    """Bigram logits ``[VOCAB, VOCAB]`` with no favoured successor: the prompt's repeats make drafts
+    the model often refuses (back-offs, then runs), its own greedy cycle drafts it accepts."""
+    return np.random.default_rng(seed).normal(scale=1.5, size=(VOCAB, VOCAB)).astype(np.float32)
+
+
+def text_of(ids: Sequence[int]) -> str:
+    return "".join(f"<{i}>" for i in ids)
+
+
+# ---- a fake log that runs every model step, runs included ---------------------------------------
+
+class BigramLog:
+    """The session's tokens (prompt first) over a bigram "model": the logits after a token are its
+    row of ``table``. Runs ``RunStep`` as ``KVLog.feed_run`` does (feed, then feed each chosen token
+    but the last); remembers the runs, the longest log and an optional per-token delay."""
+
+    def __init__(self, table: np.ndarray, prompt: Sequence[int], *, step_s: float = 0.0) -> None:
+        self.table, self.prompt, self.step_s = table, list(prompt), step_s
+        self.tokens = list(prompt)
+        self.last = table[self.tokens[-1]]
+        self.runs: list[list[int]] = []  # each run's chosen tokens
+        self.run_steps: list[int] = []  # each RunStep's ``steps``
+        self.longest = len(self.tokens)
+        self.run_started = threading.Event()
+
+    def _fed(self, ids: Sequence[int]) -> None:
+        if self.step_s:
+            time.sleep(self.step_s)
+        self.tokens.extend(int(t) for t in ids)
+        self.last = self.table[self.tokens[-1]]
+        self.longest = max(self.longest, len(self.tokens))
+
+    def execute(self, step: ModelStep) -> Any:
+        if isinstance(step, TrimStep):
+            del self.tokens[len(self.prompt) + step.keep:]
+            self.last = self.table[self.tokens[-1]]
+            return None
+        if isinstance(step, RunStep):
+            self.run_steps.append(step.steps)
+            self._fed(step.ids)
+            self.run_started.set()
+            chosen: list[int] = []
+            while True:
+                chosen.append(step.choose(self.last))
+                if len(chosen) >= step.steps or step.ends(chosen[-1]):
+                    break
+                self._fed(chosen[-1:])
+            self.runs.append(chosen)
+            return chosen
+        if isinstance(step, FeedRowsStep):
+            self._fed(step.ids)
+            return np.stack([self.table[t] for t in step.ids[len(step.ids) - step.rows:]])
+        assert isinstance(step, FeedStep)
+        self._fed(step.ids)
+        return None
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[len(self.prompt):]
+
+
+def make_steps(log: BigramLog, config: GenerationConfig, *, drafts_on: bool = False,
+               stop_ids: frozenset[int] = frozenset()) -> tuple[TokenSteps, Drafts | None]:
+    """``TokenSteps`` over ``log`` choosing as ``DecodeLoop`` does (one seeded stream shared by
+    ``choose`` and ``pick``), with ``pick`` as ``DecodeLoop.picker`` gives it."""
+    drafts = Drafts(PromptLookup(log.prompt)) if drafts_on else None
+    rng = make_rng(config.seed)
+
+    def choose(generated: list[int]) -> int:
+        logits = drafts.logits if drafts is not None and drafts.logits is not None else log.last
+        return int(sample_next(logits, config, rng))
+
+    def sampled_pick(logits: np.ndarray) -> int:
+        return int(sample_next(logits, config, rng))
+
+    pick: Callable[[np.ndarray], int] = greedy_pick if config.greedy else sampled_pick
+    steps = TokenSteps(choose, config=config, decode_text=text_of, stop_ids=stop_ids, max_new=config.max_new_tokens,
+                       counts=FastForwardCounts(), drafts=drafts, pick=pick)
+    return steps, drafts
+
+
+async def decode(table: np.ndarray, config: GenerationConfig, driver: str, *, prompt: Sequence[int] = PROMPT,
+                 drafts_on: bool = False, stop_ids: frozenset[int] = frozenset()
+                 ) -> tuple[list[int], str, DecodeOutcome, BigramLog]:
+    """A whole call: the deltas' tokens, their text, the outcome, the log."""
+    log = BigramLog(table, prompt)
+    steps, _ = make_steps(log, config, drafts_on=drafts_on, stop_ids=stop_ids)
+    tokens, pieces, outcome = [], [], None
+    async for event in drive(steps, log.execute, driver):
+        if isinstance(event, DecodeOutcome):
+            outcome = event
+        else:
+            tokens.append(event.token_id)
+            pieces.append(event.text)
+    assert outcome is not None
+    return tokens, "".join(pieces), outcome, log
+
+
+CONFIGS = {
+    "greedy": GenerationConfig(max_new_tokens=40),
+    "sampled": GenerationConfig(max_new_tokens=40, temperature=0.9, seed=3),
+}
+
+
+@pytest.mark.parametrize("drafts_on", [False, True], ids=["plain", "drafts"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("driver", DRIVERS)
+async def test_runs_of_eight_give_the_tokens_text_and_log_of_one_by_one_decoding(
+        driver: str, name: str, drafts_on: bool) -> None:
+    for seed in range(4):
+        table = random_table(seed) if drafts_on else bigram_table(seed)
+        prompt = REPEATING if drafts_on else PROMPT
+        one = CONFIGS[name].model_copy(update={"decode_run": 1})
+        eight = CONFIGS[name].model_copy(update={"decode_run": 8})
+        tokens1, text1, outcome1, log1 = await decode(table, one, driver, prompt=prompt, drafts_on=drafts_on)
+        tokens8, text8, outcome8, log8 = await decode(table, eight, driver, prompt=prompt, drafts_on=drafts_on)
+        assert log1.runs == [] and log8.runs, "decode_run=8 ran no RunStep"
+        assert drafts_on or max(len(run) for run in log8.runs) > 1
+        assert tokens8 == tokens1 and outcome8.generated == outcome1.generated
+        assert text8 == text1 == outcome8.text == outcome1.text
+        assert outcome8.finish_reason == outcome1.finish_reason
+        assert log8.tokens == log1.tokens == [*prompt, *outcome1.generated[:-1]]
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+async def test_a_stop_id_chosen_inside_a_run_ends_generation_there_and_never_enters_the_log(driver: str) -> None:
+    config = GenerationConfig(max_new_tokens=40, decode_run=8)  # counting 4, 5, 6, 7, 1, ...: 7 inside the first run
+    tokens, _, outcome, log = await decode(counting_table(), config, driver, stop_ids=frozenset({7}))
+    assert log.runs and log.runs[0][-1] == 7 and len(log.runs[0]) > 1  # the run ended at the stop id
+    assert outcome.generated == [4, 5, 6, 7] and outcome.finish_reason == "stop"
+    assert tokens == [4, 5, 6]  # the stop token makes no delta
+    assert log.tokens == [*PROMPT, 4, 5, 6] and 7 not in log.generated
+    one, _, outcome1, log1 = await decode(counting_table(), config.model_copy(update={"decode_run": 1}), driver,
+                                          stop_ids=frozenset({7}))
+    assert (one, outcome1.generated, log1.tokens) == (tokens, outcome.generated, log.tokens)
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+async def test_a_stop_string_completed_inside_a_run_trims_what_the_run_fed_beyond_one_by_one_decodings_log(
+        driver: str) -> None:
+    # counting: 4, 5, 6, 7, 1, 2, ...; "<6><7>" completes at the 4th token, inside the first run of 8
+    config = GenerationConfig(max_new_tokens=40, decode_run=8, stop_strings=("<6><7>",))
+    tokens, text, outcome, log = await decode(counting_table(), config, driver)
+    tokens1, text1, outcome1, log1 = await decode(counting_table(), config.model_copy(update={"decode_run": 1}), driver)
+    assert log.longest > len(log1.tokens)  # the run fed past the stop string …
+    assert log.tokens == log1.tokens == [*PROMPT, 4, 5, 6]  # … and that was trimmed
+    assert (tokens, text, outcome.generated, outcome.finish_reason) == (tokens1, text1, outcome1.generated, "stop")
+    assert text == "<4><5>"
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+@pytest.mark.parametrize("max_new", [1, 2, 3, 8, 9, 10, 17])
+async def test_a_run_never_chooses_or_feeds_beyond_max_new_tokens(driver: str, max_new: int) -> None:
+    config = GenerationConfig(max_new_tokens=max_new, decode_run=8)
+    tokens, _, outcome, log = await decode(counting_table(), config, driver)
+    assert len(outcome.generated) == len(tokens) == max_new and outcome.finish_reason == "length"
+    assert sum(len(run) for run in log.runs) <= max_new - 1  # the first token is chosen before any run
+    assert log.longest <= len(PROMPT) + max_new - 1
+    assert log.tokens == [*PROMPT, *outcome.generated[:-1]]
+    assert all(steps <= 8 for steps in log.run_steps)
+
+
+# ---- a consumer that leaves mid-run --------------------------------------------------------------
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 9, 12])
+@pytest.mark.parametrize("driver", DRIVERS)
+async def test_a_consumer_that_leaves_mid_run_leaves_one_by_one_decodings_log_of_its_last_delta(
+        driver: str, k: int) -> None:
+    log = BigramLog(counting_table(), PROMPT)
+    steps, _ = make_steps(log, GenerationConfig(max_new_tokens=40, decode_run=8))
+    events = drive(steps, log.execute, driver)
+    taken: list[int] = []
+    async for event in events:
+        assert isinstance(event, TokenDelta)
+        taken.append(event.token_id)
+        if len(taken) == k:
+            if driver == "thread":  # a run is under way (the first delta is posted before it) …
+                assert await anyio.to_thread.run_sync(log.run_started.wait, 5)
+                await anyio.sleep(0.02)  # … and the thread runs as far ahead as it may meanwhile
+            break
+    await events.aclose()
+    if driver == "thread" or k > 1:  # the event loop's driver runs nothing ahead of the first delta
+        mid_run = k != 9  # the 9th token ends the first run (its first token is chosen before it)
+        assert log.runs and log.longest >= len(PROMPT) + len(taken) - 1 + mid_run  # the run fed past the delta
+    assert log.tokens == [*PROMPT, *taken[:-1]]
+
+
+async def test_a_closed_stream_stops_a_run_after_its_current_token() -> None:
+    log = BigramLog(counting_table(), PROMPT, step_s=0.01)  # a run of 64 would take ~0.64 s
+    steps, _ = make_steps(log, GenerationConfig(max_new_tokens=100, decode_run=64))
+    events = run_steps_in_thread(steps, log.execute)
+    async for event in events:
+        assert isinstance(event, TokenDelta)  # the first token: posted as the first run starts
+        assert await anyio.to_thread.run_sync(log.run_started.wait, 5)  # close once the run is under way
+        break
+    await events.aclose()
+    assert len(log.runs) == 1 and len(log.runs[0]) < 64
+    assert log.tokens == PROMPT
+
+
+# ---- end to end: a paged session over the bigram model -------------------------------------------
+
+class CountingBigramModel(BigramPagedModel):
+    """The bigram paged model, counting one-token steps taken alone."""
+
+    def __init__(self, pool: BlockPool, table: np.ndarray) -> None:
+        super().__init__(pool, table)
+        self.alone_steps = 0
+
+    def step_alone(self, token: int, past_len: int, blocks: list[int]) -> tuple[int, np.ndarray]:
+        self.alone_steps += 1
+        return super().step_alone(token, past_len, blocks)
+
+
+def run_backend(table: np.ndarray, *, batched: bool, slots: int = 1) -> tuple[PagedBackend, CountingBigramModel]:
+    pool = BlockPool(16)
+    model = CountingBigramModel(pool, table)
+    batcher = StepBatcher(model.step) if batched else None
+    backend = PagedBackend(model, pool, slots=[PagedSlot(model, pool, batcher) for _ in range(slots)],
+                           tokenizer=ScriptedTokenizer(), fingerprint="bigram",
+                           eos_token_ids={ScriptedTokenizer().eos_token_id}, max_context_len=4096,
+                           kv_bytes_per_token=8)
+    return backend, model
+
+
+def run_session(table: np.ndarray, *, batched: bool) -> tuple[SlotSession, CountingBigramModel]:
+    backend, model = run_backend(table, batched=batched)
+    return SlotSession(backend), model
+
+
+SESSION_CONFIGS = {
+    "greedy": GenerationConfig(max_new_tokens=30, prompt_lookup=False),
+    "sampled": GenerationConfig(max_new_tokens=30, temperature=0.8, top_p=0.95, prompt_lookup=False),
+    "greedy-lookup": GenerationConfig(max_new_tokens=30),
+    "sampled-lookup": GenerationConfig(max_new_tokens=30, temperature=0.8),
+    "greedy-stop-id": GenerationConfig(max_new_tokens=30, prompt_lookup=False, stop_token_ids=frozenset({3})),
+    "sampled-stop-id": GenerationConfig(max_new_tokens=30, temperature=0.8, prompt_lookup=False,
+                                        stop_token_ids=frozenset({6})),
+}
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["no-batcher", "batcher"])
+@pytest.mark.parametrize("name", list(SESSION_CONFIGS))
+async def test_a_session_decodes_the_same_tokens_with_runs_and_its_kv_equals_its_tokens(
+        name: str, batched: bool) -> None:
+    base = SESSION_CONFIGS[name]
+    prompt = REPEATING if base.prompt_lookup else PROMPT
+    results: dict[int, list[tuple[int, ...]]] = {}
+    logs: dict[int, list[list[int]]] = {}
+    alone = drafted = 0
+    for run in (1, 8):
+        session, model = run_session(bigram_table(1), batched=batched)
+        results[run], logs[run] = [], []
+        for seed in range(6):
+            config = base.model_copy(update={"decode_run": run, "seed": seed})
+            result = await session.generate(prompt, config)
+            results[run].append(result.token_ids)
+            logs[run].append(list(session.tokens))
+            await assert_kv_is_tokens(session)
+            if run == 8:
+                drafted += result.metrics.drafted_tokens
+        if run == 8:
+            alone = model.alone_steps
+        else:
+            assert model.alone_steps == 0
+        await session.close()
+    assert results[8] == results[1] and logs[8] == logs[1]
+    assert alone > 0  # runs stepped alone
+    if base.prompt_lookup:
+        assert drafted > 0  # drafts and runs interleaved
+    if base.stop_token_ids:
+        assert any(tokens[-1] in base.stop_token_ids for tokens in results[8])
+
+
+@pytest.mark.parametrize("k", [2, 4, 9])
+@pytest.mark.parametrize("batched", [False, True], ids=["no-batcher", "batcher"])
+async def test_closing_a_sessions_stream_mid_run_leaves_one_by_one_decodings_log_and_exact_kv(
+        batched: bool, k: int) -> None:
+    session, model = run_session(bigram_table(1), batched=batched)
+    for seed in range(3):
+        config = GenerationConfig(max_new_tokens=40, temperature=0.8, seed=seed, prompt_lookup=False)
+        stream, taken = session.stream(PROMPT, config), []
+        async for delta in stream:
+            taken.append(delta.token_id)
+            if len(taken) == k:
+                await anyio.sleep(0.01)
+                break
+        await stream.aclose()
+        assert list(session.tokens) == [*PROMPT, *taken[:-1]]
+        await assert_kv_is_tokens(session)
+    assert model.alone_steps > 0
+    await session.close()
+
+
+async def test_two_sessions_decoding_together_with_runs_get_their_one_by_one_tokens_and_exact_kv() -> None:
+    prompts = [PROMPT, [2, 5, 1]]
+    configs = [GenerationConfig(max_new_tokens=40, prompt_lookup=False, ignore_eos=True),
+               GenerationConfig(max_new_tokens=40, temperature=0.8, seed=9, prompt_lookup=False, ignore_eos=True)]
+    alone = []
+    for prompt, config in zip(prompts, configs):
+        session, _ = run_session(bigram_table(1), batched=True)
+        alone.append((await session.generate(prompt, config.model_copy(update={"decode_run": 1}))).token_ids)
+        await session.close()
+    backend, _ = run_backend(bigram_table(1), batched=True, slots=2)
+    sessions = [SlotSession(backend), SlotSession(backend)]
+    together: list[tuple[int, ...]] = [(), ()]
+
+    async def one(i: int) -> None:
+        together[i] = (await sessions[i].generate(prompts[i], configs[i])).token_ids
+
+    async with anyio.create_task_group() as tg:
+        for i in range(2):
+            tg.start_soon(one, i)
+    assert together == alone
+    for session in sessions:
+        await assert_kv_is_tokens(session)
+        await session.close()
+
+
+NO_RUN_CONFIGS = {
+    "presence-penalty": GenerationConfig(max_new_tokens=20, temperature=0.8, presence_penalty=0.5, prompt_lookup=False),
+    "repetition-penalty": GenerationConfig(max_new_tokens=20, repetition_penalty=1.3, prompt_lookup=False),
+    "logprobs": GenerationConfig(max_new_tokens=20, logprobs=2, prompt_lookup=False),
+}
+
+
+@pytest.mark.parametrize("name", list(NO_RUN_CONFIGS))
+async def test_a_call_whose_choice_needs_more_than_the_logits_never_runs_and_decodes_the_same_tokens(name: str) -> None:
+    got = {}
+    for run in (1, 8):
+        session, model = run_session(bigram_table(1), batched=False)
+        config = NO_RUN_CONFIGS[name].model_copy(update={"decode_run": run, "seed": 5})
+        got[run] = (await session.generate(PROMPT, config)).token_ids
+        assert model.alone_steps == 0
+        await assert_kv_is_tokens(session)
+        await session.close()
+    assert got[8] == got[1]
