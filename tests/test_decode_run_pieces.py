@@ -88,6 +88,19 @@ def test_a_caller_queued_during_a_lease_is_seen_and_runs_right_after_close_and_t
     assert batcher.alone("a") is None  # b stepped last
 
 
+def test_a_second_close_of_a_lease_does_not_end_the_lease_held_after_it() -> None:
+    batcher = StepBatcher(zeros_step, max_gather_s=0.0)
+    first = batcher.alone("a")
+    assert first is not None
+    first.close()
+    second = batcher.alone("a")
+    assert second is not None
+    first.close()  # stale
+    assert batcher.alone("a") is None  # the model is still lent to the second lease
+    second.close()
+    assert batcher.alone("a") is not None
+
+
 # ---- PagedSlot.feed_run --------------------------------------------------------------------------
 
 def paged_pair(table: np.ndarray) -> tuple[StepBatcher, CountingBigramModel, PagedSlot, PagedSlot]:
@@ -175,6 +188,66 @@ def test_a_run_handed_back_to_a_queued_session_leaves_its_last_tokens_chance_to_
     assert chosen == [6] and drafts.budget.skip == 3  # the run ended before asking ends about 6
     drafts.next_draft(10)  # the loop's next feed: 6's one chance to draft, as one by one
     assert drafts.budget.skip == 2
+
+
+def test_a_run_that_needs_a_block_none_is_free_for_ends_there_and_leaves_room_making_to_the_next_feed() -> None:
+    pool = BlockPool(2)
+    model = CountingBigramModel(pool, counting_table())
+    batcher = StepBatcher(model.step, max_gather_s=0.001)
+    slot = PagedSlot(model, pool, batcher)
+    slot.feed(np.array([[1, 2, 3, 4, 5, 6, 7] * 4 + [1, 2]]), 0)  # 30 tokens: block 0
+    other = pool.allocate(1, holder="someone")  # the last free block
+    chosen: list[int] = []
+    slot.feed_run(3, 30, steps=8, choose=greedy_pick, ends=never, chosen=chosen)
+    assert chosen == [4, 5] and slot.length() == 32  # positions 30, 31; position 32 needs a block
+    assert slot.blocks == slot.blocks[:1] and pool.unreserved_blocks == 0
+    pool.release(other)
+    chosen = []
+    slot.feed_run(5, 32, steps=3, choose=greedy_pick, ends=never, chosen=chosen)  # a free block again
+    assert chosen == [6, 7, 1] and slot.length() == 35 and len(slot.blocks) == 2
+
+
+async def test_a_run_reserves_no_room_beyond_its_first_step_so_a_session_beside_it_gets_the_free_block() -> None:
+    from agentkv.engine.base import GenerationConfig
+    from agentkv.engine.session.session import SlotSession
+    from test_paged_room import make_backend, next_token
+
+    pool = BlockPool(5)
+    backend = make_backend(pool, num_slots=2, batched=True)
+    model = backend.test_batcher._step.__self__  # type: ignore[attr-defined]
+    plain_step, plain_alone = model.step, model.step_alone
+
+    def slow_step(sequences: list[SequenceStep]) -> np.ndarray:
+        time.sleep(0.03)
+        return plain_step(sequences)
+
+    def slow_alone(token: int, past_len: int, blocks: list[int]) -> tuple[int, np.ndarray]:
+        time.sleep(0.03)
+        return plain_alone(token, past_len, blocks)
+
+    a, b = SlotSession(backend), SlotSession(backend)
+    prompt_a, prompt_b = list(range(200, 260)), list(range(300, 364))  # 2 blocks each, b's full
+    await a.prefill(prompt_a)
+    await b.prefill(prompt_b)
+    model.step, model.step_alone = slow_step, slow_alone
+    backend.test_batcher._step = slow_step  # type: ignore[attr-defined]
+    t1 = next_token(prompt_a[-1])
+    stop = next_token(next_token(next_token(t1)))  # a writes 3 tokens, all inside its second block
+    got: dict[str, tuple[int, ...]] = {}
+
+    async def run_a() -> None:
+        config = GenerationConfig(max_new_tokens=40, stop_token_ids=frozenset({stop}), prompt_lookup=False)
+        got["a"] = (await a.generate(prompt_a, config)).token_ids
+
+    async def run_b() -> None:
+        await anyio.sleep(0.045)  # while a's run goes on
+        got["b"] = (await b.generate([*prompt_b, 5], GenerationConfig(max_new_tokens=1))).token_ids
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run_a)
+        tg.start_soon(run_b)
+    assert len(got["a"]) == 4 and len(got["b"]) == 1  # one-by-one decoding's room: nobody ran out
+    await backend.close_sessions()
 
 
 # ---- KVLog.feed_run ------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 import numpy as np
+import pydantic
 import pytest
 
 from agentkv.engine.base import GenerationConfig, TokenDelta
@@ -240,6 +241,41 @@ async def test_a_closed_stream_stops_a_run_after_its_current_token() -> None:
     assert log.tokens == PROMPT
 
 
+
+@pytest.mark.parametrize("driver", DRIVERS)
+async def test_a_cancel_lands_between_the_deltas_of_one_run(driver: str) -> None:
+    log = BigramLog(counting_table(), PROMPT)
+    steps, _ = make_steps(log, GenerationConfig(max_new_tokens=40, decode_run=8))
+    seen = 0
+    with anyio.CancelScope() as scope:
+        async for event in drive(steps, log.execute, driver):
+            assert isinstance(event, TokenDelta)
+            seen += 1
+            if seen == 4:  # the 2nd..9th deltas come from the first run, with no model step between
+                scope.cancel()
+    assert seen == 4 and log.runs
+    assert log.tokens == [*PROMPT, 4, 5, 6]  # one-by-one decoding's log at the 4th delta
+
+
+def failing_text(ids: Sequence[int]) -> str:
+    if 7 in ids:
+        raise ValueError("this tokenizer cannot decode 7")
+    return text_of(ids)
+
+
+@pytest.mark.parametrize("run", [1, 8])
+async def test_a_loop_that_fails_between_steps_still_hands_over_every_delta_it_made(run: int) -> None:
+    log = BigramLog(counting_table(), PROMPT)
+    steps = TokenSteps(lambda generated: greedy_pick(log.last), config=GenerationConfig(max_new_tokens=40, decode_run=run),
+                       decode_text=failing_text, stop_ids=frozenset(), max_new=40, pick=greedy_pick)
+    got: list[int] = []
+    with pytest.raises(ValueError, match="cannot decode 7"):
+        async for event in run_steps_in_thread(steps, log.execute):
+            assert isinstance(event, TokenDelta)
+            got.append(event.token_id)
+    assert got == [4, 5, 6]  # every delta before the failing one, runs or not
+    assert log.tokens == [*PROMPT, 4, 5, 6]  # the loop failed at 7, after 6 was fed
+
 # ---- end to end: a paged session over the bigram model -------------------------------------------
 
 class CountingBigramModel(BigramPagedModel):
@@ -377,3 +413,48 @@ async def test_a_call_whose_choice_needs_more_than_the_logits_never_runs_and_dec
         await assert_kv_is_tokens(session)
         await session.close()
     assert got[8] == got[1]
+
+
+async def test_sessions_without_a_batcher_run_at_once_and_each_reads_its_own_logits() -> None:
+    def shared_row(model: CountingBigramModel) -> None:
+        """``step_alone`` as the real model's: the row is one array every slot shares, written
+        under the lock and read after it (a thread switch right there, widened)."""
+        row_of_all = np.zeros(model.table.shape[1], dtype=np.float32)
+        plain = CountingBigramModel.step_alone.__get__(model)
+
+        def step_alone(token: int, past_len: int, blocks: list[int]) -> tuple[int, np.ndarray]:
+            with model.lock:
+                top, row = plain(token, past_len, blocks)
+                row_of_all[...] = row
+            time.sleep(0.001)
+            return top, row_of_all
+
+        model.step_alone = step_alone  # type: ignore[method-assign]
+
+    prompts = [[1, 2, 3], [2, 5, 1]]
+    config = GenerationConfig(max_new_tokens=40, temperature=0.8, seed=4, ignore_eos=True, prompt_lookup=False)
+    solo = []
+    for prompt in prompts:
+        backend, model = run_backend(bigram_table(1), batched=False)
+        shared_row(model)
+        solo.append((await SlotSession(backend).generate(prompt, config)).token_ids)
+    backend, model = run_backend(bigram_table(1), batched=False, slots=2)
+    shared_row(model)
+    sessions = [SlotSession(backend), SlotSession(backend)]
+    together: list[tuple[int, ...]] = [(), ()]
+
+    async def one(i: int) -> None:
+        together[i] = (await sessions[i].generate(prompts[i], config)).token_ids
+
+    async with anyio.create_task_group() as tg:
+        for i in range(2):
+            tg.start_soon(one, i)
+    assert together == solo
+    for session in sessions:
+        await assert_kv_is_tokens(session)
+
+
+def test_decode_run_is_between_1_and_64() -> None:
+    for bad in (0, 65):
+        with pytest.raises(pydantic.ValidationError, match="decode_run"):
+            GenerationConfig(decode_run=bad)

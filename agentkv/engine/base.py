@@ -74,7 +74,7 @@ class GenerationConfig(BaseModel):
     """Feed a grammar's forced tokens in one model step (same tokens; off with logprobs or beams)."""
     prompt_lookup: bool = True
     """Paged engine: check guesses copied from the session's log in one step (same tokens; sampled: same draws)."""
-    decode_run: int = Field(8, ge=1)
+    decode_run: int = Field(8, ge=1, le=64)
     """Tokens decoded back to back, their deltas then streamed together (same tokens; 1: each as it is chosen)."""
 
     @model_validator(mode="after")

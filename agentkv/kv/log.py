@@ -48,13 +48,6 @@ class RowsSlot(KVSlot, Protocol):
     def feed_rows(self, input_ids: np.ndarray, past_len: int, rows: int) -> np.ndarray: ...
 
 
-class RunSlot(KVSlot, Protocol):
-    """A slot that runs several one-token steps in a row itself (``PagedSlot.feed_run``)."""
-
-    def feed_run(self, token: int, past_len: int, *, steps: int, choose: Callable[[np.ndarray], int],
-                 ends: Callable[[int], bool], chosen: list[int], greedy: bool = False) -> np.ndarray: ...
-
-
 def feeds_rows(slot: object) -> bool:
     """True when ``slot`` returns the logits of several positions (``KVLog.feed_rows`` works on it)."""
     return callable(getattr(slot, "feed_rows", None))

@@ -38,7 +38,7 @@ from agentkv.engine.decode.prompt_lookup import Drafts, PromptLookup
 from agentkv.engine.decode.sampling import greedy_pick, make_rng, penalties_active, sample_next, token_logprobs
 from agentkv.engine.decode.step_counts import StepCounts
 from agentkv.engine.decode.threaded import current_task_id, run_steps_in_thread
-from agentkv.engine.decode.model_steps import MODEL_STEPS, FeedRowsStep, ModelStep, RunStep, TrimStep, fed_at_most
+from agentkv.engine.decode.model_steps import MODEL_STEPS, FeedRowsStep, ModelStep, RunStep, TrimStep
 from agentkv.engine.decode.token_steps import DecodeOutcome, TokenSteps
 from agentkv.kv.log import feeds_rows
 
@@ -119,6 +119,9 @@ async def run_steps(steps: TokenSteps, execute: Callable[[ModelStep], Awaitable[
             else:
                 reply = None
                 yield item
+                # NOTE: before the loop goes on: a run's or a draft's next delta needs no model step
+                # (no await) and the loop's ``kept`` would count this token once it does
+                await anyio.lowlevel.checkpoint_if_cancelled()
     finally:
         run.close()
         if owner is not None and current_task_id() == owner:
@@ -219,7 +222,7 @@ class DecodeLoop:
                 if len(log) > base + step.keep:
                     await run(log.trim, slot, base + step.keep)
                 return None
-            async with self.engine.room(slot, fed_at_most(step)):
+            async with self.engine.room(slot, len(step.ids)):  # a run's later steps take free blocks or end it
                 if isinstance(step, RunStep):
                     return await run(partial(log.feed_run, slot, step.ids, steps=step.steps, choose=step.choose,
                                              ends=step.ends, greedy=step.greedy))
@@ -240,7 +243,7 @@ class DecodeLoop:
             if isinstance(step, TrimStep):
                 log.trim(slot, base + step.keep)
                 return None
-            with self.engine.room_blocking(slot, fed_at_most(step), token=token):
+            with self.engine.room_blocking(slot, len(step.ids), token=token):
                 if isinstance(step, RunStep):
                     return log.feed_run(slot, step.ids, steps=step.steps, choose=step.choose, ends=step.ends,
                                         greedy=step.greedy)

@@ -51,8 +51,3 @@ class TrimStep:
 
 ModelStep = FeedStep | FeedRowsStep | RunStep | TrimStep
 MODEL_STEPS = (FeedStep, FeedRowsStep, RunStep, TrimStep)
-
-
-def fed_at_most(step: FeedStep | FeedRowsStep | RunStep) -> int:
-    """Tokens ``step`` may add to the KV log (room is made for them before it runs)."""
-    return len(step.ids) + (step.steps - 1 if isinstance(step, RunStep) else 0)

@@ -71,7 +71,8 @@ def token_logprobs(logits: np.ndarray, token_id: int, top: int) -> tuple[float, 
 
 
 def penalties_active(config: GenerationConfig) -> bool:
-    """True when the config penalises repeated tokens (the choice then depends on what came before)."""
+    """True when the config penalises repeated tokens (the choice then depends on what came before):
+    ``penalties_active(GenerationConfig(repetition_penalty=1.2))`` → True."""
     return (
         config.repetition_penalty != 1.0
         or config.presence_penalty != 0.0

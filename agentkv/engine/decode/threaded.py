@@ -97,8 +97,8 @@ async def run_steps_in_thread(steps: TokenSteps, execute: Callable[[ModelStep], 
                         break
                     if isinstance(item, MODEL_STEPS):
                         if ready:
-                            channel.post(_Deltas(ready), size=len(ready))
-                            ready = []
+                            batch, ready = ready, []
+                            channel.post(_Deltas(batch), size=len(batch))
                         if stop.is_set():
                             break
                         reply = execute(interrupted(item) if isinstance(item, RunStep) else item)
@@ -107,11 +107,11 @@ async def run_steps_in_thread(steps: TokenSteps, execute: Callable[[ModelStep], 
                         ready.append(_Delta(item, steps.kept))
             finally:
                 run.close()
-            if ready:
-                channel.post(_Deltas(ready), size=len(ready))
         except BaseException as failure:  # handed to the consumer, raised there
             error = failure
         finally:
+            if ready:  # NOTE: also when the loop failed: the consumer gets every delta made before
+                channel.post(_Deltas(ready), size=len(ready), wait=False)
             channel.post(_Finished(error), wait=False)
 
     owner = current_task_id()
@@ -127,6 +127,7 @@ async def run_steps_in_thread(steps: TokenSteps, execute: Callable[[ModelStep], 
                     raise error
                 return
             for delta in item.deltas:
+                await anyio.lowlevel.checkpoint_if_cancelled()  # NOTE: a cancel lands between a batch's deltas too
                 kept, ended = delta.kept, isinstance(delta.event, DecodeOutcome)
                 yield delta.event
     finally:

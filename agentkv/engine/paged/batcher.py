@@ -135,11 +135,12 @@ class AloneSteps:
                 alone.close()
     """
 
-    __slots__ = ("_batcher", "caller", "_steps")
+    __slots__ = ("_batcher", "caller", "_steps", "_closed")
 
     def __init__(self, batcher: StepBatcher, caller: Hashable) -> None:
         self._batcher, self.caller = batcher, caller
         self._steps: list[tuple[float, float]] = []
+        self._closed = False
 
     @property
     def others_waiting(self) -> bool:
@@ -151,7 +152,10 @@ class AloneSteps:
         self._steps.append((started, time.perf_counter()))
 
     def close(self) -> None:
-        """Count the steps and hand the model back (once)."""
+        """Count the steps and hand the model back (once: a second call does nothing)."""
+        if self._closed:
+            return
+        self._closed = True
         steps, self._steps = self._steps, []
         self._batcher._end_alone(self.caller, steps)  # noqa: SLF001
 

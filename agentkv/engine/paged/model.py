@@ -42,10 +42,12 @@ from agentkv.engine.openvino.compile import compile_for_device, lm_head
 from agentkv.engine.openvino.models import ModelFiles
 from agentkv.engine.openvino.numerics import EXACT_CONFIG, PluginNumerics, precision_name
 from agentkv.engine.paged.compiled_pool import COMPILED, GraphKey, HeldGraphs, keep_limit
-from agentkv.engine.paged.request_inputs import BLOCK_SIZE as BLOCK_SIZE, OneTokenRequest, StepRequest
+from agentkv.engine.paged.request_inputs import OneTokenRequest, StepRequest
 from agentkv.kv.u8_blocks import BlockLayout
 from agentkv.errors import PagedFormUnsupported, UserError
 
+BLOCK_SIZE = 32
+"""Tokens per KV block (the CPU plugin's PagedAttention block)."""
 STEP_INPUTS: dict[str, type[np.generic]] = {
     "input_ids": np.int64, "position_ids": np.int64, "past_lens": np.int32, "subsequence_begins": np.int32,
     "block_indices": np.int32, "block_indices_begins": np.int32, "max_context_len": np.int32,
@@ -176,7 +178,7 @@ class PagedModel:
         """Runs the other steps: the second graph's request, or the decode one when there is none."""
         if len(held.compiled) > 1:
             self._chunk_request = StepRequest(held.compiled[1], self.caches, STEP_INPUTS)
-        self._alone_request = OneTokenRequest(compiled, self.caches, STEP_INPUTS)
+        self._alone_request = OneTokenRequest(compiled, self.caches, STEP_INPUTS, block_size=BLOCK_SIZE)
         """Runs ``step_alone``: a third request of the decode graph, whose inputs only it writes."""
 
     def release(self) -> None:

@@ -1,4 +1,4 @@
-"""StepRequest and StepInputs: one infer request of the paged model, its step inputs written in place.
+"""StepRequest, StepInputs, OneTokenRequest: infer requests of the paged model, their step inputs written in place.
 
 ``InferRequest.infer(dict)`` dispatches every input through openvino's Python data helpers on
 each call: 0.28 ms of Python per step for the paged model's eight inputs on a 2-core avx2 CPU,
@@ -23,7 +23,7 @@ token (a greedy run, ``PagedSlot.feed_run``): its inputs keep their shapes, so a
 numbers into views taken once (and the block table when it grew), and the logits land in an array
 of ours set as the output once — nothing wrapped or copied around the infer::
 
-    alone = OneTokenRequest(compiled, caches, STEP_INPUTS)
+    alone = OneTokenRequest(compiled, caches, STEP_INPUTS, block_size=32)
     greedy = alone.step(token, past_len=130, blocks=table)   # the graph's argmax
     alone.logits                                             # float32 [vocab], ours, overwritten by the next step
 """
@@ -35,10 +35,6 @@ from typing import Any
 
 import numpy as np
 import openvino as ov
-
-BLOCK_SIZE = 32
-"""Tokens per KV block (the CPU plugin's PagedAttention block)."""
-
 
 class StepInputs:
     """The input tensors of one infer request, by name, each with its numpy element type."""
@@ -87,10 +83,12 @@ class OneTokenRequest:
     module docstring), over the given KV block tensors."""
 
     def __init__(self, compiled: ov.CompiledModel, caches: Mapping[str, ov.Tensor],
-                 dtypes: Mapping[str, type[np.generic]]) -> None:
+                 dtypes: Mapping[str, type[np.generic]], *, block_size: int) -> None:
+        """``block_size``: positions per KV block (``model.BLOCK_SIZE``)."""
         self.request = compiled.create_infer_request()
         for name, tensor in caches.items():
             self.request.set_tensor(name, tensor)
+        self._block_size = block_size
         self._inputs = StepInputs(self.request, dtypes)
         for name, value in (("input_ids", [0]), ("position_ids", [0]), ("past_lens", [0]), ("max_context_len", 1),
                             ("subsequence_begins", [0, 1]), ("logits_indices", [0])):
@@ -120,9 +118,9 @@ class OneTokenRequest:
 
     def step(self, token: int, past_len: int, blocks: list[int]) -> int:
         """Feed ``token`` after ``past_len`` positions over the table ``blocks`` (at least
-        ``past_len // BLOCK_SIZE + 1`` long; the blocks past that are not read); the greedy next
+        ``past_len // block_size + 1`` long; the blocks past that are not read); the greedy next
         token (the graph's ``next_token``), the logits in ``logits``."""
-        table = blocks[: past_len // BLOCK_SIZE + 1]
+        table = blocks[: past_len // self._block_size + 1]
         if table != self._table:
             self._inputs.write("block_indices", table)
             self._inputs.write("block_indices_begins", [0, len(table)])

@@ -27,11 +27,11 @@ import numpy as np
 
 from agentkv.engine.paged.block_pool import BlockPool
 from agentkv.engine.paged.model import BLOCK_SIZE, PagedModel, SequenceStep
-from agentkv.engine.paged.batcher import StepBatcher
+from agentkv.engine.paged.batcher import AloneSteps, StepBatcher
 from agentkv.engine.decode.prompt_lookup import MAX_DRAFT
 from agentkv.engine.decode.step_counts import StepCounts
 from agentkv.kv.precision import from_bf16_bits, to_bf16_bits
-from agentkv.errors import SnapshotIncompatible, UserError
+from agentkv.errors import KVPoolExhausted, SnapshotIncompatible, UserError
 
 
 def blocks_for(tokens: int) -> int:
@@ -87,8 +87,9 @@ class PagedSlot:
         ``PagedModel.step_alone``: ~0.5 ms of Python a token less than ``feed``, measured); with
         others stepping, one ordinary batched step. ``greedy``: ``choose`` is the argmax, so the
         steps alone take the graph's own (``next_token``) instead of reading the logits. The caller
-        reserves blocks for the tokens fed (the slot's length says how many were, also after a
-        failure): how a run steps::
+        makes room for the first step; a later step that needs a block takes a free one, or ends
+        the run when none is (the next feed makes room, as one token per feed would). The slot's
+        length says how many tokens were fed, also after a failure. How a run steps::
 
             chosen = []
             slot.feed_run(t, 130, steps=8, choose=argmax, ends=lambda t: t == eos, chosen=chosen)
@@ -96,31 +97,48 @@ class PagedSlot:
         if past_len != self._length or self._extra_rows or steps < 1:
             raise UserError(f"feed_run takes one row after the slot's {self._length} positions and steps >= 1 "
                             f"(got past_len {past_len}, {self.rows} rows, steps {steps})")
-        alone = self.batcher.alone(self) if self.batcher is not None else None
-        if alone is None and self.batcher is not None:
+        if self.batcher is None:  # NOTE: the lock keeps other slots' steps, and the logits array they share, out
+            with self.model.lock:
+                return self._run(token, past_len, len(chosen) + steps, choose, ends, chosen, greedy, None)
+        alone = self.batcher.alone(self)
+        if alone is None:
             logits: np.ndarray = self._feed_one([token], past_len, 0, last_rows=1)[0]
             chosen.append(choose(logits))
             return logits
-        model, table, until = self.model, self.blocks, len(chosen) + steps
         try:
-            self._own_block(table, past_len)  # NOTE: only the first write can land in a shared block
-            while True:
-                self._grow(table, past_len + 1)
-                started = time.perf_counter()
-                top, row = model.step_alone(token, past_len, table)
-                past_len = self._length = past_len + 1
-                self.steps.add(1, 0.0)
-                if alone is not None:
-                    alone.counted(started)
-                token = top if greedy else choose(row)
-                chosen.append(token)
-                # NOTE: ends(token) last: a run handed back to others ends anyway, and ends may
-                # spend the token's chance to draft (``Drafts.lookahead``), which the next feed then has
-                if len(chosen) >= until or (alone is not None and alone.others_waiting) or ends(token):
-                    return np.array(row, dtype=np.float32)
+            return self._run(token, past_len, len(chosen) + steps, choose, ends, chosen, greedy, alone)
         finally:
+            alone.close()
+
+    def _run(self, token: int, past_len: int, until: int, choose: Callable[[np.ndarray], int],
+             ends: Callable[[int], bool], chosen: list[int], greedy: bool, alone: AloneSteps | None) -> np.ndarray:
+        """``feed_run``'s steps with the model to itself (``alone``: lent by the batcher)."""
+        model, table = self.model, self.blocks
+        self._own_block(table, past_len)  # NOTE: only the first write can land in a shared block
+        self._grow(table, past_len + 1)
+        while True:
+            started = time.perf_counter()
+            top, row = model.step_alone(token, past_len, table)
+            past_len = self._length = past_len + 1
+            self.steps.add(1, 0.0)
             if alone is not None:
-                alone.close()
+                alone.counted(started)
+            token = top if greedy else choose(row)
+            chosen.append(token)
+            # NOTE: ends(token) last: a run handed back to others ends anyway, and ends may spend
+            # the token's chance to draft (``Drafts.lookahead``), which the next feed then has
+            if len(chosen) >= until or (alone is not None and alone.others_waiting) or ends(token) \
+                    or not self._took_block_for(past_len + 1):
+                return np.array(row, dtype=np.float32)
+
+    def _took_block_for(self, tokens: int) -> bool:
+        """Grow the table to hold ``tokens`` positions from the free blocks; False (nothing taken)
+        when none is free without making room."""
+        try:
+            self._grow(self.blocks, tokens)
+        except KVPoolExhausted:
+            return False
+        return True
 
     def draft_cap(self) -> int:
         """The most drafted tokens this slot's next feed should carry now (``slot.draft_cap()``):
