@@ -25,7 +25,8 @@ from agentkv.engine.paged.block_pool import BlockPool
 from agentkv.engine.paged.model import SequenceStep
 from agentkv.engine.paged.slot import PagedSlot
 from agentkv.kv.log import KVLog
-from test_decode_runs import PROMPT, VOCAB, CountingBigramModel
+from test_decode_run_sessions import CountingBigramModel
+from test_decode_runs import PROMPT, VOCAB
 from test_speculative_sampling import counting_table
 
 
@@ -279,13 +280,13 @@ class ListSlot:
         del self.kv[n:]
 
     def read(self) -> tuple[np.ndarray, np.ndarray]:
-        raise NotImplementedError
+        raise AssertionError("these tests never read or write a ListSlot's KV")
 
     def write(self, keys: np.ndarray, values: np.ndarray) -> None:
-        raise NotImplementedError
+        raise AssertionError("these tests never read or write a ListSlot's KV")
 
     def select_row(self, row: int, n: int) -> None:
-        raise NotImplementedError
+        raise AssertionError("these tests never read or write a ListSlot's KV")
 
 
 @pytest.mark.parametrize("ids", [[3], [3, 4]])

@@ -144,15 +144,17 @@ class KVLog:
         """
         chosen: list[int] = []
         run = getattr(slot, "feed_run", None)
-        if len(ids) != 1 or not callable(run):
+        if not callable(run):  # one feed per token
             logits = self.feed(slot, ids)
             while True:
                 chosen.append(choose(logits))
                 if len(chosen) >= steps or ends(chosen[-1]):
                     return chosen
-                if callable(run):
-                    break
                 logits = self.feed(slot, chosen[-1:])
+        if len(ids) != 1:  # NOTE: several ids go in their canonical chunks; the slot's run takes one token
+            chosen.append(choose(self.feed(slot, ids)))
+            if len(chosen) >= steps or ends(chosen[-1]):
+                return chosen
         token, start, before = int(chosen[-1] if chosen else ids[0]), len(self.tokens), len(chosen)
         try:
             logits = run(token, start, steps=steps - before, choose=choose, ends=ends, chosen=chosen, greedy=greedy)

@@ -155,7 +155,7 @@ class TokenSteps:
                 counts.confirmed += 1
             elif not run_fed:
                 self._pending.append(token)
-        yield from self._settle_drafts()
+        yield from self._settle_ahead()
         if self._pending:  # NOTE: the tokens before the one that ended generation, as one-by-one would have fed
             yield from self._feed_pending(len(generated), draft=False)
         self._done = True
@@ -185,7 +185,7 @@ class TokenSteps:
             self.drafts.forget_ahead()
         yield TrimStep(keep)
 
-    def _settle_drafts(self) -> Generator[ModelStep, Any, None]:
+    def _settle_ahead(self) -> Generator[ModelStep, Any, None]:
         """At the loop's end: a draft or a run ahead, and a drafted or run token that ended
         generation, leave the KV log (one-by-one decoding never fed them)."""
         self._chosen.clear()
