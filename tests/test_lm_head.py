@@ -1,6 +1,6 @@
 """compile.lm_head: the LM head MatMul is found behind an elementwise tail (Gemma 2's logit softcap,
-a scale), so both forms keep only the last positions; any other tail is refused. Toy graphs, no
-model files."""
+a scale), so both forms keep only the last positions; any other tail is refused; the paged graph's
+``next_token`` is numpy's argmax. Toy graphs, no model files."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ RNG = np.random.default_rng(0)
 WEIGHT = RNG.standard_normal((4, 6)).astype(np.float32)
 
 
-def toy_lm(tail: str) -> ov.Model:
+def toy_lm(tail: str, weight: np.ndarray = WEIGHT) -> ov.Model:
     """``hidden [batch, T, 4]`` → MatMul ``[4, 6]`` → ``tail`` → Result "logits"."""
     hidden = ops.parameter([-1, -1, 4], np.float32, name="hidden")
-    logits: ov.Node = ops.matmul(hidden, ops.constant(WEIGHT), False, False)
+    logits: ov.Node = ops.matmul(hidden, ops.constant(weight), False, False)
     if tail == "softcap":  # as optimum-intel exports Gemma 2: Divide → Tanh → Multiply, f16 caps
         cap = ops.convert(ops.constant(np.full((1, 1, 1), CAP, np.float16)), np.float32)
         logits = ops.multiply(ops.tanh(ops.divide(logits, cap)), cap)
@@ -55,3 +55,19 @@ def test_a_tail_that_mixes_positions_or_values_is_refused(tail: str) -> None:
     model = toy_lm(tail)
     assert lm_head(model) is None
     assert not slice_last_position(model)
+
+
+
+def test_next_token_is_numpy_argmax_the_lowest_id_among_equal_logits_without_a_sort() -> None:
+    from agentkv.engine.paged.model import _add_next_token
+
+    model = toy_lm("none", weight=np.repeat(WEIGHT[:, :3], 2, axis=1))  # ids 2i and 2i+1 always tie
+    _add_next_token(model)
+    assert "TopK" not in {op.get_type_name() for op in model.get_ops()}  # a stable TopK sorts: 23 ms for 13 rows
+    hidden = RNG.standard_normal((5, 3, 4)).astype(np.float32)
+    hidden[1] = 0.0  # every logit equal: id 0
+    compiled = ov.Core().compile_model(model, "CPU")
+    out = compiled({"hidden": hidden})
+    logits, best = out[compiled.output("logits")], out[compiled.output("next_token")][..., 0]
+    assert np.array_equal(best, np.argmax(logits, axis=-1))
+    assert np.all(best % 2 == 0) and np.all(best[1] == 0)
