@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import anyio
 import anyio.to_thread
@@ -222,9 +222,10 @@ async def test_a_run_reserves_no_room_beyond_its_first_step_so_a_session_beside_
         time.sleep(0.03)
         return plain_step(sequences)
 
-    def slow_alone(token: int, past_len: int, blocks: list[int]) -> tuple[int, np.ndarray]:
+    def slow_alone(token: int, past_len: int, blocks: list[int], *,
+                   while_running: Callable[[], None] | None = None) -> tuple[int, np.ndarray]:
         time.sleep(0.03)
-        return plain_alone(token, past_len, blocks)
+        return plain_alone(token, past_len, blocks, while_running=while_running)
 
     a, b = SlotSession(backend), SlotSession(backend)
     prompt_a, prompt_b = list(range(200, 260)), list(range(300, 364))  # 2 blocks each, b's full
@@ -330,10 +331,11 @@ class FailingAloneModel(CountingBigramModel):
         super().__init__(pool, table)
         self.fail_at = fail_at
 
-    def step_alone(self, token: int, past_len: int, blocks: list[int]) -> tuple[int, np.ndarray]:
+    def step_alone(self, token: int, past_len: int, blocks: list[int], *,
+                   while_running: Callable[[], None] | None = None) -> tuple[int, np.ndarray]:
         if self.alone_steps + 1 == self.fail_at:
             raise RuntimeError("the model step failed")
-        return super().step_alone(token, past_len, blocks)
+        return super().step_alone(token, past_len, blocks, while_running=while_running)
 
 
 @pytest.mark.parametrize("fail_at", [1, 2, 4])

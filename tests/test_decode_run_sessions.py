@@ -8,6 +8,7 @@ the pieces in ``test_decode_run_pieces.py``."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import anyio
 import anyio.to_thread
@@ -36,9 +37,10 @@ class CountingBigramModel(BigramPagedModel):
         super().__init__(pool, table)
         self.alone_steps = 0
 
-    def step_alone(self, token: int, past_len: int, blocks: list[int]) -> tuple[int, np.ndarray]:
+    def step_alone(self, token: int, past_len: int, blocks: list[int], *,
+                   while_running: Callable[[], None] | None = None) -> tuple[int, np.ndarray]:
         self.alone_steps += 1
-        return super().step_alone(token, past_len, blocks)
+        return super().step_alone(token, past_len, blocks, while_running=while_running)
 
 
 def run_backend(table: np.ndarray, *, batched: bool, slots: int = 1) -> tuple[PagedBackend, CountingBigramModel]:
@@ -180,9 +182,10 @@ async def test_sessions_without_a_batcher_run_at_once_and_each_reads_its_own_log
         row_of_all = np.zeros(model.table.shape[1], dtype=np.float32)
         plain = CountingBigramModel.step_alone.__get__(model)
 
-        def step_alone(token: int, past_len: int, blocks: list[int]) -> tuple[int, np.ndarray]:
+        def step_alone(token: int, past_len: int, blocks: list[int], *,
+                       while_running: Callable[[], None] | None = None) -> tuple[int, np.ndarray]:
             with model.lock:
-                top, row = plain(token, past_len, blocks)
+                top, row = plain(token, past_len, blocks, while_running=while_running)
                 row_of_all[...] = row
             time.sleep(0.001)
             return top, row_of_all

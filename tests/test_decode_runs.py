@@ -73,6 +73,8 @@ class BigramLog:
             return None
         if isinstance(step, RunStep):
             self.run_steps.append(step.steps)
+            if step.started is not None:  # as KVLog.feed_run on a slot without runs: before the first feed
+                step.started()
             self._fed(step.ids)
             self.run_started.set()
             chosen: list[int] = []

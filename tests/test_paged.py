@@ -59,3 +59,11 @@ def test_no_block_is_ever_leaked_or_both_free_and_held(ops):
     assert pool.free_blocks == 8
 
 
+@given(st.lists(st.integers(0, 1000), max_size=300))
+def test_a_padded_block_table_keeps_its_blocks_first_in_a_power_of_two_less_than_twice_as_long(blocks):
+    from agentkv.engine.paged.request_inputs import TABLE_BUCKET, padded_table
+
+    padded = padded_table(blocks)
+    assert padded[:len(blocks)] == blocks and set(padded[len(blocks):]) <= {0}
+    size = len(padded)
+    assert size & (size - 1) == 0 and size >= TABLE_BUCKET and (size < 2 * len(blocks) or size == TABLE_BUCKET)

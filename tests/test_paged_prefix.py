@@ -36,7 +36,9 @@ class FakePagedModel:
         self.keys = np.full((pool.num_blocks, 1, BLOCK_SIZE, 1), -1.0, dtype=np.float32)
         self.values = self.keys.copy()
 
-    def step_alone(self, token, past_len, blocks):
+    def step_alone(self, token, past_len, blocks, *, while_running=None):
+        if while_running is not None:
+            while_running()
         row = self.step([SequenceStep([token], past_len, blocks)])[0]
         return int(np.argmax(row)), row
 

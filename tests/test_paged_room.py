@@ -6,7 +6,7 @@ tokens and KV right (over a fake paged model whose "KV" at a position is the tok
 from __future__ import annotations
 
 import threading
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import anyio
@@ -56,7 +56,10 @@ class FakePagedModel:
         self.keys = np.full((pool.num_blocks, 1, BLOCK_SIZE, 1), -1.0, dtype=np.float32)
         self.values = self.keys.copy()
 
-    def step_alone(self, token: int, past_len: int, blocks: list[int]) -> tuple[int, np.ndarray]:
+    def step_alone(self, token: int, past_len: int, blocks: list[int], *,
+                   while_running: Callable[[], None] | None = None) -> tuple[int, np.ndarray]:
+        if while_running is not None:
+            while_running()
         row = self.step([SequenceStep([token], past_len, blocks)])[0]
         return int(np.argmax(row)), row
 
@@ -274,3 +277,4 @@ async def test_a_session_whose_call_ended_is_no_longer_waited_for_by_the_step_ba
     await second.prefill(list(range(200, 240)))
     assert batcher.load(caller=object()).others == 0
     await backend.close_sessions()
+

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import Counter
+from collections.abc import Callable
 
 import anyio
 import numpy as np
@@ -78,7 +79,10 @@ class BigramPagedModel:
         self.keys = np.full((pool.num_blocks, 1, BLOCK_SIZE, 1), -1.0, dtype=np.float32)
         self.values = self.keys.copy()
 
-    def step_alone(self, token: int, past_len: int, blocks: list[int]) -> tuple[int, np.ndarray]:
+    def step_alone(self, token: int, past_len: int, blocks: list[int], *,
+                   while_running: Callable[[], None] | None = None) -> tuple[int, np.ndarray]:
+        if while_running is not None:
+            while_running()
         row = self.step([SequenceStep([token], past_len, blocks)])[0]
         return int(np.argmax(row)), row
 

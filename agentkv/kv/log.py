@@ -132,18 +132,23 @@ class KVLog:
         return np.concatenate(got)
 
     def feed_run(self, slot: KVSlot, ids: Sequence[int], *, steps: int, choose: Callable[[np.ndarray], int],
-                 ends: Callable[[int], bool], greedy: bool = False) -> list[int]:
+                 ends: Callable[[int], bool], greedy: bool = False, started: Callable[[], None] | None = None
+                 ) -> list[int]:
         """Feed ``ids``, then each token ``choose(logits)`` picks from the last logits, until
         ``steps`` tokens are chosen or ``ends(token)``: the chosen tokens, each fed but the last
         (``last_logits`` are the ones it was chosen from). The feeds are ``feed``'s; a slot with
         ``feed_run`` (paged) runs the one-token steps itself, back to back while its session steps
         alone (``greedy``: ``choose`` is the argmax, which such a slot may take from the model).
-        On failure the log holds the tokens fed so far, last logits unknown::
+        ``started()`` is called once, while such a slot's first step computes (else before the
+        first feed). On failure the log holds the tokens fed so far, last logits unknown::
 
             chosen = log.feed_run(slot, [t], steps=8, choose=pick, ends=lambda t: t in stop_ids)
         """
         chosen: list[int] = []
         run = getattr(slot, "feed_run", None)
+        if started is not None and (not callable(run) or len(ids) != 1):
+            started()
+            started = None
         if not callable(run):  # one feed per token
             logits = self.feed(slot, ids)
             while True:
@@ -157,7 +162,8 @@ class KVLog:
                 return chosen
         token, start, before = int(chosen[-1] if chosen else ids[0]), len(self.tokens), len(chosen)
         try:
-            logits = run(token, start, steps=steps - before, choose=choose, ends=ends, chosen=chosen, greedy=greedy)
+            logits = run(token, start, steps=steps - before, choose=choose, ends=ends, chosen=chosen, greedy=greedy,
+                         started=started)
         except BaseException:
             fed = [token, *chosen[before:]][: slot.length() - start]
             if fed:

@@ -115,6 +115,38 @@ def test_one_token_steps_and_chunks_on_their_own_graphs_give_the_logits_of_one_g
         assert np.array_equal(exact_paged.step(shifted), single.step(step))
 
 
+def test_a_block_table_padded_to_its_bucket_gives_the_logits_of_the_bare_table_bit_for_bit(exact_paged, monkeypatch):
+    import agentkv.engine.paged.model as paged_model
+    from agentkv.engine.paged.model import SequenceStep
+
+    two = [[40, 41, 42], [43, 44, 45]]  # 3 blocks each: padded to 8 (one sequence) and 8 (both)
+    exact_paged.step([SequenceStep(IDS[:70], 0, two[0]), SequenceStep(IDS[100:170], 0, two[1])])
+    steps = [SequenceStep(IDS[70:72], 70, two[0], last_rows=2), SequenceStep(IDS[170:171], 70, two[1])]
+    padded = exact_paged.step(steps)
+    monkeypatch.setattr(paged_model, "padded_table", lambda blocks: blocks)
+    assert np.array_equal(exact_paged.step(steps), padded)
+
+
+def test_step_alone_calls_while_running_once_during_the_step_and_a_raise_leaves_the_next_step_whole(exact_paged):
+    from agentkv.engine.paged.model import SequenceStep
+
+    table = [60, 61]
+    exact_paged.step([SequenceStep(IDS[:40], 0, table)])
+    greedy, row = exact_paged.step_alone(IDS[40], 40, table)
+    row = row.copy()
+    calls: list[int] = []
+    got, got_row = exact_paged.step_alone(IDS[40], 40, table, while_running=lambda: calls.append(1))
+    assert calls == [1] and got == greedy == int(np.argmax(row)) and np.array_equal(got_row, row)
+
+    def fails() -> None:
+        raise RuntimeError("while the step ran")
+
+    with pytest.raises(RuntimeError, match="while the step ran"):
+        exact_paged.step_alone(IDS[40], 40, table, while_running=fails)
+    again, again_row = exact_paged.step_alone(IDS[40], 40, table)
+    assert again == greedy and np.array_equal(again_row, row)
+
+
 def test_when_the_second_graph_fails_to_compile_one_graph_runs_every_step_and_a_warning_says_so(
         exact_paged, monkeypatch, caplog):
     import agentkv.engine.paged.model as paged_model

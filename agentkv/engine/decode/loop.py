@@ -225,7 +225,7 @@ class DecodeLoop:
             async with self.engine.room(slot, len(step.ids)):  # a run's later steps take free blocks or end it
                 if isinstance(step, RunStep):
                     return await run(partial(log.feed_run, slot, step.ids, steps=step.steps, choose=step.choose,
-                                             ends=step.ends, greedy=step.greedy))
+                                             ends=step.ends, greedy=step.greedy, started=step.started))
                 if isinstance(step, FeedRowsStep):
                     return await run(log.feed_rows, slot, step.ids, step.rows)
                 await run(log.feed, slot, step.ids)
@@ -246,7 +246,7 @@ class DecodeLoop:
             with self.engine.room_blocking(slot, len(step.ids), token=token):
                 if isinstance(step, RunStep):
                     return log.feed_run(slot, step.ids, steps=step.steps, choose=step.choose, ends=step.ends,
-                                        greedy=step.greedy)
+                                        greedy=step.greedy, started=step.started)
                 if isinstance(step, FeedRowsStep):
                     return log.feed_rows(cast("RowsSlot", slot), step.ids, step.rows)
                 log.feed(slot, step.ids)

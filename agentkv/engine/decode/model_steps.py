@@ -40,6 +40,9 @@ class RunStep:
     ends: Callable[[int], bool]
     greedy: bool = False
     """``choose`` is the argmax (the lowest id among equals): a slot may take the model's own."""
+    started: Callable[[], None] | None = None
+    """Called once, as soon as the run's first model step is under way (before it ends where the
+    slot can: ``PagedModel.step_alone``); what a driver does then overlaps the model's work."""
 
 
 @dataclass(frozen=True)

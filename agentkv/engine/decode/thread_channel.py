@@ -39,6 +39,13 @@ class ThreadChannel(Generic[T]):
         self._lead = lead
         self._wake = _waker()
 
+    def wait_for_room(self) -> None:
+        """Wait while ``lead`` items are unreceived (what ``post`` does first): a thread that must
+        not wait later, where it posts, waits here before."""
+        with self._changed:
+            while self._unreceived >= self._lead:
+                self._changed.wait()
+
     def post(self, item: T, *, wait: bool = True, size: int = 1) -> None:
         """Queue ``item``, counted as ``size`` items (from any thread); with ``wait``, first wait
         while ``lead`` items are unreceived."""

@@ -5,7 +5,9 @@ token (~0.7 ms of Python between two model steps on a 2-core CPU; measured, issu
 whole loop — feed, choose, detokenize, stop — runs in one thread, as openvino-genai's C++ loop
 does, and each delta is handed to the event loop without the thread waiting for it
 (``thread_channel``): the consumer's work overlaps the next model step. The deltas the loop yields
-between two model steps (a run's, ``RunStep``) go over as one hand-over, one event-loop wake. The
+between two model steps (a run's, ``RunStep``) go over as one hand-over, one event-loop wake; before
+a run, it happens once the run's first step is under way (``RunStep.started``), so the wake and the
+event loop's share of the work overlap the model's, not the thread's Python between steps. The
 thread runs at most ``DELTAS_AHEAD`` deltas (and a run) ahead of its consumer. A stream closed or
 cancelled stops the thread after the step it is in (a run: after its current token), and the KV
 log is then settled to what one-by-one decoding's log holds after the last delta the consumer
@@ -78,10 +80,20 @@ async def run_steps_in_thread(steps: TokenSteps, execute: Callable[[ModelStep], 
     channel: ThreadChannel[_Deltas | _Finished] = ThreadChannel(DELTAS_AHEAD)
     stop = threading.Event()
 
-    def interrupted(step: RunStep) -> RunStep:
-        """``step`` ending after the token it is at once the stream stops."""
+    def interrupted(step: RunStep, started: Callable[[], None] | None) -> RunStep:
+        """``step`` ending after the token it is at once the stream stops, calling ``started``."""
         ends = step.ends
-        return replace(step, ends=lambda token: ends(token) or stop.is_set())
+        return replace(step, ends=lambda token: ends(token) or stop.is_set(), started=started)
+
+    def handover(batch: list[_Delta]) -> Callable[[], None]:
+        """``post()``: hand ``batch`` to the consumer, once (later calls do nothing; no waiting)."""
+        held = [batch]
+
+        def post() -> None:
+            if held:
+                channel.post(_Deltas(held[0]), size=len(held.pop()), wait=False)
+
+        return post
 
     def work() -> None:
         error: BaseException | None = None
@@ -96,12 +108,22 @@ async def run_steps_in_thread(steps: TokenSteps, execute: Callable[[ModelStep], 
                     except StopIteration:
                         break
                     if isinstance(item, MODEL_STEPS):
-                        if ready:
-                            batch, ready = ready, []
-                            channel.post(_Deltas(batch), size=len(batch))
+                        post = handover(ready) if ready else None
+                        ready = []
+                        if post is not None:
+                            channel.wait_for_room()  # NOTE: the lead is waited for here, outside the model's lock
+                            if stop.is_set() or not isinstance(item, RunStep):
+                                post()
                         if stop.is_set():
                             break
-                        reply = execute(interrupted(item) if isinstance(item, RunStep) else item)
+                        if not isinstance(item, RunStep):
+                            reply = execute(item)
+                            continue
+                        try:  # NOTE: a run's first step calls post() while it computes: the consumer's
+                            reply = execute(interrupted(item, post))  # share of the hand-over overlaps it
+                        finally:
+                            if post is not None:
+                                post()
                     else:
                         reply = None
                         ready.append(_Delta(item, steps.kept))

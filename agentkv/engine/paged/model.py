@@ -33,7 +33,7 @@ import gc
 import logging
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -43,7 +43,7 @@ from agentkv.engine.openvino.compile import compile_for_device, lm_head
 from agentkv.engine.openvino.models import ModelFiles
 from agentkv.engine.openvino.numerics import EXACT_CONFIG, PluginNumerics, precision_name
 from agentkv.engine.paged.compiled_pool import COMPILED, GraphKey, HeldGraphs, keep_limit
-from agentkv.engine.paged.request_inputs import OneTokenRequest, StepRequest
+from agentkv.engine.paged.request_inputs import OneTokenRequest, StepRequest, padded_table
 from agentkv.kv.u8_blocks import BlockLayout
 from agentkv.errors import PagedFormUnsupported, UserError
 
@@ -234,12 +234,14 @@ class PagedModel:
             self.steps_run += 1
             return self._infer(ids, positions, sequences, begins, blocks, block_begins, rows)
 
-    def step_alone(self, token: int, past_len: int, blocks: list[int]) -> tuple[int, np.ndarray]:
+    def step_alone(self, token: int, past_len: int, blocks: list[int], *,
+                   while_running: Callable[[], None] | None = None) -> tuple[int, np.ndarray]:
         """``step`` of one sequence feeding one token (the table covering ``past_len + 1``
         positions): the greedy next token (the graph's own argmax) and the float32 logits
         ``[vocab]``, an array the next ``step_alone`` overwrites (copy what you keep). On a request
         of the decode graph of its own that writes only what changed (``OneTokenRequest``): how a
-        run steps while its session decodes alone (``PagedSlot.feed_run``)::
+        run steps while its session decodes alone (``PagedSlot.feed_run``). ``while_running()``
+        runs in this thread while the step computes (the lock held; it should not block)::
 
             greedy, row = model.step_alone(42, past_len=130, blocks=table)
         """
@@ -249,7 +251,7 @@ class PagedModel:
         with self.lock:
             self._check_held()
             self.steps_run += 1
-            greedy = self._alone_request.step(token, past_len, blocks)
+            greedy = self._alone_request.step(token, past_len, blocks, while_running)
             return greedy, self._alone_request.logits
 
     def _infer(self, ids: list[int], positions: list[int], sequences: Sequence[SequenceStep], begins: list[int],
@@ -260,7 +262,7 @@ class PagedModel:
         write("position_ids", positions)
         write("past_lens", [s.past_len for s in sequences])
         write("subsequence_begins", begins)
-        write("block_indices", blocks)
+        write("block_indices", padded_table(blocks))
         write("block_indices_begins", block_begins)
         write("max_context_len", max(s.past_len + len(s.ids) for s in sequences))
         write("logits_indices", rows)

@@ -79,7 +79,8 @@ class PagedSlot:
         return self._feed_one([int(t) for t in ids[0]], past_len, 0, last_rows=rows)
 
     def feed_run(self, token: int, past_len: int, *, steps: int, choose: Callable[[np.ndarray], int],
-                 ends: Callable[[int], bool], chosen: list[int], greedy: bool = False) -> np.ndarray:
+                 ends: Callable[[int], bool], chosen: list[int], greedy: bool = False,
+                 started: Callable[[], None] | None = None) -> np.ndarray:
         """Feed ``token``, append ``choose(logits)`` to ``chosen``, and go on feeding each token so
         chosen until this call has chosen ``steps`` tokens, ``ends(token)`` says so, or another
         session queues for a step; the last step's logits ``[vocab]`` (a copy). While nobody else
@@ -88,7 +89,8 @@ class PagedSlot:
         others stepping, one ordinary batched step. ``greedy``: ``choose`` is the argmax, so the
         steps alone take the graph's own (``next_token``) instead of reading the logits. The caller
         makes room for the first step; a later step that needs a block takes a free one, or ends
-        the run when none is (the next feed makes room, as one token per feed would). The slot's
+        the run when none is (the next feed makes room, as one token per feed would). ``started()``
+        is called once: while the first step alone computes, or before a batched one. The slot's
         length says how many tokens were fed, also after a failure. How a run steps::
 
             chosen = []
@@ -99,30 +101,34 @@ class PagedSlot:
                             f"(got past_len {past_len}, {self.rows} rows, steps {steps})")
         if self.batcher is None:  # NOTE: the lock keeps other slots' steps, and the logits array they share, out
             with self.model.lock:
-                return self._run(token, past_len, len(chosen) + steps, choose, ends, chosen, greedy, None)
+                return self._run(token, past_len, len(chosen) + steps, choose, ends, chosen, greedy, None, started)
         alone = self.batcher.alone(self)
         if alone is None:
+            if started is not None:
+                started()
             logits: np.ndarray = self._feed_one([token], past_len, 0, last_rows=1)[0]
             chosen.append(choose(logits))
             return logits
         try:
-            return self._run(token, past_len, len(chosen) + steps, choose, ends, chosen, greedy, alone)
+            return self._run(token, past_len, len(chosen) + steps, choose, ends, chosen, greedy, alone, started)
         finally:
             alone.close()
 
     def _run(self, token: int, past_len: int, until: int, choose: Callable[[np.ndarray], int],
-             ends: Callable[[int], bool], chosen: list[int], greedy: bool, alone: AloneSteps | None) -> np.ndarray:
+             ends: Callable[[int], bool], chosen: list[int], greedy: bool, alone: AloneSteps | None,
+             on_start: Callable[[], None] | None) -> np.ndarray:
         """``feed_run``'s steps with the model to itself (``alone``: lent by the batcher)."""
         model, table = self.model, self.blocks
         self._own_block(table, past_len)  # NOTE: only the first write can land in a shared block
         self._grow(table, past_len + 1)
         while True:
-            started = time.perf_counter()
-            top, row = model.step_alone(token, past_len, table)
+            began = time.perf_counter()
+            top, row = model.step_alone(token, past_len, table, while_running=on_start)
+            on_start = None
             past_len = self._length = past_len + 1
             self.steps.add(1, 0.0)
             if alone is not None:
-                alone.counted(started)
+                alone.counted(began)
             token = top if greedy else choose(row)
             chosen.append(token)
             # NOTE: ends(token) last: a run handed back to others ends anyway, and ends may spend
