@@ -7,6 +7,8 @@ or the step is batched. No model runs here: the bigram fakes of ``test_speculati
 from __future__ import annotations
 
 import threading
+import time
+from dataclasses import replace
 from typing import Any
 
 import anyio
@@ -21,9 +23,11 @@ from agentkv.engine.decode.thread_channel import ThreadChannel
 from agentkv.engine.decode.threaded import run_steps_in_thread
 from agentkv.engine.paged.batcher import StepBatcher
 from agentkv.engine.paged.block_pool import BlockPool
-from agentkv.engine.paged.model import SequenceStep
+from agentkv.engine.paged.model import SequenceStep, lock_calling_first
 from agentkv.engine.paged.slot import PagedSlot
+from agentkv.engine.session.session import SlotSession
 from agentkv.kv.log import KVLog
+from test_decode_run_sessions import run_backend
 from test_decode_runs import PROMPT, BigramLog, make_steps
 from test_speculative_sampling import BigramPagedModel, counting_table
 
@@ -37,15 +41,22 @@ class OrderedModel(BigramPagedModel):
 
     def __init__(self, pool: BlockPool, table: np.ndarray) -> None:
         super().__init__(pool, table)
-        self.events: list[str] = []
+        self.events: list[str] | None = None  # None: not recording (the prompt's feed)
 
     def step_alone(self, token: int, past_len: int, blocks: list[int], *,
                    while_running: Any = None) -> tuple[int, np.ndarray]:
+        assert self.events is not None
         self.events.append(f"start {token}")
         if while_running is not None:
             while_running()
         self.events.append(f"end {token}")
-        return super().step_alone(token, past_len, blocks)
+        row = BigramPagedModel.step(self, [SequenceStep([token], past_len, blocks)])[0]
+        return int(np.argmax(row)), row
+
+    def step(self, sequences: list[SequenceStep]) -> np.ndarray:
+        if self.events is not None:
+            self.events.append(f"step of {sum(len(s.ids) for s in sequences)}")
+        return super().step(sequences)
 
 
 def test_a_run_alone_calls_started_once_while_its_first_step_computes() -> None:
@@ -53,10 +64,10 @@ def test_a_run_alone_calls_started_once_while_its_first_step_computes() -> None:
     model = OrderedModel(pool, counting_table())
     slot, log = PagedSlot(model, pool, StepBatcher(model.step)), KVLog()
     log.feed(slot, PROMPT)
-    chosen = log.feed_run(slot, [3], steps=4, choose=greedy_pick, ends=never,
-                          started=lambda: model.events.append("started"))
+    model.events = events = []
+    chosen = log.feed_run(slot, [3], steps=4, choose=greedy_pick, ends=never, started=lambda: events.append("started"))
     assert chosen == [4, 5, 6, 7]
-    assert model.events == ["start 3", "started", "end 3", "start 4", "end 4", "start 5", "end 5", "start 6", "end 6"]
+    assert events == ["start 3", "started", "end 3", "start 4", "end 4", "start 5", "end 5", "start 6", "end 6"]
 
 
 def test_a_batched_run_calls_started_once_before_its_step() -> None:
@@ -67,9 +78,9 @@ def test_a_batched_run_calls_started_once_before_its_step() -> None:
     log.feed(slot, PROMPT)
     other = pool.allocate(1, holder="other")
     batcher.run(SequenceStep([1], 0, other), caller="other")  # another session stepped: no lease now
-    calls: list[int] = []
-    chosen = log.feed_run(slot, [3], steps=4, choose=greedy_pick, ends=never, started=lambda: calls.append(1))
-    assert calls == [1] and chosen == [4] and model.events == []  # one ordinary batched step
+    model.events = events = []
+    chosen = log.feed_run(slot, [3], steps=4, choose=greedy_pick, ends=never, started=lambda: events.append("started"))
+    assert chosen == [4] and events == ["started", "step of 1"]  # one ordinary batched step, after started
 
 
 def test_a_run_of_several_ids_calls_started_once_before_their_feed() -> None:
@@ -77,10 +88,15 @@ def test_a_run_of_several_ids_calls_started_once_before_their_feed() -> None:
     model = OrderedModel(pool, counting_table())
     slot, log = PagedSlot(model, pool, StepBatcher(model.step)), KVLog()
     log.feed(slot, PROMPT)
+    model.events = events = []
     chosen = log.feed_run(slot, [3, 4], steps=3, choose=greedy_pick, ends=never,
-                          started=lambda: model.events.append("started"))
+                          started=lambda: events.append("started"))
     assert chosen == [5, 6, 7]
-    assert model.events == ["started", "start 5", "end 5", "start 6", "end 6"]
+    assert events == ["started", "step of 2", "start 5", "end 5", "start 6", "end 6"]
+
+
+class RunCouldNotStart(Exception):
+    pass
 
 
 class FailingRunLog(BigramLog):
@@ -88,7 +104,7 @@ class FailingRunLog(BigramLog):
 
     def execute(self, step: ModelStep) -> Any:
         if isinstance(step, RunStep):
-            raise RuntimeError("the run could not start")
+            raise RunCouldNotStart("the run could not start")
         return super().execute(step)
 
 
@@ -96,39 +112,94 @@ async def test_a_run_that_fails_before_its_first_step_still_hands_over_the_delta
     log = FailingRunLog(counting_table(), PROMPT)
     steps, _ = make_steps(log, GenerationConfig(max_new_tokens=40, decode_run=8))
     got: list[int] = []
-    with pytest.raises(RuntimeError, match="the run could not start"):
+    with pytest.raises(RunCouldNotStart):
         async for event in run_steps_in_thread(steps, log.execute):
             assert isinstance(event, TokenDelta)
             got.append(event.token_id)
     assert got == [4]  # the first token, chosen from the prompt's logits before the first run
 
 
-async def test_the_deltas_before_a_run_arrive_while_the_run_steps_and_in_order() -> None:
-    log = BigramLog(counting_table(), PROMPT, step_s=0.02)  # a run of 8 takes ~0.16 s
+class SlowStartLog(BigramLog):
+    """A log whose runs take a while before their first step (a lease, room) and count their
+    ``started`` calls."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.started_calls = 0
+
+    def execute(self, step: ModelStep) -> Any:
+        if isinstance(step, RunStep) and step.started is not None:
+            time.sleep(0.05)
+            inner = step.started
+
+            def started() -> None:
+                self.started_calls += 1
+                inner()
+
+            step = replace(step, started=started)
+        return super().execute(step)
+
+
+async def test_the_deltas_before_a_run_go_over_when_it_starts_stepping_not_before_and_in_order() -> None:
+    log = SlowStartLog(counting_table(), PROMPT, step_s=0.05)  # a run of 8 takes ~0.4 s
     steps, _ = make_steps(log, GenerationConfig(max_new_tokens=24, decode_run=8))
     got: list[int] = []
-    runs_done_at_first_delta: list[int] = []
+    at_arrival: list[tuple[int, int]] = []  # (runs started, runs done) as the hand-overs before runs 1, 2 came
     async for event in run_steps_in_thread(steps, log.execute):
         if isinstance(event, TokenDelta):
-            if not got:
-                runs_done_at_first_delta.append(len(log.runs))
+            if len(got) in (0, 1):
+                at_arrival.append((log.started_calls, len(log.runs)))
             got.append(event.token_id)
-    assert runs_done_at_first_delta == [0]  # handed over as the first run started, not after it
+    assert at_arrival == [(1, 0), (2, 1)]  # each after its run called started, long before that run ended
     assert got == [4, 5, 6, 7, 1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5, 6]
 
 
-async def test_a_stream_stopped_before_a_run_still_gets_no_delta_twice() -> None:
-    log = BigramLog(counting_table(), PROMPT, step_s=0.005)
-    steps, _ = make_steps(log, GenerationConfig(max_new_tokens=40, decode_run=4))
-    seen: list[int] = []
-    events = run_steps_in_thread(steps, log.execute)
-    async for event in events:
-        assert isinstance(event, TokenDelta)
-        seen.append(event.token_id)
-        if len(seen) == 6:
-            break
-    await events.aclose()
-    assert seen == [4, 5, 6, 7, 1, 2]
+async def test_a_paged_session_hands_its_runs_a_started_that_the_first_step_calls() -> None:
+    backend, model = run_backend(counting_table(), batched=True)
+    first_steps: list[bool] = []
+    plain = model.step_alone
+
+    def step_alone(token: int, past_len: int, blocks: list[int], *, while_running: Any = None) -> Any:
+        first_steps.append(while_running is not None)
+        return plain(token, past_len, blocks, while_running=while_running)
+
+    model.step_alone = step_alone  # type: ignore[method-assign]
+    session = SlotSession(backend)
+    result = await session.generate(PROMPT, GenerationConfig(max_new_tokens=24, decode_run=8, prompt_lookup=False))
+    await session.close()
+    assert len(result.token_ids) == 24
+    assert first_steps[:8] == [True] + [False] * 7 and first_steps.count(True) >= 2  # each run's first step
+
+
+async def test_deltas_go_over_before_a_run_waits_for_room_on_the_event_loop(monkeypatch) -> None:
+    plain_took = PagedSlot._took_block_for
+    monkeypatch.setattr(PagedSlot, "_took_block_for", lambda slot, tokens: tokens <= len(slot.blocks) * 32 and
+                        plain_took(slot, tokens))  # no free block at a block's end: the next run makes room
+    backend, _ = run_backend(counting_table(), batched=True)
+    session = SlotSession(backend)
+    received: list[int] = []
+    in_make_room: list[tuple[int, int]] = []  # (deltas received, tokens chosen) while room is made
+    plain_reserve, plain_make_room = backend._reserve, backend.make_room  # noqa: SLF001
+
+    def reserve(holder: Any, needed: int) -> bool:  # a run after the first finds no free block
+        if threading.current_thread().name == "agentkv-decode" and needed and not in_make_room and received:
+            return False
+        return plain_reserve(holder, needed)
+
+    async def make_room(slot: Any, tokens: int, **kwargs: Any) -> Any:
+        if not in_make_room and received:
+            await anyio.sleep(0.05)  # the consumer takes what was handed over meanwhile
+            in_make_room.append((len(received), slot.length() - len(PROMPT) + 1))  # the last chosen is not fed
+        return await plain_make_room(slot, tokens, **kwargs)
+
+    backend._reserve, backend.make_room = reserve, make_room  # type: ignore[method-assign]  # noqa: SLF001
+    config = GenerationConfig(max_new_tokens=40, decode_run=8, prompt_lookup=False)
+    async for delta in session.stream(PROMPT, config):
+        received.append(delta.token_id)
+    await session.close()
+    assert len(received) == 40
+    [(got, chosen)] = in_make_room
+    assert got == chosen > 8  # every token chosen before the wait reached the consumer during it
 
 
 async def test_wait_for_room_waits_while_the_lead_is_unreceived() -> None:
@@ -142,3 +213,25 @@ async def test_wait_for_room_waits_while_the_lead_is_unreceived() -> None:
     assert await channel.receive() == "a"
     assert await anyio.to_thread.run_sync(room.wait, 5)
     waiter.join()
+
+
+def test_lock_calling_first_calls_first_only_when_another_thread_holds_the_lock() -> None:
+    lock = threading.RLock()
+    calls: list[str] = []
+    assert lock_calling_first(lock, lambda: calls.append("first")) is not None and calls == []  # free: not called
+    lock.release()
+    taken, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with lock:
+            taken.set()
+            release.wait(5)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    taken.wait(5)
+    threading.Timer(0.05, lambda: (calls.append("released"), release.set())).start()
+    assert lock_calling_first(lock, lambda: calls.append("first")) is None
+    lock.release()
+    holder.join()
+    assert calls == ["first", "released"]  # called before the wait, not after it

@@ -139,8 +139,8 @@ class KVLog:
         (``last_logits`` are the ones it was chosen from). The feeds are ``feed``'s; a slot with
         ``feed_run`` (paged) runs the one-token steps itself, back to back while its session steps
         alone (``greedy``: ``choose`` is the argmax, which such a slot may take from the model).
-        ``started()`` is called once, while such a slot's first step computes (else before the
-        first feed). On failure the log holds the tokens fed so far, last logits unknown::
+        ``started()`` (``RunStep.started``) is called while such a slot's first step computes, else
+        before the first feed. On failure the log holds the tokens fed so far, last logits unknown::
 
             chosen = log.feed_run(slot, [t], steps=8, choose=pick, ends=lambda t: t in stop_ids)
         """

@@ -134,9 +134,10 @@ def test_step_alone_calls_while_running_once_during_the_step_and_a_raise_leaves_
     exact_paged.step([SequenceStep(IDS[:40], 0, table)])
     greedy, row = exact_paged.step_alone(IDS[40], 40, table)
     row = row.copy()
-    calls: list[int] = []
-    got, got_row = exact_paged.step_alone(IDS[40], 40, table, while_running=lambda: calls.append(1))
-    assert calls == [1] and got == greedy == int(np.argmax(row)) and np.array_equal(got_row, row)
+    request = exact_paged._alone_request.request  # noqa: SLF001 - is the step still computing?
+    calls: list[bool] = []
+    got, got_row = exact_paged.step_alone(IDS[40], 40, table, while_running=lambda: calls.append(request.wait_for(0)))
+    assert calls == [False] and got == greedy == int(np.argmax(row)) and np.array_equal(got_row, row)
 
     def fails() -> None:
         raise RuntimeError("while the step ran")

@@ -62,8 +62,8 @@ class DecodeBackend(Protocol):
                     tpot: float) -> GenerationMetrics: ...
     def room(self, slot: KVSlot | None, tokens: int, *, rows: int = 1,
              rewrite: bool = False) -> AbstractAsyncContextManager[None]: ...
-    def room_blocking(self, slot: KVSlot | None, tokens: int, *,
-                      token: EventLoopToken) -> AbstractContextManager[None]: ...
+    def room_blocking(self, slot: KVSlot | None, tokens: int, *, token: EventLoopToken,
+                      before_wait: Callable[[], None] | None = None) -> AbstractContextManager[None]: ...
     @property
     def decodes_in_thread(self) -> bool: ...
 
@@ -243,7 +243,8 @@ class DecodeLoop:
             if isinstance(step, TrimStep):
                 log.trim(slot, base + step.keep)
                 return None
-            with self.engine.room_blocking(slot, len(step.ids), token=token):
+            started = step.started if isinstance(step, RunStep) else None
+            with self.engine.room_blocking(slot, len(step.ids), token=token, before_wait=started):
                 if isinstance(step, RunStep):
                     return log.feed_run(slot, step.ids, steps=step.steps, choose=step.choose, ends=step.ends,
                                         greedy=step.greedy, started=step.started)

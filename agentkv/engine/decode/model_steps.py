@@ -41,8 +41,10 @@ class RunStep:
     greedy: bool = False
     """``choose`` is the argmax (the lowest id among equals): a slot may take the model's own."""
     started: Callable[[], None] | None = None
-    """Called once, as soon as the run's first model step is under way (before it ends where the
-    slot can: ``PagedModel.step_alone``); what a driver does then overlaps the model's work."""
+    """Called as soon as the run's first model step is under way (while it computes, where the slot
+    can: ``PagedModel.step_alone``), or before the run waits for anything else (room made on the
+    event loop, another thread's hold on the model): what a driver does then overlaps the model's
+    work. Idempotent: a run may call it more than once; it is not called when the run fails first."""
 
 
 @dataclass(frozen=True)

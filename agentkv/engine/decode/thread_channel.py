@@ -37,7 +37,9 @@ class ThreadChannel(Generic[T]):
         self._changed = threading.Condition()
         self._waiter: anyio.Event | None = None
         self._lead = lead
-        self._wake = _waker()
+        self._wake, self.posts_without_waiting = _waker()
+        """``post(..., wait=False)`` returns without waiting for the event loop (asyncio); on other
+        anyio backends it waits for the loop to take the wake-up."""
 
     def wait_for_room(self) -> None:
         """Wait while ``lead`` items are unreceived (what ``post`` does first): a thread that must
@@ -72,9 +74,9 @@ class ThreadChannel(Generic[T]):
             await waiter.wait()
 
 
-def _waker() -> Callable[[Callable[[], object]], None]:
+def _waker() -> tuple[Callable[[Callable[[], object]], None], bool]:
     """``wake(fn)`` from any thread: ``fn()`` runs on this event loop soon, the caller not waiting
-    (asyncio), or waiting for the loop to run it (other anyio backends)."""
+    (asyncio), or waiting for the loop to run it (other anyio backends); and whether it does not wait."""
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:
@@ -83,7 +85,7 @@ def _waker() -> Callable[[Callable[[], object]], None]:
         def wake_waiting(fn: Callable[[], object]) -> None:
             anyio.from_thread.run_sync(fn, token=token)
 
-        return wake_waiting
+        return wake_waiting, False
 
     def wake(fn: Callable[[], object]) -> None:
         try:
@@ -91,4 +93,4 @@ def _waker() -> Callable[[Callable[[], object]], None]:
         except RuntimeError:
             pass  # the event loop has closed: nobody receives any more
 
-    return wake
+    return wake, True

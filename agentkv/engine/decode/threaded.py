@@ -91,7 +91,8 @@ async def run_steps_in_thread(steps: TokenSteps, execute: Callable[[ModelStep], 
 
         def post() -> None:
             if held:
-                channel.post(_Deltas(held[0]), size=len(held.pop()), wait=False)
+                deltas = held.pop()
+                channel.post(_Deltas(deltas), size=len(deltas), wait=False)
 
         return post
 
@@ -112,9 +113,13 @@ async def run_steps_in_thread(steps: TokenSteps, execute: Callable[[ModelStep], 
                         ready = []
                         if post is not None:
                             channel.wait_for_room()  # NOTE: the lead is waited for here, outside the model's lock
-                            if stop.is_set() or not isinstance(item, RunStep):
-                                post()
-                        if stop.is_set():
+                        stopping = stop.is_set()
+                        # NOTE: a run posts while its first step holds the model's lock: only where
+                        # posting never waits for the event loop (asyncio), else before the run
+                        if post is not None and (stopping or not isinstance(item, RunStep)
+                                                 or not channel.posts_without_waiting):
+                            post()
+                        if stopping:
                             break
                         if not isinstance(item, RunStep):
                             reply = execute(item)

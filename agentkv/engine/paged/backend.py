@@ -140,10 +140,11 @@ class PagedBackend(SlotBackend):
             self._give_back(slot)
 
     @contextmanager
-    def room_blocking(self, slot: KVSlot | None, tokens: int, *, token: EventLoopToken) -> Iterator[None]:
+    def room_blocking(self, slot: KVSlot | None, tokens: int, *, token: EventLoopToken,
+                      before_wait: Callable[[], None] | None = None) -> Iterator[None]:
         """``room`` for a step a worker thread runs: free blocks are reserved from the thread (the
         pool is thread-safe); only when none are left does ``make_room`` run on the event loop
-        (``token``) to evict for them, the thread waiting::
+        (``token``) to evict for them, the thread waiting (after ``before_wait()``)::
 
             with backend.room_blocking(slot, len(ids), token=loop_token):
                 log.feed(slot, ids)
@@ -155,6 +156,8 @@ class PagedBackend(SlotBackend):
             return
         try:
             if not self._reserve(slot if isinstance(slot, PagedSlot) else None, needed):
+                if before_wait is not None:
+                    before_wait()
                 anyio.from_thread.run(self.make_room, slot, tokens, token=token)
             yield
         finally:

@@ -19,8 +19,7 @@ shapes change, ~7–12 ms of a ~20 ms decode step of the default model on 2 core
 issue 27), and a one-token step after a draft's verify, or after forced tokens fed as a chunk,
 paid it twice. So one-token-per-sequence steps run on one compiled graph, every other step
 (prefill chunks, verifies, forced chunks) on a second compilation of the same model over the
-same KV blocks: decoding keeps its shapes. The graphs give bit-identical logits; only the decode
-graph has the ``next_token`` output (``_add_next_token``), which only one-token steps read.
+same KV blocks: decoding keeps its shapes. Same logits, bit for bit; ``next_token`` on the first only.
 
 OpenVINO's compiled-blob cache (``CACHE_DIR``) cannot hold these graphs, so each model compiles
 them; ``release()`` (what closing an engine does) hands them to the next model on the same files
@@ -236,23 +235,26 @@ class PagedModel:
 
     def step_alone(self, token: int, past_len: int, blocks: list[int], *,
                    while_running: Callable[[], None] | None = None) -> tuple[int, np.ndarray]:
-        """``step`` of one sequence feeding one token (the table covering ``past_len + 1``
-        positions): the greedy next token (the graph's own argmax) and the float32 logits
-        ``[vocab]``, an array the next ``step_alone`` overwrites (copy what you keep). On a request
-        of the decode graph of its own that writes only what changed (``OneTokenRequest``): how a
-        run steps while its session decodes alone (``PagedSlot.feed_run``). ``while_running()``
-        runs in this thread while the step computes (the lock held; it should not block)::
+        """``step`` of one sequence feeding one token (the table covering ``past_len + 1`` positions):
+        the greedy next token (the graph's own argmax) and the float32 logits ``[vocab]``, an array
+        the next ``step_alone`` overwrites (copy what you keep), on a request of the decode graph of
+        its own (``OneTokenRequest``): how a run steps alone (``PagedSlot.feed_run``).
+        ``while_running()`` runs while the step computes (lock held: it must not block), or before
+        waiting for a lock another thread holds (``lock_calling_first``)::
 
             greedy, row = model.step_alone(42, past_len=130, blocks=table)
         """
         if len(blocks) * BLOCK_SIZE <= past_len:
             raise UserError(f"a sequence of {past_len + 1} tokens needs {past_len // BLOCK_SIZE + 1} blocks, "
                             f"its table has {len(blocks)}")
-        with self.lock:
+        while_running = lock_calling_first(self.lock, while_running)
+        try:
             self._check_held()
             self.steps_run += 1
             greedy = self._alone_request.step(token, past_len, blocks, while_running)
             return greedy, self._alone_request.logits
+        finally:
+            self.lock.release()
 
     def _infer(self, ids: list[int], positions: list[int], sequences: Sequence[SequenceStep], begins: list[int],
                blocks: list[int], block_begins: list[int], rows: list[int]) -> np.ndarray:
@@ -286,6 +288,20 @@ class PagedModel:
             self._check_held()
         return [(self.caches[f"key_cache.{i}"].data, self.caches[f"value_cache.{i}"].data)
                 for i in range(self.num_layers)]
+
+
+def lock_calling_first(lock: threading.RLock, first: Callable[[], None] | None) -> Callable[[], None] | None:
+    """Take ``lock``, calling ``first()`` before waiting for it when another thread holds it; returns
+    ``first`` if not called yet, else None (the caller releases ``lock``)::
+
+        later = lock_calling_first(model.lock, post_deltas)      # then try: ... finally: release()
+    """
+    if first is not None:
+        if lock.acquire(blocking=False):
+            return first
+        first()
+    lock.acquire()
+    return None
 
 
 def _compile_graphs(core: ov.Core, files: ModelFiles, device: str, config: dict[str, str], element: ov.Type,
@@ -369,20 +385,16 @@ def _gather_positions(model: ov.Model) -> None:
 
 
 def _add_next_token(model: ov.Model) -> None:
-    """Add an output ``next_token``: the argmax of each returned row's logits, the lowest id among
-    equals as numpy's (``ReduceMin`` over the ids whose logit equals the row's ``ReduceMax``), so a
-    greedy run reads one number instead of the row (read after a step, the row arrives cold: ~0.08 ms
-    on a 2-core CPU). Measured on a 49,152-token vocabulary (avx2): these reductions 0.2 ms for 1 row,
-    0.5 for 8; a stable TopK (k=1) 0.7 ms for 1 row, 17 ms for 8 and 23 ms for 13 (it sorts)."""
+    """Add an output ``next_token``, each returned row's argmax as numpy's (the lowest id whose logit
+    equals the row's max): a greedy run reads one number, not the row (it arrives cold: ~0.08 ms).
+    These reductions cost 0.2 ms for 1 row of 49,152, 0.5 for 8; a stable TopK 0.7, 17 (it sorts)."""
     import openvino.opset13 as ops
 
     logits = next(o for o in model.outputs if "logits" in o.get_names()).get_node().input_value(0)
     vocab = logits.get_partial_shape()[-1].get_length()
-    axis = np.array([-1], np.int64)
-    ids = ops.constant(np.arange(vocab, dtype=np.int64))
+    axis, ids = np.array([-1], np.int64), ops.constant(np.arange(vocab, dtype=np.int64))
     is_max = ops.equal(logits, ops.reduce_max(logits, axis, keep_dims=True))
-    best = ops.reduce_min(ops.select(is_max, ids, ops.constant(np.array(vocab, np.int64))), axis, keep_dims=True)
-    result = ops.result(best)
+    result = ops.result(ops.reduce_min(ops.select(is_max, ids, np.array(vocab, np.int64)), axis, keep_dims=True))
     result.output(0).get_tensor().set_names({"next_token"})
     model.add_results([result])
     model.validate_nodes_and_infer_types()

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from agentkv.engine.paged.block_pool import BlockPool
-from agentkv.engine.paged.model import BLOCK_SIZE, PagedModel, SequenceStep
+from agentkv.engine.paged.model import BLOCK_SIZE, PagedModel, SequenceStep, lock_calling_first
 from agentkv.engine.paged.batcher import AloneSteps, StepBatcher
 from agentkv.engine.decode.prompt_lookup import MAX_DRAFT
 from agentkv.engine.decode.step_counts import StepCounts
@@ -90,7 +90,8 @@ class PagedSlot:
         steps alone take the graph's own (``next_token``) instead of reading the logits. The caller
         makes room for the first step; a later step that needs a block takes a free one, or ends
         the run when none is (the next feed makes room, as one token per feed would). ``started()``
-        is called once: while the first step alone computes, or before a batched one. The slot's
+        (``RunStep.started``) is called while the first step alone computes, or before a batched
+        one or a wait for another thread's hold on the model. The slot's
         length says how many tokens were fed, also after a failure. How a run steps::
 
             chosen = []
@@ -100,8 +101,11 @@ class PagedSlot:
             raise UserError(f"feed_run takes one row after the slot's {self._length} positions and steps >= 1 "
                             f"(got past_len {past_len}, {self.rows} rows, steps {steps})")
         if self.batcher is None:  # NOTE: the lock keeps other slots' steps, and the logits array they share, out
-            with self.model.lock:
+            started = lock_calling_first(self.model.lock, started)
+            try:
                 return self._run(token, past_len, len(chosen) + steps, choose, ends, chosen, greedy, None, started)
+            finally:
+                self.model.lock.release()
         alone = self.batcher.alone(self)
         if alone is None:
             if started is not None:

@@ -187,9 +187,11 @@ class SlotBackend:
     ``await`` per model step (the scripted engine's instant fake steps run inline instead)."""
 
     @contextmanager
-    def room_blocking(self, slot: KVSlot | None, tokens: int, *, token: EventLoopToken) -> Iterator[None]:
+    def room_blocking(self, slot: KVSlot | None, tokens: int, *, token: EventLoopToken,
+                      before_wait: Callable[[], None] | None = None) -> Iterator[None]:
         """``room`` for a step a worker thread runs (``token``: the event loop to make room on
-        when blocks must be freed first). Slots that own their storage need none (this one)::
+        when blocks must be freed first, ``before_wait()`` called before the thread waits for it).
+        Slots that own their storage need none (this one)::
 
             with backend.room_blocking(slot, len(ids), token=loop_token):
                 log.feed(slot, ids)
