@@ -6,7 +6,7 @@ inside the decode graph's infer calls (``infer``, or ``start_async`` to the end 
 compiled model itself, what openvino-genai's C++ loop adds almost nothing to), and the step
 batcher's record of each step (infer plus the step's Python: inputs, logits). ``overhead = TPOT -
 infer time per token`` is everything agentkv's Python costs a token; ``gap = TPOT - step time``
-the part between steps. Four ways side by side, interleaved (the order rotates each repeat): the
+the part between steps. Four ways side by side, interleaved (odd repeats backwards): the
 decode loop in one worker thread with runs of one-token steps (the default,
 ``GenerationConfig.decode_run``), the same loop one
 token per feed (``decode_run=1``), the loop stepped from the event loop (one thread hop per feed),
@@ -152,9 +152,10 @@ async def measure(tokens: int, repeats: int, history: int) -> dict:
                 "bare": lambda: bare_round(engine, prompt, tokens)}
         names = list(ways)
         for repeat in range(repeats):
-            # NOTE: the order rotates: runs in the thread measured ~0.15 ms a token more in the round
-            # right after a bare one (0.34 vs 0.19 ms, one process), which the fixed order always gave them
-            for name in names[repeat % len(names):] + names[:repeat % len(names)]:
+            # NOTE: odd repeats run backwards, so no way always follows the same one: runs in the thread
+            # measured ~0.1 ms a token more in the round right after the bare loop's (0.31 vs 0.20 ms,
+            # one process), where a fixed order (or one rotated, which keeps its neighbours) put them
+            for name in (names if repeat % 2 == 0 else names[::-1]):
                 rounds[name].append(await ways[name]())
             line = "  ".join(f"{name} {r[-1]['tpot_ms']:6.2f} ms/tok (overhead {r[-1]['overhead_ms']:5.3f}, "
                              f"gap {r[-1]['gap_ms']:5.3f})" for name, r in rounds.items())
