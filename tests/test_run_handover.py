@@ -59,36 +59,35 @@ class OrderedModel(BigramPagedModel):
         return super().step(sequences)
 
 
-def test_a_run_alone_calls_started_once_while_its_first_step_computes() -> None:
+def recording_slot() -> tuple[OrderedModel, PagedSlot, KVLog, list[str]]:
+    """A batched slot over an ``OrderedModel`` that holds ``PROMPT``, and the events recorded from then on."""
     pool = BlockPool(4)
     model = OrderedModel(pool, counting_table())
-    slot, log = PagedSlot(model, pool, StepBatcher(model.step)), KVLog()
+    slot, log = PagedSlot(model, pool, StepBatcher(model.step, max_gather_s=0.0)), KVLog()
     log.feed(slot, PROMPT)
     model.events = events = []
+    return model, slot, log, events
+
+
+def test_a_run_alone_calls_started_once_while_its_first_step_computes() -> None:
+    _, slot, log, events = recording_slot()
     chosen = log.feed_run(slot, [3], steps=4, choose=greedy_pick, ends=never, started=lambda: events.append("started"))
     assert chosen == [4, 5, 6, 7]
     assert events == ["start 3", "started", "end 3", "start 4", "end 4", "start 5", "end 5", "start 6", "end 6"]
 
 
 def test_a_batched_run_calls_started_once_before_its_step() -> None:
-    pool = BlockPool(4)
-    model = OrderedModel(pool, counting_table())
-    batcher = StepBatcher(model.step, max_gather_s=0.0)
-    slot, log = PagedSlot(model, pool, batcher), KVLog()
-    log.feed(slot, PROMPT)
-    other = pool.allocate(1, holder="other")
-    batcher.run(SequenceStep([1], 0, other), caller="other")  # another session stepped: no lease now
-    model.events = events = []
+    model, slot, log, events = recording_slot()
+    assert slot.batcher is not None
+    other = model.pool.allocate(1, holder="other")
+    slot.batcher.run(SequenceStep([1], 0, other), caller="other")  # another session stepped: no lease now
+    events.clear()
     chosen = log.feed_run(slot, [3], steps=4, choose=greedy_pick, ends=never, started=lambda: events.append("started"))
     assert chosen == [4] and events == ["started", "step of 1"]  # one ordinary batched step, after started
 
 
 def test_a_run_of_several_ids_calls_started_once_before_their_feed() -> None:
-    pool = BlockPool(4)
-    model = OrderedModel(pool, counting_table())
-    slot, log = PagedSlot(model, pool, StepBatcher(model.step)), KVLog()
-    log.feed(slot, PROMPT)
-    model.events = events = []
+    _, slot, log, events = recording_slot()
     chosen = log.feed_run(slot, [3, 4], steps=3, choose=greedy_pick, ends=never,
                           started=lambda: events.append("started"))
     assert chosen == [5, 6, 7]
@@ -96,7 +95,7 @@ def test_a_run_of_several_ids_calls_started_once_before_their_feed() -> None:
 
 
 class RunCouldNotStart(Exception):
-    pass
+    """What ``FailingRunLog``'s runs raise."""
 
 
 class FailingRunLog(BigramLog):

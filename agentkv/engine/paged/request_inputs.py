@@ -135,12 +135,10 @@ class OneTokenRequest:
         self._past[0] = past_len
         self._context[0] = past_len + 1
         self.request.start_async()
-        if while_running is not None:
-            try:
+        try:
+            if while_running is not None:
                 while_running()
-            finally:
-                self.request.wait()
-        else:
+        finally:
             self.request.wait()
         if self._converted:
             for array, index in self._converted:
