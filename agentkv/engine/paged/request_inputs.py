@@ -56,15 +56,22 @@ class StepInputs:
         self._views[name][...] = array
 
 
+def request_over_blocks(compiled: ov.CompiledModel, caches: Mapping[str, ov.Tensor]) -> ov.InferRequest:
+    """A new infer request of ``compiled`` stepping the KV block tensors ``caches`` (set once, shared
+    with every other request over them): ``request = request_over_blocks(compiled, model.caches)``."""
+    request = compiled.create_infer_request()
+    for name, tensor in caches.items():
+        request.set_tensor(name, tensor)
+    return request
+
+
 class StepRequest:
     """An infer request of a compiled paged model over the given KV block tensors (shared with any
     other request that steps the same blocks), with ``StepInputs`` for ``dtypes``."""
 
     def __init__(self, compiled: ov.CompiledModel, caches: Mapping[str, ov.Tensor],
                  dtypes: Mapping[str, type[np.generic]]) -> None:
-        self.request = compiled.create_infer_request()
-        for name, tensor in caches.items():
-            self.request.set_tensor(name, tensor)
+        self.request = request_over_blocks(compiled, caches)
         self.inputs = StepInputs(self.request, dtypes)
         self._logits = next(i for i, port in enumerate(compiled.outputs) if "logits" in port.get_names())
 
@@ -85,9 +92,7 @@ class OneTokenRequest:
     def __init__(self, compiled: ov.CompiledModel, caches: Mapping[str, ov.Tensor],
                  dtypes: Mapping[str, type[np.generic]], *, block_size: int) -> None:
         """``block_size``: positions per KV block (``model.BLOCK_SIZE``)."""
-        self.request = compiled.create_infer_request()
-        for name, tensor in caches.items():
-            self.request.set_tensor(name, tensor)
+        self.request = request_over_blocks(compiled, caches)
         self._block_size = block_size
         self._inputs = StepInputs(self.request, dtypes)
         for name, value in (("input_ids", [0]), ("position_ids", [0]), ("past_lens", [0]), ("max_context_len", 1),
