@@ -2,8 +2,8 @@
 to a caller stepping alone and hands it back to a caller that queues; ``PagedSlot.feed_run`` with
 others stepping does one ordinary step, and a run handed back to others leaves the token's chance
 to draft to the next feed; ``KVLog.feed_run`` over a slot without ``feed_run`` equals one feed per
-token and a failure leaves the log at the slot's length; ``ThreadChannel.post(size=n)`` counts as
-n; ``Drafts.lookahead`` pushes a token once. The loop with runs is tested in
+token and a failure leaves the log at the slot's length. ``ThreadChannel``'s lead is tested in
+``test_thread_channel.py``, ``Drafts.lookahead`` in ``test_prompt_lookup.py``, the loop with runs in
 ``test_decode_runs.py``. No model runs here: fakes over the bigram paged model."""
 
 from __future__ import annotations
@@ -13,13 +13,11 @@ import time
 from collections.abc import Callable, Sequence
 
 import anyio
-import anyio.to_thread
 import numpy as np
 import pytest
 
 from agentkv.engine.decode.prompt_lookup import Drafts, PromptLookup
 from agentkv.engine.decode.sampling import greedy_pick
-from agentkv.engine.decode.thread_channel import ThreadChannel
 from agentkv.engine.paged.batcher import StepBatcher
 from agentkv.engine.paged.block_pool import BlockPool
 from agentkv.engine.paged.model import SequenceStep
@@ -350,61 +348,3 @@ def test_a_paged_feed_run_that_fails_midway_leaves_the_log_at_the_slots_length_a
     assert log.tokens == [*PROMPT, 3, 4, 5, 6][:len(PROMPT) + fail_at - 1]
     if fail_at > 1:
         assert log.last_logits is None
-
-
-# ---- ThreadChannel sizes -------------------------------------------------------------------------
-
-async def test_an_item_posted_with_size_n_counts_as_n_against_the_lead() -> None:
-    channel: ThreadChannel[str] = ThreadChannel(lead=4)
-    second_posted = threading.Event()
-
-    def produce() -> None:
-        channel.post("batch of 4", size=4)
-        channel.post("next")  # 4 unreceived: waits
-        second_posted.set()
-
-    thread = threading.Thread(target=produce)
-    thread.start()
-    await anyio.sleep(0.05)
-    assert not second_posted.is_set()
-    assert await channel.receive() == "batch of 4"
-    assert await anyio.to_thread.run_sync(second_posted.wait, 5)
-    assert await channel.receive() == "next"
-    thread.join(5)
-    small: ThreadChannel[str] = ThreadChannel(lead=4)
-    small.post("batch of 3", size=3)
-    small.post("fits", wait=True)  # 3 unreceived < 4: does not wait
-    assert [await small.receive(), await small.receive()] == ["batch of 3", "fits"]
-
-
-# ---- Drafts.lookahead ----------------------------------------------------------------------------
-
-def accept(drafts: Drafts, token: int) -> bool:
-    steps = drafts.accept(token)
-    try:
-        next(steps)
-    except StopIteration as stop:
-        return bool(stop.value)
-    raise AssertionError("accept asked for a model step with no draft ahead")
-
-
-def test_lookahead_pushes_a_token_once_and_says_when_a_draft_would_follow() -> None:
-    drafts = Drafts(PromptLookup([1, 2, 3, 9, 8]))
-    assert drafts.lookahead(7) is False  # "8 7" occurred nowhere
-    assert len(drafts.lookup) == 6
-    assert accept(drafts, 7) is False
-    assert len(drafts.lookup) == 6  # accept did not push it again
-    accept(drafts, 1)
-    assert len(drafts.lookup) == 7
-    assert drafts.lookahead(2) is True  # "1 2" occurred: a draft would follow (3, 9, 8, …)
-    assert accept(drafts, 2) is False and len(drafts.lookup) == 8
-    assert drafts.next_draft(3) == [3, 9, 8]
-
-
-def test_lookahead_spends_a_back_off_skip_as_a_feed_would() -> None:
-    drafts = Drafts(PromptLookup([1, 2, 3, 1]))
-    drafts.budget.skip = 2
-    assert drafts.lookahead(2) is False and drafts.budget.skip == 1  # "1 2" occurred, but this chance is skipped
-    assert drafts.lookahead(3) is False and drafts.budget.skip == 0
-    assert drafts.lookahead(1) is True  # "2 3 1" … occurred: no skip left
-    assert len(drafts.lookup) == 7

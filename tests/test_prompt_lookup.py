@@ -1,6 +1,7 @@
 """Tests of prompt-lookup drafts (``agentkv/engine/decode/prompt_lookup.py`` and the decode loop):
 the proposer finds the latest earlier occurrence of the longest suffix, drafts keep two sizes and back
-off, and greedy decoding with drafts gives the very tokens, stream, stop and KV log of plain
+off, ``Drafts.lookahead`` pushes a run's token once and spends a back-off skip as a feed would, and
+greedy decoding with drafts gives the very tokens, stream, stop and KV log of plain
 decoding (grammar masks and forced runs included) in fewer feeds. A fake model stands in: its
 logits depend on the last three tokens only, so the log's own n-grams predict it well. No model
 runs here (the real-model tests are in ``tests/model/test_prompt_lookup_model.py``)."""
@@ -234,3 +235,36 @@ def test_no_room_left_means_a_plain_feed(left):
     with pytest.raises(StopIteration):
         feed.send(None)
     assert drafts.logits is None and drafts.in_kv == 1
+
+
+# ---- Drafts.lookahead ----------------------------------------------------------------------------
+
+def accept(drafts: Drafts, token: int) -> bool:
+    steps = drafts.accept(token)
+    try:
+        next(steps)
+    except StopIteration as stop:
+        return bool(stop.value)
+    raise AssertionError("accept asked for a model step with no draft ahead")
+
+
+def test_lookahead_pushes_a_token_once_and_says_when_a_draft_would_follow() -> None:
+    drafts = Drafts(PromptLookup([1, 2, 3, 9, 8]))
+    assert drafts.lookahead(7) is False  # "8 7" occurred nowhere
+    assert len(drafts.lookup) == 6
+    assert accept(drafts, 7) is False
+    assert len(drafts.lookup) == 6  # accept did not push it again
+    accept(drafts, 1)
+    assert len(drafts.lookup) == 7
+    assert drafts.lookahead(2) is True  # "1 2" occurred: a draft would follow (3, 9, 8, …)
+    assert accept(drafts, 2) is False and len(drafts.lookup) == 8
+    assert drafts.next_draft(3) == [3, 9, 8]
+
+
+def test_lookahead_spends_a_back_off_skip_as_a_feed_would() -> None:
+    drafts = Drafts(PromptLookup([1, 2, 3, 1]))
+    drafts.budget.skip = 2
+    assert drafts.lookahead(2) is False and drafts.budget.skip == 1  # "1 2" occurred, but this chance is skipped
+    assert drafts.lookahead(3) is False and drafts.budget.skip == 0
+    assert drafts.lookahead(1) is True  # "2 3 1" … occurred: no skip left
+    assert len(drafts.lookup) == 7

@@ -19,7 +19,6 @@ import pytest
 from agentkv.engine.base import GenerationConfig, TokenDelta
 from agentkv.engine.decode.model_steps import ModelStep, RunStep
 from agentkv.engine.decode.sampling import greedy_pick
-from agentkv.engine.decode.thread_channel import ThreadChannel
 from agentkv.engine.decode.threaded import run_steps_in_thread
 from agentkv.engine.paged.batcher import StepBatcher
 from agentkv.engine.paged.block_pool import BlockPool
@@ -199,19 +198,6 @@ async def test_deltas_go_over_before_a_run_waits_for_room_on_the_event_loop(monk
     assert len(received) == 40
     [(got, chosen)] = in_make_room
     assert got == chosen > 8  # every token chosen before the wait reached the consumer during it
-
-
-async def test_wait_for_room_waits_while_the_lead_is_unreceived() -> None:
-    channel: ThreadChannel[str] = ThreadChannel(lead=2)
-    room = threading.Event()
-    channel.post("a", size=2)
-    waiter = threading.Thread(target=lambda: (channel.wait_for_room(), room.set()))
-    waiter.start()
-    await anyio.sleep(0.05)
-    assert not room.is_set()
-    assert await channel.receive() == "a"
-    assert await anyio.to_thread.run_sync(room.wait, 5)
-    waiter.join()
 
 
 def test_lock_calling_first_calls_first_only_when_another_thread_holds_the_lock() -> None:
