@@ -21,8 +21,9 @@ from agentkv.testing.engine_guard import REFUSAL
 PG_ENV = "AGENTKV_TEST_POSTGRES_URL"
 
 # NOTE: engines closed in one test hand their compiled paged graphs to the next test's engine on
-# the same settings (``engine/paged/compiled_pool.py``): ~7 s of compiling per default engine saved
-os.environ.setdefault("AGENTKV_KEEP_COMPILED", "6")
+# the same settings (``engine/paged/compiled_pool.py``): ~5 s of compiling per default engine saved;
+# three sets of the default model's three graphs
+os.environ.setdefault("AGENTKV_KEEP_COMPILED", "9")
 
 from agentkv.engine.base import GenerationConfig
 
@@ -61,17 +62,18 @@ TEST_ENGINE = os.environ.get("AGENTKV_TEST_ENGINE", "paged")
 def private_compiled_pool(monkeypatch):
     """A fresh pool of compiled paged graphs for this test, and a list that grows by one per
     compile: ``pool, compiles = private_compiled_pool`` (the suite's shared pool is left alone)."""
+    import agentkv.engine.paged.graphs as paged_graphs
     import agentkv.engine.paged.model as paged_model
     from agentkv.engine.paged.compiled_pool import CompiledPool
 
-    pool, compiles, real = CompiledPool(), [], paged_model.compile_for_device
+    pool, compiles, real = CompiledPool(), [], paged_graphs.compile_for_device
 
     def counted(*args, **kwargs):
         compiles.append(1)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(paged_model, "COMPILED", pool)
-    monkeypatch.setattr(paged_model, "compile_for_device", counted)
+    monkeypatch.setattr(paged_graphs, "compile_for_device", counted)
     return pool, compiles
 
 

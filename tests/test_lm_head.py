@@ -59,10 +59,10 @@ def test_a_tail_that_mixes_positions_or_values_is_refused(tail: str) -> None:
 
 
 def test_next_token_is_numpy_argmax_the_lowest_id_among_equal_logits_without_a_sort() -> None:
-    from agentkv.engine.paged.model import _add_next_token
+    from agentkv.engine.paged.graphs import add_next_token
 
     model = toy_lm("none", weight=np.repeat(WEIGHT[:, :3], 2, axis=1))  # ids 2i and 2i+1 always tie
-    _add_next_token(model)
+    add_next_token(model)
     assert "TopK" not in {op.get_type_name() for op in model.get_ops()}  # a stable TopK sorts: 23 ms for 13 rows
     hidden = RNG.standard_normal((5, 3, 4)).astype(np.float32)
     hidden[1] = 0.0  # every logit equal: id 0

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from agentkv.engine.base import GenerationConfig, TokenDelta
 from agentkv.engine.decode.fast_forward import FastForwardCounts
-from agentkv.engine.decode.prompt_lookup import GOOD_DRAFT, MAX_BACKOFF, DraftBudget, Drafts, PromptLookup
+from agentkv.engine.decode.prompt_lookup import (GOOD_DRAFT, MAX_BACKOFF, SMALL_DRAFT, DraftBudget, Drafts,
+                                                 PromptLookup)
 from agentkv.engine.decode.model_steps import FeedStep
 from agentkv.engine.decode.token_steps import DecodeOutcome, TokenSteps
 from _drive import DRIVERS, blocking_executor, drive
@@ -268,3 +269,11 @@ def test_lookahead_spends_a_back_off_skip_as_a_feed_would() -> None:
     assert drafts.lookahead(3) is False and drafts.budget.skip == 0
     assert drafts.lookahead(1) is True  # "2 3 1" … occurred: no skip left
     assert len(drafts.lookup) == 7
+
+
+def test_a_small_drafts_verify_fits_the_paged_models_small_step_graph():
+    """A small draft and its pending token run on the small-step graph, so big and small verifies
+    never re-prepare each other's graph (``engine/paged/graphs.py``)."""
+    from agentkv.engine.paged.graphs import SMALL_STEP_TOKENS
+
+    assert SMALL_DRAFT + 1 == SMALL_STEP_TOKENS

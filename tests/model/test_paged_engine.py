@@ -256,7 +256,7 @@ async def test_a_closed_paged_engine_hands_its_graphs_to_the_next_one_and_refuse
     from agentkv.errors import UserError
 
     pool, compiles = private_compiled_pool
-    monkeypatch.setenv(KEEP_ENV, "2")
+    monkeypatch.setenv(KEEP_ENV, "3")
     config = GenerationConfig(max_new_tokens=6, ignore_eos=True)
     answers = []
     for _ in range(2):
@@ -266,9 +266,9 @@ async def test_a_closed_paged_engine_hands_its_graphs_to_the_next_one_and_refuse
         answers.append((await session.generate(prompt, config)).token_ids)
         late = await engine.open_session()
         await engine.aclose()
-        assert engine.paged_model.graphs == 0 and pool.idle_graphs() == 2
+        assert engine.paged_model.graphs == 0 and pool.idle_graphs() == 3
         with pytest.raises(UserError, match="is closed"):
             await late.prefill(prompt)
         with pytest.raises(UserError, match="released"):
             await (await engine.open_session()).prefill(prompt)
-    assert len(compiles) == 2 and answers[0] == answers[1]
+    assert len(compiles) == 3 and answers[0] == answers[1]

@@ -94,25 +94,46 @@ def test_sequences_stepped_together_match_each_alone(exact_paged):
     assert max(np.abs(together[i] - alone[i]).max() for i in range(2)) <= 1e-3
 
 
-def test_one_token_steps_and_chunks_on_their_own_graphs_give_the_logits_of_one_graph(exact_paged):
-    """The default model is small enough for a second graph (``chunk_graph``); the two graphs step
+def test_one_token_steps_small_steps_and_chunks_on_their_own_graphs_give_the_logits_of_one_graph(exact_paged):
+    """The default model is small enough for a chunk and a small-step graph; the three graphs step
     the same blocks, so decode steps read the KV chunks wrote and the other way round, bit for bit."""
     from agentkv.engine.openvino.models import resolve_model
     from agentkv.engine.paged.model import PagedModel, SequenceStep
 
-    assert exact_paged.graphs == 2
+    assert exact_paged.graphs == 3
     single = PagedModel(resolve_model(None), num_blocks=8, kv_cache_precision="f32", exact=True, chunk_graph=False)
     assert single.graphs == 1
     a, b = [0, 1, 2], [3, 4, 5]
-    script = [  # prefill, decode, a verify of 5 rows, decode, a forced chunk, two sequences decoding together
-        [SequenceStep(IDS[:50], 0, a)], [SequenceStep(IDS[50:51], 50, a)],
+    script = [  # prefill, decode, a verify of 5 rows, decode, a forced chunk (small), two sequences decoding
+        [SequenceStep(IDS[:50], 0, a)], [SequenceStep(IDS[50:51], 50, a)],  # together, a small verify
         [SequenceStep(IDS[51:56], 51, a, last_rows=5)], [SequenceStep(IDS[56:57], 56, a)],
         [SequenceStep(IDS[57:60], 57, a)], [SequenceStep(IDS[200:240], 0, b)],
         [SequenceStep(IDS[60:61], 60, a), SequenceStep(IDS[240:241], 40, b)],
+        [SequenceStep(IDS[61:65], 61, a, last_rows=4)], [SequenceStep(IDS[65:66], 65, a)],
     ]
     for step in script:
         shifted = [replace(seq, blocks=[40 + block for block in seq.blocks]) for seq in step]
         assert np.array_equal(exact_paged.step(shifted), single.step(step))
+    ran = {name: tuple(getattr(exact_paged, f"_{name}_request").request.get_tensor("input_ids").shape)
+           for name in ("decode", "small", "chunk")}  # noqa: SLF001 - which graph ran which step?
+    assert ran == {"decode": (1,), "small": (4,), "chunk": (40,)}
+
+
+def test_the_graphs_compile_without_the_blob_cache_and_leave_the_process_locale_as_it_was(
+        tmp_path, private_compiled_pool):
+    """Compiled in parallel, with ``CACHE_DIR`` dropped: it cannot hold paged graphs, and its hashing
+    switches the process to the C locale, which overlapping compiles can leave behind (Python's
+    ``open()`` then decodes files as ASCII)."""
+    import locale
+
+    from agentkv.engine.openvino.models import resolve_model
+    from agentkv.engine.paged.model import PagedModel
+
+    _, compiles = private_compiled_pool
+    before = locale.setlocale(locale.LC_ALL), locale.getpreferredencoding(False)
+    model = PagedModel(resolve_model(None), num_blocks=4, ov_config={"CACHE_DIR": str(tmp_path)})
+    assert model.graphs == len(compiles) == 3 and not any(tmp_path.iterdir())
+    assert (locale.setlocale(locale.LC_ALL), locale.getpreferredencoding(False)) == before
 
 
 def test_a_block_table_padded_to_its_bucket_gives_the_logits_of_the_bare_table_bit_for_bit(exact_paged, monkeypatch):
@@ -148,8 +169,10 @@ def test_step_alone_calls_while_running_once_during_the_step_and_a_raise_leaves_
     assert again == greedy and np.array_equal(again_row, row)
 
 
-def test_when_the_second_graph_fails_to_compile_one_graph_runs_every_step_and_a_warning_says_so(
-        exact_paged, monkeypatch, caplog):
+@pytest.mark.parametrize(("failing", "graphs"), [("chunk", 1), ("small", 2)])
+def test_when_an_extra_graph_fails_to_compile_the_graphs_before_it_run_its_steps_and_a_warning_says_so(
+        exact_paged, monkeypatch, caplog, failing, graphs):
+    import agentkv.engine.paged.graphs as paged_graphs
     import agentkv.engine.paged.model as paged_model
     from agentkv.engine.openvino.models import resolve_model
     from agentkv.engine.paged.compiled_pool import CompiledPool
@@ -157,23 +180,23 @@ def test_when_the_second_graph_fails_to_compile_one_graph_runs_every_step_and_a_
     from agentkv.errors import ModelCompileFailed
 
     compiles = []
-    real = paged_model.compile_for_device
+    real = paged_graphs.compile_for_device
 
-    def second_fails(*args, **kwargs):
-        compiles.append(1)
-        if len(compiles) == 2:
+    def one_fails(core, model, *args, **kwargs):
+        compiles.append(model.get_friendly_name())
+        if model.get_friendly_name().endswith(f"({failing} steps)"):
             raise ModelCompileFailed("out of memory (a test)")
-        return real(*args, **kwargs)
+        return real(core, model, *args, **kwargs)
 
-    monkeypatch.setattr(paged_model, "compile_for_device", second_fails)
+    monkeypatch.setattr(paged_graphs, "compile_for_device", one_fails)
     monkeypatch.setattr(paged_model, "COMPILED", CompiledPool())  # compile, do not reuse
-    with caplog.at_level(logging.WARNING, logger="agentkv.engine.paged.model"):
+    with caplog.at_level(logging.WARNING, logger="agentkv.engine.paged.graphs"):
         model = PagedModel(resolve_model(None), num_blocks=8, kv_cache_precision="f32", exact=True, chunk_graph=True)
-    assert model.graphs == 1 and len(compiles) == 2 and "second graph failed" in caplog.text
-    chunk = model.step([SequenceStep(IDS[:40], 0, [0, 1])])
-    assert np.array_equal(chunk, exact_paged.step([SequenceStep(IDS[:40], 0, [50, 51])]))
-    assert np.array_equal(model.step([SequenceStep(IDS[40:41], 40, [0, 1])]),
-                          exact_paged.step([SequenceStep(IDS[40:41], 40, [50, 51])]))
+    assert model.graphs == graphs and len(compiles) == 3 and f"{failing} graph failed" in caplog.text
+    for begin, end in [(0, 40), (40, 41), (41, 44), (44, 45)]:  # prefill, decode, a small step, decode
+        mine = model.step([SequenceStep(IDS[begin:end], begin, [0, 1], last_rows=end - begin)])
+        assert np.array_equal(mine, exact_paged.step([SequenceStep(IDS[begin:end], begin, [50, 51],
+                                                                   last_rows=end - begin)]))
 
 
 def test_a_released_models_graphs_open_the_next_one_on_the_same_settings_without_compiling(
@@ -186,21 +209,21 @@ def test_a_released_models_graphs_open_the_next_one_on_the_same_settings_without
     from agentkv.engine.paged.model import PagedModel, SequenceStep
 
     pool, compiles = private_compiled_pool
-    monkeypatch.setenv(KEEP_ENV, "2")
+    monkeypatch.setenv(KEEP_ENV, "3")
     first = PagedModel(resolve_model(None), num_blocks=8, kv_cache_precision="f32", exact=True, chunk_graph=True)
     prefill, decode = [SequenceStep(IDS[:40], 0, [0, 1])], [SequenceStep(IDS[40:41], 40, [0, 1])]
     expected = [first.step(prefill), first.step(decode)]
-    assert len(compiles) == 2
+    assert len(compiles) == 3
     first.release()
     first.release()  # once is enough
-    assert pool.idle_graphs() == 2 and first.graphs == 0
+    assert pool.idle_graphs() == 3 and first.graphs == 0
     with pytest.raises(UserError, match="released"):
         first.step(decode)
     second = PagedModel(resolve_model(None), num_blocks=8, kv_cache_precision="f32", exact=True, chunk_graph=True)
-    assert len(compiles) == 2 and second.graphs == 2 and pool.idle_graphs() == 0
+    assert len(compiles) == 3 and second.graphs == 3 and pool.idle_graphs() == 0
     assert np.array_equal(second.step(prefill), expected[0]) and np.array_equal(second.step(decode), expected[1])
     other = PagedModel(resolve_model(None), num_blocks=8, kv_cache_precision="f32", exact=True, chunk_graph=False)
-    assert len(compiles) == 3 and other.graphs == 1
+    assert len(compiles) == 4 and other.graphs == 1
     monkeypatch.setenv(KEEP_ENV, "0")
     second.release()
     assert pool.idle_graphs() == 0

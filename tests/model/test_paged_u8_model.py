@@ -142,21 +142,23 @@ async def test_a_fork_on_u8_blocks_shares_them_and_stays_exact(paged_u8):
     await parent.close()
 
 
-def test_u8_blocks_stepped_on_two_graphs_give_the_logits_of_one_graph(paged_u8):
-    """A verify or chunk on the second graph and decode steps on the first read and write the same
-    u8 blocks (the plugin quantises a block as tokens join it): the logits of one graph, bit for bit."""
+def test_u8_blocks_stepped_on_three_graphs_give_the_logits_of_one_graph(paged_u8):
+    """Verifies and chunks on the chunk and small graphs and decode steps on the first read and write
+    the same u8 blocks (the plugin quantises a block as tokens join it): the logits of one graph, bit
+    for bit."""
     from agentkv.engine.openvino.models import resolve_model
     from agentkv.engine.paged.model import PagedModel, SequenceStep
 
-    two = paged_u8.paged_model
-    assert two.graphs == 2
+    three = paged_u8.paged_model
+    assert three.graphs == 3
     one = PagedModel(resolve_model(None), num_blocks=8, kv_cache_precision="u8", chunk_graph=False)
-    assert one.block_shapes == two.block_shapes
+    assert one.block_shapes == three.block_shapes
     ids = np.random.default_rng(1).integers(200, 40000, 80).tolist()
     blocks = paged_u8.block_pool.allocate(3)  # blocks of the engine no session holds
     try:
-        for past, end, rows in [(0, 40, 1), (40, 41, 1), (41, 46, 5), (46, 47, 1), (47, 50, 1), (50, 51, 1)]:
-            mine = two.step([SequenceStep(ids[past:end], past, blocks, last_rows=rows)])
+        for past, end, rows in [(0, 40, 1), (40, 41, 1), (41, 46, 5), (46, 47, 1), (47, 50, 1), (50, 51, 1),
+                                 (51, 55, 4), (55, 56, 1)]:
+            mine = three.step([SequenceStep(ids[past:end], past, blocks, last_rows=rows)])
             assert np.array_equal(mine, one.step([SequenceStep(ids[past:end], past, [0, 1, 2], last_rows=rows)]))
     finally:
         paged_u8.block_pool.release(blocks)

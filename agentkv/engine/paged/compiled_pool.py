@@ -1,18 +1,18 @@
 """Compiled paged graphs kept in this process for the next engine on the same model and settings.
 
 OpenVINO's compiled-blob cache cannot hold a PagedAttention graph (its import loses the ops'
-head sizes and the plugin compiles again: ``model.py``), so each paged engine compiles its graphs,
-~3.6 s each for the default model on 2 cores. An engine closed hands its graphs here; the next
+head sizes and the plugin compiles again: ``graphs.py``), so each paged engine compiles its graphs,
+~3.6 s each for the default model on 2 cores (in parallel: its three in 5–6 s). An engine closed hands its graphs here; the next
 ``PagedModel`` asking for the same key takes them instead of compiling. Off unless
 ``AGENTKV_KEEP_COMPILED`` says how many idle graphs to keep (each holds its compiled weights,
-~210 MB for the default model): a test suite, a notebook or a script that reopens engines::
+~80–130 MB for the default model): a test suite, a notebook or a script that reopens engines::
 
-    key = GraphKey.of(files, "CPU", config, "f16", graphs=2)
+    key = GraphKey.of(files, "CPU", config, "f16", graphs=3)
     held = COMPILED.take(key)            # None, or the graphs an engine released
     ...
     COMPILED.give_back(key, held)        # kept while the limit allows, the oldest dropped first
 
-Only whole sets are kept: ``AGENTKV_KEEP_COMPILED`` below an engine's graph count (2 by default)
+Only whole sets are kept: ``AGENTKV_KEEP_COMPILED`` below an engine's graph count (3 for the default model)
 keeps none of it.
 """
 
@@ -72,7 +72,7 @@ class HeldGraphs:
     """The compiled graphs of one ``PagedModel`` and what it read from the model to build them."""
 
     compiled: tuple[ov.CompiledModel, ...]
-    """The decode graph, then the chunk graph if there is one."""
+    """The decode graph, then the chunk graph and the small-step graph if there are (``graphs.GRAPH_NAMES``)."""
     heads: int
     head_dim: int
     num_layers: int

@@ -70,11 +70,12 @@ class PagedEngine(OpenVINOEngine):
         what one model step takes from the sessions feeding at the same time.
         ``prefill_chunk_size`` (a multiple of the 32-token block; None: whole prompts) cuts long
         prefills into steps, so sessions decoding meanwhile get a step between chunks.
-        ``chunk_graph`` compiles the model a second time for steps that feed several tokens of
-        a sequence (prefill chunks, draft verifies, forced tokens), so one-token decode steps keep
-        their graph's shapes (``PagedModel``; a shape change costs ~7–12 ms a step on 2 cores);
-        None: on CPU when the weights file is at most 1 GiB (a second copy of the compiled
-        weights: +210 MB for the default model).
+        ``chunk_graph`` compiles the model again for steps that feed several tokens of a sequence
+        (prefill chunks, draft verifies, forced tokens), so one-token decode steps keep their
+        graph's shapes (``PagedModel``; a shape change costs 15–25 ms beside a ~25 ms step on 2
+        cores), and a third time for a sequence's steps of at most 4 tokens (a small draft's
+        verify) when the weights file is at most 256 MiB; None: on CPU when it is at most 1 GiB
+        (each graph holds a copy of the compiled weights: +80–130 MB for the default model).
         Other options as ``OpenVINOEngine`` (``kv_cache_precision`` "f16", "f32" or "u8",
         ``exact``…). With u8 blocks, ``snapshot_precision`` "auto" or "u8" keeps the raw blocks."""
         if options.get("kv_cache_precision") == "bf16":

@@ -14,12 +14,12 @@ the last ``last_rows`` positions of a sequence that asks for more (a verified dr
 Blocking and thread-safe: ``lock`` serialises steps and access to the block storage (one
 InferRequest serves every sequence of a step). No sessions, no messages here.
 
-Two compiled graphs (``chunk_graph``): the CPU plugin re-prepares a graph whenever its input
-shapes change, ~7–12 ms of a ~20 ms decode step of the default model on 2 cores (measured,
-issue 27), and a one-token step after a draft's verify, or after forced tokens fed as a chunk,
-paid it twice. So one-token-per-sequence steps run on one compiled graph, every other step
-(prefill chunks, verifies, forced chunks) on a second compilation of the same model over the
-same KV blocks: decoding keeps its shapes. Same logits, bit for bit; ``next_token`` on the first only.
+Up to three compiled graphs of the same model over the same KV blocks (``graphs.py``): one for
+steps where every sequence feeds one token (decoding), one for a sequence's small steps (≤
+``SMALL_STEP_TOKENS`` tokens: a small draft's verify), one for the rest (prefill chunks, full
+drafts' verifies, forced chunks). The CPU plugin re-prepares a graph whenever its input shapes
+change, 15–25 ms beside a ~25 ms decode step of the default model on 2 cores (measured, issue 27):
+a graph per kind of step keeps each one's shapes. Same logits, bit for bit, on any of them.
 
 OpenVINO's compiled-blob cache (``CACHE_DIR``) cannot hold these graphs, so each model compiles
 them; ``release()`` (what closing an engine does) hands them to the next model on the same files
@@ -29,7 +29,6 @@ and settings when ``AGENTKV_KEEP_COMPILED`` allows (``compiled_pool.py``).
 from __future__ import annotations
 
 import gc
-import logging
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -38,16 +37,14 @@ from dataclasses import dataclass, replace
 import numpy as np
 import openvino as ov
 
-from agentkv.engine.openvino.compile import compile_for_device, lm_head
 from agentkv.engine.openvino.models import ModelFiles
-from agentkv.engine.openvino.numerics import EXACT_CONFIG, PluginNumerics, precision_name
+from agentkv.engine.openvino.numerics import EXACT_CONFIG, PluginNumerics
 from agentkv.engine.paged.compiled_pool import COMPILED, GraphKey, HeldGraphs, keep_limit
+from agentkv.engine.paged.graphs import BLOCK_SIZE, SMALL_STEP_TOKENS, compile_graphs, compute_precision
 from agentkv.engine.paged.request_inputs import OneTokenRequest, StepRequest, padded_table
 from agentkv.kv.u8_blocks import BlockLayout
-from agentkv.errors import PagedFormUnsupported, UserError
+from agentkv.errors import UserError
 
-BLOCK_SIZE = 32
-"""Tokens per KV block (the CPU plugin's PagedAttention block)."""
 STEP_INPUTS: dict[str, type[np.generic]] = {
     "input_ids": np.int64, "position_ids": np.int64, "past_lens": np.int32, "subsequence_begins": np.int32,
     "block_indices": np.int32, "block_indices_begins": np.int32, "max_context_len": np.int32,
@@ -59,7 +56,12 @@ CHUNK_GRAPH_MAX_WEIGHTS = 1 << 30
 it holds a second copy of the compiled weights (the default model: +210 MB RSS, measured), and the
 shape change it saves costs the same milliseconds whatever the model's size, a smaller share of a
 larger model's step. The cost was measured on the CPU plugin only."""
-logger = logging.getLogger(__name__)
+SMALL_GRAPH_MAX_WEIGHTS = 256 << 20
+"""``small_graph=None`` compiles the small-step graph (with the chunk graph) on CPU when the weights
+file is at most this big: a third copy of the compiled weights (the default model: +80–130 MB RSS),
+for +6.5 % on quoting there (1.89× → 2.02× plain decoding, measured on an avx2 CPU)."""
+__all__ = ["BLOCK_SIZE", "CHUNK_GRAPH_MAX_WEIGHTS", "SMALL_GRAPH_MAX_WEIGHTS", "SMALL_STEP_TOKENS", "STEP_INPUTS",
+           "PagedModel", "SequenceStep", "lock_calling_first", "logit_rows"]
 _CACHE_TYPES = {"f32": ov.Type.f32, "f16": ov.Type.f16, "bf16": ov.Type.bf16, "u8": ov.Type.u8}
 """Element type of the blocks per KV precision."""
 
@@ -98,10 +100,13 @@ class PagedModel:
         exact: bool = False,
         ov_config: dict[str, str] | None = None,
         chunk_graph: bool | None = None,
+        small_graph: bool | None = None,
     ) -> None:
-        """``chunk_graph``: compile the model twice, one graph for one-token-per-sequence steps and
-        one for the rest (see the module docstring); None: on CPU when the weights file is at most
-        ``CHUNK_GRAPH_MAX_WEIGHTS``."""
+        """``chunk_graph``: compile the model again for the steps that are not one token per
+        sequence (see the module docstring); None: on CPU when the weights file is at most
+        ``CHUNK_GRAPH_MAX_WEIGHTS``. ``small_graph`` (only with a chunk graph): a third compile for
+        one sequence's steps of at most ``SMALL_STEP_TOKENS`` tokens; None: on CPU when the weights
+        file is at most ``SMALL_GRAPH_MAX_WEIGHTS``."""
         if (num_blocks is None) == (kv_cache_bytes is None):
             raise UserError("give PagedModel either num_blocks or kv_cache_bytes")
         if kv_cache_precision not in _CACHE_TYPES:
@@ -109,32 +114,32 @@ class PagedModel:
         if exact and kv_cache_precision != "f32":
             raise UserError("exact=True needs kv_cache_precision='f32'")
         core = ov.Core()
-        # NOTE: no CACHE_DIR: OpenVINO 2026.4 drops the PagedAttention ops' runtime info (head sizes)
-        # from a compiled blob, so importing one fails and the plugin compiles again, after hashing
-        # the whole model first (measured: 4.8 s a graph with the cache, 3.6 s without)
         config = {**(EXACT_CONFIG if exact else {}), "KV_CACHE_PRECISION": kv_cache_precision, **(ov_config or {})}
         # NOTE: with bf16 compute the plugin writes bf16 into a 16-bit cache whatever it is called:
         # type it bf16, or reading it as f16 gives garbage (measured: keys off by ~100 %).
-        if kv_cache_precision == "f16" and _compute_precision(core, device, config) == "bf16":
+        if kv_cache_precision == "f16" and compute_precision(core, device, config) == "bf16":
             kv_cache_precision = "bf16"
         element = _CACHE_TYPES[kv_cache_precision]
+        weights = files.model_xml.with_suffix(".bin")
+        size = weights.stat().st_size if weights.is_file() else 0
         if chunk_graph is None:
-            weights = files.model_xml.with_suffix(".bin")
-            chunk_graph = device.upper() == "CPU" and (not weights.is_file()
-                                                     or weights.stat().st_size <= CHUNK_GRAPH_MAX_WEIGHTS)
-        key = GraphKey.of(files, device, config, kv_cache_precision, graphs=2 if chunk_graph else 1)
+            chunk_graph = device.upper() == "CPU" and size <= CHUNK_GRAPH_MAX_WEIGHTS
+        if small_graph is None:
+            small_graph = device.upper() == "CPU" and size <= SMALL_GRAPH_MAX_WEIGHTS
+        extra = (1 + small_graph) if chunk_graph else 0
+        key = GraphKey.of(files, device, config, kv_cache_precision, graphs=1 + extra)
         held = COMPILED.take(key)
         if held is None and keep_limit() > 0:
             # NOTE: an engine dropped without aclose() sits in reference cycles: it gives its graphs
             # back only once collected (a collection costs milliseconds, a compile seconds)
             gc.collect()
             held = COMPILED.take(key)
-        held = held or _compile_graphs(core, files, device, config, element, chunk_graph)
+        held = held or compile_graphs(core, files, device, config, element, extra)
         self._held: HeldGraphs | None = held
         self._give_back = weakref.finalize(self, COMPILED.give_back, key, held)
         """Hands the graphs to ``COMPILED`` once: on ``release()``, or when this model is collected."""
         self._give_back.atexit = False
-        if len(held.compiled) < key.graphs:  # NOTE: a failed second compile is not handed on as if whole
+        if len(held.compiled) < key.graphs:  # NOTE: a failed extra compile is not handed on as if whole
             self._give_back.detach()
         self.heads, self.head_dim, self.num_layers = held.heads, held.head_dim, held.num_layers
         compiled = held.compiled[0]
@@ -175,9 +180,14 @@ class PagedModel:
         self._decode_request = StepRequest(compiled, self.caches, STEP_INPUTS)
         """Runs the steps where every sequence feeds one token."""
         self._chunk_request = self._decode_request
-        """Runs the other steps: the second graph's request, or the decode one when there is none."""
+        """Runs the other steps: the chunk graph's request, or the decode one when there is none."""
         if len(held.compiled) > 1:
             self._chunk_request = StepRequest(held.compiled[1], self.caches, STEP_INPUTS)
+        self._small_request = self._chunk_request
+        """Runs one sequence's steps of 2 to ``SMALL_STEP_TOKENS`` tokens: the small graph's request,
+        or the chunk one when there is none."""
+        if len(held.compiled) > 2:
+            self._small_request = StepRequest(held.compiled[2], self.caches, STEP_INPUTS)
         self._alone_request = OneTokenRequest(compiled, self.caches, STEP_INPUTS, block_size=BLOCK_SIZE)
         """Runs ``step_alone``: a third request of the decode graph, whose inputs only it writes."""
 
@@ -190,7 +200,7 @@ class PagedModel:
                 return
             self._held = None
             self.caches = {}
-            del self._decode_request, self._chunk_request, self._alone_request
+            del self._decode_request, self._chunk_request, self._small_request, self._alone_request
         self._give_back()
 
     def _check_held(self) -> None:
@@ -200,11 +210,9 @@ class PagedModel:
 
     @property
     def graphs(self) -> int:
-        """Compiled graphs running steps: 2 with a chunk graph, 1 without one (off, or its compile
-        failed), 0 once released."""
-        if self._held is None:
-            return 0
-        return 1 if self._chunk_request is self._decode_request else 2
+        """Compiled graphs running steps: 3 with a chunk and a small graph, 2 with a chunk graph
+        only, 1 with neither (off, or their compile failed), 0 once released."""
+        return 0 if self._held is None else len(self._held.compiled)
 
     def step(self, sequences: Sequence[SequenceStep]) -> np.ndarray:
         """Feed every sequence its ids; float32 logits ``[sum(logit_rows(sequences)), vocab]``: each
@@ -258,7 +266,10 @@ class PagedModel:
 
     def _infer(self, ids: list[int], positions: list[int], sequences: Sequence[SequenceStep], begins: list[int],
                blocks: list[int], block_begins: list[int], rows: list[int]) -> np.ndarray:
-        request = self._decode_request if len(ids) == len(sequences) else self._chunk_request
+        if len(ids) == len(sequences):
+            request = self._decode_request
+        else:
+            request = self._small_request if len(sequences) == 1 and len(ids) <= SMALL_STEP_TOKENS else self._chunk_request
         write = request.inputs.write
         write("input_ids", ids)
         write("position_ids", positions)
@@ -302,99 +313,3 @@ def lock_calling_first(lock: threading.RLock, first: Callable[[], None] | None) 
         first()
     lock.acquire()
     return None
-
-
-def _compile_graphs(core: ov.Core, files: ModelFiles, device: str, config: dict[str, str], element: ov.Type,
-                    chunk_graph: bool) -> HeldGraphs:
-    """Read the stateful IR, make it paged (typed caches, positions gathered before the LM head)
-    and compile it once, or twice with ``chunk_graph`` (a failed second compile keeps one graph)."""
-    model = core.read_model(str(files.model_xml))
-    from openvino._offline_transformations import paged_attention_transformation
-
-    heads, head_dim = _state_kv_shape(model)
-    paged_attention_transformation(model, False, False, False, False, False)
-    num_layers = _type_caches(model, element, (heads, head_dim))
-    _gather_positions(model)
-    chunk_model = model.clone() if chunk_graph else None  # NOTE: no ``next_token``: its steps' rows are read anyway
-    _add_next_token(model)
-    compiled = [compile_for_device(core, model, device, config)]
-    if chunk_model is not None:
-        # NOTE: not in a background thread: OpenVINO switches the process to the C locale for a
-        # moment while it compiles (measured), and Python's open() elsewhere then decoded as ASCII
-        try:
-            compiled.append(compile_for_device(core, chunk_model, device, config))
-        except Exception:
-            logger.warning("compiling the paged model's second graph failed: multi-token steps share the "
-                           "decode graph (correct, slower after each draft)", exc_info=True)
-    return HeldGraphs(tuple(compiled), heads, head_dim, num_layers)
-
-
-def _compute_precision(core: ov.Core, device: str, config: dict[str, str]) -> str:
-    """The plugin's compute precision for ``config`` (its hint, else the device's default)."""
-    hint = config.get("INFERENCE_PRECISION_HINT")
-    if hint is None:
-        try:
-            hint = core.get_property(device, "INFERENCE_PRECISION_HINT")
-        except RuntimeError:
-            return "f32"
-    return precision_name(hint)
-
-
-def _type_caches(model: ov.Model, element: ov.Type, row: tuple[int, int]) -> int:
-    """Give every cache input its element type and ``[?, heads, BLOCK_SIZE, head_dim]`` shape
-    (a u8 cache's compiled shape adds its parameters); return the number of layers."""
-    layers = 0
-    for param in model.get_parameters():
-        name = param.get_output_tensor(0).get_any_name()
-        if name.startswith(("key_cache.", "value_cache.")):
-            layers += name.startswith("key_cache.")
-            param.set_element_type(element)
-            param.set_partial_shape(ov.PartialShape([-1, row[0], BLOCK_SIZE, row[1]]))
-    model.validate_nodes_and_infer_types()
-    return layers
-
-
-def _state_kv_shape(model: ov.Model) -> tuple[int, int]:
-    """(KV heads, head_dim) from the stateful IR's KV states ``[batch, heads, T, head_dim]``
-    (read before the transformation replaces them)."""
-    for op in model.get_ops():
-        if op.get_type_name() == "ReadValue":
-            shape = op.get_output_partial_shape(0)
-            if shape.rank.get_length() == 4 and shape[1].is_static and shape[3].is_static:
-                return shape[1].get_length(), shape[3].get_length()
-    raise PagedFormUnsupported("the model has no [batch, heads, T, head_dim] KV states: export a stateful "
-                               "LLM IR (optimum-intel, or openvino-genai's GGUF conversion)")
-
-
-def _gather_positions(model: ov.Model) -> None:
-    """Insert ``hidden[logits_indices]`` before the LM head MatMul (behind any elementwise tail:
-    ``compile.lm_head``), ``logits_indices`` a new ``i64 [rows]`` input: the flat positions whose
-    logits ``step`` returns (each sequence's last one, or all of them)."""
-    import openvino.opset13 as ops
-
-    matmul = lm_head(model)
-    if matmul is None:
-        raise PagedFormUnsupported("the model's logits do not come from a MatMul through elementwise ops "
-                                   "only; cannot keep only the last positions")
-    indices = ops.parameter(ov.PartialShape([-1]), ov.Type.i64, name="logits_indices")
-    indices.output(0).get_tensor().set_names({"logits_indices"})
-    hidden = ops.gather(matmul.input_value(0), indices, np.array(0, np.int64))
-    matmul.input(0).replace_source_output(hidden.output(0))
-    model.add_parameters([indices])
-    model.validate_nodes_and_infer_types()
-
-
-def _add_next_token(model: ov.Model) -> None:
-    """Add an output ``next_token``, each returned row's argmax as numpy's (the lowest id whose logit
-    equals the row's max): a greedy run reads one number, not the row (it arrives cold: ~0.08 ms).
-    These reductions cost 0.2 ms for 1 row of 49,152, 0.5 for 8; a stable TopK 0.7, 17 (it sorts)."""
-    import openvino.opset13 as ops
-
-    logits = next(o for o in model.outputs if "logits" in o.get_names()).get_node().input_value(0)
-    vocab = logits.get_partial_shape()[-1].get_length()
-    axis, ids = np.array([-1], np.int64), ops.constant(np.arange(vocab, dtype=np.int64))
-    is_max = ops.equal(logits, ops.reduce_max(logits, axis, keep_dims=True))
-    result = ops.result(ops.reduce_min(ops.select(is_max, ids, np.array(vocab, np.int64)), axis, keep_dims=True))
-    result.output(0).get_tensor().set_names({"next_token"})
-    model.add_results([result])
-    model.validate_nodes_and_infer_types()
