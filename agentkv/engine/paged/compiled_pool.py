@@ -2,8 +2,9 @@
 
 OpenVINO's compiled-blob cache cannot hold a PagedAttention graph (its import loses the ops'
 head sizes and the plugin compiles again: ``graphs.py``), so each paged engine compiles its graphs,
-~3.6 s each for the default model on 2 cores (in parallel: its three in 5–6 s). An engine closed hands its graphs here; the next
-``PagedModel`` asking for the same key takes them instead of compiling. Off unless
+~3.6 s each for the default model on 2 cores (in parallel: its three in 5–6 s). An engine closed
+hands its graphs here; the next ``PagedModel`` asking for the same key takes them instead of
+compiling. Off unless
 ``AGENTKV_KEEP_COMPILED`` says how many idle graphs to keep (each holds its compiled weights,
 ~80–130 MB for the default model): a test suite, a notebook or a script that reopens engines::
 

@@ -154,4 +154,3 @@ def add_next_token(model: ov.Model) -> None:
     result.output(0).get_tensor().set_names({"next_token"})
     model.add_results([result])
     model.validate_nodes_and_infer_types()
-

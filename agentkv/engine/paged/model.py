@@ -177,17 +177,14 @@ class PagedModel:
             tensor = ov.Tensor(port.get_element_type(), [num_blocks, *shapes[name]])
             tensor.data[...] = 0
             self.caches[name] = tensor
-        self._decode_request = StepRequest(compiled, self.caches, STEP_INPUTS)
+        requests = [StepRequest(graph, self.caches, STEP_INPUTS) for graph in held.compiled]
+        self._decode_request = requests[0]
         """Runs the steps where every sequence feeds one token."""
-        self._chunk_request = self._decode_request
+        self._chunk_request = requests[min(1, len(requests) - 1)]
         """Runs the other steps: the chunk graph's request, or the decode one when there is none."""
-        if len(held.compiled) > 1:
-            self._chunk_request = StepRequest(held.compiled[1], self.caches, STEP_INPUTS)
-        self._small_request = self._chunk_request
+        self._small_request = requests[-1]
         """Runs one sequence's steps of 2 to ``SMALL_STEP_TOKENS`` tokens: the small graph's request,
-        or the chunk one when there is none."""
-        if len(held.compiled) > 2:
-            self._small_request = StepRequest(held.compiled[2], self.caches, STEP_INPUTS)
+        or the chunk one (or the decode one) when there is none."""
         self._alone_request = OneTokenRequest(compiled, self.caches, STEP_INPUTS, block_size=BLOCK_SIZE)
         """Runs ``step_alone``: a third request of the decode graph, whose inputs only it writes."""
 
@@ -268,8 +265,10 @@ class PagedModel:
                blocks: list[int], block_begins: list[int], rows: list[int]) -> np.ndarray:
         if len(ids) == len(sequences):
             request = self._decode_request
+        elif len(sequences) == 1 and len(ids) <= SMALL_STEP_TOKENS:
+            request = self._small_request
         else:
-            request = self._small_request if len(sequences) == 1 and len(ids) <= SMALL_STEP_TOKENS else self._chunk_request
+            request = self._chunk_request
         write = request.inputs.write
         write("input_ids", ids)
         write("position_ids", positions)
