@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 Backend = Literal["auto", "paged", "stateful"]
 BACKENDS = ("auto", "paged", "stateful")
 ENGINE_ENV = "AGENTKV_ENGINE"
-_PAGED_ONLY = ("kv_cache_bytes", "max_batch", "max_step_tokens", "chunk_graph")
+_PAGED_ONLY = ("kv_cache_bytes", "max_batch", "max_step_tokens", "chunk_graph", "small_graph")
 
 
 def open_engine(

@@ -22,8 +22,34 @@ def test_the_default_on_cpu_is_the_paged_engine_and_stateful_is_one_word_away(mo
     paged = open_engine(num_slots=1, kv_cache_bytes=16 << 20, chunk_graph=False)
     assert isinstance(paged, PagedEngine) and paged.fingerprint.endswith(":paged")
     assert paged.paged_model.graphs == 1
-    stateful = open_engine(backend="stateful", num_slots=1, kv_cache_bytes=16 << 20, chunk_graph=True)  # paged-only options dropped
+    # the paged-only options are dropped
+    stateful = open_engine(backend="stateful", num_slots=1, kv_cache_bytes=16 << 20, chunk_graph=True)
     assert type(stateful) is StatefulEngine and not stateful.fingerprint.endswith(":paged")
+
+
+async def test_small_graph_false_opens_the_paged_engine_on_two_graphs_and_the_stateful_engine_drops_it(monkeypatch):
+    from agentkv.engine.base import GenerationConfig
+    from agentkv.engine.stateful.engine import StatefulEngine
+
+    monkeypatch.delenv("AGENTKV_ENGINE", raising=False)
+    paged = open_engine(num_slots=1, kv_cache_bytes=16 << 20, small_graph=False)
+    try:
+        assert paged.paged_model.graphs == 2
+        session = await paged.open_session()
+        doc = ("The root cause was a connection pool limit of 64 on the gateway client, set in release 2.31.0, "
+               "which was too low for the overnight batch of subscription renewals.")
+        messages = [{"role": "user", "content": "Find the incident report."},
+                    {"role": "assistant", "content": "The search tool returned this document:\n\n" + doc},
+                    {"role": "user", "content": "Quote the root cause exactly as written."}]
+        ids = paged.tokenizer.encode(paged.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        result = await session.generate(ids, GenerationConfig(max_new_tokens=32))
+        assert result.metrics.drafted_tokens > 0 and result.metrics.accepted_tokens > 0  # verified on the chunk graph
+        await session.close()
+    finally:
+        await paged.aclose()
+    stateful = open_engine(backend="stateful", num_slots=1, kv_cache_bytes=16 << 20, small_graph=True)
+    assert type(stateful) is StatefulEngine
+    await stateful.aclose()
 
 
 def test_a_model_without_a_paged_form_falls_back_to_the_stateful_engine_with_a_warning(monkeypatch, caplog):

@@ -49,7 +49,8 @@ def _cpu_has_avx512() -> bool:
         return False
 
 
-def test_any_multi_token_chunking_equals_a_one_pass_prefill_bit_for_bit_on_avx512_and_within_rounding_on_avx2(exact_paged):
+def test_any_multi_token_chunking_equals_a_one_pass_prefill_bit_for_bit_on_avx512_and_within_rounding_on_avx2(
+        exact_paged):
     from agentkv.engine.paged.model import SequenceStep
 
     one = exact_paged.step([SequenceStep(IDS[:100], 0, [0, 1, 2, 3])])
@@ -227,6 +228,16 @@ def test_a_released_models_graphs_open_the_next_one_on_the_same_settings_without
     monkeypatch.setenv(KEEP_ENV, "0")
     second.release()
     assert pool.idle_graphs() == 0
+
+
+def test_small_graph_without_the_chunk_graph_is_refused_before_anything_compiles(private_compiled_pool):
+    from agentkv.engine.openvino.models import resolve_model
+    from agentkv.engine.paged.model import PagedModel
+
+    _, compiles = private_compiled_pool
+    with pytest.raises(UserError, match="small_graph=True needs the chunk graph"):
+        PagedModel(resolve_model(None), num_blocks=4, chunk_graph=False, small_graph=True)
+    assert compiles == []
 
 
 def test_a_model_dropped_in_a_reference_cycle_without_release_gives_its_graphs_to_the_next_one(

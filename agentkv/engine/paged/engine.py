@@ -3,8 +3,8 @@
 The same sessions, prefix cache, snapshots, offload and policies as its sibling
 ``StatefulEngine`` (both are ``OpenVINOEngine``s; a session's ``KVLog`` runs on a ``PagedSlot``
 instead of an InferRequest), over one compiled paged model whose KV blocks all sessions share;
-what the blocks change for sessions is in its backend (``engine/paged/backend.py``). A turn over a long history prefills ~3× faster than
-the stateful form on CPU (``benchmarks/paged_step.py``)::
+what the blocks change for sessions is in its backend (``engine/paged/backend.py``). A turn over
+a long history prefills ~3× faster than the stateful form on CPU (``benchmarks/paged_step.py``)::
 
     engine = PagedEngine()                    # default model, f16 KV blocks, 512 MiB of them
     runtime = Runtime(engine)
@@ -62,6 +62,7 @@ class PagedEngine(OpenVINOEngine):
         max_step_tokens: int = DEFAULT_MAX_TOKENS,
         prefill_chunk_size: int | None = DEFAULT_PREFILL_CHUNK,
         chunk_graph: bool | None = None,
+        small_graph: bool | None = None,
         **options: Any,
     ) -> None:
         """``kv_cache_bytes`` sizes the shared KV blocks; ``num_slots`` bounds the sessions that
@@ -74,8 +75,11 @@ class PagedEngine(OpenVINOEngine):
         (prefill chunks, draft verifies, forced tokens), so one-token decode steps keep their
         graph's shapes (``PagedModel``; a shape change costs 15–25 ms beside a ~25 ms step on 2
         cores), and a third time for a sequence's steps of at most 4 tokens (a small draft's
-        verify) when the weights file is at most 256 MiB; None: on CPU when it is at most 1 GiB
-        (each graph holds a copy of the compiled weights: +80–130 MB for the default model).
+        verify); None: on CPU when the weights file is at most 1 GiB (each graph holds a copy of
+        the compiled weights: +80–130 MB for the default model). ``small_graph`` turns that third
+        graph on or off (True needs the chunk graph); None: on CPU when the weights file is at
+        most 256 MiB. ``PagedEngine(small_graph=False)`` spares its memory; quoting with drafts
+        is then ~6 % slower (measured on an avx2 CPU).
         Other options as ``OpenVINOEngine`` (``kv_cache_precision`` "f16", "f32" or "u8",
         ``exact``…). With u8 blocks, ``snapshot_precision`` "auto" or "u8" keeps the raw blocks."""
         if options.get("kv_cache_precision") == "bf16":
@@ -91,7 +95,7 @@ class PagedEngine(OpenVINOEngine):
         self._kv_cache_bytes = kv_cache_bytes
         self._max_batch = max_batch or num_slots
         self._max_step_tokens = max_step_tokens
-        self._chunk_graph_option = chunk_graph
+        self._chunk_graph, self._small_graph = chunk_graph, small_graph
         super().__init__(model, num_slots=num_slots, prefill_chunk_size=prefill_chunk_size, **options)
 
     def _fingerprint_tag(self) -> str:
@@ -107,7 +111,7 @@ class PagedEngine(OpenVINOEngine):
         # NOTE: the engine checked and merged its options already (exact=True is in ``config``)
         model = PagedModel(self.files, kv_cache_bytes=self._kv_cache_bytes, device=device,
                            kv_cache_precision=config["KV_CACHE_PRECISION"], ov_config=_extra(config),
-                           chunk_graph=self._chunk_graph_option)
+                           chunk_graph=self._chunk_graph, small_graph=self._small_graph)
         self.block_pool = BlockPool(model.num_blocks)
         """The KV blocks every session's table draws from."""
         self.paged_model = model

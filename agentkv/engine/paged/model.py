@@ -59,7 +59,8 @@ larger model's step. The cost was measured on the CPU plugin only."""
 SMALL_GRAPH_MAX_WEIGHTS = 256 << 20
 """``small_graph=None`` compiles the small-step graph (with the chunk graph) on CPU when the weights
 file is at most this big: a third copy of the compiled weights (the default model: +80–130 MB RSS),
-for +6.5 % on quoting there (1.89× → 2.02× plain decoding, measured on an avx2 CPU)."""
+for +6 % on quoting there (+6.5 % across separate runs, 1.89× → 2.02× plain decoding; +5.6 % and
++6.0 % with the graph swapped call by call in one process; an avx2 CPU)."""
 __all__ = ["BLOCK_SIZE", "CHUNK_GRAPH_MAX_WEIGHTS", "SMALL_GRAPH_MAX_WEIGHTS", "SMALL_STEP_TOKENS", "STEP_INPUTS",
            "PagedModel", "SequenceStep", "lock_calling_first", "logit_rows"]
 _CACHE_TYPES = {"f32": ov.Type.f32, "f16": ov.Type.f16, "bf16": ov.Type.bf16, "u8": ov.Type.u8}
@@ -104,9 +105,9 @@ class PagedModel:
     ) -> None:
         """``chunk_graph``: compile the model again for the steps that are not one token per
         sequence (see the module docstring); None: on CPU when the weights file is at most
-        ``CHUNK_GRAPH_MAX_WEIGHTS``. ``small_graph`` (only with a chunk graph): a third compile for
-        one sequence's steps of at most ``SMALL_STEP_TOKENS`` tokens; None: on CPU when the weights
-        file is at most ``SMALL_GRAPH_MAX_WEIGHTS``."""
+        ``CHUNK_GRAPH_MAX_WEIGHTS``. ``small_graph`` (True needs the chunk graph: ``UserError``
+        without it): a third compile for one sequence's steps of at most ``SMALL_STEP_TOKENS``
+        tokens; None: on CPU when the weights file is at most ``SMALL_GRAPH_MAX_WEIGHTS``."""
         if (num_blocks is None) == (kv_cache_bytes is None):
             raise UserError("give PagedModel either num_blocks or kv_cache_bytes")
         if kv_cache_precision not in _CACHE_TYPES:
@@ -124,6 +125,9 @@ class PagedModel:
         size = weights.stat().st_size if weights.is_file() else 0
         if chunk_graph is None:
             chunk_graph = device.upper() == "CPU" and size <= CHUNK_GRAPH_MAX_WEIGHTS
+        if small_graph and not chunk_graph:
+            raise UserError("small_graph=True needs the chunk graph: pass chunk_graph=True too (the small graph "
+                            "takes some of the steps the chunk graph runs)")
         if small_graph is None:
             small_graph = device.upper() == "CPU" and size <= SMALL_GRAPH_MAX_WEIGHTS
         extra = (1 + small_graph) if chunk_graph else 0
