@@ -24,6 +24,11 @@ PG_ENV = "AGENTKV_TEST_POSTGRES_URL"
 # the same settings (``engine/paged/compiled_pool.py``): ~5 s of compiling per default engine saved;
 # three sets of the default model's three graphs
 os.environ.setdefault("AGENTKV_KEEP_COMPILED", "9")
+# NOTE: rich pins a Console's width when COLUMNS is set as it is made, and the CLI's consoles are
+# made at import: a caller's COLUMNS (pytest-xdist's workers set 80) would override the widths the
+# CLI tests pass to CliRunner and wrap the lines they look for
+for _variable in ("COLUMNS", "LINES"):
+    os.environ.pop(_variable, None)
 
 from agentkv.engine.base import GenerationConfig
 
