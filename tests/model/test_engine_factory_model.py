@@ -23,13 +23,13 @@ def test_the_default_on_cpu_is_the_paged_engine_and_stateful_is_one_word_away(mo
     assert isinstance(paged, PagedEngine) and paged.fingerprint.endswith(":paged")
     assert paged.paged_model.graphs == 1
     # the paged-only options are dropped
-    stateful = open_engine(backend="stateful", num_slots=1, kv_cache_bytes=16 << 20, chunk_graph=True)
+    stateful = open_engine(backend="stateful", num_slots=1, kv_cache_bytes=16 << 20, chunk_graph=True,
+                           small_graph=True)
     assert type(stateful) is StatefulEngine and not stateful.fingerprint.endswith(":paged")
 
 
-async def test_small_graph_false_opens_the_paged_engine_on_two_graphs_and_the_stateful_engine_drops_it(monkeypatch):
+async def test_small_graph_false_opens_the_paged_engine_on_two_graphs_where_drafts_still_verify(monkeypatch):
     from agentkv.engine.base import GenerationConfig
-    from agentkv.engine.stateful.engine import StatefulEngine
 
     monkeypatch.delenv("AGENTKV_ENGINE", raising=False)
     paged = open_engine(num_slots=1, kv_cache_bytes=16 << 20, small_graph=False)
@@ -47,9 +47,6 @@ async def test_small_graph_false_opens_the_paged_engine_on_two_graphs_and_the_st
         await session.close()
     finally:
         await paged.aclose()
-    stateful = open_engine(backend="stateful", num_slots=1, kv_cache_bytes=16 << 20, small_graph=True)
-    assert type(stateful) is StatefulEngine
-    await stateful.aclose()
 
 
 def test_a_model_without_a_paged_form_falls_back_to_the_stateful_engine_with_a_warning(monkeypatch, caplog):

@@ -4,9 +4,9 @@ OpenVINO's compiled-blob cache cannot hold a PagedAttention graph (its import lo
 head sizes and the plugin compiles again: ``graphs.py``), so each paged engine compiles its graphs,
 ~3.6 s each for the default model on 2 cores (in parallel: its three in 5–6 s). An engine closed
 hands its graphs here; the next ``PagedModel`` asking for the same key takes them instead of
-compiling. Off unless
-``AGENTKV_KEEP_COMPILED`` says how many idle graphs to keep (each holds its compiled weights,
-~80–130 MB for the default model): a test suite, a notebook or a script that reopens engines::
+compiling. Off unless ``AGENTKV_KEEP_COMPILED`` says how many idle graphs to keep (each holds its
+compiled weights, ~80–130 MB for the default model): a test suite, a notebook or a script that
+reopens engines::
 
     key = GraphKey.of(files, "CPU", config, "f16", graphs=3)
     held = COMPILED.take(key)            # None, or the graphs an engine released
@@ -53,7 +53,10 @@ class GraphKey:
     @classmethod
     def of(cls, files: ModelFiles, device: str, config: dict[str, str], kv_cache_precision: str, *,
            graphs: int) -> GraphKey:
-        """The key for ``files`` compiled on ``device`` with ``config``: ``GraphKey.of(files, "CPU", {}, "f16", graphs=2)``."""
+        """The key for ``files`` compiled on ``device`` with ``config``::
+
+            GraphKey.of(files, "CPU", {}, "f16", graphs=2)
+        """
         xml = files.model_xml.absolute()
         return cls(tuple((str(path), _identity(path)) for path in (xml, xml.with_suffix(".bin"))), device.upper(),
                    tuple(sorted((k, str(v)) for k, v in config.items())), kv_cache_precision, graphs)

@@ -123,14 +123,15 @@ class PagedModel:
         element = _CACHE_TYPES[kv_cache_precision]
         weights = files.model_xml.with_suffix(".bin")
         size = weights.stat().st_size if weights.is_file() else 0
+        on_cpu = device.upper() == "CPU"
         if chunk_graph is None:
-            chunk_graph = device.upper() == "CPU" and size <= CHUNK_GRAPH_MAX_WEIGHTS
+            chunk_graph = on_cpu and size <= CHUNK_GRAPH_MAX_WEIGHTS
         if small_graph and not chunk_graph:
             raise UserError("small_graph=True needs the chunk graph: pass chunk_graph=True too (the small graph "
                             "takes some of the steps the chunk graph runs)")
         if small_graph is None:
-            small_graph = device.upper() == "CPU" and size <= SMALL_GRAPH_MAX_WEIGHTS
-        extra = (1 + small_graph) if chunk_graph else 0
+            small_graph = chunk_graph and on_cpu and size <= SMALL_GRAPH_MAX_WEIGHTS
+        extra = chunk_graph + small_graph
         key = GraphKey.of(files, device, config, kv_cache_precision, graphs=1 + extra)
         held = COMPILED.take(key)
         if held is None and keep_limit() > 0:
