@@ -15,7 +15,7 @@ import pytest
 from agentkv.engine.base import GenerationConfig
 from agentkv.engine.paged.engine import PagedEngine
 from agentkv.engine.paged.model import BLOCK_SIZE, SequenceStep
-from _numerics import PROFILES
+from _numerics import PROFILES, skip_if_computed_as_before, skip_if_ignored
 
 pytestmark = pytest.mark.model
 
@@ -24,14 +24,17 @@ RUNS, ONE_BY_ONE = GenerationConfig(max_new_tokens=48, prompt_lookup=False), \
 
 
 @pytest.fixture(scope="module", params=list(PROFILES))
-def profile_engine(request: pytest.FixtureRequest):
-    """A paged engine with the profile's plugin settings; skipped when this CPU ignores them."""
-    config = PROFILES[request.param]
-    engine = PagedEngine(num_slots=2, prefix_cache_bytes=0, kv_cache_bytes=32 << 20, ov_config=dict(config))
-    wanted = config.get("DYNAMIC_QUANTIZATION_GROUP_SIZE")
-    if wanted is not None and int(wanted) != engine.paged_model.numerics.dynamic_quantization_group_size:
-        pytest.skip(f"this CPU ignores DYNAMIC_QUANTIZATION_GROUP_SIZE={wanted}")
-    return engine
+async def profile_engine(request: pytest.FixtureRequest):
+    """A paged engine with the profile's plugin settings; skipped when this CPU ignores them or
+    computes them as a profile already run."""
+    await skip_if_computed_as_before(request.param, __name__)
+    engine = PagedEngine(num_slots=2, prefix_cache_bytes=0, kv_cache_bytes=32 << 20,
+                         ov_config=dict(PROFILES[request.param]))
+    try:
+        skip_if_ignored(request.param, engine)
+        yield engine
+    finally:
+        await engine.aclose()
 
 
 def chat(engine, text: str) -> list[int]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,6 +25,16 @@ pytestmark = pytest.mark.model
 
 
 IDS = np.random.default_rng(0).integers(200, 40000, 400).tolist()
+TINY = Path(__file__).resolve().parents[1] / "data" / "zoo" / "llama3_1"
+"""A tiny random-weight model (tests/data/zoo): its three graphs compile in ~1 s against ~7 s for the
+default model's, for the tests of how graphs are compiled, kept and handed on (not of what they compute)."""
+TINY_IDS = np.random.default_rng(0).integers(3, 2000, 64).tolist()
+
+
+def tiny_files():
+    from agentkv.engine.openvino.models import resolve_model
+
+    return resolve_model(TINY)
 
 
 # ---- the paged model ---------------------------------------------------------------------------
@@ -172,10 +183,9 @@ def test_step_alone_calls_while_running_once_during_the_step_and_a_raise_leaves_
 
 @pytest.mark.parametrize(("failing", "graphs"), [("chunk", 1), ("small", 2)])
 def test_when_an_extra_graph_fails_to_compile_the_graphs_before_it_run_its_steps_and_a_warning_says_so(
-        exact_paged, monkeypatch, caplog, failing, graphs):
+        monkeypatch, caplog, failing, graphs):
     import agentkv.engine.paged.graphs as paged_graphs
     import agentkv.engine.paged.model as paged_model
-    from agentkv.engine.openvino.models import resolve_model
     from agentkv.engine.paged.compiled_pool import CompiledPool
     from agentkv.engine.paged.model import PagedModel, SequenceStep
     from agentkv.errors import ModelCompileFailed
@@ -189,30 +199,30 @@ def test_when_an_extra_graph_fails_to_compile_the_graphs_before_it_run_its_steps
             raise ModelCompileFailed("out of memory (a test)")
         return real(core, model, *args, **kwargs)
 
-    monkeypatch.setattr(paged_graphs, "compile_for_device", one_fails)
     monkeypatch.setattr(paged_model, "COMPILED", CompiledPool())  # compile, do not reuse
+    reference = PagedModel(tiny_files(), num_blocks=8, kv_cache_precision="f32", exact=True, chunk_graph=True)
+    monkeypatch.setattr(paged_graphs, "compile_for_device", one_fails)
     with caplog.at_level(logging.WARNING, logger="agentkv.engine.paged.graphs"):
-        model = PagedModel(resolve_model(None), num_blocks=8, kv_cache_precision="f32", exact=True, chunk_graph=True)
+        model = PagedModel(tiny_files(), num_blocks=8, kv_cache_precision="f32", exact=True, chunk_graph=True)
+    assert reference.graphs == 3
     assert model.graphs == graphs and len(compiles) == 3 and f"{failing} graph failed" in caplog.text
     for begin, end in [(0, 40), (40, 41), (41, 44), (44, 45)]:  # prefill, decode, a small step, decode
-        mine = model.step([SequenceStep(IDS[begin:end], begin, [0, 1], last_rows=end - begin)])
-        assert np.array_equal(mine, exact_paged.step([SequenceStep(IDS[begin:end], begin, [50, 51],
-                                                                   last_rows=end - begin)]))
+        step = [SequenceStep(TINY_IDS[begin:end], begin, [0, 1], last_rows=end - begin)]
+        assert np.array_equal(model.step(step), reference.step(step))
 
 
 def test_a_released_models_graphs_open_the_next_one_on_the_same_settings_without_compiling(
-        exact_paged, monkeypatch, private_compiled_pool):
+        monkeypatch, private_compiled_pool):
     """``AGENTKV_KEEP_COMPILED``: the graphs of a released model (a closed engine) run the next
     model on the same files and settings: no compile, the same logits bit for bit; a model on
     other settings compiles its own; the released one refuses to step."""
-    from agentkv.engine.openvino.models import resolve_model
     from agentkv.engine.paged.compiled_pool import KEEP_ENV
     from agentkv.engine.paged.model import PagedModel, SequenceStep
 
     pool, compiles = private_compiled_pool
     monkeypatch.setenv(KEEP_ENV, "3")
-    first = PagedModel(resolve_model(None), num_blocks=8, kv_cache_precision="f32", exact=True, chunk_graph=True)
-    prefill, decode = [SequenceStep(IDS[:40], 0, [0, 1])], [SequenceStep(IDS[40:41], 40, [0, 1])]
+    first = PagedModel(tiny_files(), num_blocks=8, kv_cache_precision="f32", exact=True, chunk_graph=True)
+    prefill, decode = [SequenceStep(TINY_IDS[:40], 0, [0, 1])], [SequenceStep(TINY_IDS[40:41], 40, [0, 1])]
     expected = [first.step(prefill), first.step(decode)]
     assert len(compiles) == 3
     first.release()
@@ -220,10 +230,10 @@ def test_a_released_models_graphs_open_the_next_one_on_the_same_settings_without
     assert pool.idle_graphs() == 3 and first.graphs == 0
     with pytest.raises(UserError, match="released"):
         first.step(decode)
-    second = PagedModel(resolve_model(None), num_blocks=8, kv_cache_precision="f32", exact=True, chunk_graph=True)
+    second = PagedModel(tiny_files(), num_blocks=8, kv_cache_precision="f32", exact=True, chunk_graph=True)
     assert len(compiles) == 3 and second.graphs == 3 and pool.idle_graphs() == 0
     assert np.array_equal(second.step(prefill), expected[0]) and np.array_equal(second.step(decode), expected[1])
-    other = PagedModel(resolve_model(None), num_blocks=8, kv_cache_precision="f32", exact=True, chunk_graph=False)
+    other = PagedModel(tiny_files(), num_blocks=8, kv_cache_precision="f32", exact=True, chunk_graph=False)
     assert len(compiles) == 4 and other.graphs == 1
     monkeypatch.setenv(KEEP_ENV, "0")
     second.release()
@@ -242,16 +252,15 @@ def test_small_graph_without_the_chunk_graph_is_refused_before_anything_compiles
 
 def test_a_model_dropped_in_a_reference_cycle_without_release_gives_its_graphs_to_the_next_one(
         monkeypatch, private_compiled_pool):
-    from agentkv.engine.openvino.models import resolve_model
     from agentkv.engine.paged.compiled_pool import KEEP_ENV
     from agentkv.engine.paged.model import PagedModel
 
     _, compiles = private_compiled_pool
     monkeypatch.setenv(KEEP_ENV, "1")
-    dropped = PagedModel(resolve_model(None), num_blocks=4, kv_cache_precision="f32", exact=True, chunk_graph=False)
+    dropped = PagedModel(tiny_files(), num_blocks=4, kv_cache_precision="f32", exact=True, chunk_graph=False)
     dropped.cycle = dropped  # type: ignore[attr-defined]  # as an engine and its backend refer to each other
     del dropped
-    again = PagedModel(resolve_model(None), num_blocks=4, kv_cache_precision="f32", exact=True, chunk_graph=False)
+    again = PagedModel(tiny_files(), num_blocks=4, kv_cache_precision="f32", exact=True, chunk_graph=False)
     assert len(compiles) == 1 and again.graphs == 1
 
 
