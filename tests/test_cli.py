@@ -347,6 +347,22 @@ def test_quit_and_exit_leave_the_chat_and_are_never_sent_to_the_model(db, engine
         assert "/quit" in result.output            # the commands are shown at the start
 
 
+def test_a_chat_closes_the_engine_it_loaded_when_it_ends(db, engines, monkeypatch):
+    """The chat owns its engine: closed as the chat ends (KV blocks and compiled graphs freed now,
+    for the next engine in the process), not left to the garbage collector."""
+    closed: list[ScriptedEngine] = []
+    real = ScriptedEngine.aclose
+
+    async def recorded(self: ScriptedEngine) -> None:
+        closed.append(self)
+        await real(self)
+
+    monkeypatch.setattr(ScriptedEngine, "aclose", recorded)
+    assert cli("chat", "--db", db, input="hi\n/quit\n").exit_code == 0
+    assert cli("chat", "--db", db, input="hi\n").exit_code == 0  # stdin ends: Ctrl-D
+    assert closed == list(engines) and len(closed) == 2
+
+
 def test_help_lists_the_chat_commands_and_stores_nothing(db, engines):
     result = cli("chat", "--db", db, input="/help\n")
     assert result.exit_code == 0, result.output

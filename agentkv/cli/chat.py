@@ -198,6 +198,7 @@ async def run_chat(request: ChatRequest, out: Console, err: Console) -> int:
 
 async def _chat(request: ChatRequest, interrupts: Interrupts, out: Console, err: Console) -> int:
     store = open_store(request.db)
+    engine: Engine | None = None
     runtime: Runtime | None = None
     try:
         agent, record = await _prepare(store, request, err)
@@ -217,6 +218,8 @@ async def _chat(request: ChatRequest, interrupts: Interrupts, out: Console, err:
         with anyio.CancelScope(shield=True):
             if runtime is not None:
                 await runtime.aclose()
+            if engine is not None:  # the chat loaded it: its KV blocks and graphs go now, not at exit
+                await engine.aclose()
             await store.close()
 
 

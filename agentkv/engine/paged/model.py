@@ -53,12 +53,13 @@ STEP_INPUTS: dict[str, type[np.generic]] = {
 """The paged model's step inputs (openvino's SDPA-to-PagedAttention names) and their element types."""
 CHUNK_GRAPH_MAX_WEIGHTS = 1 << 30
 """``chunk_graph=None`` compiles the second graph on CPU when the weights file is at most this big:
-it holds a second copy of the compiled weights (the default model: +210 MB RSS, measured), and the
-shape change it saves costs the same milliseconds whatever the model's size, a smaller share of a
-larger model's step. The cost was measured on the CPU plugin only."""
+it holds a second copy of the compiled weights (the default model's ``PagedModel``: 299 MB RSS with
+one graph, 380–393 with two, 482–486 with three; two runs, an avx2 CPU), and the shape change it
+saves costs the same milliseconds whatever the model's size, a smaller share of a larger model's
+step. The cost was measured on the CPU plugin only."""
 SMALL_GRAPH_MAX_WEIGHTS = 256 << 20
 """``small_graph=None`` compiles the small-step graph (with the chunk graph) on CPU when the weights
-file is at most this big: a third copy of the compiled weights (the default model: +80–130 MB RSS),
+file is at most this big: a third copy of the compiled weights (the default model: +89–106 MB RSS),
 for +6 % on quoting there (+6.5 % across separate runs, 1.89× → 2.02× plain decoding; +5.6 % and
 +6.0 % with the graph swapped call by call in one process; an avx2 CPU)."""
 __all__ = ["BLOCK_SIZE", "CHUNK_GRAPH_MAX_WEIGHTS", "SMALL_GRAPH_MAX_WEIGHTS", "SMALL_STEP_TOKENS", "STEP_INPUTS",
