@@ -138,7 +138,7 @@ async def run_steps_in_thread(steps: TokenSteps, execute: Callable[[ModelStep], 
             error = failure
         finally:
             if ready:  # NOTE: also when the loop failed: the consumer gets every delta made before
-                channel.post(_Deltas(ready), size=len(ready), wait=False)
+                handover(ready)()
             channel.post(_Finished(error), wait=False)
 
     owner = current_task_id()
