@@ -21,6 +21,7 @@ demo: model
 	$(PY) examples/chat_demo.py
 
 test: model
+	$(PY) -m ruff check
 	$(PY) -m mypy
 	$(PY) -m pytest -q --durations=30
 

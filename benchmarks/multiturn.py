@@ -6,7 +6,8 @@ the paged engine twice: decoding plainly, and with its default prompt-lookup dra
 stateless (the stateful engine re-prefilling the whole history every turn), and LLMPipeline +
 ChatHistory twice — its SDPA backend and its default (PagedAttention + prefix caching). Then
 decode speed: ``paged_over_genai_default_decode`` compares plain decoding (one model step per
-token, drafts off), ``paged_drafts_over_genai_default_decode`` the paged engine's defaults. The last line is one JSON object with the ratios.
+token, drafts off), ``paged_drafts_over_genai_default_decode`` the paged engine's defaults. The
+last line is one JSON object with the ratios.
 Run: ``python benchmarks/multiturn.py [--turns 13] [--paged-prefill-chunk 0]``.
 """
 
@@ -76,7 +77,8 @@ class AgentkvChat:
 async def measure(turns: int, answer_tokens: int, paged_options: dict) -> dict:
     stateful, paged = StatefulEngine(num_slots=2), PagedEngine(num_slots=2, **paged_options)
     system = Message.system("You are a helpful assistant that summarises text.")
-    chats = {"agentkv": AgentkvChat(stateful, system, answer_tokens), "paged": AgentkvChat(paged, system, answer_tokens),
+    chats = {"agentkv": AgentkvChat(stateful, system, answer_tokens),
+             "paged": AgentkvChat(paged, system, answer_tokens),
              "paged_drafts": AgentkvChat(paged, system, answer_tokens, drafts=True)}
     ir_dir = str(stateful.files.ir_dir)
     sdpa = GenaiChat(ir_dir, system.content, answer_tokens, ATTENTION_BACKEND="SDPA")
@@ -94,15 +96,18 @@ async def measure(turns: int, answer_tokens: int, paged_options: dict) -> dict:
                      "paged_ttft": paged_ttft, "stateless_ttft": cold.metrics.ttft_s,
                      "genai_chat_ttft": sdpa.turn(text), "genai_default_ttft": default.turn(text)})
         r = rows[-1]
-        print(f"turn {turn:2d}  history {len(prompt):5d} tok  stateful {ttft * 1000:7.1f} ms (prefilled {prefilled:4d})  "
+        print(f"turn {turn:2d}  history {len(prompt):5d} tok  "
+              f"stateful {ttft * 1000:7.1f} ms (prefilled {prefilled:4d})  "
               f"paged {paged_ttft * 1000:7.1f} ms  stateless {r['stateless_ttft'] * 1000:7.1f} ms  "
-              f"genai-sdpa {r['genai_chat_ttft'] * 1000:7.1f} ms  genai-default {r['genai_default_ttft'] * 1000:7.1f} ms",
+              f"genai-sdpa {r['genai_chat_ttft'] * 1000:7.1f} ms  "
+              f"genai-default {r['genai_default_ttft'] * 1000:7.1f} ms",
               flush=True)
     await stateful.aclose()
     await paged.aclose()
     return {"rows": rows, "tpot": statistics.median(chats["agentkv"].tpots),
             "paged_tpot": statistics.median(chats["paged"].tpots),
-            "paged_drafts_tpot": statistics.median(chats["paged_drafts"].tpots), "genai_tpot": statistics.median(sdpa.tpots),
+            "paged_drafts_tpot": statistics.median(chats["paged_drafts"].tpots),
+            "genai_tpot": statistics.median(sdpa.tpots),
             "genai_default_tpot": statistics.median(default.tpots)}
 
 

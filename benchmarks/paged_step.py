@@ -99,9 +99,11 @@ async def main(repeats: int) -> None:
     await stateful.aclose()
     med = {k: {m: statistics.median(x[m] for x in v) for m in v[0]} for k, v in rows.items()}
     print(f"\n| | stateful | paged |\n|---|---:|---:|\n| prefill {HISTORY} | {med['stateful']['prefill']:.2f} s | "
-          f"{med['paged']['prefill']:.2f} s |\n| {TURN}-token turn over {HISTORY} | {med['stateful']['turn'] * 1e3:.0f} ms | "
+          f"{med['paged']['prefill']:.2f} s |\n"
+          f"| {TURN}-token turn over {HISTORY} | {med['stateful']['turn'] * 1e3:.0f} ms | "
           f"{med['paged']['turn'] * 1e3:.0f} ms |\n| decode | {med['stateful']['decode_tps']:.1f} tok/s | "
-          f"{med['paged']['decode_tps']:.1f} tok/s |\n| 8 sequences decoding | — | {med['batch']['batched_tps']:.0f} tok/s "
+          f"{med['paged']['decode_tps']:.1f} tok/s |\n"
+          f"| 8 sequences decoding | — | {med['batch']['batched_tps']:.0f} tok/s "
           f"together, {med['batch']['sequential_tps']:.0f} one at a time |")
     print(json.dumps({
         "stateful_over_paged_prefill_1700": round(med["stateful"]["prefill"] / med["paged"]["prefill"], 2),

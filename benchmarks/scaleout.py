@@ -137,7 +137,8 @@ def history_and_turns(history_tokens: int, turns: int) -> tuple[str, list[str]]:
     return opening, follow
 
 
-def stay_vs_single(cluster: LocalCluster, single: LocalCluster, opening: str, follow: list[str]) -> dict[str, list[float]]:
+def stay_vs_single(cluster: LocalCluster, single: LocalCluster, opening: str, follow: list[str]
+                   ) -> dict[str, list[float]]:
     """(a) turns that stay on their replica behind the proxy, and the same turns on a lone server,
     interleaved turn by turn."""
     paths = {"stay": (cluster.proxy_url, cluster.api_key), "single": (single.replica_url(0), single.api_key)}

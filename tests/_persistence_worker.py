@@ -1,7 +1,10 @@
 """Subprocess side of the persistence tests: runs one turn against a store and reports as JSON.
 
-    python tests/_persistence_worker.py slow-turn <db_url> <session_id>     # scripted, slow: to be killed or to hold the lease
-    python tests/_persistence_worker.py resume-turn <db_url> <session_id> <text> [max_new_tokens]   # real model: resume, run, print metrics
+    python tests/_persistence_worker.py slow-turn <db_url> <session_id>
+    python tests/_persistence_worker.py resume-turn <db_url> <session_id> <text> [max_new_tokens]
+
+``slow-turn``: a scripted, slow turn, to be killed or to hold the lease; ``resume-turn``: the real
+model resumes the session, runs ``text`` and prints the call's metrics.
 
 ``max_new_tokens`` (optional) caps the answers of the resumed agent as the test capped the original's.
 """

@@ -30,7 +30,7 @@ os.environ.setdefault("AGENTKV_KEEP_COMPILED", "9")
 for _variable in ("COLUMNS", "LINES"):
     os.environ.pop(_variable, None)
 
-from agentkv.engine.base import GenerationConfig
+from agentkv.engine.base import GenerationConfig  # noqa: E402  (after the environment above is set)
 
 
 REAL_ENGINE_FIXTURES = frozenset({"engine", "stateful_engine", "paged_engine", "engine_f32", "paged_exact",

@@ -1,4 +1,5 @@
-"""BlockPool's bookkeeping: reservations go to their holder; a broken pool is a named error, also under ``python -O``."""
+"""BlockPool's bookkeeping: reservations go to their holder; a broken pool is a named error, also
+under ``python -O``."""
 
 from __future__ import annotations
 

@@ -69,7 +69,8 @@ def test_info_shows_partial_rotary_sliding_window_softcap_and_tool_formats():
     assert rows["mistral_nemo"]["tool format"].startswith("mistral")
     assert rows["llama3_1"]["tool format"].startswith("llama3")
     assert rows["qwen3"]["template"] == "takes tools=, thinking (<think>)"
-    assert rows["gemma2"]["tool format"].startswith("hermes") and "the template names none" in rows["gemma2"]["tool format"]
+    gemma2_format = rows["gemma2"]["tool format"]
+    assert gemma2_format.startswith("hermes") and "the template names none" in gemma2_format
 
 
 def test_list_shows_the_cached_models_their_size_and_the_default(isolated_cache, tmp_path, monkeypatch):
@@ -116,7 +117,8 @@ def hf_dir(tmp_path: Path) -> Path:
     (lambda tmp: ["convert", str(tmp / "missing.gguf")], "no .gguf file or model directory at"),
     (lambda tmp: ["convert", str(tmp)], "is not a model directory (no config.json)"),
     (lambda tmp: ["convert", str(ZOO / "qwen3")], "is already an OpenVINO IR"),
-    (lambda tmp: ["convert", str(hf_dir(tmp))], "needs optimum-intel, which agentkv does not install: pip install 'optimum[openvino]'"),
+    (lambda tmp: ["convert", str(hf_dir(tmp))],
+     "needs optimum-intel, which agentkv does not install: pip install 'optimum[openvino]'"),
     (lambda tmp: ["convert", "--output", str(tmp)], "already exists"),
 ])
 def test_every_bad_input_is_one_line_exit_2_and_no_traceback(args, says, tmp_path, monkeypatch):

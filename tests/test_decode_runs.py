@@ -261,8 +261,9 @@ def failing_text(ids: Sequence[int]) -> str:
 @pytest.mark.parametrize("run", [1, 8])
 async def test_a_loop_that_fails_between_steps_still_hands_over_every_delta_it_made(run: int) -> None:
     log = BigramLog(counting_table(), PROMPT)
-    steps = TokenSteps(lambda generated: greedy_pick(log.last), config=GenerationConfig(max_new_tokens=40, decode_run=run),
-                       decode_text=failing_text, stop_ids=frozenset(), max_new=40, pick=greedy_pick)
+    steps = TokenSteps(lambda generated: greedy_pick(log.last),
+                       config=GenerationConfig(max_new_tokens=40, decode_run=run), decode_text=failing_text,
+                       stop_ids=frozenset(), max_new=40, pick=greedy_pick)
     got: list[int] = []
     with pytest.raises(ValueError, match="cannot decode 7"):
         async for event in run_steps_in_thread(steps, log.execute):

@@ -125,8 +125,8 @@ async def test_a_run_can_start_from_openai_messages_with_history_the_client_kept
     result = await runtime.run(session, [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": [{"type": "text", "text": "2+2?"}]},
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
-                                                               "function": {"name": "add", "arguments": "{\"a\": 2, \"b\": 2}"}}]},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{\"a\": 2, \"b\": 2}"}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "4"},
     ])
     assert result.final_text == "Four."

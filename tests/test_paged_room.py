@@ -92,7 +92,8 @@ def make_backend(pool: BlockPool, num_slots: int, *, batched: bool = False) -> P
     model = FakePagedModel(pool)
     batcher = StepBatcher(model.step, max_batch=num_slots) if batched else None  # type: ignore[arg-type]
     backend = PagedBackend(model, pool, slots=[PagedSlot(model, pool, batcher) for _ in range(num_slots)],  # type: ignore[arg-type]
-                           tokenizer=ScriptedTokenizer(), fingerprint="fake", eos_token_ids={ScriptedTokenizer().eos_token_id},
+                           tokenizer=ScriptedTokenizer(), fingerprint="fake",
+                           eos_token_ids={ScriptedTokenizer().eos_token_id},
                            max_context_len=4096, kv_bytes_per_token=8)
     backend.test_batcher = batcher  # type: ignore[attr-defined]
     return backend

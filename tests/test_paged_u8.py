@@ -88,7 +88,8 @@ def test_raw_block_files_and_float_files_are_written_in_the_current_format(tmp_p
 
     kv = np.ones((1, 3, 8), np.float32)
     raw = KVSnapshot.from_blocks(range(3), BlockLayout("by_channel", 32, 8).quantize(kv, 1)[None],
-                                 BlockLayout("by_token", 32, 8).quantize(kv, 1)[None], block_tokens=32, fingerprint="fp")
+                                 BlockLayout("by_token", 32, 8).quantize(kv, 1)[None], block_tokens=32,
+                                 fingerprint="fp")
     floats = KVSnapshot.from_float(range(3), kv[None, None], kv[None, None], fingerprint="fp")
     for snap in (raw, floats):  # NOTE: files before safetensors said 2 and 1 (tests/test_snapshot.py reads them)
         snap.to_file(tmp_path / "s.kv")

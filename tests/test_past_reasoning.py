@@ -35,7 +35,10 @@ class FakeQwen3(FakeChatML):
     def encode(self, text: str) -> list[int]:
         ids: list[int] = []
         for i, part in enumerate(text.replace("</think>", "\x00E\x00").replace("<think>", "\x00T\x00").split("\x00")):
-            ids += ([THINK] if part == "T" else [END_THINK] if part == "E" else super().encode(part)) if i % 2 else super().encode(part)
+            if i % 2 == 0:
+                ids += super().encode(part)
+            else:
+                ids += [THINK] if part == "T" else [END_THINK] if part == "E" else super().encode(part)
         return ids
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -86,7 +89,8 @@ def test_thinking_of_the_current_turn_stays_verbatim_in_a_tool_loop() -> None:
     tok = FakeQwen3()
     renderer = ChatRenderer(tok)
     answer = thinking_answer(tok, "call it", "<tool_call>x</tool_call>")
-    prompt = renderer.render([Message.system("S"), Message.user("Hi"), answer, Message.tool("2", tool_call_id="c", name="calc")])
+    prompt = renderer.render([Message.system("S"), Message.user("Hi"), answer,
+                              Message.tool("2", tool_call_id="c", name="calc")])
     span = prompt.token_ids[prompt.spans[2].start: prompt.spans[2].end]
     generated = tuple(answer.token_ids or ())
     assert any(span[i: i + len(generated)] == generated for i in range(len(span)))

@@ -223,7 +223,8 @@ def test_steps_saved_are_the_feeds_one_by_one_decoding_runs_that_the_drafts_and_
     args = {"max_new": max_new, "stop_ids": frozenset(), "stop_strings": (), "grammar": grammar}
     counts = FastForwardCounts()
     _, out, _, feeds, drafts = anyio.run(lambda: run(prompt, Counting(seed), drafts_on=True, counts=counts, **args))
-    assert counts.steps_saved == max(0, len(out.generated) - 1) - len(feeds)  # one-by-one: a feed per token but the last
+    # one-by-one: a feed per token but the last
+    assert counts.steps_saved == max(0, len(out.generated) - 1) - len(feeds)
     if not grammar:  # every accepted drafted token is one, but one that ended the call
         assert counts.steps_saved in (drafts.accepted, drafts.accepted - 1)
 

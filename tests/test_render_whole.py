@@ -146,7 +146,8 @@ def test_generated_ids_render_where_the_template_puts_their_text(roles: list[str
     messages = [Message.system("S")]
     for i, role in enumerate(roles):
         text = f"m{i}"
-        messages.append(Message.user(text) if role == "u" else Message.assistant(text, token_ids=(*tok.encode(text), 2)))
+        messages.append(Message.user(text) if role == "u"
+                        else Message.assistant(text, token_ids=(*tok.encode(text), 2)))
     prompt = renderer.render(messages)
     expected = tok.apply_chat_template(payloads(messages), add_generation_prompt=True)
     assert tok.decode(prompt.token_ids) == expected
@@ -171,7 +172,8 @@ def test_gemma3_like_merge_on_a_prefix_stable_template_registers_the_shared_syst
     renderer = ChatRenderer(tok)
     assert not renderer.whole_conversations
     prompt = renderer.render(CONVERSATION[:4])
-    assert tok.decode(prompt.token_ids) == tok.apply_chat_template(payloads(CONVERSATION[:4]), add_generation_prompt=True)
+    expected = tok.apply_chat_template(payloads(CONVERSATION[:4]), add_generation_prompt=True)
+    assert tok.decode(prompt.token_ids) == expected
     assert tok.decode(prompt.token_ids[: prompt.prefix_len]) == "<|im_start|>user\nBe brief.\n\n"
     assert_contiguous(prompt, 4)
 

@@ -288,9 +288,11 @@ async def test_a_parallel_call_cut_after_a_complete_one_is_retried_and_both_run_
 
 
 async def test_a_parallel_call_still_cut_after_the_retry_is_reported_as_cut_and_no_markup_is_text():
-    reply = call("add", a=1, b=2) + "\n" + call("explode", reason="x" * 12000)  # NOTE: outgrows all the room a retry gets
+    # NOTE: the second call outgrows all the room a retry gets
+    reply = call("add", a=1, b=2) + "\n" + call("explode", reason="x" * 12000)
     engine = ScriptedEngine([reply, reply])
-    agent = Agent(name="math", tools=[add, explode], generation={"max_new_tokens": cut_after_first_block(engine, reply)},
+    agent = Agent(name="math", tools=[add, explode],
+                  generation={"max_new_tokens": cut_after_first_block(engine, reply)},
                   max_prompt_len=900, min_response_len=32)
     runtime, session = await open_session(engine, agent)
     events = [event async for event in runtime.run_stream(session, "1+2?")]

@@ -54,7 +54,8 @@ async def test_a_resent_history_reuses_the_kv_and_reports_it_as_cached_tokens():
             messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": question}]
         last = (await client.post("/v1/chat/completions", json=body(messages))).json()
         usage = last["usage"]
-        new_turn = len(engine.tokenizer.encode("<|im_end|>\n<|im_start|>user\nGoodbye<|im_end|>\n<|im_start|>assistant\n"))
+        new_turn = len(engine.tokenizer.encode(
+            "<|im_end|>\n<|im_start|>user\nGoodbye<|im_end|>\n<|im_start|>assistant\n"))
         assert usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"] <= new_turn
         assert cached[0] == 0 and cached[1] > 0
     engine.assert_complete()
@@ -93,7 +94,8 @@ async def test_a_client_executed_tool_round_trip_and_its_stream_carry_the_calls(
     assert chunks[-1] == "[DONE]"
     parsed = [json.loads(c) for c in chunks[:-1]]
     assert parsed[0]["choices"][0]["delta"]["role"] == "assistant"
-    calls = [c["choices"][0]["delta"]["tool_calls"] for c in parsed if c["choices"] and "tool_calls" in c["choices"][0]["delta"]]
+    calls = [c["choices"][0]["delta"]["tool_calls"] for c in parsed
+             if c["choices"] and "tool_calls" in c["choices"][0]["delta"]]
     assert calls == [[{"index": 0, "id": calls[0][0]["id"], "type": "function",
                        "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]]
     assert [c["choices"][0]["finish_reason"] for c in parsed if c["choices"]][-1] == "tool_calls"
@@ -107,7 +109,8 @@ async def test_a_client_executed_tool_round_trip_and_its_stream_carry_the_calls(
     ({"model": "m", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
      400, "last message"),
     ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n=1"),
-    ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, 400, "at least one tool"),
+    ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, 400,
+     "at least one tool"),
     ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "tool"),
     ({"model": "m", "messages": [{"role": "user", "content": "hi"}],
       "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400, "schema"),
@@ -196,6 +199,7 @@ async def test_a_completion_says_where_and_why_its_prompt_left_the_kv():
         # the client edited its earlier turn: the pinned session holds the old one
         edited = [messages[0], {"role": "user", "content": "Hello there"}, {"role": "assistant", "content": "Hello!"},
                   {"role": "user", "content": "More"}]
-        found = (await client.post("/v1/chat/completions", json=body(edited, user="pinned"))).json()["agentkv"]["cache_break"]
+        answer = (await client.post("/v1/chat/completions", json=body(edited, user="pinned"))).json()
+        found = answer["agentkv"]["cache_break"]
         assert (found["message_index"], found["role"], found["part"]) == (1, "user", "content")
         assert "Hi" in found["kv_excerpt"] and "Hello" in found["prompt_excerpt"] and "cause" in found["summary"]

@@ -145,7 +145,8 @@ def first_session(answers: dict[str, httpx.Response]) -> str:
 
 async def test_a_streamed_response_names_its_response_and_conversation_in_headers(url):
     async with replica(url, ScriptedEngine(["Hello!"])) as a:
-        async with a.stream("POST", "/v1/responses", json={"model": "scripted", "input": "Hi", "stream": True}) as streamed:
+        request = {"model": "scripted", "input": "Hi", "stream": True}
+        async with a.stream("POST", "/v1/responses", json=request) as streamed:
             events = [line async for line in streamed.aiter_lines() if line.startswith("data:")]
             response_id = streamed.headers["X-Response-Id"]
             assert streamed.headers["X-Session-Id"]

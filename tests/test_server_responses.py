@@ -62,7 +62,8 @@ async def test_a_chained_response_sends_and_prefills_only_its_new_input(store):
                                previous_response_id=first["id"])
         assert text_of(second) == "I am fine." and second["previous_response_id"] == first["id"]
         usage = second["usage"]
-        assert usage["input_tokens"] - usage["input_tokens_details"]["cached_tokens"] <= turn_tokens(engine, "How are you?")
+        prefilled = usage["input_tokens"] - usage["input_tokens_details"]["cached_tokens"]
+        assert prefilled <= turn_tokens(engine, "How are you?")
         assert "Hi" in engine.calls[1].prompt_text and "Hello!" in engine.calls[1].prompt_text
         assert (await client.get(f"/v1/responses/{first['id']}")).json() == first
     engine.assert_complete()
@@ -80,7 +81,8 @@ async def test_a_chain_continues_after_a_restart_on_the_kv_snapshot(store):
         usage = second["usage"]
         assert usage["input_tokens"] - usage["input_tokens_details"]["cached_tokens"] <= turn_tokens(
             restarted, "Are you there?")
-        assert restarted.calls[0].metrics.prefilled_tokens == usage["input_tokens"] - usage["input_tokens_details"]["cached_tokens"]
+        prefilled = usage["input_tokens"] - usage["input_tokens_details"]["cached_tokens"]
+        assert restarted.calls[0].metrics.prefilled_tokens == prefilled
 
 
 async def test_unknown_and_other_tenants_responses_are_404_and_an_older_one_is_409(store):
@@ -92,7 +94,8 @@ async def test_unknown_and_other_tenants_responses_are_404_and_an_older_one_is_4
                                                          "previous_response_id": first["id"]})
         assert older.status_code == 409 and older.json()["error"]["code"] == "response_superseded"
         assert second["id"] in older.json()["error"]["message"]
-        unknown = await client.post("/v1/responses", json={"model": "m", "input": "x", "previous_response_id": "resp_no"})
+        unknown = await client.post("/v1/responses",
+                                    json={"model": "m", "input": "x", "previous_response_id": "resp_no"})
         assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "response_not_found"
         other = {"Authorization": "Bearer another-key"}
     async with client_for(ScriptedEngine([]), store, api_key=None) as client:
@@ -154,7 +157,8 @@ async def test_server_tools_run_on_the_server_and_show_as_output_items(store):
 async def test_the_stream_announces_items_in_order_and_ends_with_the_stored_response(store):
     engine = ScriptedEngine(["Hello there, friend!"])
     async with client_for(engine, store) as client:
-        async with client.stream("POST", "/v1/responses", json={"model": "m", "input": "Hi", "stream": True}) as response:
+        request = {"model": "m", "input": "Hi", "stream": True}
+        async with client.stream("POST", "/v1/responses", json=request) as response:
             assert response.status_code == 200
             events = [json.loads(line[5:]) for line in [x async for x in response.aiter_lines()]
                       if line.startswith("data:")]

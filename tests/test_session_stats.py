@@ -51,5 +51,6 @@ def test_sessions_show_kv_prints_the_figures(tmp_path: Path):
     session_id, _ = anyio.run(three_turns, db)
     result = CliRunner().invoke(app, ["sessions", "show", session_id, "--kv", "--db", db], env={"COLUMNS": "250"})
     assert result.exit_code == 0, result.output
-    for fragment in ("4 model calls", "reuse saved", "cache breaks", "cause: window compaction", "cause: instructions changed", "snapshot "):
+    for fragment in ("4 model calls", "reuse saved", "cache breaks", "cause: window compaction",
+                     "cause: instructions changed", "snapshot "):
         assert fragment in result.output

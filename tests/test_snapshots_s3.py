@@ -69,7 +69,7 @@ async def test_a_snapshot_saved_to_s3_loads_back_bit_exact_under_a_tenant_model_
     record = await store.save_snapshot(sid, snapshot)
     bucket, key = bucket_and_key(record.path)
     assert f"s3://{bucket}/{key}".startswith(s3_url + "/default/model-a_kv_f32_CPU-")
-    assert f"/conv-1-" in key and key.endswith(f"-{snapshot.checksum().partition(':')[2][:32]}.safetensors")
+    assert "/conv-1-" in key and key.endswith(f"-{snapshot.checksum().partition(':')[2][:32]}.safetensors")
     loaded = await store.load_snapshot(record, expected_fingerprint=snapshot.fingerprint)
     assert loaded.tokens == snapshot.tokens and loaded.checksum() == snapshot.checksum()
     np.testing.assert_array_equal(loaded.keys, snapshot.keys)

@@ -91,7 +91,8 @@ async def test_a_parallel_call_cut_by_max_tokens_is_retried_for_chat_and_respons
         response = await respond(client, limit)
     choice = completion.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
-    assert arguments(choice.message.tool_calls) == [{"start": "Boston", "end": "Paris"}, {"start": "Rome", "end": "Oslo"}]
+    assert arguments(choice.message.tool_calls) == [{"start": "Boston", "end": "Paris"},
+                                                    {"start": "Rome", "end": "Oslo"}]
     assert [item.type for item in response.output] == ["function_call", "function_call"]
     assert arguments(response.output) == arguments(choice.message.tool_calls)
     engine.assert_complete()

@@ -45,7 +45,8 @@ async def test_a_user_message_with_undecodable_bytes_is_stored_with_replacement_
         result = await runtime.run(session, BROKEN)
         stored = await store.messages(session.id)
     assert result.final_text == "Hi."
-    assert [s.message.content for s in stored] == [BROKEN.encode("utf-8", "surrogateescape").decode("utf-8", "replace"), "Hi."]
+    replaced = BROKEN.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    assert [s.message.content for s in stored] == [replaced, "Hi."]
 
 
 async def test_tool_arguments_and_results_with_lone_surrogates_are_replaced_and_the_run_finishes():

@@ -127,7 +127,8 @@ class JsonCallFormat(ToolCallFormat):
                 repeats += 1
             else:
                 if any(call.id == other.id for other in calls.values()):
-                    call = ToolCall(name=call.name, arguments=call.arguments)  # NOTE: its results need an id of their own
+                    # NOTE: its results need an id of their own
+                    call = ToolCall(name=call.name, arguments=call.arguments)
                 calls[key] = call
         if problem is not None:
             errors.append(problem)

@@ -78,7 +78,8 @@ def chat(
     max_prompt_len: Optional[int] = typer.Option(
         None, "--max-prompt-len", min=1, help="Window in tokens: prompt plus answer (default: the model's context)."),
     max_new_tokens: Optional[int] = typer.Option(
-        None, "--max-new-tokens", min=1, help="Longest answer per model call; also the room kept for it (default 256)."),
+        None, "--max-new-tokens", min=1,
+        help="Longest answer per model call; also the room kept for it (default 256)."),
     temperature: Optional[float] = typer.Option(
         None, "--temperature", min=0.0, help="0 is greedy (the default); higher samples more freely."),
 ) -> None:
@@ -297,8 +298,9 @@ def serve(
     model: Optional[str] = typer.Option(None, "--model", help=MODEL_HELP),
     engine: Optional[str] = typer.Option(
         None, "--engine", help="paged or stateful (default: $AGENTKV_ENGINE, else paged on CPU/GPU)."),
-    max_sessions: int = typer.Option(64, "--max-sessions", min=1,
-                                     help="KV sessions kept alive between requests (and as many stored conversations)."),
+    max_sessions: int = typer.Option(
+        64, "--max-sessions", min=1,
+        help="KV sessions kept alive between requests (and as many stored conversations)."),
     max_running: int = typer.Option(64, "--max-running", min=1,
                                     help="Requests served at once; more are answered 429."),
     kv_reuse: bool = typer.Option(True, "--kv-reuse/--no-kv-reuse",

@@ -28,17 +28,23 @@ ENV_CACHE_DIR = "AGENTKV_CACHE_DIR"
 
 ENVIRONMENT_HELP = f"""Environment variables:
 
-{ENV_HOME}: root of the default database ({ENV_HOME}/agentkv.db) and of the KV snapshots ({ENV_HOME}/snapshots); default: the user data directory.
+{ENV_HOME}: root of the default database ({ENV_HOME}/agentkv.db) and of the KV snapshots
+({ENV_HOME}/snapshots); default: the user data directory.
 
-{ENV_DB_URL}: SQLAlchemy URL of the store, e.g. postgresql+psycopg2://u:p@host/db (--db wins over it; it wins over {ENV_HOME}'s database).
+{ENV_DB_URL}: SQLAlchemy URL of the store, e.g. postgresql+psycopg2://u:p@host/db (--db wins over it;
+it wins over {ENV_HOME}'s database).
 
-{ENV_SNAPSHOT_URL}: where KV snapshots go: s3://bucket/prefix (credentials and endpoint from AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL_S3, AWS_REGION), file:///dir or a directory (--snapshots wins); default: a directory beside the database.
+{ENV_SNAPSHOT_URL}: where KV snapshots go: s3://bucket/prefix (credentials and endpoint from
+AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL_S3, AWS_REGION), file:///dir or a directory
+(--snapshots wins); default: a directory beside the database.
 
 {ENV_MODEL}: GGUF file or OpenVINO IR directory (--model wins); default: SmolLM2-135M-Instruct.
 
-{ENV_CACHE_DIR}: where the default model is converted to OpenVINO IR and compiled blobs are cached; default: the user cache directory.
+{ENV_CACHE_DIR}: where the default model is converted to OpenVINO IR and compiled blobs are cached;
+default: the user cache directory.
 
-{KEEP_ENV}: compiled paged graphs a process keeps when an engine closes, for the next engine on the same model and settings (2 per engine on the default model); default: 0.
+{KEEP_ENV}: compiled paged graphs a process keeps when an engine closes, for the next engine on the
+same model and settings (3 per engine on the default model); default: 0.
 """
 """The ``--help`` epilog (typer's rich help keeps paragraphs separated by blank lines)."""
 

@@ -243,7 +243,8 @@ def _bad_input(error: AgentKVError) -> typer.Exit:
 @models_app.command("info")
 def info(
     path: Path = typer.Argument(..., help="OpenVINO IR directory, Hugging Face directory or .gguf file."),
-    open_: bool = typer.Option(False, "--open", help="Also compile it: which engine open_engine picks, and why (slow)."),
+    open_: bool = typer.Option(False, "--open",
+                               help="Also compile it: which engine open_engine picks, and why (slow)."),
 ) -> None:
     """What a model is and how agentkv will run it, read from its files without compiling."""
     try:
@@ -291,7 +292,8 @@ def list_models() -> None:
 
 @models_app.command("convert")
 def convert(
-    source: Optional[Path] = typer.Argument(None, help="A .gguf file or a Hugging Face directory (default: the default model)."),
+    source: Optional[Path] = typer.Argument(
+        None, help="A .gguf file or a Hugging Face directory (default: the default model)."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Also copy the IR here (a new directory)."),
 ) -> None:
     """Convert a GGUF (into the model cache) or a Hugging Face directory (with optimum-intel) to IR."""

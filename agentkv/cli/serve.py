@@ -8,8 +8,9 @@
 
 With ``--drain-seconds N``, SIGTERM first drains: ``/ready`` answers 503 at once while requests are
 still served for N seconds, so a proxy's health check takes the replica out before it stops (a
-second SIGTERM, or SIGINT, starts the shutdown at once). Then uvicorn stops cleanly: streams still going end with a last event (a chunk
-with a finish reason and ``[DONE]``, ``response.failed``) within ``SHUTDOWN_GRACE_S``, runs still going
+second SIGTERM, or SIGINT, starts the shutdown at once). Then uvicorn stops cleanly: streams
+still going end with a last event (a chunk with a finish reason and ``[DONE]``,
+``response.failed``) within ``SHUTDOWN_GRACE_S``, runs still going
 are cancelled (each snapshots its conversation's KV as it ends), every open conversation whose KV
 no stored snapshot holds yet is snapshotted, and every KV session is closed; stored responses
 resume after a restart, or on another replica. One access log line per request goes to stderr.

@@ -61,7 +61,8 @@ class PrefixBoundaries:
         return sorted({len(m) for m in marks if _is_prefix(m, tokens)})
 
 
-def chunk_spans(start: int, stop: int, *, cuts: Iterable[int] = (), chunk_size: int | None = None) -> list[tuple[int, int]]:
+def chunk_spans(start: int, stop: int, *, cuts: Iterable[int] = (), chunk_size: int | None = None
+                ) -> list[tuple[int, int]]:
     """Absolute ``(begin, end)`` spans covering ``start..stop``, cut at ``cuts`` and at every
     multiple of ``chunk_size``: ``chunk_spans(5, 20, cuts=[12], chunk_size=8) == [(5, 8), (8, 12),
     (12, 16), (16, 20)]``."""

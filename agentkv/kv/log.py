@@ -233,7 +233,8 @@ class KVLog:
         """Collapse onto live batch row ``row`` — which holds the log's tokens, then
         ``row_tokens`` — on the same infer that feeds it ``rest`` (``beam_idx=[row]``)."""
         past_len = len(self.tokens) + len(row_tokens)
-        logits: np.ndarray = slot.feed(np.array([list(rest)], dtype=np.int64), past_len, np.array([row], dtype=np.int32))[0]
+        ids, beam_idx = np.array([list(rest)], dtype=np.int64), np.array([row], dtype=np.int32)
+        logits: np.ndarray = slot.feed(ids, past_len, beam_idx)[0]
         self.tokens.extend(int(t) for t in (*row_tokens, *rest))
         self.last_logits = logits
         return logits

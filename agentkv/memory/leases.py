@@ -42,8 +42,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_LEASE_TTL_S", "LEASE_POLL_MAX_S", "LeaseKeeper", "acquire_waiting", "holder_id", "holder_is_dead_here", "live_pid_here", "parse_holder",
-           "pid_is_alive"]
+__all__ = ["DEFAULT_LEASE_TTL_S", "LEASE_POLL_MAX_S", "LeaseKeeper", "acquire_waiting", "holder_id",
+           "holder_is_dead_here", "live_pid_here", "parse_holder", "pid_is_alive"]
 
 DEFAULT_LEASE_TTL_S = 30.0
 """Lease length used by ``LeaseKeeper``: a crashed holder on another host blocks this long."""

@@ -155,7 +155,8 @@ class Store:
         a fork works; the parent cannot be deleted while forks share its messages."""
         sid = new_id or uuid.uuid4().hex
         meta = convert.json_object(metadata, "session metadata")
-        return await self.database.run(self.database.write, lambda s: queries.fork_session(s, session_id, sid, at, meta))
+        return await self.database.run(self.database.write,
+                                       lambda s: queries.fork_session(s, session_id, sid, at, meta))
 
     async def get_session(self, session_id: str) -> SessionRecord:
         """The session's row; ``SessionNotFound`` if absent."""
@@ -271,7 +272,8 @@ class Store:
         ``LeaseLost`` once it was released (``force=True``) or passed to another holder."""
         if ttl_s <= 0:
             raise UserError(f"ttl_s must be > 0, got {ttl_s}")
-        await self.database.run(self.database.write, lambda s: queries.renew_lease(s, session_id, holder, fence, ttl_s, self.clock()))
+        await self.database.run(self.database.write,
+                                lambda s: queries.renew_lease(s, session_id, holder, fence, ttl_s, self.clock()))
 
     async def release_lease(self, session_id: str, holder: str | None = None, *,
                             force: bool = False) -> str | None:
@@ -295,7 +297,8 @@ class Store:
 
         ``SessionNotFound`` for an unknown session; ``get_session`` shows the raw columns.
         """
-        return await self.database.run(self.database.read, lambda s: queries.lease_holder(s, session_id, live_at=self.clock()))
+        return await self.database.run(self.database.read,
+                                       lambda s: queries.lease_holder(s, session_id, live_at=self.clock()))
 
     # -- KV snapshots -----------------------------------------------------------------------
 

@@ -71,8 +71,9 @@ class SelfCheckResult:
 
     def describe(self) -> str:
         verdict = "ok" if self.passed else "VIOLATION"
-        return (f"self-check {verdict}: model call {self.call_index}, {self.prompt_tokens} prompt tokens, max abs logit diff "
-                f"{self.max_abs_diff:.3g} (≤ {self.tolerance.max_abs:g}), KL {self.kl:.3g} (≤ {self.tolerance.kl:g}), "
+        return (f"self-check {verdict}: model call {self.call_index}, {self.prompt_tokens} prompt tokens, "
+                f"max abs logit diff {self.max_abs_diff:.3g} (≤ {self.tolerance.max_abs:g}), "
+                f"KL {self.kl:.3g} (≤ {self.tolerance.kl:g}), "
                 f"argmax {'agrees' if self.argmax_agrees else 'differs'}, {self.cost_s * 1000:.0f} ms")
 
 

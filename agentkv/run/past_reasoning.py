@@ -30,7 +30,8 @@ MAX_NEWLINES_AFTER = 4
 """Most tokens after ``</think>`` (the newlines before the answer) that leave with the block."""
 
 
-def left_out_reasoning(kv: Sequence[int], prompt: Sequence[int], think_id: int, end_think_id: int) -> list[tuple[int, int]]:
+def left_out_reasoning(kv: Sequence[int], prompt: Sequence[int], think_id: int, end_think_id: int
+                       ) -> list[tuple[int, int]]:
     """See ``_walk``: the spans only."""
     return _walk(kv, prompt, think_id, end_think_id)[0]
 

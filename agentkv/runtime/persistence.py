@@ -31,8 +31,9 @@ from agentkv.run.past_reasoning import reusable_kv_len
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CallLog", "Restored", "ResumeReport", "StoreSink", "StoreWindowHook", "catch_up_from_snapshot", "load_window",
-           "record_interrupted_calls", "restore_newest_snapshot", "save_snapshot", "save_snapshot_unless_stored"]
+__all__ = ["CallLog", "Restored", "ResumeReport", "StoreSink", "StoreWindowHook", "catch_up_from_snapshot",
+           "load_window", "record_interrupted_calls", "restore_newest_snapshot", "save_snapshot",
+           "save_snapshot_unless_stored"]
 
 
 class StoreSink:

@@ -69,7 +69,8 @@ class ChatCompletions:
         output = request.response_format if (request.response_format or {}).get("type") not in (None, "text") else None
         agent = self.agents.agent(instructions=instructions, tools=request.tools or (),
                                   tool_choice=request.tool_choice_name(),
-                                  parallel_tool_calls=request.parallel_tool_calls is not False, output=output, salt=salt)
+                                  parallel_tool_calls=request.parallel_tool_calls is not False, output=output,
+                                  salt=salt)
         agent = dataclasses.replace(agent, generation=request.generation_config(self.agents.defaults))
         agent = reserving_answer(agent, request.max_completion_tokens or request.max_tokens,
                                  self.runs.runtime.engine.max_context_len,

@@ -83,8 +83,9 @@ class ResponseOutput:
             self._open_text().append(run_event.text)
             entries = logprob_entries(run_event.logprobs)
             self._open_logprobs().extend(entries)
-            return [*events, self.event("response.output_text.delta", item_id=self._open_id(), output_index=self._index(),
-                                        content_index=0, delta=run_event.text, logprobs=entries)]
+            return [*events, self.event("response.output_text.delta", item_id=self._open_id(),
+                                        output_index=self._index(), content_index=0, delta=run_event.text,
+                                        logprobs=entries)]
         if isinstance(run_event, ModelCallFinished):
             self._step_items.append(self._open)
             return self._close_message()

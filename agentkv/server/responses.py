@@ -55,10 +55,10 @@ from agentkv.server.response_stream import ResponseOutput
 from agentkv.server.response_wire import ResponseRequest, new_id, response_object, response_usage
 from agentkv.server.runs import Prepared, Runs, kv_namespace, leading_system
 from agentkv.server.session_ids import SESSION_HEADER, new_session_id
+from agentkv.server.wire import TokenCounts, cache_break_field
 
 RESPONSE_HEADER = "X-Response-Id"
 """The header every ``/v1/responses`` answer carries its response's id in (streamed ones too)."""
-from agentkv.server.wire import TokenCounts, cache_break_field
 
 
 SHUTTING_DOWN = "the server is shutting down: the response was stopped before its end; send it again"

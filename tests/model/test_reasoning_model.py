@@ -97,7 +97,8 @@ async def test_a_forced_block_streams_apart_from_the_answer_on_the_real_engine()
     thoughts, texts = [], []
     session = await engine.open_session()
     try:
-        async with session.stream(prompt, GenerationConfig(max_new_tokens=40), engine.make_constraint(forced)) as stream:
+        constraint = engine.make_constraint(forced)
+        async with session.stream(prompt, GenerationConfig(max_new_tokens=40), constraint) as stream:
             async for delta in stream:
                 thought, text, _ = visible.step(delta)
                 thoughts.append(thought)

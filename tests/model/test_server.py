@@ -49,7 +49,8 @@ class RunningServer:
                 break
         if "serving" not in line:
             self.process.kill()
-            pytest.fail(f"the server did not start: {line!r} {self.process.stderr.read() if self.process.stderr else ''}")
+            errors = self.process.stderr.read() if self.process.stderr else ""
+            pytest.fail(f"the server did not start: {line!r} {errors}")
         assert f"http://127.0.0.1:{port}/v1" in line
         self.url = f"http://127.0.0.1:{port}"
 

@@ -111,7 +111,8 @@ MOVES_THE_SYSTEM_PROMPT = {"mistral_nemo"}
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("tool_choice", ["required", "auto"])
-async def test_every_zoo_model_answers_in_its_native_call_format_and_the_kv_holds(family: str, tool_choice: str) -> None:
+async def test_every_zoo_model_answers_in_its_native_call_format_and_the_kv_holds(family: str, tool_choice: str
+                                                                                   ) -> None:
     """On the real engine (random weights: the structure comes from the grammar) the model writes
     the family's own markup under the format the renderer detected (Mistral: the [TOOL_CALLS]
     control token, then a 9-character id the tool result carries) or, under ``auto``, may answer

@@ -156,7 +156,8 @@ def test_a_messages_budget_is_its_span_in_a_real_conversation(family: str) -> No
     spans = chat.render(conversation, add_generation_prompt=False).spans
     if family in MOVES_THE_SYSTEM_PROMPT:  # the system prompt sits in the last user turn: no fixed place
         conversation, spans = conversation[1:], spans[1:]
-    counts = [chat.message_tokens(m, position=i) for i, m in enumerate(conversation, start=len(CONVERSATION) + 1 - len(conversation))]
+    first = len(CONVERSATION) + 1 - len(conversation)
+    counts = [chat.message_tokens(m, position=i) for i, m in enumerate(conversation, start=first)]
     real = [len(span) for span in spans]
     if family in MERGES_THE_SYSTEM_PROMPT:  # the first user turn's header is in the system span
         assert counts[1] - real[1] == real[3] - len(tokenizer(family).encode("Bye<end_of_turn>\n"))

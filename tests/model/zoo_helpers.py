@@ -47,7 +47,8 @@ def exact_zoo_engine(family: str, num_slots: int = 2) -> Any:
     """The zoo model ``family`` on the paged engine with exact numerics and no prefix cache,
     opened once per test session for each slot count: the zoo modules share it (each closes its
     sessions; a ``Runtime`` registers its agents' prefixes there, which moves later prompts' chunk
-    boundaries: exact numerics keep logits within ~5e-5, and no assertion depends on a near tie): ``exact_zoo_engine("qwen3")``, ``exact_zoo_engine("gemma2", num_slots=1)``."""
+    boundaries: exact numerics keep logits within ~5e-5, and no assertion depends on a near tie):
+    ``exact_zoo_engine("qwen3")``, ``exact_zoo_engine("gemma2", num_slots=1)``."""
     from agentkv import open_engine
 
     key = (family, num_slots)
