@@ -88,8 +88,8 @@ class ChatTemplate:
         key = json.dumps([system, tools], sort_keys=True, default=str)
         if key not in self._heads:
             probe = self.apply([system, {"role": "user", "content": PROBE_USER_CONTENT}], generation=False, tools=tools)
-            head = probe.partition(PROBE_USER_CONTENT) if probe else None
-            self._heads[key] = head[0] if head is not None and head[1] else None
+            before, found, _ = (probe or "").partition(PROBE_USER_CONTENT)
+            self._heads[key] = before if found else None
         return self._heads[key]
 
     # -- probes --------------------------------------------------------------------------------

@@ -3,10 +3,9 @@ and block accounting on the paged form of the default model (its default numeric
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
+from zoo_helpers import ZOO
 
 from agentkv import Agent, GenerationConfig, Runtime
 from agentkv.engine.paged.block_pool import KVPoolExhausted
@@ -14,7 +13,7 @@ from agentkv.engine.paged.block_pool import KVPoolExhausted
 pytestmark = pytest.mark.model
 
 CFG = GenerationConfig(max_new_tokens=12)
-TINY = Path(__file__).resolve().parents[1] / "data" / "zoo" / "llama3_1"
+TINY = ZOO / "llama3_1"
 """A tiny random-weight model (tests/data/zoo), for a test of how engines hand on their graphs."""
 
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pytest
+from zoo_helpers import ZOO
 
 from agentkv.engine.paged.block_pool import BlockPool, KVPoolExhausted
 from agentkv.errors import UserError
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.model
 
 
 IDS = np.random.default_rng(0).integers(200, 40000, 400).tolist()
-TINY = Path(__file__).resolve().parents[1] / "data" / "zoo" / "llama3_1"
+TINY = ZOO / "llama3_1"
 """A tiny random-weight model (tests/data/zoo): its three graphs compile in ~1 s against ~7 s for the
 default model's, for the tests of how graphs are compiled, kept and handed on (not of what they compute)."""
 TINY_IDS = np.random.default_rng(0).integers(3, 2000, 64).tolist()

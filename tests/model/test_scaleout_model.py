@@ -17,11 +17,11 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from zoo_helpers import ZOO
 
 from agentkv.memory import Store
 from agentkv.testing.cluster import ClusterError, LocalCluster, haproxy_binary
@@ -51,7 +51,7 @@ DRAIN_S = 3
 """--drain-seconds: HAProxy marks a draining replica down within ~1.4 s (fall 2: inter 1 s, fastinter 200 ms)."""
 NEW_TOKENS_MAX = 40
 """Tokens a continued turn may prefill: the new user turn and its template markup, not the history."""
-MODEL = Path(__file__).resolve().parents[1] / "data" / "zoo" / "qwen2_5"
+MODEL = ZOO / "qwen2_5"
 """The replicas' model: a tiny random-weight Qwen2.5 (tests/data/zoo) with its family's chat template.
 What is tested is routing, stores and handovers, not answers; three replicas start in ~10 s on two
 cores where the default model's took ~45 s (three graphs each to compile, measured)."""
