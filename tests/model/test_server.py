@@ -1,6 +1,7 @@
 """``agentkv serve`` on the default model, driven by the official ``openai`` client over a loopback
 port: completions, streaming, a client-executed tool round trip, response_format, KV reuse of a
-history resent whole, errors, a client that hangs up mid-stream, and a clean SIGTERM."""
+history resent whole, errors, a client that hangs up mid-stream, and a clean SIGTERM; a response
+chain across a restart (on a tiny zoo model)."""
 
 from __future__ import annotations
 
@@ -14,12 +15,14 @@ import time
 
 import httpx
 import pytest
+from zoo_helpers import ZOO
 
 openai = pytest.importorskip("openai")
 
 pytestmark = pytest.mark.model
 
 KEY = "sk-agentkv-test"
+TINY_CHATML = ZOO / "qwen2_5"
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -175,8 +178,12 @@ def test_a_client_hanging_up_mid_stream_cancels_the_run_and_the_server_goes_on(s
 
 
 def test_responses_chain_by_previous_response_id_across_a_server_restart(tmp_path):
+    """What a restart keeps (stored responses, the chain, its KV snapshot) is the server's, not the
+    model's: both servers serve the zoo's tiny Qwen2.5 (ChatML, as the default model), which starts
+    in ~3 s instead of ~12."""
     db = f"sqlite:///{tmp_path / 'responses.db'}"
-    running = RunningServer(db)
+    model = ("--model", str(TINY_CHATML))
+    running = RunningServer(db, *model)
     try:
         client = openai.OpenAI(base_url=running.url + "/v1", api_key=KEY, max_retries=0)
         first = client.responses.create(model="any", instructions="You answer in one short sentence.",
@@ -189,7 +196,7 @@ def test_responses_chain_by_previous_response_id_across_a_server_restart(tmp_pat
         assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens and live_new <= 40
     finally:
         running.stop()
-    restarted = RunningServer(db)
+    restarted = RunningServer(db, *model)
     try:
         client = openai.OpenAI(base_url=restarted.url + "/v1", api_key=KEY, max_retries=0)
         assert client.responses.retrieve(first.id).output_text == first.output_text

@@ -156,7 +156,7 @@ def keep_limit(*, strict: bool = True) -> int:
         if not strict:
             return 0
         raise UserError(f"{KEEP_ENV} must be a whole number of compiled graphs to keep (0 keeps none; an "
-                        f"engine on the default model has 2), got {raw!r}")
+                        f"engine on the default model has 3), got {raw!r}")
     return value
 
 
