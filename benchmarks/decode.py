@@ -211,9 +211,12 @@ def ratio(on: Mode | None, off: Mode | None) -> float | None:
 
 async def main(args: argparse.Namespace) -> None:
     from agentkv.engine.factory import open_engine
+    from agentkv.engine.paged.engine import PagedEngine
 
     workloads = set(args.workloads.split(","))
     engine = open_engine(exact=True) if args.exact else open_engine()
+    if isinstance(engine, PagedEngine):
+        engine.paged_model.wait_for_graphs()  # measured on every graph, none compiling beside it
     rows: list[tuple[str, Mode]] = []
     off = on = spec = Mode("plain")
     quote: tuple[Mode, Mode] | None = None

@@ -87,6 +87,7 @@ def batch_round(model: PagedModel) -> dict[str, float]:
 async def main(repeats: int) -> None:
     stateful = StatefulEngine(num_slots=1, prefix_cache_bytes=0)
     paged = PagedModel(resolve_model(None), num_blocks=512)
+    paged.wait_for_graphs()  # measured on every graph, none compiling beside it
     print(f"numerics: stateful {stateful.numerics}; paged {paged.numerics}")
     await stateful_round(stateful)
     paged_round(paged)  # warm-up both

@@ -305,9 +305,6 @@ def test_sessions_unlock_releases_a_stuck_lease(db):
     assert cli("sessions", "unlock", "nope", "--db", db).exit_code == 1
 
 
-# -- E: Ctrl-C -----------------------------------------------------------------------------
-
-
 # -- J: export (issue 23, item 21) --------------------------------------------------------------
 
 def test_sessions_export_starts_with_the_system_prompt_and_marks_rewound_messages(db, engines):

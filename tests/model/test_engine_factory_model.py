@@ -34,7 +34,7 @@ async def test_small_graph_false_opens_the_paged_engine_on_two_graphs_where_draf
     monkeypatch.delenv("AGENTKV_ENGINE", raising=False)
     paged = open_engine(num_slots=1, kv_cache_bytes=16 << 20, small_graph=False)
     try:
-        assert paged.paged_model.graphs == 2
+        assert paged.paged_model.wait_for_graphs() == 2
         session = await paged.open_session()
         doc = ("The root cause was a connection pool limit of 64 on the gateway client, set in release 2.31.0, "
                "which was too low for the overnight batch of subscription renewals.")

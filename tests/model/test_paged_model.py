@@ -112,7 +112,7 @@ def test_one_token_steps_small_steps_and_chunks_on_their_own_graphs_give_the_log
     from agentkv.engine.openvino.models import resolve_model
     from agentkv.engine.paged.model import PagedModel, SequenceStep
 
-    assert exact_paged.graphs == 3
+    assert exact_paged.wait_for_graphs() == 3
     single = PagedModel(resolve_model(None), num_blocks=8, kv_cache_precision="f32", exact=True, chunk_graph=False)
     assert single.graphs == 1
     a, b = [0, 1, 2], [3, 4, 5]
@@ -144,7 +144,7 @@ def test_the_graphs_compile_without_the_blob_cache_and_leave_the_process_locale_
     _, compiles = private_compiled_pool
     before = locale.setlocale(locale.LC_ALL), locale.getpreferredencoding(False)
     model = PagedModel(resolve_model(None), num_blocks=4, ov_config={"CACHE_DIR": str(tmp_path)})
-    assert model.graphs == len(compiles) == 3 and not any(tmp_path.iterdir())
+    assert model.wait_for_graphs() == len(compiles) == 3 and not any(tmp_path.iterdir())
     assert (locale.setlocale(locale.LC_ALL), locale.getpreferredencoding(False)) == before
 
 
@@ -204,8 +204,9 @@ def test_when_an_extra_graph_fails_to_compile_the_graphs_before_it_run_its_steps
     monkeypatch.setattr(paged_graphs, "compile_for_device", one_fails)
     with caplog.at_level(logging.WARNING, logger="agentkv.engine.paged.graphs"):
         model = PagedModel(tiny_files(), num_blocks=8, kv_cache_precision="f32", exact=True, chunk_graph=True)
-    assert reference.graphs == 3
-    assert model.graphs == graphs and len(compiles) == 3 and f"{failing} graph failed" in caplog.text
+        assert model.wait_for_graphs() == graphs  # the warning comes from the thread that compiled
+    assert reference.wait_for_graphs() == 3
+    assert len(compiles) == 3 and f"{failing} graph failed" in caplog.text
     for begin, end in [(0, 40), (40, 41), (41, 44), (44, 45)]:  # prefill, decode, a small step, decode
         step = [SequenceStep(TINY_IDS[begin:end], begin, [0, 1], last_rows=end - begin)]
         assert np.array_equal(model.step(step), reference.step(step))
@@ -224,7 +225,7 @@ def test_a_released_models_graphs_open_the_next_one_on_the_same_settings_without
     first = PagedModel(tiny_files(), num_blocks=8, kv_cache_precision="f32", exact=True, chunk_graph=True)
     prefill, decode = [SequenceStep(TINY_IDS[:40], 0, [0, 1])], [SequenceStep(TINY_IDS[40:41], 40, [0, 1])]
     expected = [first.step(prefill), first.step(decode)]
-    assert len(compiles) == 3
+    assert first.wait_for_graphs() == len(compiles) == 3
     first.release()
     first.release()  # once is enough
     assert pool.idle_graphs() == 3 and first.graphs == 0

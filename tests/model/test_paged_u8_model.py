@@ -150,7 +150,7 @@ def test_u8_blocks_stepped_on_three_graphs_give_the_logits_of_one_graph(paged_u8
     from agentkv.engine.paged.model import PagedModel, SequenceStep
 
     three = paged_u8.paged_model
-    assert three.graphs == 3
+    assert three.wait_for_graphs() == 3
     one = PagedModel(resolve_model(None), num_blocks=8, kv_cache_precision="u8", chunk_graph=False)
     assert one.block_shapes == three.block_shapes
     ids = np.random.default_rng(1).integers(200, 40000, 80).tolist()

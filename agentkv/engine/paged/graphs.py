@@ -6,8 +6,9 @@ PagedAttention op; the KV caches become ``key_cache.N`` / ``value_cache.N`` inpu
 only the positions a step asks for (``logits_indices``). The result is compiled for up to three
 kinds of step, each its own compilation of the same model over the same KV blocks::
 
-    held = compile_graphs(ov.Core(), files, "CPU", {"KV_CACHE_PRECISION": "f16"}, ov.Type.f16, extra=2)
-    decode, chunk, small = held.compiled      # fewer when ``extra`` is lower or a compile failed
+    compiling = compile_graphs(ov.Core(), files, "CPU", {"KV_CACHE_PRECISION": "f16"}, ov.Type.f16, extra=2)
+    (decode,) = compiling.decode.compiled     # returned as soon as it is compiled
+    decode, chunk, small = compiling.whole.result().compiled  # fewer when ``extra`` is lower or a compile failed
 
 - **decode**: one token per sequence (with ``next_token``, each row's argmax);
 - **chunk**: every other step (prefill chunks, verifies of full drafts, forced chunks);
@@ -19,8 +20,10 @@ Why several: the CPU plugin re-prepares a graph whenever its input shapes change
 (measured, issue 27). A graph per kind of step keeps each graph's shapes: quoting, whose drafts
 alternate 13- and 4-token verifies, went from 1.89× to 2.02× plain decoding with the small graph.
 
-The compiles run in parallel threads while the caller waits: each is mostly one thread (2 cores:
-two graphs in 4.0 s instead of 7.4, three in 5–6 s). Without ``CACHE_DIR``: these graphs cannot be
+The compiles run in parallel threads, at least two at a time: each is mostly one thread (2 cores:
+two graphs in 4.0 s instead of 7.4, three in 5–6 s). The caller waits for the decode graph only (what
+a model needs to run every step, slower after each change of shape) and takes the others as they
+come: an engine opens ~2 s sooner. Without ``CACHE_DIR``: these graphs cannot be
 cached anyway (OpenVINO 2026.4 drops the PagedAttention ops' head sizes from a compiled blob, so
 importing one fails and the plugin compiles again, after hashing the whole model first), and the
 cache's hashing switches the process to the C locale for a while, which overlapping compiles can
@@ -31,7 +34,9 @@ ASCII as the preferred encoding ~11 % of the time; without it, never).
 from __future__ import annotations
 
 import logging
-from concurrent.futures import ThreadPoolExecutor
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 import openvino as ov
@@ -53,11 +58,23 @@ ends with its kind: ``SmolLM2 (chunk steps)``)."""
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class CompilingGraphs:
+    """A paged model's graphs as ``compile_graphs`` returns them: the decode graph, compiled, and
+    the whole set still compiling in the background."""
+
+    decode: HeldGraphs
+    """The decode graph alone."""
+    whole: Future[HeldGraphs]
+    """Every graph that compiled, the decode graph first (the same object): a failed extra graph
+    and those after it are left out, with a warning (their steps run on the graph before them)."""
+
+
 def compile_graphs(core: ov.Core, files: ModelFiles, device: str, config: dict[str, str], element: ov.Type,
-                   extra: int) -> HeldGraphs:
+                   extra: int) -> CompilingGraphs:
     """Read the stateful IR, make it paged (typed caches, positions gathered before the LM head)
-    and compile the decode graph and ``extra`` (0–2) more, in parallel. A failed extra graph keeps
-    the ones before it, with a warning (the steps it would run go to the graph before it)."""
+    and compile the decode graph and ``extra`` (0–2) more, in parallel; return once the decode
+    graph is compiled (its failure raises here), the others still compiling."""
     model = core.read_model(str(files.model_xml))
     from openvino._offline_transformations import paged_attention_transformation
 
@@ -71,18 +88,35 @@ def compile_graphs(core: ov.Core, files: ModelFiles, device: str, config: dict[s
     for kind, each in zip(GRAPH_NAMES, models):
         each.set_friendly_name(f"{name} ({kind} steps)")
     config = {key: value for key, value in config.items() if key != "CACHE_DIR"}
-    with ThreadPoolExecutor(len(models), thread_name_prefix="agentkv-compile") as pool:
-        futures = [pool.submit(compile_for_device, core, each, device, config) for each in models]
-    compiled = [futures[0].result()]
-    for kind, future in zip(GRAPH_NAMES[1:], futures[1:]):
-        try:
-            compiled.append(future.result())
-        except Exception:
-            logger.warning("compiling the paged model's %s graph failed: its steps run on the %s graph "
-                           "(correct, slower after each shape change)", kind, GRAPH_NAMES[len(compiled) - 1],
-                           exc_info=True)
-            break
-    return HeldGraphs(tuple(compiled), heads, head_dim, num_layers)
+    # NOTE: two at a time at least: the decode graph then shares the cores with one other compile,
+    # not two (the default model on 2 cores: an engine opens in 4.4 s, mean of seven, against 6.6 s
+    # when it waited for three compiled at once)
+    pool = ThreadPoolExecutor(min(len(models), max(2, os.cpu_count() or 2)), thread_name_prefix="agentkv-compile")
+    futures = [pool.submit(compile_for_device, core, each, device, config) for each in models]
+
+    def collect() -> HeldGraphs:  # NOTE: submitted last, so it waits on compiles that are running
+        compiled = [futures[0].result()]
+        for kind, future in zip(GRAPH_NAMES[1:], futures[1:]):
+            try:
+                compiled.append(future.result())
+            except Exception:
+                logger.warning("compiling the paged model's %s graph failed: its steps run on the %s graph "
+                               "(correct, slower after each shape change)", kind, GRAPH_NAMES[len(compiled) - 1],
+                               exc_info=True)
+                break
+        return HeldGraphs(tuple(compiled), heads, head_dim, num_layers)
+
+    whole = pool.submit(collect) if extra else Future()
+    pool.shutdown(wait=False)
+    try:
+        decode = HeldGraphs((futures[0].result(),), heads, head_dim, num_layers)
+    except BaseException:
+        for future in futures[1:]:
+            future.cancel()
+        raise
+    if not extra:
+        whole.set_result(decode)
+    return CompilingGraphs(decode, whole)
 
 
 def compute_precision(core: ov.Core, device: str, config: dict[str, str]) -> str:

@@ -19,7 +19,9 @@ steps where every sequence feeds one token (decoding), one for a sequence's smal
 ``SMALL_STEP_TOKENS`` tokens: a small draft's verify), one for the rest (prefill chunks, full
 drafts' verifies, forced chunks). The CPU plugin re-prepares a graph whenever its input shapes
 change, 15–25 ms beside a ~25 ms decode step of the default model on 2 cores (measured, issue 27):
-a graph per kind of step keeps each one's shapes. Same logits, bit for bit, on any of them.
+a graph per kind of step keeps each one's shapes. Same logits, bit for bit, on any of them. A model
+steps as soon as its decode graph is compiled; the others take their steps as they come
+(``wait_for_graphs``).
 
 OpenVINO's compiled-blob cache (``CACHE_DIR``) cannot hold these graphs, so each model compiles
 them; ``release()`` (what closing an engine does) hands them to the next model on the same files
@@ -32,7 +34,9 @@ import gc
 import threading
 import weakref
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, replace
+from functools import partial
 
 import numpy as np
 import openvino as ov
@@ -140,13 +144,20 @@ class PagedModel:
             # back only once collected (a collection costs milliseconds, a compile seconds)
             gc.collect()
             held = COMPILED.take(key)
-        held = held or compile_graphs(core, files, device, config, element, extra)
+        whole: Future[HeldGraphs] = Future()
+        if held is None:
+            compiling = compile_graphs(core, files, device, config, element, extra)
+            held, whole = compiling.decode, compiling.whole
+        else:
+            whole.set_result(held)
         self._held: HeldGraphs | None = held
-        self._give_back = weakref.finalize(self, COMPILED.give_back, key, held)
+        """The graphs running steps: the decode graph first, the others once compiled; None once released."""
+        self._whole = whole
+        self._graphs_in = threading.Event()
+        """Set once every graph this model will have runs steps (or it was released)."""
+        self._give_back = weakref.finalize(self, _hand_on_when_whole, key, whole)
         """Hands the graphs to ``COMPILED`` once: on ``release()``, or when this model is collected."""
         self._give_back.atexit = False
-        if len(held.compiled) < key.graphs:  # NOTE: a failed extra compile is not handed on as if whole
-            self._give_back.detach()
         self.heads, self.head_dim, self.num_layers = held.heads, held.head_dim, held.num_layers
         compiled = held.compiled[0]
         # NOTE: the plugin chooses a u8 cache's block shapes (its quantisation parameters live in
@@ -193,17 +204,44 @@ class PagedModel:
         or the chunk one (or the decode one) when there is none."""
         self._alone_request = OneTokenRequest(compiled, self.caches, STEP_INPUTS, block_size=BLOCK_SIZE)
         """Runs ``step_alone``: a third request of the decode graph, whose inputs only it writes."""
+        whole.add_done_callback(partial(_graphs_compiled, weakref.ref(self)))
+
+    def _take_graphs(self, whole: Future[HeldGraphs]) -> None:
+        """Run steps on the graphs compiled after the decode graph (on the thread that compiled the
+        last of them; at once when they came from ``COMPILED``)."""
+        try:
+            with self.lock:
+                held = None if whole.exception() else whole.result()
+                if self._held is not None and held is not None and len(held.compiled) > len(self._held.compiled):
+                    requests = [StepRequest(graph, self.caches, STEP_INPUTS) for graph in held.compiled[1:]]
+                    self._chunk_request, self._small_request = requests[0], requests[-1]
+                    self._held = held
+        finally:
+            self._graphs_in.set()
+
+    def wait_for_graphs(self, timeout: float | None = None) -> int:
+        """Wait until the graphs still compiling run steps (at most ``timeout`` seconds); return
+        ``graphs``. A model steps before that, on the graphs it has::
+
+            model.wait_for_graphs()   # 3: before a benchmark, or to count them
+        """
+        self._graphs_in.wait(timeout)
+        return self.graphs
 
     def release(self) -> None:
         """Drop the KV blocks and hand the compiled graphs on (``compiled_pool``: the next model
         on the same files and settings takes them when ``AGENTKV_KEEP_COMPILED`` allows); a step
-        after it raises ``UserError``. What closing an engine does: ``model.release()``."""
+        after it raises ``UserError``. What closing an engine does: ``model.release()``. Graphs
+        still compiling are waited for (seconds, only right after the model was made), so the
+        next model finds them."""
         with self.lock:
             if self._held is None:
                 return
             self._held = None
             self.caches = {}
             del self._decode_request, self._chunk_request, self._small_request, self._alone_request
+        self._graphs_in.set()
+        wait([self._whole])
         self._give_back()
 
     def _check_held(self) -> None:
@@ -214,7 +252,8 @@ class PagedModel:
     @property
     def graphs(self) -> int:
         """Compiled graphs running steps: 3 with a chunk and a small graph, 2 with a chunk graph
-        only, 1 with neither (off, or their compile failed), 0 once released."""
+        only, 1 with neither (off, still compiling: ``wait_for_graphs``, or their compile failed),
+        0 once released."""
         return 0 if self._held is None else len(self._held.compiled)
 
     def step(self, sequences: Sequence[SequenceStep]) -> np.ndarray:
@@ -304,6 +343,24 @@ class PagedModel:
             self._check_held()
         return [(self.caches[f"key_cache.{i}"].data, self.caches[f"value_cache.{i}"].data)
                 for i in range(self.num_layers)]
+
+
+def _graphs_compiled(model: weakref.ref[PagedModel], whole: Future[HeldGraphs]) -> None:
+    """``PagedModel._take_graphs``, unless the model was collected first (the callback holds no model)."""
+    alive = model()
+    if alive is not None:
+        alive._take_graphs(whole)
+
+
+def _hand_on_when_whole(key: GraphKey, whole: Future[HeldGraphs]) -> None:
+    """Give the graphs to ``COMPILED`` once all of them are compiled; a set an extra graph failed
+    to compile is not handed on as if whole."""
+
+    def hand_on(done: Future[HeldGraphs]) -> None:
+        if not done.exception() and len(done.result().compiled) == key.graphs:
+            COMPILED.give_back(key, done.result())
+
+    whole.add_done_callback(hand_on)
 
 
 def lock_calling_first(lock: threading.RLock, first: Callable[[], None] | None) -> Callable[[], None] | None:
