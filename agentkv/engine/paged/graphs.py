@@ -106,17 +106,22 @@ def compile_graphs(core: ov.Core, files: ModelFiles, device: str, config: dict[s
                 break
         return HeldGraphs(tuple(compiled), heads, head_dim, num_layers)
 
-    whole = pool.submit(collect) if extra else Future()
-    pool.shutdown(wait=False)
     try:
         decode = HeldGraphs((futures[0].result(),), heads, head_dim, num_layers)
     except BaseException:
-        for future in futures[1:]:
-            future.cancel()
+        pool.shutdown(wait=False, cancel_futures=True)
         raise
-    if not extra:
-        whole.set_result(decode)
+    whole = pool.submit(collect) if extra else finished(decode)
+    pool.shutdown(wait=False)
     return CompilingGraphs(decode, whole)
+
+
+def finished(held: HeldGraphs) -> Future[HeldGraphs]:
+    """A future that already holds ``held``: graphs with nothing left to compile (no extra graph, or
+    a set taken from ``COMPILED``)."""
+    done: Future[HeldGraphs] = Future()
+    done.set_result(held)
+    return done
 
 
 def compute_precision(core: ov.Core, device: str, config: dict[str, str]) -> str:

@@ -44,7 +44,7 @@ import openvino as ov
 from agentkv.engine.openvino.models import ModelFiles
 from agentkv.engine.openvino.numerics import EXACT_CONFIG, PluginNumerics
 from agentkv.engine.paged.compiled_pool import COMPILED, GraphKey, HeldGraphs, keep_limit
-from agentkv.engine.paged.graphs import BLOCK_SIZE, SMALL_STEP_TOKENS, compile_graphs, compute_precision
+from agentkv.engine.paged.graphs import BLOCK_SIZE, SMALL_STEP_TOKENS, compile_graphs, compute_precision, finished
 from agentkv.engine.paged.request_inputs import OneTokenRequest, StepRequest, padded_table
 from agentkv.kv.u8_blocks import BlockLayout
 from agentkv.errors import UserError
@@ -144,12 +144,11 @@ class PagedModel:
             # back only once collected (a collection costs milliseconds, a compile seconds)
             gc.collect()
             held = COMPILED.take(key)
-        whole: Future[HeldGraphs] = Future()
         if held is None:
             compiling = compile_graphs(core, files, device, config, element, extra)
             held, whole = compiling.decode, compiling.whole
         else:
-            whole.set_result(held)
+            whole = finished(held)
         self._held: HeldGraphs | None = held
         """The graphs running steps: the decode graph first, the others once compiled; None once released."""
         self._whole = whole
@@ -194,27 +193,29 @@ class PagedModel:
             tensor = ov.Tensor(port.get_element_type(), [num_blocks, *shapes[name]])
             tensor.data[...] = 0
             self.caches[name] = tensor
-        requests = [StepRequest(graph, self.caches, STEP_INPUTS) for graph in held.compiled]
-        self._decode_request = requests[0]
+        self._decode_request = StepRequest(compiled, self.caches, STEP_INPUTS)
         """Runs the steps where every sequence feeds one token."""
-        self._chunk_request = requests[min(1, len(requests) - 1)]
-        """Runs the other steps: the chunk graph's request, or the decode one when there is none."""
-        self._small_request = requests[-1]
-        """Runs one sequence's steps of 2 to ``SMALL_STEP_TOKENS`` tokens: the small graph's request,
-        or the chunk one (or the decode one) when there is none."""
+        self._chunk_request = self._decode_request
+        """Runs the other steps: the chunk graph's request once it joins (``_take_graphs``), the decode
+        one until then or when there is none."""
+        self._small_request = self._decode_request
+        """Runs one sequence's steps of 2 to ``SMALL_STEP_TOKENS`` tokens: the small graph's request
+        once it joins, or the chunk one (or the decode one) when there is none."""
         self._alone_request = OneTokenRequest(compiled, self.caches, STEP_INPUTS, block_size=BLOCK_SIZE)
         """Runs ``step_alone``: a third request of the decode graph, whose inputs only it writes."""
         whole.add_done_callback(partial(_graphs_compiled, weakref.ref(self)))
 
     def _take_graphs(self, whole: Future[HeldGraphs]) -> None:
-        """Run steps on the graphs compiled after the decode graph (on the thread that compiled the
-        last of them; at once when they came from ``COMPILED``)."""
+        """Run steps on the graphs after the decode graph: called once, on the thread that compiled
+        the last of them, or at once when there is nothing left to compile."""
         try:
             with self.lock:
-                held = None if whole.exception() else whole.result()
-                if self._held is not None and held is not None and len(held.compiled) > len(self._held.compiled):
-                    requests = [StepRequest(graph, self.caches, STEP_INPUTS) for graph in held.compiled[1:]]
-                    self._chunk_request, self._small_request = requests[0], requests[-1]
+                if self._held is not None and not whole.exception():
+                    held = whole.result()
+                    requests = [self._decode_request, *(StepRequest(graph, self.caches, STEP_INPUTS)
+                                                        for graph in held.compiled[1:])]
+                    self._chunk_request = requests[min(1, len(requests) - 1)]
+                    self._small_request = requests[-1]
                     self._held = held
         finally:
             self._graphs_in.set()
