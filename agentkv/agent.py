@@ -81,13 +81,15 @@ class Agent:
     """Structured final output: a pydantic model class or a JSON schema dict (an OpenAI
     ``response_format`` works too). The answer is decoded under the schema and parsed into
     ``RunResult.output``: ``Agent(name="geo", output_type=City)``. None: free text."""
-    past_reasoning: Literal["shift", "reprefill"] = "shift"
+    past_reasoning: Literal["auto", "shift", "reprefill"] = "auto"
     """What the KV does with a reasoning model's earlier thinking once its chat template leaves it
     out (Qwen3 shows only the answers of turns before the last user message): ``"shift"`` drops
     it by a span drop + RoPE shift (no re-prefill; the answers' KV was computed with the thinking
     in view, as after a sliding-window drop), ``"reprefill"`` re-reads everything after it (the KV
-    then equals a fresh prefill; choose it for exact numerics). A shifted KV is no longer captured
-    into the prefix cache, as after any shift. Models whose KV cannot shift re-read either way."""
+    then equals a fresh prefill). ``"auto"`` (the default) is ``"reprefill"`` on an engine whose
+    numerics are exact (``open_engine(exact=True)``: bit-exact KV is what it promises) and
+    ``"shift"`` on any other. A shifted KV is no longer captured into the prefix cache, as after
+    any shift. Models whose KV cannot shift re-read either way."""
     settings: dict[str, Any] = field(default_factory=dict)
     """Free-form settings stored with the agent."""
 
@@ -201,8 +203,9 @@ def _check_types(agent: Agent) -> None:
                         f"got {agent.needs_approval!r}")
     if not isinstance(agent.settings, Mapping):
         raise UserError(f"{where}: settings must be a dict, got {type(agent.settings).__name__}")
-    if agent.past_reasoning not in ("shift", "reprefill"):
-        raise UserError(f"{where}: past_reasoning must be 'shift' or 'reprefill', got {agent.past_reasoning!r}")
+    if agent.past_reasoning not in ("auto", "shift", "reprefill"):
+        raise UserError(f"{where}: past_reasoning must be 'auto' (the default), 'shift' or 'reprefill', "
+                        f"got {agent.past_reasoning!r}")
     if not isinstance(agent.tool_choice, str):
         raise UserError(f"{where}: tool_choice must be 'auto', 'required', 'none' or a tool's name, "
                         f"got {agent.tool_choice!r}")

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from agentkv import Agent, Runtime
 from agentkv.chat.messages import Message
 from agentkv.chat.render import ChatRenderer
+from agentkv.errors import UserError
 from agentkv.run.past_reasoning import left_out_reasoning
 from agentkv.testing import ScriptedEngine
 from agentkv.testing.tokenizer import ScriptedTokenizer
@@ -167,8 +168,8 @@ def qwen3_shown(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return shown
 
 
-def qwen3_runtime(replies: list[str], agent: Agent) -> tuple[Runtime, ScriptedEngine]:
-    engine = ScriptedEngine(replies)
+def qwen3_runtime(replies: list[str], agent: Agent, *, exact: bool = False) -> tuple[Runtime, ScriptedEngine]:
+    engine = ScriptedEngine(replies, exact=exact)
     runtime = Runtime(engine, agents=[agent])
     runtime.renderer = ChatRenderer(ScriptedQwen3(), stop_token_ids=engine.eos_token_ids)
     return runtime, engine
@@ -197,6 +198,36 @@ async def test_the_next_turn_drops_the_last_turns_thinking_from_the_kv_or_reread
         assert not conversation.kv.shifted
         assert metrics.reused_tokens < held - think_block  # re-read from the thinking on
     await runtime.aclose()
+
+
+@pytest.mark.parametrize("exact", [False, True])
+async def test_by_default_thinking_leaves_by_a_shift_but_is_reread_under_exact_numerics(exact: bool) -> None:
+    agent = Agent(name="thinker", instructions="Be brief.")
+    assert agent.past_reasoning == "auto"
+    runtime, _ = qwen3_runtime(["<think>\nplan the answer with care\n</think>\n\nFirst answer.",
+                                "Second answer."], agent, exact=exact)
+    conversation = await runtime.open_conversation(agent)
+    await runtime.run(conversation, "Hi")
+    await runtime.run(conversation, "Again")
+    # exact numerics promise bit-exact KV: a shifted KV is only close to a fresh prefill
+    assert conversation.kv.shifted is not exact
+    await runtime.aclose()
+
+
+@pytest.mark.parametrize("mode", ["shift", "reprefill"])
+async def test_an_explicit_past_reasoning_holds_whatever_the_numerics(mode: str) -> None:
+    agent = Agent(name="thinker", instructions="Be brief.", past_reasoning=mode)  # type: ignore[arg-type]
+    runtime, _ = qwen3_runtime(["<think>\nplan\n</think>\n\nFirst.", "Second."], agent, exact=True)
+    conversation = await runtime.open_conversation(agent)
+    await runtime.run(conversation, "Hi")
+    await runtime.run(conversation, "Again")
+    assert conversation.kv.shifted is (mode == "shift")
+    await runtime.aclose()
+
+
+def test_an_unknown_past_reasoning_is_refused_naming_the_choices() -> None:
+    with pytest.raises(UserError, match="'auto' \\(the default\\), 'shift' or 'reprefill'"):
+        Agent(name="thinker", past_reasoning="drop")  # type: ignore[arg-type]
 
 
 async def test_a_model_whose_kv_cannot_shift_rereads_after_the_thinking_instead_of_failing() -> None:

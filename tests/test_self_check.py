@@ -12,7 +12,7 @@ import pytest
 from agentkv import Agent, Runtime
 from agentkv.errors import UserError
 from agentkv.events import SelfCheckFailed
-from agentkv.observe.self_check import fraction_from
+from agentkv.observe.self_check import DEFAULT_TOLERANCE, EXACT_TOLERANCE, fraction_from, tolerance_for
 from agentkv.testing import ScriptedEngine
 from agentkv.testing.fake_kv import fake_keys
 
@@ -63,3 +63,8 @@ async def test_self_check_is_off_by_default_and_read_from_the_environment(monkey
         Runtime(ScriptedEngine([]), self_check=2.0)
 
 
+
+
+def test_the_tolerance_follows_whether_the_engine_says_its_numerics_are_exact():
+    assert tolerance_for(ScriptedEngine(exact=True)) == EXACT_TOLERANCE
+    assert tolerance_for(ScriptedEngine()) == DEFAULT_TOLERANCE

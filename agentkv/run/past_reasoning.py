@@ -8,6 +8,10 @@ shift (``KVSession.drop``) removes just the block, so the next call prefills onl
     spans = left_out_reasoning(kv.tokens, prompt.token_ids, think_id, end_think_id)
     dropped = await drop_left_out_reasoning(conversation, agent, prompt)   # tokens dropped
 
+Whether thinking leaves by a shift at all is ``Agent.past_reasoning``: ``"auto"`` shifts unless
+the engine's numerics are exact (``open_engine(exact=True)`` promises bit-exact KV, and a shifted
+KV is close to, not equal to, a fresh prefill), where it re-reads instead (``shifts_past_reasoning``).
+
 Only ``<think>`` … ``</think>`` blocks (and the newlines after them) are ever dropped: any other
 difference between the KV and the prompt is left to the session, which keeps the common prefix
 and re-prefills the rest (a window policy that wants a shift asks for it itself).
@@ -23,6 +27,7 @@ from agentkv.errors import KVShiftUnsupported
 
 if TYPE_CHECKING:
     from agentkv.agent import Agent
+    from agentkv.engine.base import Engine
     from agentkv.chat.render import ChatRenderer, RenderedPrompt
     from agentkv.run.conversation import Conversation
 
@@ -59,17 +64,27 @@ def _walk(kv: Sequence[int], prompt: Sequence[int], think_id: int,
         i = resume
 
 
-def _tag_ids(renderer: ChatRenderer, agent: Agent) -> tuple[int, int] | None:
+def shifts_past_reasoning(agent: Agent, engine: Engine) -> bool:
+    """Whether ``agent``'s earlier thinking leaves the KV by a shift on ``engine``: ``"shift"``,
+    or ``"auto"`` on an engine whose numerics are not exact (``engine.exact``, False when the
+    engine does not say): ``shifts_past_reasoning(Agent(name="a"), open_engine(exact=True))`` → False."""
+    if agent.past_reasoning == "auto":
+        return not bool(getattr(engine, "exact", False))
+    return agent.past_reasoning == "shift"
+
+
+def _tag_ids(renderer: ChatRenderer, agent: Agent, engine: Engine) -> tuple[int, int] | None:
     """The ids of the thinking tags when earlier thinking leaves the KV by a shift."""
-    return renderer.reasoning_ids if agent.past_reasoning == "shift" else None
+    return renderer.reasoning_ids if shifts_past_reasoning(agent, engine) else None
 
 
-def reusable_kv_len(renderer: ChatRenderer, agent: Agent, kv: Sequence[int], history: Sequence[int]) -> int:
+def reusable_kv_len(renderer: ChatRenderer, agent: Agent, engine: Engine, kv: Sequence[int],
+                    history: Sequence[int]) -> int:
     """How much of ``kv`` (a live KV, a snapshot's tokens) a conversation rendering ``history``
     can keep: the common prefix, and past it the thinking blocks the history leaves out and what
     follows them as the history does (the next model call drops the blocks by a shift):
-    ``usable = reusable_kv_len(conversation.renderer, agent, kv.tokens, history)``."""
-    tag_ids = _tag_ids(renderer, agent)
+    ``usable = reusable_kv_len(conversation.renderer, agent, conversation.engine, kv.tokens, history)``."""
+    tag_ids = _tag_ids(renderer, agent, engine)
     if tag_ids is None:
         return common_prefix_len(kv, history)
     return _walk(kv, history, *tag_ids)[1]
@@ -77,9 +92,10 @@ def reusable_kv_len(renderer: ChatRenderer, agent: Agent, kv: Sequence[int], his
 
 async def drop_left_out_reasoning(conversation: Conversation, agent: Agent, prompt: RenderedPrompt) -> int:
     """Drop from ``conversation``'s KV the thinking blocks ``prompt`` leaves out (when the agent's
-    ``past_reasoning`` is ``"shift"`` and the KV can shift); returns the tokens dropped. A model
-    whose keys fit no RoPE rotation keeps its KV: the session then re-reads from the first block."""
-    tag_ids = _tag_ids(conversation.renderer, agent)
+    thinking leaves by a shift, ``shifts_past_reasoning``, and the KV can shift); returns the
+    tokens dropped. A model whose keys fit no RoPE rotation keeps its KV: the session then
+    re-reads from the first block."""
+    tag_ids = _tag_ids(conversation.renderer, agent, conversation.engine)
     if tag_ids is None or not conversation.supports_drop:
         return 0
     spans = left_out_reasoning(conversation.kv_tokens, prompt.token_ids, *tag_ids)

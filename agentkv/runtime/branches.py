@@ -35,11 +35,11 @@ async def seed_branch_kv(store: Store, branch: Conversation, *, parent_id: str, 
     if forked:
         if edit:
             branch.note_break(agent, "edit")
-        restored = reusable_kv_len(branch.renderer, agent, branch.kv.tokens, prompt)
+        restored = reusable_kv_len(branch.renderer, agent, branch.engine, branch.kv.tokens, prompt)
         await branch.kv.trim(restored)
     else:
         restored, skipped = await restore_from_lineage(store, parent_id, branch.kv, prompt, branch.engine.fingerprint,
-                                                       partial(reusable_kv_len, branch.renderer, agent))
+                                                       partial(reusable_kv_len, branch.renderer, agent, branch.engine))
     branch.resume_report = ResumeReport(len(branch.window), restored, skipped)
     branch.call_checks.note(f"fork of {parent_id} at message {fork_seq}: {restored} tokens of KV "
                             f"{'from its live KV' if forked else 'from a snapshot'}")

@@ -173,7 +173,8 @@ async def catch_up_from_snapshot(store: Store, conversation: Conversation) -> in
     prompt = conversation.render(conversation.agent, add_generation_prompt=False).token_ids
     restored = await restore_newest_snapshot(
         store, conversation.id, conversation.kv, prompt, fingerprint,
-        partial(reusable_kv_len, conversation.renderer, conversation.agent), better_than=held)
+        partial(reusable_kv_len, conversation.renderer, conversation.agent, conversation.engine),
+        better_than=held)
     if restored.tokens:
         logger.info("session %s: another process ran it; restored its newest snapshot (%d tokens, %d held here)",
                     conversation.id, restored.tokens, held)
@@ -183,7 +184,8 @@ async def catch_up_from_snapshot(store: Store, conversation: Conversation) -> in
 def _snapshot_worthy_len(conversation: Conversation) -> int:
     """Tokens of the conversation's KV a snapshot keeps: what its stored history renders to."""
     history = conversation.render(conversation.agent, add_generation_prompt=False).token_ids
-    return reusable_kv_len(conversation.renderer, conversation.agent, conversation.kv.tokens, history)
+    return reusable_kv_len(conversation.renderer, conversation.agent, conversation.engine,
+                           conversation.kv.tokens, history)
 
 
 async def _what_resume_uses(store: Store, conversation: Conversation) -> str:

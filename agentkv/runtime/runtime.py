@@ -154,7 +154,7 @@ class Runtime:
         rendered = conversation.render(agent, add_generation_prompt=False)
         prompt = rendered.token_ids
         restored = await restore_newest_snapshot(store, session_id, conversation.kv, prompt, self.engine.fingerprint,
-                                                 partial(reusable_kv_len, self.renderer, agent))
+                                                 partial(reusable_kv_len, self.renderer, agent, self.engine))
         # NOTE: a break is KV lost: less restored than the newest snapshot held (without one,
         # than the history). The tokens a snapshot never held (the unfed last token of a cut
         # answer, the end-of-turn markup) are prefilled by the next call, but nothing is lost.

@@ -99,10 +99,12 @@ class ScriptedEngine(SlotEngine):
         offload_bytes: int | None = None,
         spill_dir: str | os.PathLike[str] | None = None,
         prefill_chunk_size: int | None = None,
+        exact: bool = False,
     ) -> None:
         """``*_s_per_token`` make the "model" slow (a step over one token is a decode step);
         ``num_slots`` sessions keep their fake KV in a slot, more are offloaded as on a real
-        engine; ``prefix_cache_bytes`` > 0 (or None: unbounded) turns the prefix cache on."""
+        engine; ``prefix_cache_bytes`` > 0 (or None: unbounded) turns the prefix cache on;
+        ``exact`` plays an engine with exact numerics (``open_engine(exact=True)``)."""
         if max_context_len < 2:
             raise UserError(f"max_context_len must be >= 2, got {max_context_len}")
         if prefill_s_per_token < 0 or decode_s_per_token < 0:
@@ -118,6 +120,8 @@ class ScriptedEngine(SlotEngine):
             offload_bytes=offload_bytes, spill_dir=spill_dir, rope_reference=_rope_reference,
         ))
         self._scripted_tokenizer = tokenizer
+        self.exact = exact
+        """Whether this engine plays exact numerics (what ``OpenVINOEngine.exact`` reports)."""
         self.prefill_s_per_token = prefill_s_per_token
         self.decode_s_per_token = decode_s_per_token
         self._replies: deque[ScriptedReply] = deque()

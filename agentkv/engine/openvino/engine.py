@@ -131,6 +131,14 @@ class OpenVINOEngine(SlotEngine, abc.ABC):
     def tokenizer(self) -> OVTokenizer:
         return self._ov_tokenizer
 
+    @property
+    def exact(self) -> bool:
+        """Whether this engine's numerics are exact (``numerics.exact``: f32 KV, f32 compute, no
+        dynamic quantisation, as ``exact=True`` compiles): its KV then never depends on chunking,
+        and what keeps it bit-exact is chosen by default (``Agent.past_reasoning="auto"``, the
+        self-check's tolerance): ``open_engine(exact=True).exact`` → True."""
+        return self.numerics.exact
+
     def _rope_reference(self) -> RopeReference:
         """RoPE from the model's config.json / GGUF metadata (θ, scaling, rotated dims, per-layer
         θ); the floor of this KV precision."""
