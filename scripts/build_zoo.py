@@ -22,7 +22,9 @@ Per family, deterministically (fixed seeds, one thread):
 5. reference.json: a short conversation rendered by transformers' ``apply_chat_template``
    (add_generation_prompt), its ids, the torch fp32 greedy continuation (16 tokens, EOS ignored),
    per step the top-2 logit gap, the last prompt position's top-8 ids, logits and log-probabilities,
-   the template's next-turn markup after an answer, and a probe text's ids (byte fallback).
+   the template's next-turn markup after an answer, and a probe text's ids (byte fallback);
+6. then ``zoo_layouts.write_layouts``: Mistral Nemo a second time in transformers 4.57 + optimum-intel's
+   own layout (``chat_template.jinja``, no template in tokenizer_config.json) as mistral_nemo_jinja/.
 
 Versions, sizes and what the runtime does with each model: tests/data/zoo/README.md.
 """
@@ -65,6 +67,7 @@ from transformers import (
     Qwen2Config,
     Qwen3Config,
 )
+from zoo_layouts import write_layouts  # scripts/, beside this file
 
 ROOT = Path(__file__).resolve().parent.parent
 TEMPLATES = ROOT / "tests" / "data" / "templates"
@@ -370,6 +373,7 @@ def main(argv: list[str]) -> None:
     with tempfile.TemporaryDirectory(prefix="agentkv-zoo-") as work:
         for name in names:
             build(name, FAMILIES[name], ZOO / name, Path(work))
+    write_layouts(names)
 
 
 if __name__ == "__main__":

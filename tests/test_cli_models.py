@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -42,12 +43,19 @@ def lines_of(output: str) -> dict[str, str]:
     return rows
 
 
+@cache
+def info_of(name: str) -> tuple[int, str]:
+    """``models info`` of a zoo directory, run once per directory (it compiles the tokenizer IRs)."""
+    result = cli("info", str(ZOO / name))
+    return result.exit_code, result.output
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_info_reads_each_zoo_family_without_compiling(family):
-    result = cli("info", str(ZOO / family))
-    assert result.exit_code == 0, result.output
-    assert max(map(len, result.output.splitlines())) <= 80
-    rows = lines_of(result.output)
+def test_info_reads_each_zoo_family_without_compiling_the_model(family):
+    exit_code, output = info_of(family)
+    assert exit_code == 0, output
+    assert max(map(len, output.splitlines())) <= 80
+    rows = lines_of(output)
     config = json.loads((ZOO / family / "config.json").read_text(encoding="utf-8"))
     eos = json.loads((ZOO / family / "generation_config.json").read_text(encoding="utf-8"))["eos_token_id"]
     assert rows["family"].startswith(FAMILIES[family] + " (")
@@ -59,7 +67,7 @@ def test_info_reads_each_zoo_family_without_compiling(family):
 
 
 def test_info_shows_partial_rotary_sliding_window_softcap_and_tool_formats():
-    rows = {family: lines_of(cli("info", str(ZOO / family)).output) for family in FAMILIES}
+    rows = {family: lines_of(info_of(family)[1]) for family in FAMILIES}
     assert rows["phi3_5"]["rope"] == "θ 10000.0, partial rotary 0.75"
     assert "sliding window 32" in rows["gemma2"]["attention"]
     assert "logit softcap" in rows["gemma2"]["attention"]
@@ -71,6 +79,33 @@ def test_info_shows_partial_rotary_sliding_window_softcap_and_tool_formats():
     assert rows["qwen3"]["template"] == "takes tools=, thinking (<think>)"
     gemma2_format = rows["gemma2"]["tool format"]
     assert gemma2_format.startswith("hermes") and "the template names none" in gemma2_format
+
+
+def test_info_reads_the_template_where_the_runtime_does_in_the_transformers_4_57_layout():
+    """optimum-intel with transformers 4.57 writes chat_template.jinja (and the tokenizer IR's
+    rt_info), no template in tokenizer_config.json: Mistral Nemo must still read as Mistral."""
+    from agentkv.cli.models import describe
+    from agentkv.engine.openvino.tokenizer import OVTokenizer
+
+    new = ZOO / "mistral_nemo_jinja"
+    assert "chat_template" not in json.loads((new / "tokenizer_config.json").read_text(encoding="utf-8"))
+    exit_code, output = info_of("mistral_nemo_jinja")
+    assert exit_code == 0, output
+    rows, old_rows = lines_of(output), lines_of(info_of("mistral_nemo")[1])
+    assert rows["tool format"].startswith("mistral: [TOOL_CALLS]")
+    assert "the fallback" not in rows["tool format"] and rows["template"].startswith("takes tools=")
+    assert {k: v for k, v in rows.items() if k != "files"} == {k: v for k, v in old_rows.items() if k != "files"}
+    assert describe(new).template == OVTokenizer(new).chat_template
+
+
+def test_info_of_a_hugging_face_directory_reads_chat_template_jinja(tmp_path):
+    directory = tmp_path / "Nemo-hf"
+    directory.mkdir()
+    for name in ("config.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(ZOO / "mistral_nemo_jinja" / name, directory)
+    rows = lines_of(cli("info", str(directory)).output)
+    assert rows["template"].startswith("takes tools=")
+    assert "chat_template.jinja" in rows["files"]
 
 
 def test_list_shows_the_cached_models_their_size_and_the_default(isolated_cache, tmp_path, monkeypatch):

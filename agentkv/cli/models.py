@@ -8,7 +8,9 @@
     agentkv models convert model.gguf         # GGUF → OpenVINO IR in the model cache
 
 ``info`` reads ``config.json``, ``tokenizer_config.json`` and ``generation_config.json`` (or a
-GGUF's metadata) without compiling anything. Bad input exits 2 with one line saying what to do.
+GGUF's metadata), and the chat template as the runtime does (``read_chat_template``: the tokenizer
+IR's rt_info, ``chat_template.jinja``, ``tokenizer_config.json``); it compiles the tokenizer IRs
+only (~0.3 s), never the model. Bad input exits 2 with one line saying what to do.
 """
 
 from __future__ import annotations
@@ -189,7 +191,8 @@ def describe(path: Path) -> ModelInfo:
                             "directory or a .gguf file")
     if not path.is_dir():
         raise ModelNotFound(f"{path} is neither a directory nor a .gguf file: pass a model directory or a .gguf")
-    wanted = (*IR_FILES, "config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
+    wanted = (*IR_FILES, "config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+              "generation_config.json")
     files = [name for name in wanted if (path / name).is_file()] + sorted(p.name for p in path.glob("*.gguf"))
     if "config.json" not in files:
         gguf_path = next(iter(sorted(path.glob("*.gguf"))), None)
@@ -198,17 +201,40 @@ def describe(path: Path) -> ModelInfo:
                                 "directory optimum-cli exported, or a .gguf file")
         return _from_gguf(path, ModelFiles(ir_dir=path, gguf_path=gguf_path).gguf_metadata(), files)
     tokenizer_config = _read_json(path / "tokenizer_config.json")
+    eos = _read_json(path / "generation_config.json").get("eos_token_id")
+    eos_ids = [] if eos is None else [int(eos)] if isinstance(eos, int) else [int(i) for i in eos]
+    template = _runtime_template(path) if "openvino_tokenizer.xml" in files else _hf_template(path, tokenizer_config)
+    return ModelInfo(path, _read_json(path / "config.json"), template, tokenizer_config, eos_ids, files)
+
+
+def _runtime_template(ir_dir: Path) -> str:
+    """The template the runtime renders with, read the runtime's way (``read_chat_template``: the
+    tokenizer IR's rt_info, then chat_template.jinja, then tokenizer_config.json)."""
+    from agentkv.engine.openvino.tokenizer import read_chat_template
+
+    try:
+        return read_chat_template(ir_dir)
+    except RuntimeError as error:
+        first = (str(error).strip().splitlines() or ["no message"])[0]
+        raise ModelNotFound(f"cannot read the tokenizer IR in {ir_dir}: {first}; re-export the model") from None
+
+
+def _hf_template(path: Path, tokenizer_config: dict[str, Any]) -> str:
+    """A Hugging Face directory's template, where transformers reads it (chat_template.jinja, then
+    tokenizer_config.json's chat_template), which is what an export carries into the tokenizer IR."""
+    jinja = path / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
     template = tokenizer_config.get("chat_template") or ""
     if isinstance(template, list):  # named templates: [{"name": "default", "template": "…"}, …]
         template = " ".join(str(t.get("template", "")) for t in template if isinstance(t, dict))
-    eos = _read_json(path / "generation_config.json").get("eos_token_id")
-    eos_ids = [] if eos is None else [int(eos)] if isinstance(eos, int) else [int(i) for i in eos]
-    return ModelInfo(path, _read_json(path / "config.json"), str(template), tokenizer_config, eos_ids, files)
+    return str(template)
 
 
 def _from_gguf(path: Path, meta: dict[str, Any], files: list[str]) -> ModelInfo:
     eos = meta.get("tokenizer.ggml.eos_token_id")
-    template = str(meta.get("tokenizer.chat_template") or "")
+    template = (_runtime_template(path) if "openvino_tokenizer.xml" in files
+                else str(meta.get("tokenizer.chat_template") or ""))
     return ModelInfo(path, _config_from_gguf(meta), template, {}, [] if eos is None else [int(eos)], files)
 
 
