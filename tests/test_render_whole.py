@@ -17,8 +17,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentkv.chat.messages import Message
+from agentkv.chat.messages import Message, ToolCall
 from agentkv.chat.render import ChatRenderer, RenderedPrompt, default_tools_text
+from agentkv.chat.toolcalls import format_tool_calls
 from test_render import SCHEMA, FakeChatML
 
 THINK = "<think>\n\n</think>\n\n"
@@ -229,3 +230,67 @@ def test_a_generated_stop_token_gives_way_to_the_different_one_the_footer_starts
     prompt = renderer.render([Message.user("Q"), answer, Message.user("R")])
     assert other_stop not in prompt.token_ids
     assert tok.decode(prompt.token_ids).count("Hi<|im_end|>") == 1
+
+
+class FakeMistralCalls(FakeFamily):
+    """Mistral Nemo's ways with tool calls: the system prompt inside the last user turn, an
+    assistant's calls rendered from its ``tool_calls`` (its content ignored), and a role-alternation
+    check that skips calling messages and tool results."""
+
+    def __init__(self) -> None:
+        super().__init__("system_last", native_tools=True)
+
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool,
+                            tools: Any = None) -> str:
+        counted = [m for m in messages[1:] if m["role"] != "tool" and not m.get("tool_calls")]
+        if messages and messages[0]["role"] != "system":
+            counted = [m for m in messages if m["role"] != "tool" and not m.get("tool_calls")]
+        if any((m["role"] == "user") != (i % 2 == 0) for i, m in enumerate(counted)):
+            raise ValueError("After the optional system message, conversation roles must alternate")
+        shown = [{**m, "content": format_tool_calls([ToolCall(id=c["id"], name=c["function"]["name"],
+                                                              arguments=c["function"]["arguments"])
+                                                     for c in m["tool_calls"]])}
+                 if m.get("tool_calls") else m for m in messages]
+        return super().apply_chat_template(shown, add_generation_prompt=add_generation_prompt, tools=tools)
+
+
+def template_dicts(messages: Sequence[Message]) -> list[dict[str, Any]]:
+    """Messages as a template with its own tool-call rendering takes them."""
+    dicts: list[dict[str, Any]] = []
+    for m in messages:
+        payload: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.tool_calls:
+            payload["tool_calls"] = [{"id": c.id, "type": "function",
+                                      "function": {"name": c.name, "arguments": c.arguments}} for c in m.tool_calls]
+        if m.role == "tool":
+            payload.update(tool_call_id=m.tool_call_id, name=m.name)
+        dicts.append(payload)
+    return dicts
+
+
+def test_a_tool_round_trip_renders_with_a_template_that_skips_calls_in_its_role_check(caplog) -> None:
+    """Mistral Nemo's template counts neither calling messages nor tool results in its
+    user/assistant alternation: shown as text, a generated call broke the alternation once an
+    answer followed the result, and the whole history fell back to ChatML. Shown to the template
+    as calls, every step of the round trip renders as the template does, the generated ids read
+    verbatim."""
+    tok = FakeMistralCalls()
+    renderer = ChatRenderer(tok)
+    assert renderer.whole_conversations and renderer.native_tool_calls
+    call = ToolCall(id="a1b2c3d4e", name="calc", arguments={"expr": "1+1"})
+    written = (*tok.encode(format_tool_calls([call])), tok.eos_token_id)
+    history = [Message.system("Be brief."), Message.user("Hi"),
+               Message.assistant("", tool_calls=[call], token_ids=written),
+               Message.tool("2", tool_call_id=call.id, name="calc"),
+               Message.assistant("Two", token_ids=(*tok.encode("Two"), tok.eos_token_id)), Message.user("Bye")]
+    with caplog.at_level(logging.WARNING, logger="agentkv.chat"):
+        prompts = {n: renderer.render(history[:n], tools=[SCHEMA]) for n in range(2, len(history) + 1)}
+        body = renderer.render(history[:5], tools=[SCHEMA], add_generation_prompt=False)
+    assert caplog.records == []
+    for n, prompt in prompts.items():
+        expected = tok.apply_chat_template(template_dicts(history[:n]), add_generation_prompt=True, tools=[SCHEMA])
+        assert tok.decode(prompt.token_ids) == expected
+        assert_contiguous(prompt, n)
+    assert prompts[6].token_ids[: len(body.token_ids)] == body.token_ids  # what the next turn reads
+    assert tok.decode(body.token_ids).endswith(f"{format_tool_calls([call])}<|im_end|>\n"
+                                               "<|im_start|>tool\n2<|im_end|>\n<|im_start|>assistant\nTwo<|im_end|>\n")

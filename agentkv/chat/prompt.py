@@ -48,6 +48,11 @@ class Entry:
     """Position in the caller's list; None for the system message created for the tools text."""
     role: str
     token_ids: tuple[int, ...] | None
+    calls_payload: dict[str, Any] | None = None
+    """For a generated assistant message with tool calls, when the template renders calls itself:
+    the dict with its calls as ``tool_calls`` (``payload`` shows them as text). A template that
+    tells calling messages apart (Mistral's skips them in its role-alternation check) may refuse
+    the conversation without it."""
 
 
 def ends_prefix(entry: Entry) -> bool:

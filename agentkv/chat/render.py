@@ -25,7 +25,9 @@ that rendering messages[:k] always gives a prefix of rendering messages[:k+1]:
   its own format, else render as the content plus the calls in the model's tool-call format
   (``tool_format.format_calls``, what ``tool_format.parse`` reads back; ``<tool_call>`` blocks
   for Hermes, the fallback). Call ids go through ``tool_format.call_id`` (Mistral's templates
-  need nine letters and digits).
+  need nine letters and digits). A generated message with calls keeps them for the
+  whole-conversation renderer too (``Entry.calls_payload``), for a template that refuses them as
+  plain content (Mistral Nemo's role-alternation check).
 - Tool results render as role "tool" when the template shows their content verbatim; when it
   raises, or rewrites the content (openvino-genai's template polyfill turns it into JSON in a
   user turn), they render as a user turn ``<tool_response>\\n…\\n</tool_response>``.
@@ -231,7 +233,10 @@ class ChatRenderer:
                 raise UserError(f"messages[{index}] is a {kind}; pass Message objects")
             payload = self._payload(message, chatml=chatml)
             token_ids = message.token_ids if message.role == "assistant" else None
-            entries.append(Entry(payload, index, message.role, token_ids))
+            calls = None
+            if token_ids is not None and message.tool_calls and self.native_tool_calls and not chatml:
+                calls = {"role": "assistant", "content": message.content, "tool_calls": self._calls(message)}
+            entries.append(Entry(payload, index, message.role, token_ids, calls))
         if tools and (chatml or not self.native_tools or not self.uses_template):
             text = self.tools_text(tools)
             if entries and entries[0].role == "system":
@@ -257,9 +262,7 @@ class ChatRenderer:
             return {"role": message.role, "content": message.content}
         payload: dict[str, Any] = {"role": "assistant", "content": message.content}
         if message.tool_calls and self.native_tool_calls and not chatml and message.token_ids is None:
-            payload["tool_calls"] = [{"id": self.tool_format.call_id(call.id), "type": "function",
-                                      "function": {"name": call.name, "arguments": call.arguments}}
-                                     for call in message.tool_calls]
+            payload["tool_calls"] = self._calls(message)
         elif message.tool_calls:
             calls_text = self.tool_format.format_calls(message.tool_calls)
             payload["content"] = "\n".join(p for p in (message.content, calls_text) if p)
@@ -270,6 +273,11 @@ class ChatRenderer:
                 opening, closing = self.reasoning_tags
                 payload["content"] = f"{opening}\n{message.reasoning}\n{closing}\n\n{payload['content']}"
         return payload
+
+    def _calls(self, message: Message) -> list[dict[str, Any]]:
+        """``message``'s tool calls as the template's ``tool_calls`` dicts, ids in the format's shape."""
+        return [{"id": self.tool_format.call_id(call.id), "type": "function",
+                 "function": {"name": call.name, "arguments": call.arguments}} for call in message.tool_calls]
 
     # -- segments ----------------------------------------------------------------------------
 

@@ -17,7 +17,10 @@ conversations are rendered exactly as the template renders them, every time::
   block to the last assistant turn only).
 - Assistant messages with generated ``token_ids`` render verbatim: the template sees a marker as
   their content, and the marker is replaced by the ids (a stop token the footer repeats is not
-  written twice).
+  written twice). When the template refuses that (Mistral Nemo's role-alternation check skips
+  calling messages: a call shown as plain content, then an answer, breaks the alternation), a
+  generated message with tool calls goes to it as those calls, and the text its ids decode to,
+  found in the rendering, is replaced by the ids: both ways give the same text.
 - Message boundaries: message i ends where the template's rendering of messages[:i+1] stops
   agreeing with the whole text (extended over the message's own content and what follows it in
   both, when the template renders a last message differently, as Qwen3 does). A system prompt
@@ -64,14 +67,36 @@ class _Generated:
     """A reasoning message's thinking as the template shows it → the marker of the whole message."""
     markers: tuple[tuple[str, ...], ...]
     """Per generated message, the markers one of which its rendering holds."""
+    written: tuple[tuple[int, str, str], ...] = ()
+    """Per generated message the template was shown as tool calls: its position among the dicts,
+    the text its ids decode to (what the template renders for those calls) and its marker."""
 
     def substitute(self, text: str | None) -> str | None:
-        """``text`` with every thinking the template shows replaced by its whole message's marker."""
+        """``text`` with every thinking the template shows replaced by its whole message's marker,
+        and the first text of each message shown as calls (in order) by its marker."""
         if text is None:
             return None
         for shown, whole in self.shown.items():
             text = text.replace(shown, whole)
+        for _, written, marker in self.written:
+            text = text.replace(written, marker, 1)
         return text
+
+    def written_at(self, position: int) -> tuple[str, str] | None:
+        """(text, marker) of the message at ``position`` when it is shown as calls, else None."""
+        return next(((text, marker) for i, text, marker in self.written if i == position), None)
+
+    def contents(self, position: int, payload: dict[str, Any]) -> list[str]:
+        """The texts the message at ``position`` may appear as in a rendering: its content as
+        given, or, for a reasoning model's message, its whole message's marker; the marker alone
+        for a message shown as calls."""
+        written = self.written_at(position)
+        if written is not None:
+            return [written[1]]
+        content = payload.get("content")
+        if not isinstance(content, str) or not content:
+            return []
+        return [content, *([self.shown[content]] if content in self.shown else [])]
 
 
 class WholeConversation:
@@ -99,11 +124,20 @@ class WholeConversation:
             return self._history(entries, tools)
         key = _digest([tools, [(e.payload, e.token_ids, e.index, e.role) for e in entries], add_generation_prompt])
         if key not in self._prompts:
-            prompt = self._render(entries, tools, add_generation_prompt, split_thinking=True)
-            if prompt is None and self.reasoning_ids is not None:
-                prompt = self._render(entries, tools, add_generation_prompt, split_thinking=False)
-            self._prompts[key] = prompt
+            self._prompts[key] = next(filter(None, (
+                self._render(entries, tools, add_generation_prompt, split_thinking=split, template_calls=calls)
+                for split, calls in self._attempts(entries))), None)
         return self._prompts[key]
+
+    def _attempts(self, entries: Sequence[Entry]) -> list[tuple[bool, bool]]:
+        """The ways to try, in order (``split_thinking``, ``template_calls``): a reasoning model's
+        messages with their thinking apart, then whole; then, when a generated message holds tool
+        calls the template renders itself, the same with those messages shown to the template as
+        calls (Mistral's template skips calling messages in its role-alternation check, so a
+        history with a calling message shown as text breaks the alternation and it raises)."""
+        splits = [True, False] if self.reasoning_ids is not None else [True]
+        calls = [False, True] if any(e.calls_payload is not None for e in entries) else [False]
+        return [(split, call) for call in calls for split in splits]
 
     def _history(self, entries: Sequence[Entry], tools: list[Any] | None) -> RenderedPrompt | None:
         """A history ending in an assistant message, as the next user turn will read it: Qwen3's
@@ -118,8 +152,8 @@ class WholeConversation:
         return RenderedPrompt(prompt.token_ids[:end], spans, min(prompt.prefix_len, end), 0)
 
     def _render(self, entries: Sequence[Entry], tools: list[Any] | None, add_generation_prompt: bool, *,
-                split_thinking: bool) -> RenderedPrompt | None:
-        dicts, generated_ids = self._dicts(entries, split_thinking)
+                split_thinking: bool, template_calls: bool = False) -> RenderedPrompt | None:
+        dicts, generated_ids = self._dicts(entries, split_thinking, template_calls)
         verbatim = generated_ids.ids
         full = generated_ids.substitute(self.template.apply(dicts, generation=True, tools=tools))
         body = generated_ids.substitute(self.template.apply(dicts, generation=False, tools=tools))
@@ -156,10 +190,10 @@ class WholeConversation:
         previous = 0
         digest = _digest(tools)
         for i, payload in enumerate(dicts):
-            digest = _chain(digest, payload)
+            digest = _chain(digest, [payload, generated.written_at(i)])
             alone = self._text(digest, dicts[: i + 1], tools, generated)
             end = max(previous, common_prefix(text, alone)) if alone is not None else previous
-            for content in _contents(payload, generated):
+            for content in generated.contents(i, payload):
                 end = max(end, _content_end(text, alone, content, previous, end))
             if i == 0 and payload["role"] == "system" and _merged(payload, text, alone, end):
                 end = max(end, self._system_lead_end(payload, text, tools))
@@ -201,18 +235,29 @@ class WholeConversation:
 
     # -- generated messages -----------------------------------------------------------------------
 
-    def _dicts(self, entries: Sequence[Entry], split_thinking: bool) -> tuple[list[dict[str, Any]], _Generated]:
+    def _dicts(self, entries: Sequence[Entry], split_thinking: bool,
+               template_calls: bool = False) -> tuple[list[dict[str, Any]], _Generated]:
         """The template's dicts, a marker standing for each generated message's content; with
         ``split_thinking``, a reasoning model's message shows the template its thinking apart
         (``<think>`` … ``</think>``), so the template decides whether it stays: where it shows it,
-        the whole message's ids go; where it drops it, the answer's ids only."""
+        the whole message's ids go; where it drops it, the answer's ids only. With
+        ``template_calls``, a generated message with tool calls goes to the template as those
+        calls (``Entry.calls_payload``), and the text its ids decode to, found in the rendering,
+        gives way to its marker: the template must render the calls as the model wrote them."""
         dicts: list[dict[str, Any]] = []
         ids: dict[str, tuple[int, ...]] = {}
         shown: dict[str, str] = {}
         markers: list[tuple[str, ...]] = []
+        written: list[tuple[int, str, str]] = []
         for entry in entries:
             payload = entry.payload
-            if entry.token_ids is not None:
+            if entry.token_ids is not None and template_calls and entry.calls_payload is not None:
+                marker = f"{MARKER}{len(markers)}_"
+                ids[marker] = entry.token_ids
+                markers.append((marker,))
+                written.append((len(dicts), self._written_text(entry.token_ids), marker))
+                payload = entry.calls_payload
+            elif entry.token_ids is not None:
                 n = len(markers)
                 marker = f"{MARKER}{n}_"
                 payload = {k: v for k, v in payload.items() if k != "tool_calls"} | {"content": marker}
@@ -227,7 +272,13 @@ class WholeConversation:
                     payload["content"] = thinking
                     markers.append((marker, whole))
             dicts.append(payload)
-        return dicts, _Generated(ids, shown, tuple(markers))
+        return dicts, _Generated(ids, shown, tuple(markers), tuple(written))
+
+    def _written_text(self, token_ids: tuple[int, ...]) -> str:
+        """The text of generated ids without the stop token they end on (the template's footer
+        writes that)."""
+        end = len(token_ids) - 1 if token_ids[-1:] and token_ids[-1] in self.stop_ids else len(token_ids)
+        return self.template.tokenizer.decode(list(token_ids[:end]))
 
     def _answer_start(self, token_ids: tuple[int, ...]) -> int | None:
         """Where the answer starts in a reasoning model's message that opens with a closed
@@ -299,15 +350,6 @@ def _merged(system: dict[str, Any], text: str, alone: str | None, end: int) -> b
     if found < 0 or own < 0 or found + len(content) > end:
         return True
     return common_prefix(text[found + len(content):], alone[own + len(content):]) == 0  # type: ignore[index]
-
-
-def _contents(payload: dict[str, Any], generated: _Generated) -> list[str]:
-    """The texts a message's content may appear as in a rendering: as given, or, for a
-    reasoning model's message, its whole message's marker."""
-    content = payload.get("content")
-    if not isinstance(content, str) or not content:
-        return []
-    return [content, *([generated.shown[content]] if content in generated.shown else [])]
 
 
 def _content_end(text: str, alone: str | None, content: str, previous: int, end: int) -> int:

@@ -163,3 +163,40 @@ def test_a_messages_budget_is_its_span_in_a_real_conversation(family: str) -> No
         assert counts[1] - real[1] == real[3] - len(tokenizer(family).encode("Bye<end_of_turn>\n"))
         counts, real = [counts[0], *counts[2:]], [real[0], *real[2:]]
     assert counts == real
+
+
+def _template_dicts(messages: list[Message], chat: ChatRenderer) -> list[dict[str, Any]]:
+    """``messages`` as the template takes them natively: calls as ``tool_calls``, results as role tool."""
+    dicts: list[dict[str, Any]] = []
+    for m in messages:
+        payload: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.tool_calls:
+            payload["tool_calls"] = [{"id": chat.tool_format.call_id(c.id), "type": "function",
+                                      "function": {"name": c.name, "arguments": c.arguments}} for c in m.tool_calls]
+        if m.role == "tool":
+            payload.update(tool_call_id=chat.tool_format.call_id(m.tool_call_id or ""), name=m.name)
+        dicts.append(payload)
+    return dicts
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_tool_round_trip_renders_with_the_familys_own_template(family: str, caplog) -> None:
+    """Call, result, answer, next user turn: no step falls back to ChatML (Mistral Nemo's did once
+    an answer followed a tool result: its role-alternation check skips calling messages, which the
+    renderer showed it as text); where the template renders calls and results itself, the text is
+    the template's own, the generated ids read verbatim."""
+    tok = tokenizer(family)
+    chat = renderer(family)
+    call = ToolCall(id="abcdefghi", name="calc", arguments={"expr": "1+1"})
+    calling = generated(family, chat.tool_format.format_calls([call]))
+    history = [*CONVERSATION[:2], Message.assistant("", tool_calls=[call], token_ids=calling),
+               Message.tool("2", tool_call_id=call.id, name="calc"),
+               Message.assistant("Two", token_ids=generated(family, "Two")), Message.user("Thanks")]
+    with caplog.at_level(logging.WARNING, logger="agentkv.chat"):
+        prompts = [chat.render(history[:n], tools=[SCHEMA]) for n in range(3, len(history) + 1)]
+    assert caplog.records == []
+    if chat.native_tool_calls and chat.native_tool_role:
+        for prompt, n in zip(prompts, range(3, len(history) + 1)):
+            expected = tok.apply_chat_template(_template_dicts(history[:n], chat), add_generation_prompt=True,
+                                               tools=[SCHEMA] if chat.native_tools else None)
+            assert tok.decode(prompt.token_ids) == expected
