@@ -122,7 +122,8 @@ class WholeConversation:
         add_generation_prompt=True)``."""
         if not add_generation_prompt and entries and entries[-1].role == "assistant":
             return self._history(entries, tools)
-        key = _digest([tools, [(e.payload, e.token_ids, e.index, e.role) for e in entries], add_generation_prompt])
+        key = _digest([tools, [(e.payload, e.token_ids, e.index, e.role, e.calls_payload) for e in entries],
+                       add_generation_prompt])
         if key not in self._prompts:
             self._prompts[key] = next(filter(None, (
                 self._render(entries, tools, add_generation_prompt, split_thinking=split, template_calls=calls)
