@@ -91,14 +91,19 @@ class SessionNotFound(AgentKVError):
 class SessionBusy(AgentKVError):
     """The session is being run by another task or process; retry when it finishes."""
 
-    def __init__(self, session_id: str, holder: str | None = None) -> None:
+    def __init__(self, session_id: str, holder: str | None = None, *, action: str | None = None) -> None:
         who = f" (held by {holder})" if holder else ""
-        super().__init__(
-            f"session {session_id!r} is already running{who}; wait for that run to end, "
-            "or open a new session"
-        )
+        if action is None:
+            message = (f"session {session_id!r} is already running{who}; wait for that run to end, "
+                       "or open a new session")
+        else:  # a change of the history (rewind, fork, delete) refused while a run is live
+            message = (f"cannot {action} session {session_id!r}: a run is live in it{who}; retry once that run "
+                       "ends, or stop it first (a holder on a host that crashed: `agentkv sessions unlock`)")
+        super().__init__(message)
         self.session_id = session_id
         self.holder = holder
+        self.action = action
+        """What was refused (``"rewind"``, ``"fork"``, ``"delete"``), None for a run."""
 
 
 class SnapshotCorrupt(AgentKVError):

@@ -6,7 +6,7 @@ unreferenced, and the next prune removes them)::
 
     record = save_snapshot(db, files, "abc", snap, keep=2, budget_bytes=None, fence=None)
     report = prune(db, files, cutoff=utcnow() - timedelta(days=30), keep_snapshots=1,
-                   orphans_older_than=timedelta(minutes=10))
+                   orphans_older_than=timedelta(minutes=10), now=utcnow())
 """
 
 from __future__ import annotations
@@ -47,12 +47,12 @@ def save_snapshot(db: Database, files: SnapshotStorage, session_id: str, snapsho
 
 
 def prune(db: Database, files: SnapshotStorage, *, cutoff: datetime | None, keep_snapshots: int | None,
-          orphans_older_than: timedelta) -> PruneReport:
-    """Delete sessions not updated since ``cutoff``, snapshots beyond the newest ``keep_snapshots``
-    of each session (rows in one transaction, then their files), then unreferenced files older
-    than ``orphans_older_than``."""
+          orphans_older_than: timedelta, now: datetime) -> PruneReport:
+    """Delete sessions not updated since ``cutoff`` (and not leased at ``now``), snapshots beyond
+    the newest ``keep_snapshots`` of each session (rows in one transaction, then their files), then
+    unreferenced files older than ``orphans_older_than``."""
     def rows(s: Session) -> tuple[list[str], list[str]]:
-        deleted, names = retention.old_sessions(s, cutoff) if cutoff is not None else ([], [])
+        deleted, names = retention.old_sessions(s, cutoff, now) if cutoff is not None else ([], [])
         if keep_snapshots is not None:
             names += retention.excess_snapshots(s, files, keep_snapshots)
         return deleted, names

@@ -19,6 +19,10 @@ on another host, or one whose id does not parse, keeps its lease until it expire
 with ``LeaseLost`` once the lease has passed to another holder (or was force-released), so a
 holder that lost its lease while it stalled cannot write after the next holder did.
 
+Changes of a session's history made outside a run (``Store.rewind``, ``fork_session``,
+``delete_session``) take the lease for their one transaction unless the caller passes its own
+token (``fence_or_lease``), so they never interleave with a run's writes.
+
 Expiry times come from the store's clock (``Store(url, clock=FakeClock())`` in a test moves it
 by hand: ``agentkv.testing.FakeClock``); the keeper's heartbeat still sleeps in real time.
 """
@@ -26,6 +30,8 @@ by hand: ``agentkv.testing.FakeClock``); the keeper's heartbeat still sleeps in 
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from types import TracebackType
 from typing import TYPE_CHECKING
 
@@ -42,13 +48,17 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_LEASE_TTL_S", "LEASE_POLL_MAX_S", "LeaseKeeper", "acquire_waiting", "holder_id",
-           "holder_is_dead_here", "live_pid_here", "parse_holder", "pid_is_alive"]
+__all__ = ["DEFAULT_LEASE_TTL_S", "LEASE_POLL_MAX_S", "WRITE_LEASE_WAIT_S", "LeaseKeeper",
+           "acquire_waiting", "fence_or_lease", "holder_id", "holder_is_dead_here", "live_pid_here", "parse_holder",
+           "pid_is_alive"]
 
 DEFAULT_LEASE_TTL_S = 30.0
 """Lease length used by ``LeaseKeeper``: a crashed holder on another host blocks this long."""
 LEASE_POLL_MAX_S = 0.5
 """Longest pause between two tries of a lease another holder has (the first pauses are shorter)."""
+WRITE_LEASE_WAIT_S = 2.0
+"""How long a change of a session's history outside a run (``Store.rewind``, ``fork_session``,
+``delete_session``) waits for a live run's lease before ``SessionBusy`` (``Store(lease_wait_s=)``)."""
 
 
 async def acquire_waiting(store: Store, session_id: str, holder: str, ttl_s: float, wait_s: float) -> int:
@@ -68,6 +78,46 @@ async def acquire_waiting(store: Store, session_id: str, holder: str, ttl_s: flo
         with attempt:
             return await store.acquire_lease(session_id, holder, ttl_s)
     raise AssertionError("unreachable: tenacity re-raises the last SessionBusy")  # pragma: no cover
+
+
+@asynccontextmanager
+async def fence_or_lease(store: Store, session_id: str, fence: int | None, *, action: str) -> AsyncIterator[int]:
+    """The fencing token one change of a session's history is written under: the caller's
+    ``fence`` (it holds the lease), else the token of a lease taken for the block and released
+    after it (waiting ``store.lease_wait_s`` for a live run; then ``SessionBusy`` naming
+    ``action``)::
+
+        async with fence_or_lease(store, "abc", None, action="rewind") as token:
+            await store.database.run(...)          # a write checked against token (queries.fenced_row)
+    """
+    if fence is not None:
+        yield fence
+        return
+    holder = holder_id()  # NOTE: a new tag: a run of this very process keeps its own lease
+    try:
+        token = await acquire_waiting(store, session_id, holder, DEFAULT_LEASE_TTL_S, store.lease_wait_s)
+    except SessionBusy as busy:
+        raise SessionBusy(session_id, busy.holder, action=action) from None
+    except Exception:  # the acquiring transaction failed: nothing is held
+        raise
+    except BaseException:  # cancelled: the acquiring transaction may have committed
+        await _release_quietly(store, session_id, holder)
+        raise
+    try:
+        yield token
+    finally:
+        await _release_quietly(store, session_id, holder)
+
+
+async def _release_quietly(store: Store, session_id: str, holder: str) -> None:
+    """Give ``holder``'s lease back, shielded from cancellation; a failure is one warning line (the
+    lease then lapses after its ttl), never raised over the error that may have ended the block."""
+    with anyio.CancelScope(shield=True):
+        try:
+            await store.release_lease(session_id, holder)
+        except Exception as error:
+            logger.warning("could not release the lease of session %r (it lapses in %.0f s): %s",
+                           session_id, DEFAULT_LEASE_TTL_S, error)
 
 
 class LeaseKeeper:

@@ -158,11 +158,13 @@ def mark_out_of_window(s: Session, session_id: str, seqs: Sequence[int],
     branches.move_out(s, session, seqs, replaced_by_seq)
 
 
-def rewind(s: Session, session_id: str, after_seq: int, keep_responses: bool = False) -> int:
+def rewind(s: Session, session_id: str, after_seq: int, keep_responses: bool = False,
+           fence: int | None = None) -> int:
     """Take the messages after ``after_seq`` out of the window, and put back those that only
     they had replaced (a summary made after it); returns how many left. Rows stay stored.
-    ``keep_responses``: ``ResponseSuperseded`` instead when a stored response covers a later message."""
-    session = session_row(s, session_id, for_update=True)
+    ``keep_responses``: ``ResponseSuperseded`` instead when a stored response covers a later message;
+    ``fence`` as for ``fenced_row``."""
+    session = fenced_row(s, session_id, fence)
     if keep_responses:
         newer = s.scalars(select(ResponseRow).where(ResponseRow.session_id == session_id,
                                                     ResponseRow.last_seq > after_seq)
@@ -173,15 +175,15 @@ def rewind(s: Session, session_id: str, after_seq: int, keep_responses: bool = F
 
 
 def fork_session(s: Session, session_id: str, new_id: str, at: int | None,
-                 metadata: dict[str, Any]) -> SessionRecord:
-    parent = session_row(s, session_id, for_update=True)
+                 metadata: dict[str, Any], fence: int | None = None) -> SessionRecord:
+    parent = fenced_row(s, session_id, fence)
     return convert.session_record(branches.fork(s, parent, new_id, at, metadata))
 
 
-def delete_session(s: Session, session_id: str) -> list[str]:
+def delete_session(s: Session, session_id: str, fence: int | None = None) -> list[str]:
     """Delete the session's rows; return the snapshot file names to remove after commit.
-    ``UserError`` while forks share its messages."""
-    session_row(s, session_id, for_update=True)
+    ``UserError`` while forks share its messages; ``fence`` as for ``fenced_row``."""
+    fenced_row(s, session_id, fence)
     if forks := branches.forks_of(s, session_id):
         raise UserError(f"session {session_id!r} has forks that share its messages ({', '.join(forks)}); "
                         "delete them first; nothing was deleted")
@@ -376,8 +378,11 @@ def responses_of(s: Session, session_id: str) -> list[ResponseRecord]:
 
 
 
-def add_call(s: Session, record: CallRecord) -> CallRecord:
-    session_row(s, record.session_id)
+def add_call(s: Session, record: CallRecord, fence: int | None = None) -> CallRecord:
+    if fence is None:
+        session_row(s, record.session_id)
+    else:
+        fenced_row(s, record.session_id, fence)
     row = convert.call_row(record)
     row.created_at = utcnow()
     s.add(row)

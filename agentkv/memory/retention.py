@@ -6,7 +6,7 @@ removes).
 ::
 
     names = over_budget(s, budget_bytes=4 << 30, keep_session="abc")
-    deleted, names = old_sessions(s, cutoff)
+    deleted, names = old_sessions(s, cutoff, now=utcnow())
 
 Which snapshots of a session stay: whole files before known-damaged ones (missing, or cut
 shorter than their arrays), newest first within each — a damaged newest snapshot never pushes
@@ -21,7 +21,7 @@ from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
 from agentkv.memory import branches, queries
-from agentkv.memory.schema import SessionRow, SnapshotRow, utcnow
+from agentkv.memory.schema import SessionRow, SnapshotRow
 from agentkv.memory.snapshots import SnapshotStorage
 
 
@@ -54,12 +54,11 @@ def excess_snapshots(s: Session, files: SnapshotStorage, keep: int, *, session_i
     return names
 
 
-def old_sessions(s: Session, cutoff: datetime) -> tuple[list[str], list[str]]:
-    """Delete the sessions not updated since ``cutoff`` and not leased, a fork before its parent
-    (a parent whose forks stay is kept); returns the ids deleted and their snapshot file names."""
-    now = utcnow()
-    candidates = {row.id: row for row in s.scalars(select(SessionRow).where(SessionRow.updated_at < cutoff))
-                  if row.lease_expires_at is None or row.lease_expires_at < now}
+def old_sessions(s: Session, cutoff: datetime, now: datetime) -> tuple[list[str], list[str]]:
+    """Delete the sessions not updated since ``cutoff`` and not leased at ``now``, a fork before its
+    parent (a parent whose forks stay is kept); returns the ids deleted and their snapshot file names.
+    Each is checked again on its locked row: a run that took its lease (or wrote) since keeps it."""
+    candidates = set(s.scalars(select(SessionRow.id).where(SessionRow.updated_at < cutoff)))
     deleted: list[str] = []
     names: list[str] = []
     progress = True
@@ -68,12 +67,24 @@ def old_sessions(s: Session, cutoff: datetime) -> tuple[list[str], list[str]]:
         for session_id in sorted(candidates):
             if branches.forks_of(s, session_id):
                 continue
-            names += queries.delete_session(s, session_id)
-            s.flush()
-            deleted.append(session_id)
-            del candidates[session_id]
+            candidates.discard(session_id)
             progress = True
+            if _still_old_and_free(s, session_id, cutoff, now):
+                names += queries.delete_session(s, session_id)
+                s.flush()
+                deleted.append(session_id)
     return deleted, names
+
+
+def _still_old_and_free(s: Session, session_id: str, cutoff: datetime, now: datetime) -> bool:
+    """Whether the session, its row now locked, is still not updated since ``cutoff`` and not leased."""
+    # NOTE: on PostgreSQL the candidates were read without a lock: a run may have taken the lease
+    # since. The row lock makes one that takes it now wait for this transaction (and then find
+    # the session gone); reading the columns again shows one that took it before.
+    queries.session_row(s, session_id, for_update=True)
+    updated, expires = s.execute(select(SessionRow.updated_at, SessionRow.lease_expires_at)
+                                 .where(SessionRow.id == session_id)).one()
+    return bool(updated < cutoff) and (expires is None or expires < now)
 
 
 def referenced_files(s: Session) -> set[str]:

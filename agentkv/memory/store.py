@@ -34,6 +34,7 @@ from agentkv.kv.snapshot import KVSnapshot
 from agentkv.memory import convert, housekeeping, queries
 from agentkv.memory.database import Database, default_snapshot_dir
 from agentkv.memory.export import conversation_jsonl
+from agentkv.memory.leases import WRITE_LEASE_WAIT_S, fence_or_lease
 from agentkv.memory.records import (
     AgentRecord,
     CallRecord,
@@ -73,14 +74,18 @@ class Store:
     def __init__(self, url: str | None = None, *, snapshot_dir: Path | None = None,
                  snapshots: str | Path | None = None,
                  keep_snapshots: int = SNAPSHOTS_KEPT, snapshot_budget_bytes: int | None = None,
-                 clock: Clock = utcnow) -> None:
+                 clock: Clock = utcnow, lease_wait_s: float = WRITE_LEASE_WAIT_S) -> None:
         """``snapshots``: where KV snapshots go — ``s3://bucket/prefix`` (S3 or an S3-compatible
         server; credentials and endpoint from the standard ``AWS_*`` variables), ``file:///dir`` or a
         directory; default: ``snapshot_dir``, else a directory beside the database (``SnapshotURLError``
         for another scheme). ``keep_snapshots``: the newest snapshots kept per session; ``snapshot_budget_bytes``:
         the most all snapshots may take — saving past it deletes the snapshots of the sessions
         used longest ago (they re-prefill when resumed). ``clock``: what leases read the time
-        from (``Store(url, clock=FakeClock())`` in a test lets a lease expire without waiting)."""
+        from (``Store(url, clock=FakeClock())`` in a test lets a lease expire without waiting).
+        ``lease_wait_s``: how long ``rewind``, ``fork_session`` and ``delete_session`` called
+        without a lease token wait for a run that holds the session before ``SessionBusy``."""
+        if lease_wait_s < 0:
+            raise UserError(f"lease_wait_s must be >= 0 seconds, got {lease_wait_s}")
         if keep_snapshots < 1:
             raise UserError(f"keep_snapshots must be >= 1, got {keep_snapshots}")
         if snapshot_budget_bytes is not None and snapshot_budget_bytes < 0:
@@ -89,6 +94,8 @@ class Store:
         self.snapshot_budget_bytes = snapshot_budget_bytes
         self.clock = clock
         """The time leases are taken, renewed and checked at (``utcnow`` by default)."""
+        self.lease_wait_s = lease_wait_s
+        """How long a change of a session's history outside a run waits for the run's lease."""
         self.database = Database(url)
         """The database and its transactions: ``store.database.write(lambda s: ...)`` in a thread."""
         self.url = self.database.url
@@ -149,14 +156,18 @@ class Store:
         return await self.database.run(create)
 
     async def fork_session(self, session_id: str, *, at: int | None = None, new_id: str | None = None,
-                           metadata: dict[str, Any] | None = None) -> SessionRecord:
+                           metadata: dict[str, Any] | None = None, fence: int | None = None) -> SessionRecord:
         """A new session sharing this one's messages 1..``at`` (default: all) without copying
         them; both go on independently: ``fork = await store.fork_session(sid, at=4)``. A fork of
-        a fork works; the parent cannot be deleted while forks share its messages."""
+        a fork works; the parent cannot be deleted while forks share its messages. The parent is
+        read under its lease: ``fence``, the caller's token (``LeaseLost`` once it passed on), else
+        one taken for the fork (``SessionBusy`` while a run holds it past ``lease_wait_s``): a
+        fork never takes half a turn."""
         sid = new_id or uuid.uuid4().hex
         meta = convert.json_object(metadata, "session metadata")
-        return await self.database.run(self.database.write,
-                                       lambda s: queries.fork_session(s, session_id, sid, at, meta))
+        async with fence_or_lease(self, session_id, fence, action="fork") as token:
+            return await self.database.run(self.database.write,
+                                           lambda s: queries.fork_session(s, session_id, sid, at, meta, token))
 
     async def get_session(self, session_id: str) -> SessionRecord:
         """The session's row; ``SessionNotFound`` if absent."""
@@ -167,13 +178,15 @@ class Store:
         """Every session with its message and token counts, most recently updated first."""
         return await self.database.run(self.database.read, queries.list_sessions)
 
-    async def delete_session(self, session_id: str) -> None:
+    async def delete_session(self, session_id: str, *, fence: int | None = None) -> None:
         """Delete the session, its messages, snapshot rows and snapshot files (``UserError``
-        while forks share its messages: delete them first)."""
-        def delete() -> None:
-            names = self.database.write(lambda s: queries.delete_session(s, session_id))
+        while forks share its messages: delete them first). Under its lease, as ``fork_session``:
+        ``SessionBusy`` while a run holds it."""
+        def delete(token: int) -> None:
+            names = self.database.write(lambda s: queries.delete_session(s, session_id, token))
             self.files.remove(names)
-        await self.database.run(delete)
+        async with fence_or_lease(self, session_id, fence, action="delete") as token:
+            await self.database.run(delete, token)
 
     # -- messages ---------------------------------------------------------------------------
 
@@ -228,15 +241,19 @@ class Store:
             return queries.last_seq(s, session_id)
         return await self.database.run(self.database.read, read)
 
-    async def rewind(self, session_id: str, after_seq: int, *, keep_responses: bool = False) -> int:
+    async def rewind(self, session_id: str, after_seq: int, *, keep_responses: bool = False,
+                     fence: int | None = None) -> int:
         """Take every message after ``after_seq`` out of the window (they stay stored) and put
         back the ones a later summary had replaced, in one transaction; returns how many left:
         ``await store.rewind(sid, 4)`` (e.g. the input of a run that never finished). Messages a
         later truncation dropped stay out (the window would overflow again without them).
         ``keep_responses=True`` refuses (``ResponseSuperseded``, nothing changed) when a stored
-        response covers a message after ``after_seq``: someone continued the conversation first."""
-        return await self.database.run(self.database.write, lambda s: queries.rewind(
-            s, session_id, int(after_seq), keep_responses))
+        response covers a message after ``after_seq``: someone continued the conversation first.
+        Under the session's lease, as ``fork_session``: a run passes its token as ``fence``;
+        without one the rewind takes the lease (``SessionBusy`` while a run holds it)."""
+        async with fence_or_lease(self, session_id, fence, action="rewind") as token:
+            return await self.database.run(self.database.write, lambda s: queries.rewind(
+                s, session_id, int(after_seq), keep_responses, token))
 
     async def export_jsonl(self, session_id: str, *, in_window_only: bool = False) -> str:
         """The session as OpenAI chat messages, one JSON object per line: its agent's system
@@ -318,8 +335,9 @@ class Store:
 
     async def prune(self, *, older_than: timedelta | None = None, keep_snapshots: int | None = None,
                     orphans_older_than: timedelta = ORPHAN_GRACE) -> PruneReport:
-        """Delete sessions not updated for ``older_than`` (not leased; a parent whose forks stay
-        is kept), snapshots beyond the newest ``keep_snapshots`` of each session, and snapshot
+        """Delete sessions not updated for ``older_than`` (not leased: a live run keeps its
+        session, also one whose lease it takes while this runs; a parent whose forks stay is
+        kept), snapshots beyond the newest ``keep_snapshots`` of each session, and snapshot
         files no row points to that are older than ``orphans_older_than`` (a save writes its
         file just before its row). Rows go in one transaction, files after it commits: a crash
         loses nothing kept. ``await store.prune(older_than=timedelta(days=30), keep_snapshots=1)``"""
@@ -327,7 +345,8 @@ class Store:
             raise UserError(f"keep_snapshots must be >= 1, got {keep_snapshots}")
         cutoff = utcnow() - older_than if older_than is not None else None
         return await self.database.run(partial(housekeeping.prune, self.database, self.files, cutoff=cutoff,
-                                               keep_snapshots=keep_snapshots, orphans_older_than=orphans_older_than))
+                                               keep_snapshots=keep_snapshots, orphans_older_than=orphans_older_than,
+                                               now=self.clock()))
 
     async def snapshots(self, session_id: str) -> list[SnapshotRecord]:
         """The session's snapshot records, newest first."""
@@ -356,9 +375,10 @@ class Store:
 
     # -- model calls ------------------------------------------------------------------------
 
-    async def record_call(self, record: CallRecord) -> CallRecord:
-        """Keep one model call's figures (``SessionNotFound`` for an unknown session)."""
-        return await self.database.run(self.database.write, lambda s: queries.add_call(s, record))
+    async def record_call(self, record: CallRecord, *, fence: int | None = None) -> CallRecord:
+        """Keep one model call's figures (``SessionNotFound`` for an unknown session); ``fence``
+        as for ``append_message``."""
+        return await self.database.run(self.database.write, lambda s: queries.add_call(s, record, fence))
 
     async def calls(self, session_id: str) -> list[CallRecord]:
         """The session's model calls, oldest first."""

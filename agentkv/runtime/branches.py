@@ -73,7 +73,7 @@ async def rewind_window(store: Store, conversation: Conversation, before: int, *
         raise UserError(f"before must be a message seq >= 1, got {before}")
     async with conversation.run_guard(), LeaseKeeper(store, conversation.id, holder, ttl_s=lease_ttl_s) as lease:
         conversation.lease_token = lease.token
-        left = await store.rewind(conversation.id, before - 1)
+        left = await store.rewind(conversation.id, before - 1, fence=lease.token)
         conversation.reload_window(await load_window(store, conversation.id))
         conversation.call_checks.note(f"rewind before message {before}")
         found = conversation.note_break(conversation.agent, "rewind")

@@ -18,7 +18,7 @@ import anyio
 
 from agentkv.chat.messages import Message, pending_tool_calls
 from agentkv.engine.base import KVSession, common_prefix_len
-from agentkv.errors import SnapshotCorrupt, SnapshotIncompatible
+from agentkv.errors import LeaseLost, SnapshotCorrupt, SnapshotIncompatible
 from agentkv.events import CacheBroken, ContextCompacted, ModelCallFinished, RunEvent
 from agentkv.memory import CallRecord, Store
 from agentkv.observe import tracing
@@ -262,13 +262,14 @@ class CallLog:
     metrics, the cache break and the compaction before it. A failed write is logged, never
     raised (figures are not worth a run)::
 
-        log = CallLog(store, conversation.id)
+        log = CallLog(store, conversation.id, fence=conversation.lease_token)
         async for event in events:
             await log.see(event)
     """
 
-    def __init__(self, store: Store, session_id: str) -> None:
-        self.store, self.session_id = store, session_id
+    def __init__(self, store: Store, session_id: str, *, fence: int | None = None) -> None:
+        """``fence``: the run's lease token (a run that lost its lease records no more calls)."""
+        self.store, self.session_id, self.fence = store, session_id, fence
         self._break: CacheBreak | None = None
         self._compaction: dict[str, object] | None = None
 
@@ -291,6 +292,8 @@ class CallLog:
                 cache_break=found.as_json() if found else None, forced_tokens=m.forced_tokens,
                 drafted_tokens=m.drafted_tokens, accepted_tokens=m.accepted_tokens, steps_saved=m.steps_saved)
             try:
-                await self.store.record_call(record)
+                await self.store.record_call(record, fence=self.fence)
+            except LeaseLost as error:
+                logger.warning("did not record a model call of session %s: %s", self.session_id, error)
             except Exception:
                 logger.warning("could not record a model call of session %s", self.session_id, exc_info=True)

@@ -327,7 +327,8 @@ class Runtime:
                                                                agent=conversation.agent.name)
             try:
                 async with self._stored_run(conversation, continue_from):
-                    calls = CallLog(self.store, conversation.id) if self.store is not None else None
+                    calls = (CallLog(self.store, conversation.id, fence=conversation.lease_token)
+                             if self.store is not None else None)
                     async with aclosing(run_turns(conversation.agent, conversation, user_input)) as events:
                         async for event in events:
                             if calls is not None:
@@ -355,7 +356,7 @@ class Runtime:
             began = False
             try:
                 if continue_from is not None:  # NOTE: a stored response after it: ResponseSuperseded
-                    await self.store.rewind(conversation.id, continue_from, keep_responses=True)
+                    await self.store.rewind(conversation.id, continue_from, keep_responses=True, fence=lease.token)
                 if conversation.reload_window(await load_window(self.store, conversation.id)):
                     await catch_up_from_snapshot(self.store, conversation)  # another replica went on
                 await record_interrupted_calls(conversation)
