@@ -42,46 +42,55 @@ if TYPE_CHECKING:
     from agentkv.engine.factory import Backend
 
 # NOTE: rich_markup_mode=None: click's plain help wraps at any width; rich's tables cut words at 80 columns
-app = typer.Typer(help="agentkv: agents whose conversations keep their KV cache alive.",
+app = typer.Typer(help="agentkv: chat with a local model whose conversations keep their KV cache between "
+                  "turns, store and resume them, or serve the model over the OpenAI API.",
                   epilog=ENVIRONMENT_HELP, no_args_is_help=True, rich_markup_mode=None)
-sessions_app = typer.Typer(help="Stored sessions.", no_args_is_help=True, rich_markup_mode=None)
+sessions_app = typer.Typer(help="Stored sessions: list, show, fork, rewind, export or delete them, prune old "
+                           "ones, unlock one a crashed process left leased.", no_args_is_help=True,
+                           rich_markup_mode=None)
 app.add_typer(sessions_app, name="sessions")
 app.add_typer(models_app, name="models")
 out = Console()
 err = Console(stderr=True)
 
-DB_HELP = "SQLAlchemy URL of the store (default: $AGENTKV_DB_URL, else $AGENTKV_HOME/agentkv.db)."
-MODEL_HELP = ("GGUF file or OpenVINO IR directory (default: $AGENTKV_MODEL, else SmolLM2-135M); "
-              "$AGENTKV_ENGINE=stateful runs it on the stateful engine instead of the paged one.")
+DB_HELP = ("Database of the store, as a SQLAlchemy URL: sqlite:///path/agentkv.db or "
+           "postgresql+psycopg2://user:password@host/db (default: $AGENTKV_DB_URL, else $AGENTKV_HOME/agentkv.db).")
+MODEL_HELP = ("GGUF file or OpenVINO IR directory (default: $AGENTKV_MODEL, else SmolLM2-135M-Instruct, "
+              "converted on first use); $AGENTKV_ENGINE picks the engine (see below).")
+SESSION_HELP = "The session's id (`agentkv sessions list` shows them)."
 ENGINES: dict[str, Backend] = {"paged": "paged", "stateful": "stateful"}
 """``--engine`` values, and the engine backend each picks."""
 
 
 @app.command(epilog=ENVIRONMENT_HELP)
 def chat(
-    session: Optional[str] = typer.Option(None, "--session", "-s", help="Continue this stored session."),
+    session: Optional[str] = typer.Option(None, "--session", "-s", metavar="ID", help="Continue this stored session."),
     agent: Optional[str] = typer.Option(
-        None, "--agent", "-a", help="Agent name (default: the session's agent, else 'assistant', or "
+        None, "--agent", "-a", metavar="NAME", help="Agent name (default: the session's agent, else 'assistant', or "
         "'assistant+tools' with --tools, 'assistant+system-HASH' with --system: each stored as itself). "
         "A stored agent is used as stored; options may not give it other instructions or tools."),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
-    db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
+    model: Optional[str] = typer.Option(None, "--model", "-m", metavar="PATH", help=MODEL_HELP),
+    db: Optional[str] = typer.Option(None, "--db", metavar="URL", help=DB_HELP),
     metrics: bool = typer.Option(False, "--metrics", help="Print token and timing metrics after each model call."),
     tools: Optional[bool] = typer.Option(
         None, "--tools/--no-tools", help="Give the agent the calculator and clock tools (or none). Each "
         "message is then answered by one tool call, whose result is the answer: the default model "
         "does not pick tools by itself, nor read their results back."),
-    system: Optional[str] = typer.Option(None, "--system", help="The agent's instructions (system prompt)."),
+    system: Optional[str] = typer.Option(None, "--system", metavar="TEXT",
+                                          help="The agent's instructions (system prompt)."),
     policy: Optional[PolicyName] = typer.Option(
         None, "--policy", case_sensitive=False,
-        help="What leaves the window when the prompt outgrows --max-prompt-len."),
+        help="What leaves the window when the prompt outgrows --max-prompt-len (default: the stored agent's, "
+        "else none: a message that no longer fits ends in an error saying so)."),
     max_prompt_len: Optional[int] = typer.Option(
-        None, "--max-prompt-len", min=1, help="Window in tokens: prompt plus answer (default: the model's context)."),
+        None, "--max-prompt-len", min=1, metavar="TOKENS",
+        help="Window in tokens: prompt plus answer (default: the model's context)."),
     max_new_tokens: Optional[int] = typer.Option(
-        None, "--max-new-tokens", min=1,
-        help="Longest answer per model call; also the room kept for it (default 256)."),
+        None, "--max-new-tokens", min=1, metavar="TOKENS",
+        help="Longest answer per model call; also the room kept for it (default: 256 tokens)."),
     temperature: Optional[float] = typer.Option(
-        None, "--temperature", min=0.0, help="0 is greedy (the default); higher samples more freely."),
+        None, "--temperature", min=0.0, metavar="T",
+        help="0 picks the likeliest token each time (the default); higher samples more freely."),
 ) -> None:
     """Chat on stdin; answers stream to stdout. /help lists the commands, /quit (or Ctrl-D)
     leaves; Ctrl-C stops an answer, a second Ctrl-C exits."""
@@ -92,9 +101,9 @@ def chat(
 
 @app.command()
 def resume(
-    session_id: str = typer.Argument(..., help="The stored session's id."),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
-    db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
+    session_id: str = typer.Argument(..., metavar="SESSION_ID", help=SESSION_HELP),
+    model: Optional[str] = typer.Option(None, "--model", "-m", metavar="PATH", help=MODEL_HELP),
+    db: Optional[str] = typer.Option(None, "--db", metavar="URL", help=DB_HELP),
     metrics: bool = typer.Option(False, "--metrics", help="Print token and timing metrics after each model call."),
 ) -> None:
     """Continue a stored session with its stored agent, from its KV snapshot."""
@@ -108,7 +117,7 @@ def _run_chat(request: ChatRequest) -> None:
 
 
 @sessions_app.command("list")
-def sessions_list(db: Optional[str] = typer.Option(None, "--db", help=DB_HELP)) -> None:
+def sessions_list(db: Optional[str] = typer.Option(None, "--db", metavar="URL", help=DB_HELP)) -> None:
     """Every stored session, newest first.
 
     Columns: id; agent; updated (UTC); messages: every stored message, in the window or out of
@@ -126,11 +135,11 @@ def sessions_list(db: Optional[str] = typer.Option(None, "--db", help=DB_HELP)) 
 
 @sessions_app.command("show")
 def sessions_show(
-    session_id: str,
+    session_id: str = typer.Argument(..., metavar="SESSION_ID", help=SESSION_HELP),
     kv: bool = typer.Option(False, "--kv", help="Also its KV: tokens, bytes, snapshots, reuse and what it "
                             "saved, compactions and cache breaks (with their causes); per model call, the tokens a "
                             "grammar forced, drafts proposed and the model accepted, and the steps that saved."),
-    db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
+    db: Optional[str] = typer.Option(None, "--db", metavar="URL", help=DB_HELP),
 ) -> None:
     """A session's history: tool calls as name(arguments), messages out of the window marked."""
 
@@ -149,11 +158,12 @@ def sessions_show(
 
 @sessions_app.command("pending")
 def sessions_pending(
-    session_id: Optional[str] = typer.Argument(None, help="Only this session (default: every one)."),
-    db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
+    session_id: Optional[str] = typer.Argument(None, metavar="SESSION_ID",
+                                               help="Only this session (default: every one)."),
+    db: Optional[str] = typer.Option(None, "--db", metavar="URL", help=DB_HELP),
 ) -> None:
-    """Tool calls waiting in stored sessions: for a person's approval (``runtime.approve`` /
-    ``runtime.reject``) or for the results a caller executes."""
+    """Tool calls waiting in stored sessions: for a person's approval (given from Python:
+    Runtime.approve or Runtime.reject) or for results the calling program runs and sends back."""
 
     async def run() -> None:
         async with open_store(db) as store:
@@ -170,9 +180,9 @@ def sessions_pending(
 
 @sessions_app.command("fork")
 def sessions_fork(
-    session_id: str,
-    at: Optional[int] = typer.Option(None, "--at", min=0, help="Share messages 1..AT (default: all)."),
-    db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
+    session_id: str = typer.Argument(..., metavar="SESSION_ID", help=SESSION_HELP),
+    at: Optional[int] = typer.Option(None, "--at", min=0, metavar="SEQ", help="Share messages 1..AT (default: all)."),
+    db: Optional[str] = typer.Option(None, "--db", metavar="URL", help=DB_HELP),
 ) -> None:
     """A new session sharing this one's messages up to --at (not copied); prints its id. Its KV
     comes from the parent's snapshot when it is resumed."""
@@ -187,9 +197,10 @@ def sessions_fork(
 
 @sessions_app.command("rewind")
 def sessions_rewind(
-    session_id: str,
-    before: int = typer.Option(..., "--before", min=1, help="The first message (seq) to take out of the window."),
-    db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
+    session_id: str = typer.Argument(..., metavar="SESSION_ID", help=SESSION_HELP),
+    before: int = typer.Option(..., "--before", min=1, metavar="SEQ",
+                               help="The first message (seq) to take out of the window."),
+    db: Optional[str] = typer.Option(None, "--db", metavar="URL", help=DB_HELP),
 ) -> None:
     """Take message --before and every later one out of the session's window (they stay stored)."""
 
@@ -204,10 +215,10 @@ def sessions_rewind(
 @sessions_app.command("prune")
 def sessions_prune(
     older_than: Optional[str] = typer.Option(
-        None, "--older-than", help="Delete sessions not updated for this long: 30d, 12h, 90m, 2w."),
+        None, "--older-than", metavar="AGE", help="Delete sessions not updated for this long: 30d, 12h, 90m, 2w."),
     keep_snapshots: Optional[int] = typer.Option(
-        None, "--keep-snapshots", min=1, help="Keep only this many newest snapshots of each session."),
-    db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
+        None, "--keep-snapshots", min=1, metavar="N", help="Keep only this many newest snapshots of each session."),
+    db: Optional[str] = typer.Option(None, "--db", metavar="URL", help=DB_HELP),
 ) -> None:
     """Delete old sessions and surplus snapshots, and snapshot files no row points to (left by a
     crash). A parent whose forks stay is kept; a leased (running) session is never deleted."""
@@ -224,10 +235,10 @@ def sessions_prune(
 
 @sessions_app.command("export")
 def sessions_export(
-    session_id: str,
+    session_id: str = typer.Argument(..., metavar="SESSION_ID", help=SESSION_HELP),
     window: bool = typer.Option(False, "--window", help="Only the messages in the context window: the "
                                 "conversation as the model reads it, a valid OpenAI messages list."),
-    db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
+    db: Optional[str] = typer.Option(None, "--db", metavar="URL", help=DB_HELP),
 ) -> None:
     """The history as JSONL in OpenAI chat-message format: the agent's system prompt first, then
     every stored message; one out of the window (rewound, or compacted away by a policy) carries
@@ -241,7 +252,10 @@ def sessions_export(
 
 
 @sessions_app.command("rm")
-def sessions_rm(session_id: str, db: Optional[str] = typer.Option(None, "--db", help=DB_HELP)) -> None:
+def sessions_rm(
+    session_id: str = typer.Argument(..., metavar="SESSION_ID", help=SESSION_HELP),
+    db: Optional[str] = typer.Option(None, "--db", metavar="URL", help=DB_HELP),
+) -> None:
     """Delete a session: its rows and its snapshot files."""
 
     async def run() -> None:
@@ -255,11 +269,11 @@ def sessions_rm(session_id: str, db: Optional[str] = typer.Option(None, "--db", 
 
 @sessions_app.command("unlock")
 def sessions_unlock(
-    session_id: str,
+    session_id: str = typer.Argument(..., metavar="SESSION_ID", help=SESSION_HELP),
     force: bool = typer.Option(False, "--force", help="Release it even from a process still running on this "
                                "host: that run then stops at its next write, and a tool it is running "
                                "gets its result recorded by no one."),
-    db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
+    db: Optional[str] = typer.Option(None, "--db", metavar="URL", help=DB_HELP),
 ) -> None:
     """Release a session's lease left by a crashed or stuck process, so it can run again now.
 
@@ -289,47 +303,62 @@ def sessions_unlock(
 
 @app.command(epilog=ENVIRONMENT_HELP)
 def serve(
-    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (loopback by default)."),
-    port: int = typer.Option(8000, "--port", min=1, max=65535, help="Port to listen on."),
+    host: str = typer.Option("127.0.0.1", "--host", metavar="ADDRESS",
+                             help="Address to listen on (loopback by default)."),
+    port: int = typer.Option(8000, "--port", min=1, max=65535, metavar="PORT", help="Port to listen on."),
     api_key: Optional[str] = typer.Option(
-        None, "--api-key", help="Bearer token every request must send (default: $AGENTKV_API_KEY; none: open)."),
+        None, "--api-key", metavar="TOKEN",
+        help="Bearer token every request must send (default: $AGENTKV_API_KEY; none: open)."),
     db: Optional[str] = typer.Option(
-        None, "--db", help=DB_HELP + " Stored responses and their conversations live here."),
-    model: Optional[str] = typer.Option(None, "--model", help=MODEL_HELP),
+        None, "--db", metavar="URL", help=DB_HELP + " Stored responses and their conversations live here."),
+    model: Optional[str] = typer.Option(None, "--model", metavar="PATH", help=MODEL_HELP),
     engine: Optional[str] = typer.Option(
-        None, "--engine", help="paged or stateful (default: $AGENTKV_ENGINE, else paged on CPU/GPU)."),
+        None, "--engine", metavar="paged|stateful",
+        help="paged: KV in shared blocks, requests batched together (the default on CPU and GPU); stateful: "
+        "one KV cache per conversation (NPU). Default: $AGENTKV_ENGINE, else paged."),
     max_sessions: int = typer.Option(
-        64, "--max-sessions", min=1,
-        help="KV sessions kept alive between requests (and as many stored conversations)."),
-    max_running: int = typer.Option(64, "--max-running", min=1,
-                                    help="Requests served at once; more are answered 429."),
+        64, "--max-sessions", min=1, metavar="N",
+        help="Conversations whose KV stays in memory between requests, for chat requests and for stored "
+        "conversations each (past it, the one idle longest is closed; a stored one keeps its history and snapshot)."),
+    max_running: int = typer.Option(64, "--max-running", min=1, metavar="N",
+                                    help="Requests served at once; more are refused with HTTP 429."),
     kv_reuse: bool = typer.Option(True, "--kv-reuse/--no-kv-reuse",
-                                  help="Match chat requests to live KV sessions (off: every request prefills it all)."),
+                                  help="Continue from the KV a kept conversation already holds when a chat "
+                                  "request extends it (off: the model reads every request's whole prompt again)."),
     system: Optional[str] = typer.Option(
-        None, "--system", help="System prompt of requests that send none (default: the chat template's)."),
+        None, "--system", metavar="TEXT",
+        help="System prompt of requests that send none (default: the chat template's)."),
     tools: Optional[bool] = typer.Option(
         None, "--tools/--no-tools",
         help="Offer the calculator and clock tools on every request, run by the server (default: none)."),
     policy: Optional[PolicyName] = typer.Option(
         None, "--policy", case_sensitive=False,
-        help="What leaves the window of a stored conversation that outgrows --max-prompt-len (default: 413)."),
+        help="What leaves the window of a stored conversation that outgrows --max-prompt-len. Without one, a "
+        "request that no longer fits is refused with HTTP 413 (context_length_exceeded): set a policy to keep "
+        "long conversations going."),
     max_prompt_len: Optional[int] = typer.Option(
-        None, "--max-prompt-len", min=1, help="Window in tokens: prompt plus answer (default: the model's context)."),
+        None, "--max-prompt-len", min=1, metavar="TOKENS",
+        help="Window in tokens: prompt plus answer (default: the model's context)."),
     max_new_tokens: Optional[int] = typer.Option(
-        None, "--max-new-tokens", min=1, help="Answer length of requests that set no max_tokens (default 512)."),
+        None, "--max-new-tokens", min=1, metavar="TOKENS",
+        help="Answer length of requests that set no max_tokens (default: 512 tokens)."),
     temperature: Optional[float] = typer.Option(
-        None, "--temperature", min=0.0, help="Temperature of requests that set none (default 1, as OpenAI)."),
+        None, "--temperature", min=0.0, metavar="T",
+        help="Temperature of requests that set none (default: 1, as OpenAI's)."),
     snapshots: Optional[str] = typer.Option(
-        None, "--snapshots", help="Where KV snapshots go: s3://bucket/prefix (AWS_* credentials and endpoint), "
+        None, "--snapshots", metavar="URL",
+        help="Where KV snapshots go: s3://bucket/prefix (AWS_* credentials and endpoint), "
         "file:///dir or a directory (default: $AGENTKV_SNAPSHOT_URL, else beside the database)."),
     exact: bool = typer.Option(
         False, "--exact", help="Exact numerics (f32 KV, no dynamic quantisation): the same greedy answers on every "
-        "replica and after every restore, at some speed."),
+        "replica and after every restore, about 2x slower to read a long prompt."),
     lease_wait: float = typer.Option(
-        10.0, "--lease-wait", min=0.0, help="Seconds a request waits for a conversation another replica is running "
-        "before answering 409."),
+        10.0, "--lease-wait", min=0.0, metavar="SECONDS",
+        help="Seconds a request waits for a conversation another replica is running before it is refused with "
+        "HTTP 409."),
     drain_seconds: float = typer.Option(
-        0.0, "--drain-seconds", min=0.0, help="On SIGTERM, seconds /ready answers 503 while requests are still served "
+        0.0, "--drain-seconds", min=0.0, metavar="SECONDS",
+        help="On SIGTERM, seconds /ready answers 503 while requests are still served "
         "(so a proxy's health check moves traffic away) before the server stops."),
 ) -> None:
     """Serve the model over the OpenAI API: /v1/chat/completions, /v1/responses (stored, chained by

@@ -17,6 +17,7 @@ from datetime import timedelta
 from agentkv.cli.agent import CLIUsageError
 from agentkv.memory import Store
 from agentkv.memory.database import ENV_HOME
+from agentkv.engine.factory import ENGINE_ENV
 from agentkv.engine.paged.compiled_pool import KEEP_ENV
 from agentkv.memory.snapshots import ENV_SNAPSHOT_URL
 from agentkv.memory.store import ENV_DB_URL
@@ -40,11 +41,16 @@ AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL_S3, AWS_REGION), file
 
 {ENV_MODEL}: GGUF file or OpenVINO IR directory (--model wins); default: SmolLM2-135M-Instruct.
 
-{ENV_CACHE_DIR}: where the default model is converted to OpenVINO IR and compiled blobs are cached;
-default: the user cache directory.
+{ENGINE_ENV}: the engine that runs the model: paged (KV in shared blocks, requests batched together) or
+stateful (one KV cache per conversation); default: paged on CPU and GPU (stateful when a model's paged
+form fails), stateful on NPU.
 
-{KEEP_ENV}: compiled paged graphs a process keeps when an engine closes, for the next engine on the
-same model and settings (3 per engine on the default model); default: 0.
+{ENV_CACHE_DIR}: where models are converted to OpenVINO IR and compiled models are cached (`agentkv
+models list` shows them, `agentkv models prune` removes stale ones); default: the user cache directory.
+
+{KEEP_ENV}: how many compiled model graphs a process keeps in memory when an engine closes, so that
+the next engine on the same model and settings skips compiling (the default model's engine has 3);
+default: 0.
 """
 """The ``--help`` epilog (typer's rich help keeps paragraphs separated by blank lines)."""
 

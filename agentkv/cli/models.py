@@ -40,7 +40,8 @@ from agentkv.engine.openvino.models import (
 )
 from agentkv.errors import AgentKVError, ModelNotFound
 
-models_app = typer.Typer(help="Models: cached ones, what a model directory holds, GGUF → IR.",
+models_app = typer.Typer(help="Models: what a model directory holds, the models converted into the cache, "
+                         "and converting a GGUF or Hugging Face model to OpenVINO IR.",
                          no_args_is_help=True, rich_markup_mode=None)
 out = Console()
 err = Console(stderr=True)
@@ -255,7 +256,7 @@ def _engine_choice(path: Path) -> str:
     logger = logging.getLogger("agentkv.engine.factory")
     logger.addHandler(handler)
     try:
-        with err.status(f"Compiling {path.name} (open_engine)…"):
+        with err.status(f"Compiling {path.name} to see which engine runs it…"):
             engine = open_engine(path, chunk_graph=False)  # only which engine: no second graph
         anyio.run(engine.aclose)
     finally:
@@ -271,11 +272,13 @@ def _bad_input(error: AgentKVError) -> typer.Exit:
 
 @models_app.command("info")
 def info(
-    path: Path = typer.Argument(..., help="OpenVINO IR directory, Hugging Face directory or .gguf file."),
-    open_: bool = typer.Option(False, "--open",
-                               help="Also compile it: which engine open_engine picks, and why (slow)."),
+    path: Path = typer.Argument(..., metavar="PATH",
+                                help="OpenVINO IR directory, Hugging Face directory or .gguf file."),
+    open_: bool = typer.Option(False, "--open", help="Also compile the model, to say which engine (paged or "
+                               "stateful) will run it, and why (slow: seconds to minutes)."),
 ) -> None:
-    """What a model is and how agentkv will run it, read from its files without compiling."""
+    """What a model is and how agentkv will run it: family, chat template, tool-call format, RoPE,
+    context length, KV bytes per token. Read from its files; only the tokenizer is compiled."""
     try:
         described = describe(path.expanduser())
         rows = described.rows()
@@ -298,10 +301,12 @@ models_app.command("prune")(prune)
 @models_app.command("convert")
 def convert(
     source: Optional[Path] = typer.Argument(
-        None, help="A .gguf file or a Hugging Face directory (default: the default model)."),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Also copy the IR here (a new directory)."),
+        None, metavar="SOURCE", help="A .gguf file or a Hugging Face directory (default: the default model)."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", metavar="DIR",
+                                          help="Also copy the converted model here (a directory not there yet)."),
 ) -> None:
-    """Convert a GGUF (into the model cache) or a Hugging Face directory (with optimum-intel) to IR."""
+    """Convert a GGUF (into the model cache) or a Hugging Face directory (beside it, with optimum-intel)
+    to OpenVINO IR, showing each step."""
     try:
         target = _convert(source.expanduser() if source else None, output)
     except AgentKVError as error:
