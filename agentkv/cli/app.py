@@ -33,6 +33,9 @@ from agentkv.cli.chat import EXIT_INTERRUPTED, ChatRequest, run_chat
 from agentkv.cli.config import ENVIRONMENT_HELP, open_store, parse_age
 from agentkv.chat.messages import pending_tool_calls
 from agentkv.cli.display import format_call, sessions_table, show_message
+from agentkv.cli.help_text import (AGENT_HELP, CHAT_POLICY_HELP, CHAT_TOOLS_HELP, DB_HELP, DRAIN_HELP, ENGINE_HELP,
+                                   EXACT_HELP, KV_REUSE_HELP, LEASE_WAIT_HELP, MAX_SESSIONS_HELP, MODEL_HELP,
+                                   SERVE_POLICY_HELP, SESSION_HELP, SNAPSHOTS_HELP)
 from agentkv.cli.models import models_app
 from agentkv.errors import AgentKVError, UserError
 from agentkv.memory.leases import live_pid_here
@@ -53,11 +56,6 @@ app.add_typer(models_app, name="models")
 out = Console()
 err = Console(stderr=True)
 
-DB_HELP = ("Database of the store, as a SQLAlchemy URL: sqlite:///path/agentkv.db or "
-           "postgresql+psycopg2://user:password@host/db (default: $AGENTKV_DB_URL, else $AGENTKV_HOME/agentkv.db).")
-MODEL_HELP = ("GGUF file or OpenVINO IR directory (default: $AGENTKV_MODEL, else SmolLM2-135M-Instruct, "
-              "converted on first use); $AGENTKV_ENGINE picks the engine (see below).")
-SESSION_HELP = "The session's id (`agentkv sessions list` shows them)."
 ENGINES: dict[str, Backend] = {"paged": "paged", "stateful": "stateful"}
 """``--engine`` values, and the engine backend each picks."""
 
@@ -65,23 +63,14 @@ ENGINES: dict[str, Backend] = {"paged": "paged", "stateful": "stateful"}
 @app.command(epilog=ENVIRONMENT_HELP)
 def chat(
     session: Optional[str] = typer.Option(None, "--session", "-s", metavar="ID", help="Continue this stored session."),
-    agent: Optional[str] = typer.Option(
-        None, "--agent", "-a", metavar="NAME", help="Agent name (default: the session's agent, else 'assistant', or "
-        "'assistant+tools' with --tools, 'assistant+system-HASH' with --system: each stored as itself). "
-        "A stored agent is used as stored; options may not give it other instructions or tools."),
+    agent: Optional[str] = typer.Option(None, "--agent", "-a", metavar="NAME", help=AGENT_HELP),
     model: Optional[str] = typer.Option(None, "--model", "-m", metavar="PATH", help=MODEL_HELP),
     db: Optional[str] = typer.Option(None, "--db", metavar="URL", help=DB_HELP),
     metrics: bool = typer.Option(False, "--metrics", help="Print token and timing metrics after each model call."),
-    tools: Optional[bool] = typer.Option(
-        None, "--tools/--no-tools", help="Give the agent the calculator and clock tools (or none). Each "
-        "message is then answered by one tool call, whose result is the answer: the default model "
-        "does not pick tools by itself, nor read their results back."),
+    tools: Optional[bool] = typer.Option(None, "--tools/--no-tools", help=CHAT_TOOLS_HELP),
     system: Optional[str] = typer.Option(None, "--system", metavar="TEXT",
                                           help="The agent's instructions (system prompt)."),
-    policy: Optional[PolicyName] = typer.Option(
-        None, "--policy", case_sensitive=False,
-        help="What leaves the window when the prompt outgrows --max-prompt-len (default: the stored agent's, "
-        "else none: a message that no longer fits ends in an error saying so)."),
+    policy: Optional[PolicyName] = typer.Option(None, "--policy", case_sensitive=False, help=CHAT_POLICY_HELP),
     max_prompt_len: Optional[int] = typer.Option(
         None, "--max-prompt-len", min=1, metavar="TOKENS",
         help="Window in tokens: prompt plus answer (default: the model's context)."),
@@ -312,30 +301,18 @@ def serve(
     db: Optional[str] = typer.Option(
         None, "--db", metavar="URL", help=DB_HELP + " Stored responses and their conversations live here."),
     model: Optional[str] = typer.Option(None, "--model", metavar="PATH", help=MODEL_HELP),
-    engine: Optional[str] = typer.Option(
-        None, "--engine", metavar="paged|stateful",
-        help="paged: KV in shared blocks, requests batched together (the default on CPU and GPU); stateful: "
-        "one KV cache per conversation (NPU). Default: $AGENTKV_ENGINE, else paged."),
-    max_sessions: int = typer.Option(
-        64, "--max-sessions", min=1, metavar="N",
-        help="Conversations whose KV stays in memory between requests, for chat requests and for stored "
-        "conversations each (past it, the one idle longest is closed; a stored one keeps its history and snapshot)."),
+    engine: Optional[str] = typer.Option(None, "--engine", metavar="paged|stateful", help=ENGINE_HELP),
+    max_sessions: int = typer.Option(64, "--max-sessions", min=1, metavar="N", help=MAX_SESSIONS_HELP),
     max_running: int = typer.Option(64, "--max-running", min=1, metavar="N",
                                     help="Requests served at once; more are refused with HTTP 429."),
-    kv_reuse: bool = typer.Option(True, "--kv-reuse/--no-kv-reuse",
-                                  help="Continue from the KV a kept conversation already holds when a chat "
-                                  "request extends it (off: the model reads every request's whole prompt again)."),
+    kv_reuse: bool = typer.Option(True, "--kv-reuse/--no-kv-reuse", help=KV_REUSE_HELP),
     system: Optional[str] = typer.Option(
         None, "--system", metavar="TEXT",
         help="System prompt of requests that send none (default: the chat template's)."),
     tools: Optional[bool] = typer.Option(
         None, "--tools/--no-tools",
         help="Offer the calculator and clock tools on every request, run by the server (default: none)."),
-    policy: Optional[PolicyName] = typer.Option(
-        None, "--policy", case_sensitive=False,
-        help="What leaves the window of a stored conversation that outgrows --max-prompt-len. Without one, a "
-        "request that no longer fits is refused with HTTP 413 (context_length_exceeded): set a policy to keep "
-        "long conversations going."),
+    policy: Optional[PolicyName] = typer.Option(None, "--policy", case_sensitive=False, help=SERVE_POLICY_HELP),
     max_prompt_len: Optional[int] = typer.Option(
         None, "--max-prompt-len", min=1, metavar="TOKENS",
         help="Window in tokens: prompt plus answer (default: the model's context)."),
@@ -345,21 +322,10 @@ def serve(
     temperature: Optional[float] = typer.Option(
         None, "--temperature", min=0.0, metavar="T",
         help="Temperature of requests that set none (default: 1, as OpenAI's)."),
-    snapshots: Optional[str] = typer.Option(
-        None, "--snapshots", metavar="URL",
-        help="Where KV snapshots go: s3://bucket/prefix (AWS_* credentials and endpoint), "
-        "file:///dir or a directory (default: $AGENTKV_SNAPSHOT_URL, else beside the database)."),
-    exact: bool = typer.Option(
-        False, "--exact", help="Exact numerics (f32 KV, no dynamic quantisation): the same greedy answers on every "
-        "replica and after every restore, about 2x slower to read a long prompt."),
-    lease_wait: float = typer.Option(
-        10.0, "--lease-wait", min=0.0, metavar="SECONDS",
-        help="Seconds a request waits for a conversation another replica is running before it is refused with "
-        "HTTP 409."),
-    drain_seconds: float = typer.Option(
-        0.0, "--drain-seconds", min=0.0, metavar="SECONDS",
-        help="On SIGTERM, seconds /ready answers 503 while requests are still served "
-        "(so a proxy's health check moves traffic away) before the server stops."),
+    snapshots: Optional[str] = typer.Option(None, "--snapshots", metavar="URL", help=SNAPSHOTS_HELP),
+    exact: bool = typer.Option(False, "--exact", help=EXACT_HELP),
+    lease_wait: float = typer.Option(10.0, "--lease-wait", min=0.0, metavar="SECONDS", help=LEASE_WAIT_HELP),
+    drain_seconds: float = typer.Option(0.0, "--drain-seconds", min=0.0, metavar="SECONDS", help=DRAIN_HELP),
 ) -> None:
     """Serve the model over the OpenAI API: /v1/chat/completions, /v1/responses (stored, chained by
     previous_response_id across restarts), /v1/models. Prints the URL when ready; stops on SIGTERM."""

@@ -182,7 +182,8 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 def describe(path: Path) -> ModelInfo:
     """Read what ``agentkv models info`` shows from ``path`` (a model directory or a ``.gguf``),
-    compiling nothing: ``describe(Path("tests/data/zoo/gemma2")).config["sliding_window"]`` → 32."""
+    compiling nothing but the tokenizer IRs (for the template):
+    ``describe(Path("tests/data/zoo/gemma2")).config["sliding_window"]`` → 32."""
     if path.is_file() and path.suffix == ".gguf":
         import gguf
 
