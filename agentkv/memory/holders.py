@@ -15,9 +15,11 @@ import uuid
 from pathlib import Path
 
 
-def holder_id() -> str:
-    """A new holder id for this process: ``holder_id()`` → ``"box1:4242:9f3a1c"``."""
-    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+def holder_id(host: str | None = None) -> str:
+    """A new holder id for this process: ``holder_id()`` → ``"box1:4242:9f3a1c"``. ``host``: the
+    host part instead of this machine's name (a test playing two hosts: ``holder_id("replica-b")``;
+    its leases are then another host's, taken over only once they expire)."""
+    return f"{host or socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
 
 
 def parse_holder(holder: str) -> tuple[str, int] | None:

@@ -19,6 +19,12 @@ on another host, or one whose id does not parse, keeps its lease until it expire
 with ``LeaseLost`` once the lease has passed to another holder (or was force-released), so a
 holder that lost its lease while it stalled cannot write after the next holder did.
 
+A holder whose host crashed cannot be seen dead from another host: its lease is taken over once
+it expires, ``DEFAULT_LEASE_TTL_S`` after its last renewal at most (``CROSS_HOST_TAKEOVER_S`` for a
+request polling for it), which is shorter than a server request's lease wait. An early takeover of
+a holder that only stalled is safe: every write of a run is fenced, so the stalled run loses its
+lease and stops, and the history stays the new holder's.
+
 Changes of a session's history made outside a run (``Store.rewind``, ``fork_session``,
 ``delete_session``) take the lease for their one transaction unless the caller passes its own
 token (``fence_or_lease``), so they never interleave with a run's writes.
@@ -48,14 +54,20 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_LEASE_TTL_S", "LEASE_POLL_MAX_S", "WRITE_LEASE_WAIT_S", "LeaseKeeper",
+__all__ = ["CROSS_HOST_TAKEOVER_S", "DEFAULT_LEASE_TTL_S", "LEASE_POLL_MAX_S", "WRITE_LEASE_WAIT_S", "LeaseKeeper",
            "acquire_waiting", "fence_or_lease", "holder_id", "holder_is_dead_here", "live_pid_here", "parse_holder",
            "pid_is_alive"]
 
-DEFAULT_LEASE_TTL_S = 30.0
-"""Lease length used by ``LeaseKeeper``: a crashed holder on another host blocks this long."""
+DEFAULT_LEASE_TTL_S = 6.0
+"""Lease length used by ``LeaseKeeper`` (renewed every third of it): a holder whose host crashed
+blocks its sessions this long at most. Short, so that a request waiting for such a session gets it
+within its wait; safe, because a holder that stalls past it only loses its run (its writes are
+fenced). Model steps run off the event loop the renewals run on."""
 LEASE_POLL_MAX_S = 0.5
 """Longest pause between two tries of a lease another holder has (the first pauses are shorter)."""
+CROSS_HOST_TAKEOVER_S = DEFAULT_LEASE_TTL_S + LEASE_POLL_MAX_S
+"""How long, at most, a waiting request takes to get a session whose holder's host crashed (its
+lease expires, then the next poll takes it): a server's lease wait must be longer."""
 WRITE_LEASE_WAIT_S = 2.0
 """How long a change of a session's history outside a run (``Store.rewind``, ``fork_session``,
 ``delete_session``) waits for a live run's lease before ``SessionBusy`` (``Store(lease_wait_s=)``)."""
@@ -147,6 +159,7 @@ class LeaseKeeper:
         self.token: int | None = None
         """The lease's fencing token, once entered (pass it as ``fence=`` to the store's writes)."""
         self._entered = False
+        self._renewed_at = 0.0  # anyio.current_time() of the last renewal (or of entering)
         # Made on entering: anyio primitives need a running event loop.
         self._renewals: anyio.CancelScope | None = None
         self._lock: anyio.Lock | None = None
@@ -179,6 +192,7 @@ class LeaseKeeper:
             with anyio.CancelScope(shield=True):
                 await self._release_after_error(error)
             raise
+        self._renewed_at = anyio.current_time()
         self._tasks.start_soon(self._renew_forever)
         return self
 
@@ -234,6 +248,7 @@ class LeaseKeeper:
             assert self.token is not None
             try:
                 await self.store.renew_lease(self.session_id, self.holder, self.token, self.ttl_s)
+                self._note_renewal()
             except LeaseLost as e:
                 return self._lose(f"{e.holder} took it over" if e.holder else "it was released (sessions unlock)")
             except SessionNotFound:
@@ -242,6 +257,16 @@ class LeaseKeeper:
                 logger.warning("could not renew the lease of session %r; retrying in %.1f s",
                                self.session_id, delay_s, exc_info=True)
         return True
+
+    def _note_renewal(self) -> None:
+        """Warn when this renewal came after the lease had expired: the process stalled (its
+        event loop blocked, or the database slow) long enough for another host to take it over."""
+        now = anyio.current_time()
+        since, self._renewed_at = now - self._renewed_at, now
+        if since > self.ttl_s:
+            logger.warning("renewed the lease of session %r %.1f s after the last renewal, past its ttl of %.1f s: "
+                           "this process stalled (a blocked event loop, a slow database) and another host could "
+                           "have taken the session over meanwhile", self.session_id, since, self.ttl_s)
 
     def _lose(self, why: str) -> bool:
         self.lost = True
