@@ -11,12 +11,17 @@ Routes: ``GET /v1/models``, ``POST /v1/chat/completions`` and ``POST /v1/respons
 server-sent events), ``GET`` / ``DELETE /v1/responses/{id}``, ``GET /v1/sessions/{id}/locality``
 (``agentkv.server.locality``), ``GET /health``, ``GET /ready`` (``agentkv.server.readiness``),
 ``GET /metrics`` (Prometheus text: queued and running requests, KV-cache use…, ``agentkv.observe.metrics``).
-``X-Session-Id`` names a request's conversation and every answer carries it back
-(``agentkv.server.session_ids``): on chat completions it pins the request to that live KV session
-(else the body's ``user`` does, else the session continuing its history is used); on responses it
-names the stored conversation. The key is checked before the body is read; every error is an
-OpenAI error object; each request leaves one line on the access log (``agentkv.server.access``);
-on shutdown ``/ready`` answers 503 and open streams end with a last event.
+``X-Session-Id`` names a request's conversation and every answer that ran it (a 2xx) carries it
+back (``agentkv.server.session_ids``): on chat completions it pins the request to that live KV
+session (else the body's ``user`` does, else the session continuing its history is used); on
+responses it names the stored conversation. An error answer never carries it (nor
+``X-Response-Id``): a streamed request refused as its run begins — the conversation another
+replica holds, a named session another request runs — is a 409 with ``Retry-After`` before any
+event (``agentkv.server.decided_stream``). A client that hangs up before its answer stops its
+request (``agentkv.server.hang_ups``). The key is checked before the body is read; every error is
+an OpenAI error object; each request leaves one line on the access log
+(``agentkv.server.access``); on shutdown ``/ready`` answers 503 and open streams end with a last
+event.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -34,7 +39,6 @@ from fastapi.responses import JSONResponse
 from fastapi.exceptions import RequestValidationError
 from openai.types import Model
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agentkv.engine.base import Engine
@@ -45,14 +49,16 @@ from agentkv.runtime.runtime import Runtime
 from agentkv.server.access_log import AccessLog, AccessNote
 from agentkv.server.auth import BearerAuth
 from agentkv.server.chat import ChatCompletions
+from agentkv.server.decided_stream import DecidedStream
 from agentkv.server.errors import (
+    RETRY_LATER,
     ApiError,
     api_error_handler,
-    as_api_error,
     error_body,
     http_error_handler,
     validation_error_handler,
 )
+from agentkv.server.hang_ups import CLIENT_CLOSED_REQUEST, unless_hung_up
 from agentkv.server.live_sessions import LiveSessions
 from agentkv.server.locality import Locality
 from agentkv.server.open_conversations import OpenConversations
@@ -67,6 +73,9 @@ from agentkv.server.wire import ChatCompletionRequest, as_wire
 SHUTDOWN_GRACE_S = 5.0
 """Seconds a stream has to end itself once the server shuts down (below uvicorn's
 ``timeout_graceful_shutdown``, after which connections are cut)."""
+STOPPED_BEFORE_START = ApiError(503, "the server is shutting down: the request was stopped before it began; send it "
+                                     "again", "server_shutting_down", headers=RETRY_LATER)
+"""The answer to a stream the server's shutdown stopped before its first event (nothing ran)."""
 
 
 def create_app(
@@ -164,21 +173,19 @@ def create_app(
         prepared = chat.prepare(body, tenant=tenant)  # bad input is an HTTP error, before the stream starts
         session_id = chat.route(prepared, session_id=named, pin=pin)
         if not body.stream:
-            answer = await chat.complete(body, prepared, session_id=session_id, pin=pin, note=note)
+            answer = await unless_hung_up(request.receive, chat.complete(body, prepared, session_id=session_id,
+                                                                         pin=pin, note=note))
+            if answer is None:
+                return Response(status_code=CLIENT_CLOSED_REQUEST)
             return JSONResponse(answer, headers={SESSION_HEADER: session_id})
         stop = anyio.Event()
 
-        async def events() -> AsyncIterator[dict[str, str]]:
-            try:
-                async for item in chat.stream(body, prepared, session_id=session_id, pin=pin, note=note, stop=stop):
-                    yield {"data": json.dumps(item)}
-            except Exception as error:  # after the headers: the error travels as an event
-                api = as_api_error(error)
-                yield {"data": json.dumps(error_body(api.status, api.message, api.code, api.param))}
-                return
+        async def events() -> AsyncGenerator[dict[str, str], None]:
+            async for item in chat.stream(body, prepared, session_id=session_id, pin=pin, note=note, stop=stop):
+                yield {"data": json.dumps(item)}
             yield {"data": "[DONE]"}
 
-        return _event_stream(events(), stop, {SESSION_HEADER: session_id})
+        return _event_stream(events(), stop, {SESSION_HEADER: session_id}, _chat_error_event)
 
     @app.post("/v1/responses", response_model=None)
     async def create_response(body: ResponseRequest, request: Request) -> Any:
@@ -186,19 +193,17 @@ def create_app(
         plan = await responses.plan(body, tenant=_tenant(request), session_id=named)
         note = AccessNote.of(request)
         if not body.stream:
-            return JSONResponse(await responses.create(plan, note=note), headers=plan.headers)
+            answer = await unless_hung_up(request.receive, responses.create(plan, note=note))
+            if answer is None:
+                return Response(status_code=CLIENT_CLOSED_REQUEST)
+            return JSONResponse(answer, headers=plan.headers)
         stop = anyio.Event()
 
-        async def sse() -> AsyncIterator[dict[str, str]]:
-            try:
-                async for event in responses.stream(plan, note=note, stop=stop):
-                    yield {"event": str(event["type"]), "data": json.dumps(event)}
-            except Exception as error:  # after the headers: the error travels as an event
-                api = as_api_error(error)
-                yield {"event": "error", "data": json.dumps({"type": "error", "code": api.code,
-                                                             "message": api.message, "param": api.param})}
+        async def sse() -> AsyncGenerator[dict[str, str], None]:
+            async for event in responses.stream(plan, note=note, stop=stop):
+                yield {"event": str(event["type"]), "data": json.dumps(event)}
 
-        return _event_stream(sse(), stop, plan.headers)
+        return _event_stream(sse(), stop, plan.headers, _response_error_event)
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str, request: Request) -> dict[str, Any]:
@@ -211,13 +216,25 @@ def create_app(
     return app
 
 
-def _event_stream(events: AsyncIterator[dict[str, str]], stop: anyio.Event,
-                  headers: dict[str, str]) -> EventSourceResponse:
-    """Server-sent ``events``, with ``headers`` (the conversation's ``X-Session-Id``…); on the server's
-    shutdown ``stop`` is set and the stream has ``SHUTDOWN_GRACE_S`` to end itself (a last event,
-    then the end of the body) before it is cut."""
-    return EventSourceResponse(events, ping=15, shutdown_event=stop, shutdown_grace_period=SHUTDOWN_GRACE_S,
-                               headers=headers)
+def _event_stream(events: AsyncGenerator[dict[str, str], None], stop: anyio.Event, headers: dict[str, str],
+                  error_event: Callable[[ApiError], dict[str, str]]) -> DecidedStream:
+    """Server-sent ``events``, with ``headers`` (the conversation's ``X-Session-Id``…) once the first
+    event is there (an error before it is an error answer without them: ``DecidedStream``); on the
+    server's shutdown ``stop`` is set and the stream has ``SHUTDOWN_GRACE_S`` to end itself (a last
+    event, then the end of the body) before it is cut."""
+    return DecidedStream(events, headers=headers, stop=stop, error_event=error_event, empty=STOPPED_BEFORE_START,
+                         grace_s=SHUTDOWN_GRACE_S)
+
+
+def _chat_error_event(api: ApiError) -> dict[str, str]:
+    """A chat stream's last event when an error ends it after its first."""
+    return {"data": json.dumps(error_body(api.status, api.message, api.code, api.param))}
+
+
+def _response_error_event(api: ApiError) -> dict[str, str]:
+    """A Responses stream's last event when an error ends it after its first."""
+    return {"event": "error", "data": json.dumps({"type": "error", "code": api.code, "message": api.message,
+                                                  "param": api.param})}
 
 
 def _tenant(request: Request) -> str:

@@ -118,18 +118,23 @@ class ChatCompletions:
     async def stream(self, request: ChatCompletionRequest, prepared: Prepared, *, session_id: str,
                      pin: str | None = None, note: AccessNote | None = None,
                      stop: anyio.Event | None = None) -> AsyncIterator[dict[str, Any]]:
-        """The ``chat.completion.chunk`` objects of ``request`` (run already ``prepare``d). Once
-        ``stop`` is set (the server is shutting down) the run is stopped at its next event and the
-        stream ends with ``finish_reason="length"``: the answer was cut short."""
+        """The ``chat.completion.chunk`` objects of ``request`` (run already ``prepare``d), the first
+        once its KV session is held and the run has begun (what refuses it — a named session
+        another request runs, a full server — is raised before any chunk). Once ``stop`` is set
+        (the server is shutting down) the run is stopped at its next event and the stream ends
+        with ``finish_reason="length"``: the answer was cut short (no chunk at all if it was stopped
+        before its first)."""
         request_id, created = _request_id(), int(time.time())
         note = note or AccessNote()
         note.update(id=request_id, session=session_id)
-        yield chunk(request_id, self.model_id, created, ChoiceDelta(role="assistant", content=""))
-        result = None
+        result, began = None, False
         async with aclosing(self._result(prepared, session_id, pin)) as run:
             async for event in run:
                 if stop is not None and stop.is_set():
                     break
+                if not began:  # NOTE: the run holds its session: the answer exists now
+                    began = True
+                    yield chunk(request_id, self.model_id, created, ChoiceDelta(role="assistant", content=""))
                 if isinstance(event, TextDelta):
                     entries = token_logprobs(event.logprobs) if request.logprobs else None
                     yield chunk(request_id, self.model_id, created, ChoiceDelta(content=event.text),
@@ -140,7 +145,8 @@ class ChatCompletions:
                 else:
                     result = event
         if result is None:  # stopped: the server is shutting down
-            yield chunk(request_id, self.model_id, created, ChoiceDelta(), "length")
+            if began:
+                yield chunk(request_id, self.model_id, created, ChoiceDelta(), "length")
             return
         counts = TokenCounts.of(result.call_metrics)
         note.update(cached_tokens=counts.cached)

@@ -1,10 +1,12 @@
 """OpenAI-style error responses: agentkv's exceptions mapped to the status and error object an
 OpenAI client expects (``{"error": {"message", "type", "param", "code"}}``, the openai package's
-``ErrorObject``).
+``ErrorObject``). A refusal that a later try may not meet (a conversation another request or
+replica is running, a full server) says when to try again in ``Retry-After``.
 
 ::
 
-    raise ApiError(429, "the server is busy: 32 requests are running; retry later", "rate_limit_exceeded")
+    raise ApiError(429, "the server is busy: 32 requests are running; retry later", "rate_limit_exceeded",
+                   headers=RETRY_LATER)
 """
 
 from __future__ import annotations
@@ -32,15 +34,25 @@ from agentkv.validation_text import describe_problems
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error",
-          500: "server_error"}
+          500: "server_error", 503: "server_error"}
+
+RETRY_AFTER_S = 1
+"""Seconds a refused request is told to wait (``Retry-After``) before it tries again: a busy
+conversation's run or a full server's requests usually end within that (a proxy may also send
+the retry to another replica)."""
+RETRY_LATER = {"Retry-After": str(RETRY_AFTER_S)}
+"""The headers of a refusal worth retrying."""
 
 
 class ApiError(Exception):
     """An error answered with ``status`` and an OpenAI error object."""
 
-    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None, *,
+                 headers: Mapping[str, str] | None = None) -> None:
+        """``headers``: what the answer carries besides the error (``RETRY_LATER``)."""
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
+        self.headers = dict(headers or {})
 
 
 def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
@@ -53,7 +65,8 @@ def error_body(status: int, message: str, code: str | None = None, param: str | 
 
 
 def as_api_error(error: BaseException) -> ApiError:
-    """The status an agentkv exception deserves (500 for anything unexpected)."""
+    """The status an agentkv exception deserves (500 for anything unexpected); a conversation
+    that is running (here or on another replica) is a 409 with ``Retry-After``."""
     if isinstance(error, ApiError):
         return error
     if isinstance(error, ContextOverflowError):
@@ -61,21 +74,30 @@ def as_api_error(error: BaseException) -> ApiError:
     if isinstance(error, ResponseNotFound):
         return ApiError(404, str(error), "response_not_found")
     if isinstance(error, SessionBusy):
-        return ApiError(409, str(error), "session_busy")
+        return ApiError(409, str(error), "session_busy", headers=RETRY_LATER)
     if isinstance(error, SessionExists):
         return ApiError(409, str(error), "session_conflict")
     if isinstance(error, ResponseSuperseded):
         return ApiError(409, str(error), "response_superseded", "previous_response_id")
     if isinstance(error, LeaseLost):
-        return ApiError(409, str(error), "session_lease_lost")
+        return ApiError(409, str(error), "session_lease_lost", headers=RETRY_LATER)
     if isinstance(error, (UserError, ConstraintError, ValueError)):
         return ApiError(400, str(error), "invalid_request")
     return ApiError(500, f"internal error: {type(error).__name__}: {error}", "internal_error")
 
 
 async def api_error_handler(request: Request, error: Exception) -> JSONResponse:
-    api = as_api_error(error)
-    return JSONResponse(error_body(api.status, api.message, api.code, api.param), status_code=api.status)
+    return error_answer(as_api_error(error))
+
+
+def error_answer(api: ApiError) -> JSONResponse:
+    """The answer to a refused request: ``api``'s status, error object and headers only (never
+    the ``X-Session-Id`` / ``X-Response-Id`` of a run: none ran)::
+
+        error_answer(ApiError(409, "conversation 'c1' is running", "session_busy", headers=RETRY_LATER))
+    """
+    return JSONResponse(error_body(api.status, api.message, api.code, api.param), status_code=api.status,
+                        headers=api.headers)
 
 
 async def validation_error_handler(request: Request, error: Exception) -> JSONResponse:

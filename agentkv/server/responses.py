@@ -208,7 +208,10 @@ class Responses:
         """The stream events of the response: ``response.created`` once the input is accepted and
         the run has begun, ``response.completed`` (or ``.incomplete``) last, once it is stored.
         Once ``stop`` is set (the server is shutting down) the run is stopped at its next event and
-        the stream ends with ``response.failed``; nothing is stored (as for any unfinished run)."""
+        the stream ends with ``response.failed`` — or yields nothing if that was its first: every
+        stream that says anything says ``response.created`` first. Nothing is stored (as for any
+        unfinished run). What refuses the run (the conversation's lease another replica holds, a
+        full server) is raised before any event."""
         response_id, created = plan.response_id, int(time.time())
         note = note or AccessNote()
         note.update(id=response_id)
@@ -247,6 +250,8 @@ class Responses:
                 if not isinstance(error, _Stopped):
                     raise
         if body is None:  # stopped
+            if output.sequence == 0:  # NOTE: before its first event: no response was announced, none fails
+                return
             failed = response_object(plan.request, response_id, self.model_id, created, [], status="failed",
                                      error={"code": "server_error", "message": SHUTTING_DOWN})
             yield output.event("response.failed", response=failed)

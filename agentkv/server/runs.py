@@ -26,7 +26,7 @@ from agentkv.errors import ContextOverflowError, UserError
 from agentkv.events import RunEvent, RunFinished
 from agentkv.run.input import checked_input
 from agentkv.runtime.runtime import Runtime
-from agentkv.server.errors import ApiError
+from agentkv.server.errors import RETRY_LATER, ApiError
 from agentkv.server.live_sessions import LiveSessions
 
 
@@ -75,10 +75,11 @@ class Runs:
         """Admitted requests still waiting for their KV session (``waiting_for_kv``)."""
 
     def refuse_if_full(self) -> None:
-        """``ApiError`` 429 when ``max_running`` requests are running (checked again on admission)."""
+        """``ApiError`` 429 (with ``Retry-After``) when ``max_running`` requests are running (checked
+        again on admission)."""
         if self.running >= self.max_running:
             raise ApiError(429, f"the server is busy: {self.running} requests are running; retry later",
-                           "rate_limit_exceeded")
+                           "rate_limit_exceeded", headers=RETRY_LATER)
 
     @asynccontextmanager
     async def admitted(self) -> AsyncIterator[None]:

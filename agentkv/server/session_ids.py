@@ -1,9 +1,10 @@
 """Session ids on the wire: the ``X-Session-Id`` header read, checked and made, so a
 session-affine proxy can hash on one key per conversation.
 
-A request's header names its conversation; a response always carries the header back (the id
-the request was given, or the one the server derived: the conversation of
-``previous_response_id``, the live KV session a chat request matched, or a new id)::
+A request's header names its conversation; every answer that ran it (a 2xx, never an error)
+carries the header back (the id the request was given, or the one the server derived: the
+conversation of ``previous_response_id``, the live KV session a chat request matched, or a new
+id)::
 
     session_id = requested_session_id(request.headers)     # None: no header; ApiError 400: a bad one
     response.headers[SESSION_HEADER] = session_id or new_session_id()
