@@ -106,7 +106,7 @@ async def test_a_run_waiting_on_a_crashed_hosts_conversation_is_answered_once_th
 
     async def time_passes() -> None:
         await anyio.sleep(0.2)  # the request is waiting by now
-        clock.advance(DEFAULT_LEASE_TTL_S + 0.1)
+        clock.advance(DEFAULT_LEASE_WAIT_S - 1)  # most of its wait, not all of it
 
     started = time.monotonic()
     async with anyio.create_task_group() as tasks:
@@ -173,3 +173,34 @@ async def test_a_keeper_that_stalled_past_its_ttl_says_so_when_it_renews(
             await anyio.sleep(0.3)
             assert lease.held  # nobody wanted it meanwhile: renewed
     assert "past its ttl of 0.3 s: this process stalled" in caplog.text
+
+
+async def test_a_server_request_for_a_conversation_whose_replicas_host_crashed_is_answered_not_refused(
+        tmp_path: Path, clock: FakeClock) -> None:
+    import httpx
+
+    from agentkv.server import create_app
+
+    url = f"sqlite:///{tmp_path / 'agentkv.db'}"
+    store = Store(url, clock=clock)
+    app = create_app(ScriptedEngine(["Hello!", "Still here."]), store=store, api_key="sk-test", model_id="scripted",
+                     lease_wait_s=DEFAULT_LEASE_WAIT_S)  # the server's default wait
+    body = {"model": "scripted", "temperature": 0}
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://test",
+            headers={"Authorization": "Bearer sk-test"}, timeout=30) as client:
+        first = await client.post("/v1/responses", json={**body, "input": "Hi"})
+        session = first.headers["X-Session-Id"]
+        await store.acquire_lease(session, HOST_A, DEFAULT_LEASE_TTL_S)  # replica a's next run, then its host dies
+
+        async def time_passes() -> None:
+            await anyio.sleep(0.2)  # the request is waiting by now
+            clock.advance(DEFAULT_LEASE_WAIT_S - 1)  # most of its wait, not all of it
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(time_passes)
+            answer = await client.post("/v1/responses", json={**body, "input": "Still there?",
+                                                              "previous_response_id": first.json()["id"]})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["output"][0]["content"][0]["text"] == "Still here."
+    await store.close()
