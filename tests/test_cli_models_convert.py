@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 from pathlib import Path
 
 from rich.console import Console
@@ -31,11 +32,11 @@ def test_conversion_shows_a_progress_bar_naming_each_step(tmp_path, monkeypatch)
     gguf.write_bytes(b"GGUF")
     models._ensure_ir_for_gguf(gguf)
     shown = screen.getvalue()
+    assert shown.startswith("Converting tiny.gguf to OpenVINO IR")
     for number, step in enumerate(models.CONVERT_STEPS):
-        assert f"Converting tiny.gguf: {step}" in shown
-        assert f"{number}/{len(models.CONVERT_STEPS)}" in shown
-    assert "━" in shown  # the bar itself, not a spinner alone
-    assert "Converting tiny.gguf: converting to IR with openvino-genai" in seen[0]  # shown while it runs
+        assert re.search(rf"{re.escape(step)} [ ━]+ {number}/{len(models.CONVERT_STEPS)} ", shown), step
+    assert re.search(r"converting with openvino-genai ━{5,} +1/4 \S+$", seen[0])  # the bar, while it converts
+    assert "4/4" in shown
     assert "Converted tiny.gguf in" in shown
 
 
@@ -68,8 +69,9 @@ def test_converting_a_hugging_face_directory_shows_optimum_cli_s_steps(tmp_path,
     result = CliRunner().invoke(app, ["models", "convert", str(hf_dir(tmp_path))])
     assert result.exit_code == 0, result.output
     assert (tmp_path / "Tiny-hf-ov").is_dir()
-    assert "Converting Tiny-hf with optimum-intel: Loading the model" in screen.getvalue()
-    assert "Converting Tiny-hf with optimum-intel: Exporting the tokenizer" in screen.getvalue()
+    shown = screen.getvalue()
+    assert shown.startswith("Converting Tiny-hf with optimum-intel")
+    assert re.search(r"Loading the model ━+", shown) and re.search(r"Exporting the tokenizer ━+", shown)
 
 
 def test_a_failed_hugging_face_conversion_says_optimum_cli_s_last_line(tmp_path, monkeypatch):

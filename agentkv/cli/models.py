@@ -345,21 +345,23 @@ def _convert_hf(source: Path, output: Path) -> Path:
 
 
 def _run_with_progress(command: list[str], title: str) -> str | None:
-    """Run ``command`` under a progress bar whose text is the last line it printed (optimum-cli
-    names its steps: loading, exporting, converting the tokenizer…); None when it succeeded, else
-    its last line."""
+    """Print ``title``, then run ``command`` under a progress bar whose text is the last line it
+    printed (optimum-cli names its steps: loading, exporting, converting the tokenizer…); None when
+    it succeeded, else its last line."""
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from agentkv.engine.openvino import models as model_files
 
     last = "no output"
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=model_files.progress_console(), transient=True) as progress:
-        task = progress.add_task(title, total=None)
+    console = model_files.progress_console()
+    console.print(title)
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task("starting optimum-cli", total=None)
         with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as process:
             for line in process.stdout or ():
                 if line.strip():
                     last = line.strip()
-                    progress.update(task, description=f"{title}: {last[:70]}")
+                    progress.update(task, description=last[:60])
                     progress.refresh()
     return None if process.returncode == 0 else last

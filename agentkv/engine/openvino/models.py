@@ -185,8 +185,8 @@ def gguf_ir_dir(gguf: Path) -> Path:
     return _cache_root_path() / "models" / gguf_key(gguf)
 
 
-CONVERT_STEPS = ("linking the GGUF", "converting to IR with openvino-genai (~5 s)",
-                 "reading the GGUF's vocabulary", "moving into the cache")
+CONVERT_STEPS = ("linking the GGUF", "converting with openvino-genai", "reading the vocabulary",
+                 "moving into the cache")
 """What a GGUF's conversion does, in order: the steps its progress bar names."""
 
 
@@ -236,16 +236,20 @@ def progress_console() -> Console:
 
 @contextmanager
 def _conversion_progress(name: str) -> Iterator[Callable[[str], None]]:
-    """A progress bar over ``CONVERT_STEPS``; yields ``step(what)``, called as each step starts."""
+    """A title line, then a progress bar over ``CONVERT_STEPS``; yields ``step(what)``, called as
+    each step starts. NOTE: openvino-genai's conversion holds the GIL, so the spinner and clock
+    stand still during that step (16 s for the default model on 2 busy cores, 8 s reading the vocabulary)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
-    with Progress(*columns, console=progress_console(), transient=True) as progress:
-        task = progress.add_task(f"Converting {name}", total=len(CONVERT_STEPS))
+    console = progress_console()
+    console.print(f"Converting {name} to OpenVINO IR (once per GGUF file)")
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task(CONVERT_STEPS[0], total=len(CONVERT_STEPS))
 
         def step(what: str) -> None:
-            progress.update(task, description=f"Converting {name}: {what}", completed=CONVERT_STEPS.index(what))
+            progress.update(task, description=what, completed=CONVERT_STEPS.index(what))
             progress.refresh()
 
         yield step
