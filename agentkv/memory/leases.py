@@ -50,7 +50,7 @@ from agentkv.errors import LeaseLost, SessionBusy, SessionNotFound, UserError
 from agentkv.memory.holders import holder_id, holder_is_dead_here, live_pid_here, parse_holder, pid_is_alive
 
 if TYPE_CHECKING:
-    from agentkv.memory.store import Store
+    from agentkv.memory.session_leases import SessionLeases
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ WRITE_LEASE_WAIT_S = 2.0
 ``delete_session``) waits for a live run's lease before ``SessionBusy`` (``Store(lease_wait_s=)``)."""
 
 
-async def acquire_waiting(store: Store, session_id: str, holder: str, ttl_s: float, wait_s: float) -> int:
+async def acquire_waiting(store: SessionLeases, session_id: str, holder: str, ttl_s: float, wait_s: float) -> int:
     """``store.acquire_lease``, tried again while another live holder has the lease, for up to
     ``wait_s`` seconds (0: once); ``SessionBusy`` when it is still held then. Returns the token::
 
@@ -93,7 +93,8 @@ async def acquire_waiting(store: Store, session_id: str, holder: str, ttl_s: flo
 
 
 @asynccontextmanager
-async def fence_or_lease(store: Store, session_id: str, fence: int | None, *, action: str) -> AsyncIterator[int]:
+async def fence_or_lease(store: SessionLeases, session_id: str, fence: int | None, *,
+                         action: str) -> AsyncIterator[int]:
     """The fencing token one change of a session's history is written under: the caller's
     ``fence`` (it holds the lease), else the token of a lease taken for the block and released
     after it (waiting ``store.lease_wait_s`` for a live run; then ``SessionBusy`` naming
@@ -121,7 +122,7 @@ async def fence_or_lease(store: Store, session_id: str, fence: int | None, *, ac
         await _release_quietly(store, session_id, holder)
 
 
-async def _release_quietly(store: Store, session_id: str, holder: str) -> None:
+async def _release_quietly(store: SessionLeases, session_id: str, holder: str) -> None:
     """Give ``holder``'s lease back, shielded from cancellation; a failure is one warning line (the
     lease then lapses after its ttl), never raised over the error that may have ended the block."""
     with anyio.CancelScope(shield=True):
@@ -141,7 +142,7 @@ class LeaseKeeper:
     the block is cancelled or raises. Single use.
     """
 
-    def __init__(self, store: Store, session_id: str, holder: str, *,
+    def __init__(self, store: SessionLeases, session_id: str, holder: str, *,
                  ttl_s: float = DEFAULT_LEASE_TTL_S, wait_s: float = 0.0) -> None:
         if ttl_s <= 0:
             raise UserError(f"ttl_s must be > 0, got {ttl_s}")

@@ -15,7 +15,6 @@ abort a transaction already running: the thread finishes it, then the cancellati
 
 from __future__ import annotations
 
-import logging
 import os
 import uuid
 from collections.abc import Sequence
@@ -46,6 +45,7 @@ from agentkv.memory.records import (
     StoredMessage,
 )
 from agentkv.memory.schema import Clock, utcnow
+from agentkv.memory.session_leases import SessionLeases
 from agentkv.memory.snapshots import (
     ENV_SNAPSHOT_URL,
     SnapshotStorage,
@@ -53,7 +53,6 @@ from agentkv.memory.snapshots import (
     refuse_other_fingerprint,
 )
 
-logger = logging.getLogger(__name__)
 
 ENV_DB_URL = "AGENTKV_DB_URL"
 """Environment variable read by ``Store.from_env`` (only there)."""
@@ -63,12 +62,16 @@ ORPHAN_GRACE = timedelta(minutes=10)
 """An unreferenced snapshot file younger than this may be a save in progress: prune leaves it."""
 
 
-class Store:
+class Store(SessionLeases):
     """Agents, sessions, messages and KV snapshots in one database plus a snapshot storage.
 
     ``Store("sqlite:////tmp/a.db")``, ``Store("postgresql+psycopg2://u:p@host/db",
     snapshot_dir=Path("/srv/kv"))``, ``Store(pg_url, snapshots="s3://bucket/kv")``. The schema is
     created or upgraded on first use; a database from a newer agentkv raises ``SchemaVersionError`` then.
+
+    ``rewind``, ``fork_session`` (its parent) and ``delete_session`` change a session's history under
+    its lease: a caller holding it passes its token (``fence=``; ``LeaseLost`` once it passed on); else
+    they take it for their one transaction, waiting ``lease_wait_s`` for a live run, then ``SessionBusy``.
     """
 
     def __init__(self, url: str | None = None, *, snapshot_dir: Path | None = None,
@@ -82,8 +85,7 @@ class Store:
         the most all snapshots may take — saving past it deletes the snapshots of the sessions
         used longest ago (they re-prefill when resumed). ``clock``: what leases read the time
         from (``Store(url, clock=FakeClock())`` in a test lets a lease expire without waiting).
-        ``lease_wait_s``: how long ``rewind``, ``fork_session`` and ``delete_session`` called
-        without a lease token wait for a run that holds the session before ``SessionBusy``."""
+        ``lease_wait_s``: see the class docstring."""
         if lease_wait_s < 0:
             raise UserError(f"lease_wait_s must be >= 0 seconds, got {lease_wait_s}")
         if keep_snapshots < 1:
@@ -95,7 +97,7 @@ class Store:
         self.clock = clock
         """The time leases are taken, renewed and checked at (``utcnow`` by default)."""
         self.lease_wait_s = lease_wait_s
-        """How long a change of a session's history outside a run waits for the run's lease."""
+        """How long ``rewind``, ``fork_session`` and ``delete_session`` wait for a run's lease."""
         self.database = Database(url)
         """The database and its transactions: ``store.database.write(lambda s: ...)`` in a thread."""
         self.url = self.database.url
@@ -160,9 +162,7 @@ class Store:
         """A new session sharing this one's messages 1..``at`` (default: all) without copying
         them; both go on independently: ``fork = await store.fork_session(sid, at=4)``. A fork of
         a fork works; the parent cannot be deleted while forks share its messages. The parent is
-        read under its lease: ``fence``, the caller's token (``LeaseLost`` once it passed on), else
-        one taken for the fork (``SessionBusy`` while a run holds it past ``lease_wait_s``): a
-        fork never takes half a turn."""
+        read under its lease (``fence``: see the class docstring): a fork never takes half a turn."""
         sid = new_id or uuid.uuid4().hex
         meta = convert.json_object(metadata, "session metadata")
         async with fence_or_lease(self, session_id, fence, action="fork") as token:
@@ -180,8 +180,7 @@ class Store:
 
     async def delete_session(self, session_id: str, *, fence: int | None = None) -> None:
         """Delete the session, its messages, snapshot rows and snapshot files (``UserError``
-        while forks share its messages: delete them first). Under its lease, as ``fork_session``:
-        ``SessionBusy`` while a run holds it."""
+        while forks share its messages: delete them first). Under its lease (``fence``: see the class)."""
         def delete(token: int) -> None:
             names = self.database.write(lambda s: queries.delete_session(s, session_id, token))
             self.files.remove(names)
@@ -249,8 +248,7 @@ class Store:
         later truncation dropped stay out (the window would overflow again without them).
         ``keep_responses=True`` refuses (``ResponseSuperseded``, nothing changed) when a stored
         response covers a message after ``after_seq``: someone continued the conversation first.
-        Under the session's lease, as ``fork_session``: a run passes its token as ``fence``;
-        without one the rewind takes the lease (``SessionBusy`` while a run holds it)."""
+        Under the session's lease (``fence``: see the class docstring)."""
         async with fence_or_lease(self, session_id, fence, action="rewind") as token:
             return await self.database.run(self.database.write, lambda s: queries.rewind(
                 s, session_id, int(after_seq), keep_responses, token))
@@ -262,60 +260,6 @@ class Store:
         agent = await self.get_agent((await self.get_session(session_id)).agent_name)
         stored = await self.messages(session_id, in_window_only=in_window_only)
         return conversation_jsonl(agent.instructions, stored)
-
-    # -- leases -----------------------------------------------------------------------------
-
-    async def acquire_lease(self, session_id: str, holder: str, ttl_s: float = 60) -> int:
-        """Take (or renew) the session's lease for ``ttl_s`` seconds; returns its fencing token.
-
-        Raises ``SessionBusy`` while another holder's lease is live; an expired lease is
-        taken over, and so at once is one held by a dead process on this host (a
-        ``host:pid:tag`` holder, see ``agentkv.memory.leases``). Atomic across processes (conditional
-        UPDATEs). ``token = await store.acquire_lease(sid, holder_id(), ttl_s=30)``; pass the
-        token as ``fence=`` to writes so none lands once another holder took the lease.
-        """
-        if ttl_s <= 0:
-            raise UserError(f"ttl_s must be > 0, got {ttl_s}")
-        taken: tuple[int, str | None] = await self.database.run(
-            self.database.write, lambda s: queries.acquire_lease(s, session_id, holder, ttl_s, self.clock()))
-        token, dead = taken
-        if dead is not None:
-            logger.warning("took over the lease of session %r from %s, whose process is gone",
-                           session_id, dead)
-        return token
-
-    async def renew_lease(self, session_id: str, holder: str, fence: int, ttl_s: float = 60) -> None:
-        """Extend the lease ``holder`` took with token ``fence`` by ``ttl_s`` seconds;
-        ``LeaseLost`` once it was released (``force=True``) or passed to another holder."""
-        if ttl_s <= 0:
-            raise UserError(f"ttl_s must be > 0, got {ttl_s}")
-        await self.database.run(self.database.write,
-                                lambda s: queries.renew_lease(s, session_id, holder, fence, ttl_s, self.clock()))
-
-    async def release_lease(self, session_id: str, holder: str | None = None, *,
-                            force: bool = False) -> str | None:
-        """Give the lease back: ``holder``'s only, or whoever's with ``force=True``.
-
-        ``await store.release_lease(sid, holder)`` does nothing unless ``holder`` has the lease
-        and returns None. ``await store.release_lease(sid, force=True)`` (an operator's unlock)
-        returns the holder recorded before, possibly expired, or None; ``SessionNotFound`` for
-        an unknown session.
-        """
-        if force == (holder is not None):
-            raise UserError("pass either the holder whose lease to release or force=True, "
-                            "not both and not neither")
-        if holder is not None:
-            await self.database.run(self.database.write, lambda s: queries.release_lease(s, session_id, holder))
-            return None
-        return await self.database.run(self.database.write, lambda s: queries.force_release_lease(s, session_id))
-
-    async def lease_holder(self, session_id: str) -> str | None:
-        """Who holds the session's lease now: None if free or expired (read-only).
-
-        ``SessionNotFound`` for an unknown session; ``get_session`` shows the raw columns.
-        """
-        return await self.database.run(self.database.read,
-                                       lambda s: queries.lease_holder(s, session_id, live_at=self.clock()))
 
     # -- KV snapshots -----------------------------------------------------------------------
 
@@ -335,9 +279,8 @@ class Store:
 
     async def prune(self, *, older_than: timedelta | None = None, keep_snapshots: int | None = None,
                     orphans_older_than: timedelta = ORPHAN_GRACE) -> PruneReport:
-        """Delete sessions not updated for ``older_than`` (not leased: a live run keeps its
-        session, also one whose lease it takes while this runs; a parent whose forks stay is
-        kept), snapshots beyond the newest ``keep_snapshots`` of each session, and snapshot
+        """Delete sessions not updated for ``older_than`` (not leased, nor leased meanwhile; a
+        parent whose forks stay is kept), snapshots beyond the newest ``keep_snapshots`` of each session, and snapshot
         files no row points to that are older than ``orphans_older_than`` (a save writes its
         file just before its row). Rows go in one transaction, files after it commits: a crash
         loses nothing kept. ``await store.prune(older_than=timedelta(days=30), keep_snapshots=1)``"""
@@ -376,8 +319,7 @@ class Store:
     # -- model calls ------------------------------------------------------------------------
 
     async def record_call(self, record: CallRecord, *, fence: int | None = None) -> CallRecord:
-        """Keep one model call's figures (``SessionNotFound`` for an unknown session); ``fence``
-        as for ``append_message``."""
+        """Keep one model call's figures (``SessionNotFound`` for an unknown session; ``fence``: as appends)."""
         return await self.database.run(self.database.write, lambda s: queries.add_call(s, record, fence))
 
     async def calls(self, session_id: str) -> list[CallRecord]:
