@@ -73,7 +73,8 @@ async def test_the_context_check_reserves_the_answer_length_the_request_asks_for
     text = long_words(engine, 400)  # leaves < 256 (the default reserve) but > 8 tokens of the context
     async with client_for(engine, store=Store(f"sqlite:///{tmp_path / 'r.db'}")) as client:
         chat = {"model": "m", "messages": [{"role": "user", "content": text}]}
-        assert_openai_error(await client.post("/v1/chat/completions", json=chat), 413)
+        refused = assert_openai_error(await client.post("/v1/chat/completions", json=chat), 413)
+        assert "--policy truncation|sliding|summarize" in refused["message"]  # says how to make it fit
         assert_openai_error(await client.post("/v1/chat/completions", json={**chat, "max_tokens": 200}), 413)
         short = await client.post("/v1/chat/completions", json={**chat, "max_tokens": 8})
         assert short.status_code == 200 and short.json()["choices"][0]["message"]["content"] == "Fine."

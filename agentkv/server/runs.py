@@ -125,7 +125,8 @@ class Runs:
         if len(prompt) > limit:
             raise ContextOverflowError(
                 f"the messages need {len(prompt)} tokens, over the {limit} this model's context leaves "
-                f"({agent.min_response_len} kept for the answer); send a shorter history",
+                f"({agent.min_response_len} kept for the answer); send a shorter history, or start the "
+                f"server with a context-window policy (agentkv serve --policy truncation|sliding|summarize)",
                 prompt_tokens=len(prompt), limit=limit)
         return tuple(prompt)
 

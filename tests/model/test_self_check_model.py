@@ -30,4 +30,4 @@ async def test_on_the_model_the_cached_path_stays_within_the_tolerance_of_its_nu
 
 def test_an_engine_compiled_exact_says_so_and_checks_against_the_exact_tolerance(engine, paged_exact):
     assert paged_exact.exact and tolerance_for(paged_exact) == EXACT_TOLERANCE
-    assert not engine.exact and tolerance_for(engine) != EXACT_TOLERANCE  # the default KV cache is u8
+    assert not engine.exact and tolerance_for(engine) != EXACT_TOLERANCE  # the default KV cache is not f32

@@ -44,7 +44,8 @@ import openvino as ov
 from agentkv.engine.openvino.models import ModelFiles
 from agentkv.engine.openvino.numerics import EXACT_CONFIG, PluginNumerics
 from agentkv.engine.paged.compiled_pool import COMPILED, GraphKey, HeldGraphs, keep_limit
-from agentkv.engine.paged.graphs import BLOCK_SIZE, SMALL_STEP_TOKENS, compile_graphs, compute_precision, finished
+from agentkv.engine.paged.block_precision import block_precision
+from agentkv.engine.paged.graphs import BLOCK_SIZE, SMALL_STEP_TOKENS, compile_graphs, finished
 from agentkv.engine.paged.request_inputs import OneTokenRequest, StepRequest, padded_table
 from agentkv.kv.u8_blocks import BlockLayout
 from agentkv.errors import UserError
@@ -121,10 +122,7 @@ class PagedModel:
             raise UserError("exact=True needs kv_cache_precision='f32'")
         core = ov.Core()
         config = {**(EXACT_CONFIG if exact else {}), "KV_CACHE_PRECISION": kv_cache_precision, **(ov_config or {})}
-        # NOTE: with bf16 compute the plugin writes bf16 into a 16-bit cache whatever it is called:
-        # type it bf16, or reading it as f16 gives garbage (measured: keys off by ~100 %).
-        if kv_cache_precision == "f16" and compute_precision(core, device, config) == "bf16":
-            kv_cache_precision = "bf16"
+        kv_cache_precision = block_precision(kv_cache_precision, core, device, config)
         element = _CACHE_TYPES[kv_cache_precision]
         weights = files.model_xml.with_suffix(".bin")
         size = weights.stat().st_size if weights.is_file() else 0
