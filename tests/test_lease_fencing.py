@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 from agentkv import Agent, Runtime, tool
 from agentkv.errors import LeaseLost, SessionBusy, SessionNotFound, UserError
-from agentkv.memory import Store
+from agentkv.memory import CallRecord, Store
 from agentkv.run.conversation import Conversation
 from agentkv.testing import ScriptedEngine
 
@@ -193,6 +193,11 @@ async def test_a_holder_passes_its_own_token_and_a_lost_token_changes_nothing(st
         await store.fork_session(sid, fence=token)
     with pytest.raises(LeaseLost):
         await store.delete_session(fork.id, fence=token + 1)  # the fork's lease was never that token
+    figures = CallRecord(session_id=sid, prompt_tokens=9, reused_tokens=0, prefix_cache_tokens=0, prefilled_tokens=9,
+                         generated_tokens=1, ttft_s=0.1, tpot_s=0.0, kv_tokens=10, kv_bytes=0)
+    with pytest.raises(LeaseLost):
+        await store.record_call(figures, fence=token)  # nor a lost run's call figures
+    assert await store.calls(sid) == []
     assert [m.in_window for m in await store.messages(sid)] == [True, True, False]
     assert len(await store.list_sessions()) == 2
     with pytest.raises(UserError, match="lease_wait_s"):
