@@ -49,3 +49,17 @@ def test_bad_serve_options_exit_2_before_the_model_loads(monkeypatch, options):
     monkeypatch.setattr("agentkv.engine.factory.open_engine", lambda *a, **k: pytest.fail("model loaded"))
     result = CliRunner().invoke(app, ["serve", *options])
     assert result.exit_code == 2, result.output
+
+
+@pytest.mark.parametrize(("wait", "warned"), [("2", True), ("0", False), ("10", False)])
+def test_a_lease_wait_shorter_than_a_crashed_hosts_lease_is_warned_about(monkeypatch, wait, warned):
+    class Stop(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise Stop
+
+    monkeypatch.setattr("agentkv.cli.config.open_store", stop)  # end the command after the options are read
+    result = CliRunner().invoke(app, ["serve", "--lease-wait", wait])
+    assert isinstance(result.exception, Stop)
+    assert ("--lease-wait 2 is shorter than" in result.stderr) is warned

@@ -21,11 +21,11 @@ from test_store import new_session
 
 from agentkv import Agent, Runtime, tool
 from agentkv.chat.messages import Message
-from agentkv.cli.serve import DEFAULT_LEASE_WAIT_S
 from agentkv.errors import LeaseLost, SessionBusy, StoreUnavailable
 from agentkv.memory import Store
 from agentkv.memory.leases import (
     CROSS_HOST_TAKEOVER_S,
+    DEFAULT_LEASE_WAIT_S,
     DEFAULT_LEASE_TTL_S,
     LEASE_POLL_MAX_S,
     LeaseKeeper,

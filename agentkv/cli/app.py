@@ -38,7 +38,7 @@ from agentkv.cli.help_text import (AGENT_HELP, CHAT_POLICY_HELP, CHAT_TOOLS_HELP
                                    SERVE_POLICY_HELP, SESSION_HELP, SNAPSHOTS_HELP)
 from agentkv.cli.models import models_app
 from agentkv.errors import AgentKVError, UserError
-from agentkv.memory.leases import live_pid_here
+from agentkv.memory.leases import DEFAULT_LEASE_WAIT_S, live_pid_here
 from agentkv.memory.session_stats import session_stats
 
 if TYPE_CHECKING:
@@ -324,7 +324,8 @@ def serve(
         help="Temperature of requests that set none (default: 1, as OpenAI's)."),
     snapshots: Optional[str] = typer.Option(None, "--snapshots", metavar="URL", help=SNAPSHOTS_HELP),
     exact: bool = typer.Option(False, "--exact", help=EXACT_HELP),
-    lease_wait: float = typer.Option(10.0, "--lease-wait", min=0.0, metavar="SECONDS", help=LEASE_WAIT_HELP),
+    lease_wait: float = typer.Option(DEFAULT_LEASE_WAIT_S, "--lease-wait", min=0.0, metavar="SECONDS",
+                                     help=LEASE_WAIT_HELP),
     drain_seconds: float = typer.Option(0.0, "--drain-seconds", min=0.0, metavar="SECONDS", help=DRAIN_HELP),
 ) -> None:
     """Serve the model over the OpenAI API: /v1/chat/completions, /v1/responses (stored, chained by

@@ -29,14 +29,13 @@ from typing import TYPE_CHECKING
 
 from agentkv.agent import Agent
 from agentkv.cli.agent import CLI_TOOLS, AgentOptions, apply_options, check_window
+from agentkv.memory.leases import CROSS_HOST_TAKEOVER_S, DEFAULT_LEASE_WAIT_S
 from agentkv.server.request_agents import AgentDefaults
 
 if TYPE_CHECKING:
     from agentkv.engine.factory import Backend
 
 API_KEY_ENV = "AGENTKV_API_KEY"
-DEFAULT_LEASE_WAIT_S = 10.0
-"""How long a request waits, by default, for a conversation another replica is running."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +92,10 @@ def serve(options: ServeOptions) -> None:
     from agentkv.server import create_app
 
     agent_defaults(options.agent)  # a bad option fails before the model loads
+    if 0 < options.lease_wait_s < CROSS_HOST_TAKEOVER_S:
+        print(f"warning: --lease-wait {options.lease_wait_s:g} is shorter than the {CROSS_HOST_TAKEOVER_S:g} s "
+              f"another host's crashed replica keeps its conversations' leases: a request for one of them gets "
+              f"409 until the lease expires (use --lease-wait {CROSS_HOST_TAKEOVER_S:g} or more)", file=sys.stderr)
     api_key = options.api_key or os.environ.get(API_KEY_ENV) or None
     if api_key is None and not _is_loopback(options.host):
         print(f"warning: serving on {options.host} without an API key: anyone who can reach it can use it "

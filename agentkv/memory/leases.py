@@ -54,9 +54,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CROSS_HOST_TAKEOVER_S", "DEFAULT_LEASE_TTL_S", "LEASE_POLL_MAX_S", "WRITE_LEASE_WAIT_S", "LeaseKeeper",
-           "acquire_waiting", "fence_or_lease", "holder_id", "holder_is_dead_here", "live_pid_here", "parse_holder",
-           "pid_is_alive"]
+__all__ = ["CROSS_HOST_TAKEOVER_S", "DEFAULT_LEASE_TTL_S", "DEFAULT_LEASE_WAIT_S", "LEASE_POLL_MAX_S",
+           "WRITE_LEASE_WAIT_S", "LeaseKeeper", "acquire_waiting", "fence_or_lease", "holder_id", "holder_is_dead_here",
+           "live_pid_here", "parse_holder", "pid_is_alive"]
 
 DEFAULT_LEASE_TTL_S = 6.0
 """Lease length used by ``LeaseKeeper`` (renewed every third of it): a holder whose host crashed
@@ -68,6 +68,10 @@ LEASE_POLL_MAX_S = 0.5
 CROSS_HOST_TAKEOVER_S = DEFAULT_LEASE_TTL_S + LEASE_POLL_MAX_S
 """How long, at most, a waiting request takes to get a session whose holder's host crashed (its
 lease expires, then the next poll takes it): a server's lease wait must be longer."""
+DEFAULT_LEASE_WAIT_S = 10.0
+"""How long a server request waits, by default, for a session another replica is running
+(``agentkv serve --lease-wait``): longer than ``CROSS_HOST_TAKEOVER_S``, so a request for a
+session whose replica's host crashed is answered, not refused."""
 WRITE_LEASE_WAIT_S = 2.0
 """How long a change of a session's history outside a run (``Store.rewind``, ``fork_session``,
 ``delete_session``) waits for a live run's lease before ``SessionBusy`` (``Store(lease_wait_s=)``)."""
