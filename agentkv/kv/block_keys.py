@@ -26,9 +26,10 @@ differs from a multi-token prefill). ``chain(tokens)`` keys the KV a canonical p
 pass that made the KV — a registered prefix boundary, the start of a turn fed after earlier KV,
 each decoded token (a pass of its own: cuts at ``p`` and ``p + 1``) — is passed in ``cuts``; a cut
 at position ``p`` goes into the key of the block holding token ``p`` (``p // block_size``), so it
-changes that key and every later one and none before. That assumes a pass never changes the KV
-of tokens before its start (causal attention; measured on the paged form at f32: any multi-token
-chunking equals one pass). Multiples of ``chunk_size``, 0 and ``len(tokens)`` cut nothing new and
+changes that key and every later one and none before. That assumes where a pass ends does not
+change the KV of the tokens it computed, only where it began does (causal attention; measured on
+the paged form at f32: any multi-token chunking equals one pass; not yet under bf16 compute,
+which the store's exactness tests cover). Multiples of ``chunk_size``, 0 and ``len(tokens)`` cut nothing new and
 are ignored, so passing every cut of ``chunk_spans`` gives the same keys as passing only the
 others.
 
