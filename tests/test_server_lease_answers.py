@@ -166,16 +166,55 @@ async def test_a_response_stream_stopped_before_its_first_event_says_nothing(url
 
 
 async def test_a_response_stream_the_shutdown_stops_announces_the_response_before_it_fails(url):
-    engine = ScriptedEngine(["one two three four five six seven eight"], decode_s_per_token=0.02)
-    async with served(engine, url) as (client, _):
-        AppStatus.should_exit = True  # the server is shutting down as the stream opens
+    engine = ScriptedEngine(["one two three four five six seven eight"], decode_s_per_token=0.05)
+
+    def shut_down_once_the_stream_is_open(message: dict) -> None:
+        if message["type"] == "http.response.body" and message.get("body"):
+            AppStatus.should_exit = True
+
+    async with served(engine, url) as (_, app):
         try:
-            answer = await client.post("/v1/responses", json=respond(input="Count", stream=True))
+            with anyio.fail_after(30):
+                sent = await drive(app, respond(input="Count", stream=True), hang_up=anyio.Event(),
+                                   path="/v1/responses", on_send=shut_down_once_the_stream_is_open)
         finally:
             AppStatus.should_exit = False
-    kinds = [json.loads(line[5:])["type"] for line in answer.text.splitlines() if line.startswith("data:")]
-    assert answer.status_code == 200 and kinds[0] == "response.created", kinds
+    assert sent[0]["status"] == 200
+    text = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body").decode()
+    kinds = [json.loads(line[5:])["type"] for line in text.splitlines() if line.startswith("data:")]
+    assert kinds[0] == "response.created", kinds
     assert kinds[-1] == "response.failed" and "response.completed" not in kinds, kinds
+
+
+async def test_a_stream_still_waiting_for_its_lease_when_the_server_shuts_down_is_a_503_and_runs_nothing(url):
+    async with served(ScriptedEngine(["Hello!", "Again."]), url, lease_wait_s=30) as (client, app):
+        first = await client.post("/v1/responses", json=respond(input="Hi"))
+        session = first.headers["X-Session-Id"]
+        await held_elsewhere(url, session)
+        body = respond(input="More", stream=True, previous_response_id=first.json()["id"])
+        sent: list[list[dict]] = []
+        try:
+            with anyio.fail_after(10):  # not the 30 s lease wait
+                async with anyio.create_task_group() as tasks:
+
+                    async def waiting() -> None:
+                        sent.append(await drive(app, body, hang_up=anyio.Event(), path="/v1/responses"))
+
+                    tasks.start_soon(waiting)
+                    with anyio.fail_after(5):  # it is admitted, and waits for the lease
+                        while (await client.get("/health")).json()["running"] != 1:
+                            await anyio.sleep(0.05)
+                    AppStatus.should_exit = True
+        finally:
+            AppStatus.should_exit = False
+        [answer] = sent
+        assert answer[0]["status"] == 503
+        headers = {k.decode().lower(): v.decode() for k, v in answer[0]["headers"]}
+        assert headers["retry-after"] and not {"x-session-id", "x-response-id"} & set(headers), headers
+        assert (await client.get("/health")).json()["running"] == 0
+        async with Store(url) as store:
+            assert await store.lease_holder(session) == ELSEWHERE  # it took nothing, and holds nothing
+    assert await window_of(url, session) == ["Hi", "Hello!"]  # and ran nothing
 
 
 async def test_a_stream_that_ends_before_its_first_event_is_a_503_with_retry_after_and_no_run_headers():
@@ -191,9 +230,10 @@ async def test_a_stream_that_ends_before_its_first_event_is_a_503_with_retry_aft
     assert headers["retry-after"] == "1" and "x-session-id" not in headers
 
 
-async def drive(app, body: dict, *, hang_up: anyio.Event, path: str = "/") -> list[dict]:
-    """Call the ASGI ``app`` with a POST of ``body`` whose client disconnects once ``hang_up`` is
-    set; the messages it sent."""
+async def drive(app, body: dict, *, hang_up: anyio.Event, path: str = "/", headers: dict[str, str] | None = None,
+                on_send=None) -> list[dict]:
+    """Call the ASGI ``app`` with a POST of ``body`` (and ``headers``) whose client disconnects once
+    ``hang_up`` is set; the messages it sent (each also handed to ``on_send`` as it goes)."""
     sent: list[dict] = []
     messages = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
 
@@ -205,11 +245,14 @@ async def drive(app, body: dict, *, hang_up: anyio.Event, path: str = "/") -> li
 
     async def send(message: dict) -> None:
         sent.append(message)
+        if on_send is not None:
+            on_send(message)
 
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
              "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
              "server": ("test", 80), "client": ("127.0.0.1", 1234),
-             "headers": [(b"authorization", f"Bearer {KEY}".encode()), (b"content-type", b"application/json")]}
+             "headers": [(b"authorization", f"Bearer {KEY}".encode()), (b"content-type", b"application/json"),
+                         *[(k.encode(), v.encode()) for k, v in (headers or {}).items()]]}
     await app(scope, receive, send)
     return sent
 
@@ -231,10 +274,12 @@ async def test_a_client_that_hangs_up_while_waiting_for_a_lease_is_not_waited_fo
                                                hang_up=hang_up, path="/v1/responses"))
 
                 tasks.start_soon(waiting)
-                await anyio.sleep(0.3)
-                assert (await client.get("/health")).json()["running"] == 1  # it waits for the lease
+                with anyio.fail_after(4):  # admitted, and waiting for the lease
+                    while (await client.get("/health")).json()["running"] != 1:
+                        await anyio.sleep(0.05)
                 hang_up.set()
-        assert all(m.get("status", 499) == 499 for m in sent_to[0])  # nothing but what the access log sees
+        # nothing reached the client: a non-streamed answer is only the access log's 499, a stream sent nothing
+        assert sent_to[0] == [] if stream else [m["status"] for m in sent_to[0] if "status" in m] == [499]
         assert (await client.get("/health")).json()["running"] == 0
         async with Store(url) as store:
             assert await store.lease_holder(session) == ELSEWHERE  # it took nothing, and holds nothing

@@ -6,7 +6,9 @@ replica (409 with ``Retry-After``), a named live session another request is runn
 server (429) — comes before the stream's first event; until that event no byte is sent, so the
 answer is the error's status and error object, without the headers a run's answer carries
 (``X-Session-Id``, ``X-Response-Id``: a session-affine proxy must not learn a conversation's
-replica from a request that ran nothing). A client that hangs up meanwhile stops the run there.
+replica from a request that ran nothing). A client that hangs up meanwhile stops the run there;
+a server that begins to shut down meanwhile (a run still waiting for its lease, or in its prefill)
+cancels it and answers ``empty`` (503, ``Retry-After``).
 Once the first event is out, an error travels as a last event. The price: the status line of a
 run that does begin waits for its first event (a lease wait, then the prompt's prefill)::
 
@@ -39,6 +41,10 @@ Event = dict[str, str]
 
 class _End:
     """The events ended."""
+
+
+class _Stopped:
+    """The server began to shut down before the first event."""
 
 
 _Item = Union[Event, Exception, _End]
@@ -78,8 +84,11 @@ class DecidedStream(Response):
             async with anyio.create_task_group() as tasks:
                 tasks.start_soon(self._produce, sending)
                 try:
-                    first = await _first_unless_hung_up(received, receive)
-                    if first is not None:
+                    first = await _first_unless_hung_up_or_stopped(received, receive)
+                    if isinstance(first, _Stopped):  # no byte is out: the run is cancelled, nothing answered it
+                        self.stop.set()
+                        await error_answer(self.empty)(scope, receive, send)
+                    elif first is not None:
                         await self._answer(first, received)(scope, receive, send)
                 except Exception as error:  # NOTE: raised below, not from inside the task group (no group)
                     failure = error
@@ -128,9 +137,12 @@ class DecidedStream(Response):
                     logger.warning("a stream's run took over %.0f s to close; it was cut", CLEANUP_S)
 
 
-async def _first_unless_hung_up(received: ObjectReceiveStream[_Item], receive: Receive) -> _Item | None:
-    """The first item, or None once the client has hung up (``http.disconnect``) before it."""
-    first: list[_Item] = []
+async def _first_unless_hung_up_or_stopped(received: ObjectReceiveStream[_Item],
+                                          receive: Receive) -> _Item | _Stopped | None:
+    """The first item; None once the client has hung up (``http.disconnect``) before it; ``_Stopped``
+    once the server has begun to shut down before it (a run still waiting for its lease or in its
+    prefill is then cancelled, and the request answered 503 with ``Retry-After``)."""
+    first: list[_Item | _Stopped] = []
     async with anyio.create_task_group() as tasks:
 
         async def take() -> None:
@@ -140,7 +152,15 @@ async def _first_unless_hung_up(received: ObjectReceiveStream[_Item], receive: R
                 first.append(_End())
             tasks.cancel_scope.cancel()
 
+        async def watch_shutdown() -> None:
+            # NOTE: sse-starlette's own shutdown watch (uvicorn's exit, however it is signalled), the
+            # one an open stream's ``shutdown_event`` is set by; a stream not yet open has no other
+            await EventSourceResponse._listen_for_exit_signal()
+            first.append(_Stopped())
+            tasks.cancel_scope.cancel()
+
         tasks.start_soon(take)
+        tasks.start_soon(watch_shutdown)
         await wait_for_hang_up(receive)
         tasks.cancel_scope.cancel()
     return first[0] if first else None
