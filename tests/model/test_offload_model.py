@@ -1,8 +1,10 @@
-"""Slot offload on the real model: 20 sessions on 2 slots, the host byte budget (spill / drop), fork, snapshot errors.
+"""Slot offload on the real model: 8 sessions on 2 slots, the host byte budget (spill / drop), fork, snapshot errors.
 
 Every session plants its own "needle" word; its greedy outputs must equal its solo run and
 never show another session's needle (no KV cross-talk), and the metrics must show restores,
-not re-prefills.
+not re-prefills. Eight sessions on two slots already make every session but the last two wait
+for a slot, be offloaded between its turns and restored, in a different order for turn 2; 20
+(as before) repeated those paths for 2.5× the model time.
 
 The tests here run the real model; the scripted ones are in ``tests/test_offload.py``."""
 
@@ -23,10 +25,12 @@ from agentkv.kv.snapshot import KVSnapshot
 pytestmark = pytest.mark.model
 
 
-NEEDLES = [
-    "mango", "violet", "anchor", "falcon", "copper", "tulip", "glacier", "pepper", "saturn", "walnut",
-    "harbor", "cobalt", "meadow", "lantern", "cactus", "zephyr", "pebble", "orchid", "tundra", "quartz",
-]
+NEEDLES = ["mango", "violet", "anchor", "falcon", "copper", "tulip", "glacier", "pepper", "saturn", "walnut",
+           "harbor", "cobalt"]
+"""One needle per session of the tests below (concurrent: the first 8; spill, drop, corrupt: 5, 4, 3)."""
+
+
+CONCURRENT = NEEDLES[:8]
 
 
 CFG = GenerationConfig(max_new_tokens=4)
@@ -38,7 +42,7 @@ TURN_2 = "\nQ: And once more, what is the secret word?\nA: The secret word is"
 @pytest.fixture(scope="session")
 def offload_engine():
     """Exact numerics on 2 slots (the invariant gaps below are then ~1e-5 on any CPU); no prefix
-    cache, to isolate offload. Default numerics are covered by tests/test_restore_equivalence.py."""
+    cache, to isolate offload. Default numerics are covered by tests/model/test_restore_equivalence.py."""
     from agentkv.engine.stateful.engine import StatefulEngine
 
     return StatefulEngine(num_slots=2, exact=True, prefix_cache_bytes=0)
@@ -80,11 +84,11 @@ def assert_no_cross_talk(engine, outputs: dict[str, tuple[int, ...]]) -> None:
         assert not [other for other in NEEDLES if other != needle and other in text], (needle, text)
 
 
-async def test_twenty_sessions_on_two_slots_match_their_solo_runs_and_are_restored(offload_engine, solo_runs):
+async def test_concurrent_sessions_on_two_slots_match_their_solo_runs_and_are_restored(offload_engine, solo_runs):
     engine = offload_engine
-    sessions = {needle: await engine.open_session() for needle in NEEDLES}
+    sessions = {needle: await engine.open_session() for needle in CONCURRENT}
     offloads_before = engine.pool.offloads
-    answers: dict[str, list] = {needle: [] for needle in NEEDLES}
+    answers: dict[str, list] = {needle: [] for needle in CONCURRENT}
     metrics = {}
 
     async def turn_one(needle: str) -> None:
@@ -96,23 +100,23 @@ async def test_twenty_sessions_on_two_slots_match_their_solo_runs_and_are_restor
         answers[needle].append(result.token_ids)
         metrics[needle] = result.metrics
 
-    async with anyio.create_task_group() as tg:  # 20 concurrent first turns on 2 slots
-        for needle in NEEDLES:
+    async with anyio.create_task_group() as tg:  # 8 concurrent first turns on 2 slots
+        for needle in CONCURRENT:
             tg.start_soon(turn_one, needle)
     logs = {needle: len(s.tokens) for needle, s in sessions.items()}
     async with anyio.create_task_group() as tg:
-        for needle in reversed(NEEDLES):
+        for needle in reversed(CONCURRENT):
             tg.start_soon(turn_two, needle)
 
-    assert {n: tuple(a) for n, a in answers.items()} == solo_runs
+    assert {n: tuple(a) for n, a in answers.items()} == {n: solo_runs[n] for n in CONCURRENT}
     assert_no_cross_talk(engine, {n: a[0] + a[1] for n, a in answers.items()})
-    named = sum(n in engine.tokenizer.decode(list(solo_runs[n][1])) for n in NEEDLES)
-    assert named >= 10  # the needles are actually repeated, so the cross-talk check means something
+    named = sum(n in engine.tokenizer.decode(list(solo_runs[n][1])) for n in CONCURRENT)
+    assert named >= len(CONCURRENT) // 2  # the needles are actually repeated, so the cross-talk check means something
     for needle, m in metrics.items():  # the second turn prefilled only its new tokens
         assert m.reused_tokens == logs[needle] and m.prefilled_tokens == m.prompt_tokens - logs[needle]
     restored = [n for n, m in metrics.items() if m.restored_tokens == logs[n]]
-    assert len(restored) >= len(NEEDLES) - engine.pool.size  # all but those still holding a slot
-    assert engine.pool.offloads - offloads_before >= 2 * len(NEEDLES) - 2 * engine.pool.size
+    assert len(restored) >= len(CONCURRENT) - engine.pool.size  # all but those still holding a slot
+    assert engine.pool.offloads - offloads_before >= 2 * len(CONCURRENT) - 2 * engine.pool.size
     for s in sessions.values():
         await s.close()
 
