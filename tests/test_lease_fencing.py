@@ -138,6 +138,19 @@ async def test_a_fork_during_a_live_run_never_takes_half_a_turn(store_url: str, 
     assert fork.fork_seq == 4 and await roles(other, fork.id) == RUN_ROLES
 
 
+async def test_the_runtime_running_a_conversation_forks_it_at_a_stored_turn_under_its_own_lease(
+        store_url: str, tmp_path: Path) -> None:
+    async with live_run(store_url, tmp_path) as live:
+        runtime, sid = live.runtime, live.conversation.id
+        with anyio.fail_after(1):  # at once: never a wait on its own run's lease
+            with pytest.raises(UserError, match="is running here: .* pass at=N"):
+                await runtime.fork(live.conversation)
+            branch = await runtime.fork(live.conversation, at=1)  # the question, stored before the model call
+        assert branch.id != sid and [m.role for m in branch.messages] == ["user"]
+        await run_ends(live)
+    assert live.failures == []
+
+
 async def test_an_edit_from_another_runtime_during_a_live_run_is_refused_and_makes_no_branch(
         store_url: str, tmp_path: Path) -> None:
     store = Store(store_url, snapshot_dir=tmp_path / "snapshots", lease_wait_s=0)

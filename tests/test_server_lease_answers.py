@@ -17,6 +17,7 @@ import httpx
 import pytest
 from sse_starlette.sse import AppStatus
 
+from agentkv.errors import SessionBusy
 from agentkv.memory import Store
 from agentkv.server import create_app
 from agentkv.server.app import STOPPED_BEFORE_START
@@ -288,3 +289,15 @@ async def test_a_client_that_hangs_up_while_waiting_for_a_lease_is_not_waited_fo
                                                                 previous_response_id=first.json()["id"]))
         assert again.status_code == 200, again.text
     assert await window_of(url, session) == ["Hi", "Hello!", "And now?", "Again."]
+
+
+async def test_a_failed_first_request_whose_conversation_cannot_be_deleted_still_answers_its_own_error(
+        url, monkeypatch, caplog):
+    async def busy(self, session_id, **kwargs):
+        raise SessionBusy(session_id, ELSEWHERE, action="delete")
+
+    monkeypatch.setattr(Store, "delete_session", busy)
+    async with served(ScriptedEngine([RuntimeError("the model failed")]), url) as (client, _):
+        with pytest.raises(RuntimeError, match="the model failed"):  # the run's own failure (a 500), not a 409
+            await client.post("/v1/responses", json=respond(input="Hi"))
+    assert "could not delete session" in caplog.text

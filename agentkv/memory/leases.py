@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from types import TracebackType
 from typing import TYPE_CHECKING
 
@@ -110,31 +110,15 @@ async def fence_or_lease(store: SessionLeases, session_id: str, fence: int | Non
     if fence is not None:
         yield fence
         return
-    holder = holder_id()  # NOTE: a new tag: a run of this very process keeps its own lease
-    try:
-        token = await acquire_waiting(store, session_id, holder, DEFAULT_LEASE_TTL_S, store.lease_wait_s)
-    except SessionBusy as busy:
-        raise SessionBusy(session_id, busy.holder, action=action) from None
-    except Exception:  # the acquiring transaction failed: nothing is held
-        raise
-    except BaseException:  # cancelled: the acquiring transaction may have committed
-        await _release_quietly(store, session_id, holder)
-        raise
-    try:
-        yield token
-    finally:
-        await _release_quietly(store, session_id, holder)
-
-
-async def _release_quietly(store: SessionLeases, session_id: str, holder: str) -> None:
-    """Give ``holder``'s lease back, shielded from cancellation; a failure is one warning line (the
-    lease then lapses after its ttl), never raised over the error that may have ended the block."""
-    with anyio.CancelScope(shield=True):
+    async with AsyncExitStack() as held:
         try:
-            await store.release_lease(session_id, holder)
-        except Exception as error:
-            logger.warning("could not release the lease of session %r (it lapses in %.0f s): %s",
-                           session_id, DEFAULT_LEASE_TTL_S, error)
+            # NOTE: a new holder tag: a run of this very process keeps its own lease
+            lease = await held.enter_async_context(
+                LeaseKeeper(store, session_id, holder_id(), wait_s=store.lease_wait_s))
+        except SessionBusy as busy:
+            raise SessionBusy(session_id, busy.holder, action=action) from None
+        assert lease.token is not None
+        yield lease.token
 
 
 class LeaseKeeper:

@@ -211,11 +211,22 @@ class Runtime:
         rows are shared, not copied — with their KV: the parent's live KV forked and trimmed when
         it is open here, else the newest snapshot up its lineage that covers a prefix. Both go on
         independently: ``branch = await runtime.fork(conversation, at=4)``; a fork of a fork works.
-        ``edit=True``: the fork replaces what follows (its first call reports the KV it dropped)."""
+        ``edit=True``: the fork replaces what follows (its first call reports the KV it dropped).
+
+        A conversation running here (a tool forking its own conversation) forks under its run's
+        lease, at a message ``at`` of a turn already stored; without ``at`` it is a ``UserError``
+        at once (the turn under way is half stored). Elsewhere the fork takes the lease for its
+        read: a run in another process makes it wait, then ``SessionBusy``."""
         store = self._require_store("fork")
         parent_id = conversation if isinstance(conversation, str) else conversation.id
-        record = await store.fork_session(parent_id, at=at, new_id=session_id)
         parent = self._conversations.get(parent_id)
+        fence = None
+        if parent is not None and parent.running:
+            if at is None:
+                raise UserError(f"conversation {parent_id!r} is running here: fork it once its run ends, or pass "
+                                f"at=N to fork at a message of a turn already stored")
+            fence = parent.lease_token
+        record = await store.fork_session(parent_id, at=at, new_id=session_id, fence=fence)
         agent = agent or (parent.agent if parent is not None else await self._agent_for(record.agent_name))
         self._know(agent, salt)
         live = parent is not None and not parent.running

@@ -28,6 +28,7 @@ run or rewound).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from contextlib import aclosing, contextmanager
@@ -59,6 +60,8 @@ from agentkv.server.wire import TokenCounts, cache_break_field
 
 RESPONSE_HEADER = "X-Response-Id"
 """The header every ``/v1/responses`` answer carries its response's id in (streamed ones too)."""
+
+logger = logging.getLogger(__name__)
 
 
 SHUTTING_DOWN = "the server is shutting down: the response was stopped before its end; send it again"
@@ -297,9 +300,16 @@ class Responses:
                 yield event
 
     async def _drop(self, session_id: str) -> None:
+        """Delete the conversation a failed first request made (no response refers to it); never
+        raises over the error that failed the request: a conversation still leased (the run's
+        release failed) or a store error leaves it stored, with a warning (``sessions prune``)."""
         assert self.conversations is not None and self.store is not None
         await self.conversations.close(session_id)
-        await self.store.delete_session(session_id)
+        try:
+            await self.store.delete_session(session_id)
+        except Exception as error:
+            logger.warning("could not delete session %s that a failed request made (%s); it stays stored",
+                           session_id, error)
 
     def _body(self, plan: ResponsePlan, response_id: str, created: int, output: ResponseOutput,
               result: RunResult) -> dict[str, Any]:
