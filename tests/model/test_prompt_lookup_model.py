@@ -32,6 +32,8 @@ DOC = ("Incident 4471, checkout service. At 02:14 UTC the payment gateway began 
        "returned to normal by 02:47. Follow-up actions: add an alert on pool saturation above 80 percent, load "
        "test the renewal batch before each release, and document the pool settings in the runbook.")
 ON, OFF = GenerationConfig(max_new_tokens=96), GenerationConfig(max_new_tokens=96, prompt_lookup=False)
+SHORT = {"max_new_tokens": 48}
+"""Enough for a quote to run on drafts for most of its tokens (the quote: 5 model steps for 48 tokens)."""
 
 
 def quote_prompt(engine) -> list[int]:
@@ -67,8 +69,8 @@ async def run(engine, ids: list[int], config: GenerationConfig, grammar: str | N
 @pytest.mark.parametrize("prompt", [quote_prompt, chat_prompt], ids=["quote", "free text"])
 async def test_drafts_equal_plain_greedy_decoding_under_exact_numerics_in_fewer_steps(paged_exact, prompt):
     ids = prompt(paged_exact)
-    plain, plain_ids, plain_text, plain_log, _ = await run(paged_exact, ids, OFF)
-    fast, fast_ids, fast_text, fast_log, fast_logits = await run(paged_exact, ids, ON)
+    plain, plain_ids, plain_text, plain_log, _ = await run(paged_exact, ids, OFF.model_copy(update=SHORT))
+    fast, fast_ids, fast_text, fast_log, fast_logits = await run(paged_exact, ids, ON.model_copy(update=SHORT))
     assert fast.token_ids == plain.token_ids, (fast.text, plain.text)
     assert fast.text == plain.text == fast_text == plain_text and fast.finish_reason == plain.finish_reason
     assert fast_ids == plain_ids == list(fast.token_ids[:len(fast_ids)])  # a delta per token (EOS has none)
@@ -89,7 +91,8 @@ async def test_drafts_equal_plain_greedy_decoding_under_exact_numerics_in_fewer_
 async def test_max_new_tokens_and_stop_strings_cut_where_plain_decoding_does(paged_exact, cut):
     ids = quote_prompt(paged_exact)
     if cut == "stop string":
-        whole, *_ = await run(paged_exact, ids, OFF)
+        whole, *_ = await run(paged_exact, ids, OFF.model_copy(update={"max_new_tokens": 24}))
+        assert len(whole.text) > 47
         update: dict[str, object] = {"stop_strings": (whole.text[40:47],)}  # inside a quoted run
     else:
         update = {"max_new_tokens": int(cut.split("=")[1])}
@@ -100,10 +103,13 @@ async def test_max_new_tokens_and_stop_strings_cut_where_plain_decoding_does(pag
 
 
 async def test_drafts_under_a_grammar_equal_plain_decoding_under_exact_numerics(paged_exact):
+    """Two tool calls of the function-calling set, each to its end: ``parallel_0`` (two calls of one
+    tool in one answer: drafts from the question and from the first call) and ``nested_0`` (a nested
+    object argument). A single call of one tool (``simple_0``) is the first half of ``parallel_0``."""
     cases_path = Path(__file__).resolve().parents[1] / "data" / "function_calling.json"
     cases = json.loads(cases_path.read_text(encoding="utf-8"))
     drafted = 0
-    for case_id in ["simple_0", "parallel_0", "nested_0"]:
+    for case_id in ["parallel_0", "nested_0"]:
         case = next(c for c in cases["cases"] if c["id"] == case_id)
         tools = [cases["tools"][name] for name in case["tools"]]
         text = paged_exact.tokenizer.apply_chat_template([{"role": "user", "content": case["question"]}],
@@ -122,19 +128,19 @@ async def test_seeded_sampling_draws_the_same_tokens_with_drafts_and_the_statefu
         paged_exact, engine_f32):
     ids = quote_prompt(paged_exact)
     for seed in (3, 4):
-        sampled = {"temperature": 0.7, "top_p": 0.9, "seed": seed, "max_new_tokens": 48}
+        sampled = {"temperature": 0.7, "top_p": 0.9, "seed": seed, "max_new_tokens": 24}
         on, _, _, on_log, _ = await run(paged_exact, ids, ON.model_copy(update=sampled))
         off, _, _, off_log, _ = await run(paged_exact, ids, OFF.model_copy(update=sampled))
         assert on.token_ids == off.token_ids and on_log == off_log, (on.text, off.text)
         assert on.metrics.accepted_tokens > 0 and off.metrics.drafted_tokens == 0
         assert on.metrics.model_steps == off.metrics.model_steps - on.metrics.steps_saved
-    stateful, *_ = await run(engine_f32, quote_prompt(engine_f32), ON.model_copy(update={"max_new_tokens": 24}))
+    stateful, *_ = await run(engine_f32, quote_prompt(engine_f32), ON.model_copy(update={"max_new_tokens": 8}))
     assert stateful.metrics.drafted_tokens == 0 and stateful.metrics.generated_tokens > 0
 
 
 async def test_a_sampled_call_cancelled_with_a_draft_ahead_keeps_only_its_tokens_in_the_kv(paged_exact):
     ids = quote_prompt(paged_exact)
-    config = ON.model_copy(update={"temperature": 0.7, "top_p": 0.9, "seed": 5, "max_new_tokens": 64})
+    config = ON.model_copy(update={"temperature": 0.7, "top_p": 0.9, "seed": 5, "max_new_tokens": 24})
     whole, *_ = await run(paged_exact, ids, config)
     session = await paged_exact.open_session()
     try:
@@ -156,8 +162,8 @@ async def test_a_sampled_call_cancelled_with_a_draft_ahead_keeps_only_its_tokens
 
 async def test_default_numerics_quote_with_drafts_and_report_agreement(engine):
     ids = quote_prompt(engine)
-    plain, *_ = await run(engine, ids, OFF)
-    fast, *_ = await run(engine, ids, ON)
+    plain, *_ = await run(engine, ids, OFF.model_copy(update=SHORT))
+    fast, *_ = await run(engine, ids, ON.model_copy(update=SHORT))
     if fast.metrics.model_steps:  # the paged engine drafts; the stateful one cannot
         assert fast.metrics.accepted_tokens > 0
     same = next((i for i, (a, b) in enumerate(zip(fast.token_ids, plain.token_ids)) if a != b), len(fast.token_ids))
