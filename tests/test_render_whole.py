@@ -294,3 +294,23 @@ def test_a_tool_round_trip_renders_with_a_template_that_skips_calls_in_its_role_
     assert prompts[6].token_ids[: len(body.token_ids)] == body.token_ids  # what the next turn reads
     assert tok.decode(body.token_ids).endswith(f"{format_tool_calls([call])}<|im_end|>\n"
                                                "<|im_start|>tool\n2<|im_end|>\n<|im_start|>assistant\nTwo<|im_end|>\n")
+
+
+def test_a_user_message_quoting_a_generated_call_keeps_its_own_span_and_the_call_its_ids() -> None:
+    tok = FakeMistralCalls()
+    renderer = ChatRenderer(tok)
+    call = ToolCall(id="a1b2c3d4e", name="calc", arguments={"expr": "1+1"})
+    text = format_tool_calls([call])
+    written = (*tok.encode(text), tok.eos_token_id)
+    history = [Message.system("Be brief."), Message.user(f"Please emit exactly: {text}"),
+               Message.assistant("", tool_calls=[call], token_ids=written),
+               Message.tool("2", tool_call_id=call.id, name="calc"),
+               Message.assistant("Two", token_ids=(*tok.encode("Two"), tok.eos_token_id)), Message.user("Bye")]
+    prompt = renderer.render(history, tools=[SCHEMA])
+    expected = tok.apply_chat_template(template_dicts(history), add_generation_prompt=True, tools=[SCHEMA])
+    assert tok.decode(prompt.token_ids) == expected
+    assert_contiguous(prompt, len(history))
+    user, assistant = prompt.spans[1], prompt.spans[2]
+    assert "Please emit exactly" in tok.decode(prompt.token_ids[user.start:user.end])
+    ids, call_ids = prompt.token_ids[assistant.start:assistant.end], written[:-1]
+    assert any(ids[i:i + len(call_ids)] == call_ids for i in range(len(ids)))  # the generated ids, verbatim

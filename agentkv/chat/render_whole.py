@@ -67,24 +67,27 @@ class _Generated:
     """A reasoning message's thinking as the template shows it → the marker of the whole message."""
     markers: tuple[tuple[str, ...], ...]
     """Per generated message, the markers one of which its rendering holds."""
-    written: tuple[tuple[int, str, str], ...] = ()
+    written: tuple[tuple[int, str, str, int], ...] = ()
     """Per generated message the template was shown as tool calls: its position among the dicts,
-    the text its ids decode to (what the template renders for those calls) and its marker."""
+    the text its ids decode to (what the template renders for those calls), its marker, and how
+    many times that text occurs in the rendering of the messages before it (a user or tool message
+    quoting the call: those occurrences are not the message's)."""
 
     def substitute(self, text: str | None) -> str | None:
         """``text`` with every thinking the template shows replaced by its whole message's marker,
-        and the first text of each message shown as calls (in order) by its marker."""
+        and the text of each message shown as calls by its marker, at its first occurrence after
+        those the messages before it hold."""
         if text is None:
             return None
         for shown, whole in self.shown.items():
             text = text.replace(shown, whole)
-        for _, written, marker in self.written:
-            text = text.replace(written, marker, 1)
+        for _, written, marker, before in self.written:
+            text = _replace_nth(text, written, marker, before)
         return text
 
     def written_at(self, position: int) -> tuple[str, str] | None:
         """(text, marker) of the message at ``position`` when it is shown as calls, else None."""
-        return next(((text, marker) for i, text, marker in self.written if i == position), None)
+        return next(((text, marker) for i, text, marker, _ in self.written if i == position), None)
 
     def contents(self, position: int, payload: dict[str, Any]) -> list[str]:
         """The texts the message at ``position`` may appear as in a rendering: its content as
@@ -249,14 +252,15 @@ class WholeConversation:
         ids: dict[str, tuple[int, ...]] = {}
         shown: dict[str, str] = {}
         markers: list[tuple[str, ...]] = []
-        written: list[tuple[int, str, str]] = []
+        written: list[tuple[int, str, str, int]] = []
         for entry in entries:
             payload = entry.payload
             if entry.token_ids is not None and template_calls and entry.calls_payload is not None:
                 marker = f"{MARKER}{len(markers)}_"
                 ids[marker] = entry.token_ids
                 markers.append((marker,))
-                written.append((len(dicts), self._written_text(entry.token_ids), marker))
+                text = self._written_text(entry.token_ids)
+                written.append((len(dicts), text, marker, self._occurrences_before(dicts, text)))
                 payload = entry.calls_payload
             elif entry.token_ids is not None:
                 n = len(markers)
@@ -274,6 +278,12 @@ class WholeConversation:
                     markers.append((marker, whole))
             dicts.append(payload)
         return dicts, _Generated(ids, shown, tuple(markers), tuple(written))
+
+    def _occurrences_before(self, dicts: list[dict[str, Any]], text: str) -> int:
+        """How often ``text`` occurs in the rendering of ``dicts`` (the messages before a calling
+        message; no tools: a schema never holds a call's text), 0 when the template refuses it."""
+        before = self.template.apply(dicts, generation=False, tools=None) if dicts else None
+        return before.count(text) if before else 0
 
     def _written_text(self, token_ids: tuple[int, ...]) -> str:
         """The text of generated ids without the stop token they end on (the template's footer
@@ -385,3 +395,14 @@ def _digest(value: Any) -> bytes:
 
 def _chain(digest: bytes, value: Any) -> bytes:
     return hashlib.blake2b(digest + _json(value).encode(), digest_size=16).digest()
+
+
+def _replace_nth(text: str, old: str, new: str, skip: int) -> str:
+    """``text`` with the occurrence of ``old`` after its first ``skip`` ones replaced by ``new``:
+    ``_replace_nth("a b a", "a", "X", 1) == "a b X"``."""
+    at = -1
+    for _ in range(skip + 1):
+        at = text.find(old, at + 1)
+        if at < 0:
+            return text
+    return text[:at] + new + text[at + len(old):]
