@@ -362,6 +362,13 @@ class Engine(Protocol):
     def fingerprint(self) -> str:
         """Identifies model + KV layout; snapshots from another fingerprint are refused."""
 
+    @property
+    def exact(self) -> bool:
+        """True when the engine's numerics are exact (f32 KV, f32 compute, no dynamic
+        quantisation: ``open_engine(exact=True)``): its KV never depends on how a prefill was
+        chunked, and what would make it only close (a RoPE shift of earlier thinking, the default
+        self-check tolerance) is not chosen by default."""
+
     async def open_session(self, *, salt: str = "") -> KVSession:
         """A new empty session; ``salt`` names its tenant (prefixes are cached per salt)."""
 

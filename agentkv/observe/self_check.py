@@ -92,7 +92,7 @@ def fraction_from(value: float | None) -> float:
 
 def tolerance_for(engine: Engine) -> Tolerance:
     """The tolerance of the engine's numerics (exact: f32 compute, no dynamic quantisation)."""
-    return EXACT_TOLERANCE if bool(getattr(engine, "exact", False)) else DEFAULT_TOLERANCE
+    return EXACT_TOLERANCE if engine.exact else DEFAULT_TOLERANCE
 
 
 async def check_call(engine: Engine, kv: KVSession, prompt: Sequence[int], call_index: int) -> SelfCheckResult:

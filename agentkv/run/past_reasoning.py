@@ -66,10 +66,10 @@ def _walk(kv: Sequence[int], prompt: Sequence[int], think_id: int,
 
 def shifts_past_reasoning(agent: Agent, engine: Engine) -> bool:
     """Whether ``agent``'s earlier thinking leaves the KV by a shift on ``engine``: ``"shift"``,
-    or ``"auto"`` on an engine whose numerics are not exact (``engine.exact``, False when the
-    engine does not say): ``shifts_past_reasoning(Agent(name="a"), open_engine(exact=True))`` → False."""
+    or ``"auto"`` on an engine whose numerics are not exact (``engine.exact``):
+    ``shifts_past_reasoning(Agent(name="a"), open_engine(exact=True))`` → False."""
     if agent.past_reasoning == "auto":
-        return not bool(getattr(engine, "exact", False))
+        return not engine.exact
     return agent.past_reasoning == "shift"
 
 

@@ -120,8 +120,7 @@ class ScriptedEngine(SlotEngine):
             offload_bytes=offload_bytes, spill_dir=spill_dir, rope_reference=_rope_reference,
         ))
         self._scripted_tokenizer = tokenizer
-        self.exact = exact
-        """Whether this engine plays exact numerics (what ``OpenVINOEngine.exact`` reports)."""
+        self._exact = exact
         self.prefill_s_per_token = prefill_s_per_token
         self.decode_s_per_token = decode_s_per_token
         self._replies: deque[ScriptedReply] = deque()
@@ -137,6 +136,12 @@ class ScriptedEngine(SlotEngine):
         self.add_replies(*replies)
 
     # ---- Engine protocol ---------------------------------------------------------------
+    @property
+    def exact(self) -> bool:
+        """Whether this engine plays exact numerics (``ScriptedEngine(exact=True)``), as
+        ``OpenVINOEngine.exact`` reports its plugin's."""
+        return self._exact
+
     @property
     def tokenizer(self) -> ScriptedTokenizer:
         return self._scripted_tokenizer

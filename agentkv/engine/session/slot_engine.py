@@ -51,6 +51,12 @@ class SlotEngine:
     def max_context_len(self) -> int:
         return self.backend.max_context_len
 
+    @property
+    def exact(self) -> bool:
+        """False: an engine over slots alone says nothing of numerics (``OpenVINOEngine`` reads its
+        plugin's; the scripted engine plays either)."""
+        return False
+
     async def open_session(self, *, salt: str = "") -> SlotSession:
         """A new empty session (bound to a slot when it first runs). ``salt`` names its tenant:
         it shares cached prefixes only with sessions of the same salt::
