@@ -1,5 +1,9 @@
 """On the real model, across a process restart: a run stops on a call waiting for approval; a new
-process resumes the session, approves the call, and the continuation prefills only its result."""
+process resumes the session, approves the call, and the continuation prefills only its result.
+
+The asking side runs in the test's process on the suite's engine (the default engine and numerics);
+only the approving side is a new process (``tests/_approval_worker.py``), which is what a restart is:
+that process holds nothing of the session but the store and its snapshot."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _approval_worker import ask
 
 pytestmark = pytest.mark.model
 WORKER = Path(__file__).parents[1] / "_approval_worker.py"
@@ -20,9 +25,9 @@ def worker(*args: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_an_approval_round_trip_across_a_process_restart_prefills_only_the_result(tmp_path):
+async def test_an_approval_round_trip_across_a_process_restart_prefills_only_the_result(engine, tmp_path):
     db = f"sqlite:///{tmp_path / 'a.db'}"
-    asked = worker("ask", db)
+    asked = await ask(engine, db)
     assert asked["finish"] == "approval_required" and len(asked["calls"]) == 1
     approved = worker("approve", db, asked["session"], asked["calls"][0])
     assert approved["waiting"] == asked["calls"] and approved["interrupted"] == 0
