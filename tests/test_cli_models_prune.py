@@ -123,3 +123,13 @@ def test_a_conversion_records_its_gguf_so_a_later_upgrade_makes_it_stale(tmp_pat
     second = models._ensure_ir_for_gguf(gguf).ir_dir
     found = {c.path: c.stale for c in conversions({second: "default"})}
     assert found == {first: "its GGUF changed since (reinstalled or upgraded)", second: ""}
+
+
+def test_a_stale_conversion_that_cannot_be_removed_frees_nothing_and_stays_listed(cache, monkeypatch):
+    import agentkv.engine.openvino.model_cache as model_cache
+
+    monkeypatch.setattr(model_cache.shutil, "rmtree", lambda path, ignore_errors=False: None)  # e.g. in use
+    result = cli("prune", "--yes")
+    assert result.exit_code == 0, result.output
+    assert "freed 0 MB" in result.output
+    assert "nothing to prune" not in cli("prune", "--dry-run").output  # still there, still stale

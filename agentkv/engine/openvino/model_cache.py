@@ -61,11 +61,13 @@ def conversions(in_use: Mapping[Path, str], root: Path | None = None) -> list[Co
 
 
 def remove(stale: Iterable[Conversion]) -> int:
-    """Delete ``stale``'s directories; the bytes freed (GGUF links excluded)."""
+    """Delete ``stale``'s directories; the bytes freed (GGUF links excluded): a directory that
+    could not be removed (in use, no permission) frees nothing and stays listed as stale."""
     freed = 0
     for conversion in stale:
         shutil.rmtree(conversion.path, ignore_errors=True)
-        freed += conversion.size
+        if not conversion.path.exists():
+            freed += conversion.size
     return freed
 
 
