@@ -26,10 +26,12 @@ QUESTIONS = [
     "What local dishes should we try, especially anything with fish or custard tarts?",
     "How expensive is public transport, and should we buy a travel card on arrival?",
     "Are there good viewpoints in the city for watching the sunset in the evening?",
-    "Which neighbourhood is best for walking around in the evening with restaurants nearby?",
-    "Can you suggest a simple plan for our last day before the evening flight home?",
     "Remind me which things you told me to pack, and which dishes to try first.",
 ]
+"""Seven turns in a 192-token window with 16-token answers: every policy compacts during the 4th
+and the 6th (measured: truncation and sliding_window remove 8 entries by then, summarize 11); the
+7th is slack for a CPU whose answers run longer or shorter. Longer windows and answers (320, 28)
+took nine turns for the same two compactions (truncation), at twice the CPU time."""
 
 
 @pytest.fixture(scope="session")
@@ -50,9 +52,9 @@ async def test_each_policy_carries_a_real_conversation_across_the_limit_several_
         name=f"real-{policy_name}",
         instructions="You are a concise travel assistant.",
         policy=POLICIES[policy_name](**options),
-        max_prompt_len=320,
+        max_prompt_len=192,
         min_response_len=32,
-        generation=GenerationConfig(max_new_tokens=28),
+        generation=GenerationConfig(max_new_tokens=16),
     )
     runtime = Runtime(policy_engine)
     session = await runtime.open_conversation(agent)
@@ -84,7 +86,7 @@ async def test_each_policy_carries_a_real_conversation_across_the_limit_several_
     finally:
         await runtime.aclose()
     assert len(events) >= 2
-    assert max(prompts) <= 320 - 32
+    assert max(prompts) <= 192 - 32
     assert all(e.policy == POLICIES[policy_name].name for e in events)
     if policy_name != "summarize":  # a summary of a weak model may come back empty: its fallback is tested above
         assert all(e.fallback is None for e in events), [e.fallback_reason for e in events]
