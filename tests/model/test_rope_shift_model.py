@@ -6,6 +6,9 @@ this CPU with every KV precision. Measured
 here for the approximate test (7 texts × 3 (sink, span) configurations, ~180–240 tokens, f32 KV):
 mean KL(fresh prefill of kept ‖ shifted) ≈ 0.056 (max 0.19), argmax agreement 20/21; against
 the full-context distribution, sink + window ≈ 0.08 vs the same-size window without sink ≈ 0.68.
+The test runs 4 of those texts (history, a recipe, code, economics: 12 cases), which measured
+the same: mean KL 0.058 (max 0.19, the worst of the 21), argmax 11/12 (the one disagreement of
+the 21), no sink ≈ 8.9× further from the full context (8.5× over all 7).
 
 The tests here run the real model; the scripted ones are in ``tests/test_rope_shift.py``."""
 
@@ -106,6 +109,11 @@ TEXTS = [
 
 
 SINK_AND_SPAN = [(4, 48), (16, 96), (32, 128)]
+
+
+SPAN_DROP_TEXTS = [TEXTS[0], TEXTS[1], TEXTS[4], TEXTS[6]]
+"""The span-drop test's sample: prose, instructions, code and exposition, with the largest KL and
+the only argmax disagreement that all seven texts showed (more texts repeat those cases)."""
 
 
 MEAN_KL_MAX = 0.15  # measured 0.056 (0.029 on ~400-token texts)
@@ -240,7 +248,7 @@ async def test_span_drop_after_a_sink_stays_close_to_a_fresh_prefill_and_beats_n
     session = await rope_engine.open_session()
     kls, agree, to_full_sink, to_full_no_sink = [], [], [], []
     try:
-        for text in TEXTS:
+        for text in SPAN_DROP_TEXTS:
             ids = rope_engine.tokenizer.encode(text)[:240]
             await session.trim(0)
             await session.prefill(ids)
@@ -262,7 +270,7 @@ async def test_span_drop_after_a_sink_stays_close_to_a_fresh_prefill_and_beats_n
                 to_full_no_sink.append(kl(full, no_sink))
     finally:
         await session.close()
-    assert len(kls) >= 20
+    assert len(kls) == len(SPAN_DROP_TEXTS) * len(SINK_AND_SPAN) == 12
     assert np.mean(kls) <= MEAN_KL_MAX, kls
     assert np.mean(agree) >= ARGMAX_AGREEMENT_MIN, agree
     assert np.mean(to_full_no_sink) >= SINK_GAIN_MIN * np.mean(to_full_sink)
