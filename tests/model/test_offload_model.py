@@ -4,7 +4,7 @@ Every session plants its own "needle" word; its greedy outputs must equal its so
 never show another session's needle (no KV cross-talk), and the metrics must show restores,
 not re-prefills. Eight sessions on two slots already make every session but the last two wait
 for a slot, be offloaded between its turns and restored, in a different order for turn 2; 20
-(as before) repeated those paths for 2.5× the model time.
+(as before) repeated those paths for twice the CPU time.
 
 The tests here run the real model; the scripted ones are in ``tests/test_offload.py``."""
 
