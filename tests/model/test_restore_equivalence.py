@@ -11,11 +11,12 @@ one-slot engine:
 - R: V's snapshot after turn 2, written to a file, resumed in a new process for turn 3.
 
 Every turn's greedy answer must be identical token for token, and every reused path must
-report ``kv_exact``. The property holds per conversation, and four cover every path: the first
-conversation's V turn 1 fills the prefix cache (a miss), the other three start from a hit, and each
-one takes the offload (V) and new-process (R) paths; more topics only repeat those paths (12 did,
-for 2.8× the CPU time). This holds because prefills are cut canonically (registered prefix
+report ``kv_exact``. This holds because prefills are cut canonically (registered prefix
 boundaries) and restores give the plugin back its own values (``engine/numerics.py``).
+
+The property holds per conversation, and four cover every path: the first conversation's V turn 1
+fills the prefix cache (a miss), the other three start from a hit, and each one takes the offload
+(V) and new-process (R) paths; more topics only repeat those paths (12 did, for 2.8× the CPU time).
 
 R's new process is one for the module (``resumer``): it imports agentkv and OpenVINO while the
 first profile's conversations run here, then per profile builds a new engine and resumes from
