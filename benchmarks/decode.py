@@ -6,7 +6,10 @@ Workloads on the default model (issue 27): **tool calls** — 20 cases of
 grammar fast-forward off and on, interleaved per case (the order alternates) on fresh sessions of
 one engine. Per mode: decode tokens/s (tokens after the first over the time after the first), call
 tokens/s (tokens over the whole call, prefill included), model steps per call, forced tokens; and
-how many answers are token-for-token equal across the modes. **quoting** — a tool returns a
+how many answers are token-for-token equal across the modes; and what the grammar's mask costs a
+token (``allowed_mask`` + ``advance``, timed in the plain mode: ``mask_ms_per_token_toolcalls``,
+and its share of a plain constrained step, ``mask_share_of_plain_step_toolcalls``; it must stay
+well under one). **quoting** — a tool returns a
 ~200-token document (``QUOTE_DOCS``), the user asks to repeat its key part — and **free text** —
 multi-turn chat answers (``CHATS``, each mode continuing its own conversation on one session) —
 greedy, prompt-lookup drafts off (``plain``) and on (``drafts``), interleaved the same way;
@@ -32,14 +35,14 @@ import json
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anyio
 from _decode_batched import BatchedRound, batched, batched_figures
 from _decode_workloads import CHATS, QUOTE_DOCS, Mode, quote_messages
 
 from agentkv.chat.toolcalls import tool_call_grammar
-from agentkv.engine.base import Engine, GenerationConfig, GenerationResult
+from agentkv.engine.base import Engine, GenerationConfig, GenerationResult, TokenConstraint
 
 CASES_PATH = Path(__file__).resolve().parents[1] / "tests" / "data" / "function_calling.json"
 
@@ -64,21 +67,58 @@ def tool_call_prompts(engine: Engine, count: int) -> list[tuple[str, list[int], 
     return prompts
 
 
-async def one_call(engine: Engine, ids: list[int], grammar: str | None, config: GenerationConfig
-                   ) -> tuple[GenerationResult, float]:
+class MaskClock:
+    """Wraps each call's grammar constraint and adds up the seconds spent in ``allowed_mask`` and
+    ``advance``: what the grammar costs a token (``clock.wrap(engine.make_constraint(grammar))``)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.masks = 0
+
+    def wrap(self, inner: TokenConstraint) -> TokenConstraint:
+        clock = self
+
+        class Timed:
+            def allowed_mask(self) -> Any:
+                started = time.perf_counter()
+                mask = inner.allowed_mask()
+                clock.seconds, clock.masks = clock.seconds + time.perf_counter() - started, clock.masks + 1
+                return mask
+
+            def advance(self, token_id: int) -> None:
+                started = time.perf_counter()
+                inner.advance(token_id)
+                clock.seconds += time.perf_counter() - started
+
+            def is_finished(self) -> bool:
+                return inner.is_finished()
+
+        return cast(TokenConstraint, Timed())
+
+    @property
+    def ms_per_mask(self) -> float:
+        return 1e3 * self.seconds / self.masks if self.masks else 0.0
+
+
+async def one_call(engine: Engine, ids: list[int], grammar: str | None, config: GenerationConfig,
+                   clock: MaskClock | None = None) -> tuple[GenerationResult, float]:
     session = await engine.open_session()
     try:
         started = time.perf_counter()
         constraint = engine.make_constraint(grammar) if grammar is not None else None
+        if constraint is not None and clock is not None:
+            constraint = clock.wrap(constraint)
         result = await session.generate(ids, config, constraint=constraint)
         return result, time.perf_counter() - started
     finally:
         await session.close()
 
 
-async def tool_calls(engine: Engine, count: int, max_new: int, repeats: int) -> tuple[Mode, Mode, Mode]:
+async def tool_calls(engine: Engine, count: int, max_new: int, repeats: int, clock: MaskClock
+                     ) -> tuple[Mode, Mode, Mode]:
     """Plain, fast-forward, and fast-forward with prompt-lookup drafts (the defaults), interleaved
-    per case (the order rotates)."""
+    per case (the order rotates); ``clock`` times the grammar's masks in the plain mode (one mask
+    per token)."""
     prompts = tool_call_prompts(engine, count)
     off, on, spec = Mode("plain"), Mode("fast-forward"), Mode("ff+drafts")
     configs = {"plain": GenerationConfig(max_new_tokens=max_new, fast_forward=False, prompt_lookup=False),
@@ -89,7 +129,8 @@ async def tool_calls(engine: Engine, count: int, max_new: int, repeats: int) -> 
         for index, (case_id, ids, grammar) in enumerate(prompts):
             shift = (index + repeat) % 3
             for mode in [off, on, spec][shift:] + [off, on, spec][:shift]:
-                result, seconds = await one_call(engine, ids, grammar, configs[mode.name])
+                timed = clock if mode is off else None
+                result, seconds = await one_call(engine, ids, grammar, configs[mode.name], timed)
                 mode.add(result, seconds)
             print(f"  {case_id:<22} plain {len(off.answers[-1]):>4} tokens, fast-forward {len(on.answers[-1]):>4}, "
                   f"ff+drafts {len(spec.answers[-1]):>4}; equal: {off.answers[-1] == on.answers[-1]}, "
@@ -219,6 +260,7 @@ async def main(args: argparse.Namespace) -> None:
         engine.paged_model.wait_for_graphs()  # measured on every graph, none compiling beside it
     rows: list[tuple[str, Mode]] = []
     off = on = spec = Mode("plain")
+    clock = MaskClock()
     quote: tuple[Mode, Mode] | None = None
     genai: tuple[Mode, Mode] | None = None
     chat: tuple[Mode, Mode] | None = None
@@ -227,7 +269,7 @@ async def main(args: argparse.Namespace) -> None:
     rounds: list[BatchedRound] = []
     try:
         if "toolcalls" in workloads:
-            off, on, spec = await tool_calls(engine, args.cases, args.max_new_tokens, args.repeats)
+            off, on, spec = await tool_calls(engine, args.cases, args.max_new_tokens, args.repeats, clock)
             rows += [("tool calls", off), ("tool calls", on), ("tool calls", spec)]
         if "quote" in workloads:
             modes = await quoting(engine, args.repeats, GenaiQuote() if args.genai else None)
@@ -264,6 +306,9 @@ async def main(args: argparse.Namespace) -> None:
         "ff_steps_per_call_toolcalls": round(on.steps / max(1, on.calls), 2),
         "forced_share_toolcalls": round(on.forced / max(1, on.tokens), 3),
         "equal_answers_toolcalls": f"{equal}/{off.calls}",
+        "mask_ms_per_token_toolcalls": round(clock.ms_per_mask, 3),
+        "mask_share_of_plain_step_toolcalls": round(clock.ms_per_mask * off.decode_tps / 1e3, 3)
+        if off.decode_tps else None,
         "spec_over_plain_toolcalls": ratio(spec, off) if spec.calls else None,
         "equal_answers_spec_toolcalls": equal_answers((off, spec)) if spec.calls else None,
         "spec_over_plain_freetext": ratio(chat[1], chat[0]) if chat else None,

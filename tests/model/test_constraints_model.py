@@ -6,9 +6,7 @@ The tests here run the real model; the scripted ones are in ``tests/test_constra
 from __future__ import annotations
 
 import json
-import time
 
-import numpy as np
 import pytest
 from test_constraints import TOOLS, VOCAB
 from test_constraints import tokenizer  # noqa: F401  (a fixture)
@@ -21,10 +19,7 @@ from agentkv.chat.toolcalls import (
     tool_call_grammar,
 )
 from agentkv.engine.base import GenerationConfig
-from agentkv.engine.decode.constraints import (
-    ConstraintFactory,
-    GrammarConstraint,
-)
+from agentkv.engine.decode.constraints import ConstraintFactory
 from agentkv.tools import calculator, clock
 
 pytestmark = pytest.mark.model
@@ -44,71 +39,37 @@ SYSTEM = (
 CONSTRAINED = GenerationConfig(max_new_tokens=256)
 
 
+AUTO = GenerationConfig(max_new_tokens=64)
+"""Under ``auto`` the grammar lets the first token choose prose or a call; prose answers run on
+(the default model repeats itself to any limit) under the same no-tag rule at every token, and one
+call takes ~30 tokens: 64 covers a whole call and the prose branch."""
+
+
 PROMPTS = [
     "What is 17 * 23?",
     "What time is it in Tokyo?",
-    "Compute the square root of 2.",
-    "What's the date today?",
-    "How much is 1234 + 5678?",
-    "Tell me the current time in Paris.",
-    "Divide 100 by 7.",
-    "What is 2 to the power of 10?",
-    "I need the time in New York right now.",
-    "Calculate 15% of 80.",
     "what's 9 minus 12",
     "Is it morning in London now?",
-    "Evaluate sin(pi / 4) * sqrt(2).",
-    "How many seconds are in a day?",
-    "Which day of the week is it in UTC?",
-    "Add 0.1 and 0.2.",
-    "What is the cube of 7?",
-    "Give me the current UTC time.",
     "How much is 3 dozen eggs if one egg costs 0.25?",
     "Hello! Can you tell me the time in Sydney, Australia?",
 ]
-
-
-class TimedConstraint:
-    """Wraps a constraint and adds up the seconds spent in allowed_mask + advance."""
-
-    def __init__(self, inner: GrammarConstraint) -> None:
-        self.inner = inner
-        self.seconds = 0.0
-        self.steps = 0
-
-    def allowed_mask(self) -> np.ndarray:
-        started = time.perf_counter()
-        mask = self.inner.allowed_mask()
-        self.seconds += time.perf_counter() - started
-        self.steps += 1
-        return mask
-
-    def advance(self, token_id: int) -> None:
-        started = time.perf_counter()
-        self.inner.advance(token_id)
-        self.seconds += time.perf_counter() - started
-
-    def is_finished(self) -> bool:
-        return self.inner.is_finished()
-
-
-@pytest.fixture(scope="session")
-def constraint_engine():
-    """The default model with one slot, for the constrained-decoding tests."""
-    from agentkv.engine.stateful.engine import StatefulEngine
-
-    return StatefulEngine(num_slots=1)
+"""Both tools, each asked plainly and indirectly (a lower-case fragment, a word problem, a
+question whose tool is implied, a greeting before the question). Under the grammar a valid call
+is a per-answer property: these six run every path a longer list would (the call's opening, each
+tool's argument schema, the close that ends decoding)."""
 
 
 @pytest.fixture(scope="module")
-def model_factory(constraint_engine) -> ConstraintFactory:
-    meta = constraint_engine.files.gguf_metadata()
+def model_factory(engine) -> ConstraintFactory:
+    """A constraint factory built here from the default model's GGUF vocabulary (what this file
+    tests), on the suite's shared default engine."""
+    meta = engine.files.gguf_metadata()
     return ConstraintFactory(
         meta["tokenizer.ggml.tokens"],
-        eos_token_id=sorted(constraint_engine.eos_token_ids),
+        eos_token_id=sorted(engine.eos_token_ids),
         vocab_size=VOCAB,
         token_types=meta["tokenizer.ggml.token_type"],
-        encode=constraint_engine.tokenizer.encode,
+        encode=engine.tokenizer.encode,
     )
 
 
@@ -126,55 +87,42 @@ def assert_one_valid_call(text: str, allowed: set[str]) -> ToolCall:
     return call
 
 
-async def test_required_tool_choice_always_yields_one_valid_call_and_the_mask_overhead_is_small(
-    constraint_engine, model_factory
-):
-    session = await constraint_engine.open_session()
+async def test_required_tool_choice_always_yields_one_valid_call(engine, model_factory):
+    """Each prompt of ``PROMPTS`` ends in exactly one call that validates. What the mask costs a
+    token is measured by ``benchmarks/decode.py`` (``mask_ms_per_token_toolcalls``), not here."""
+    session = await engine.open_session()
     grammar = tool_call_grammar(TOOLS, "required", parallel=False)
-    timed_seconds, timed_steps, decode_seconds = 0.0, 0, 0.0
     names = []
-    for question in PROMPTS:
-        timed = TimedConstraint(model_factory(grammar))
-        ids = prompt_ids(constraint_engine, question)
-        result = await session.generate(ids, CONSTRAINED, constraint=timed)
-        assert result.finish_reason in ("constraint", "stop"), result.text
-        names.append(assert_one_valid_call(result.text, {"calculator", "clock"}).name)
-        timed_seconds, timed_steps = timed_seconds + timed.seconds, timed_steps + timed.steps
-        decode_seconds += result.metrics.tpot_s * (result.metrics.generated_tokens - 1)
-    plain_config = GenerationConfig(max_new_tokens=40, ignore_eos=True)
-    plain_tpots = [
-        (await session.generate(prompt_ids(constraint_engine, question), plain_config)).metrics.tpot_s
-        for question in PROMPTS[:3]
-    ]
-    await session.close()
-    overhead_ms = 1e3 * timed_seconds / timed_steps
-    step_ms = 1e3 * sorted(plain_tpots)[1]  # median of three unconstrained runs
-    constrained_step_ms = 1e3 * decode_seconds / (timed_steps - len(PROMPTS))
-    print(
-        f"\n[constraints] {len(PROMPTS)}/{len(PROMPTS)} valid calls ({names.count('clock')} clock); "
-        f"mask+advance {overhead_ms:.3f} ms/token over {timed_steps} tokens; plain step {step_ms:.2f} ms; "
-        f"constrained step {constrained_step_ms:.2f} ms ({100 * overhead_ms / step_ms:.1f}% of a plain step)"
-    )
-    assert overhead_ms < step_ms
+    try:
+        for question in PROMPTS:
+            result = await session.generate(prompt_ids(engine, question), CONSTRAINED,
+                                            constraint=model_factory(grammar))
+            assert result.finish_reason in ("constraint", "stop"), result.text
+            names.append(assert_one_valid_call(result.text, {"calculator", "clock"}).name)
+    finally:
+        await session.close()
+    print(f"\n[constraints] {len(PROMPTS)}/{len(PROMPTS)} valid calls ({names.count('clock')} clock)")
 
 
-async def test_named_tool_choice_calls_that_tool(constraint_engine, model_factory):
-    session = await constraint_engine.open_session()
+async def test_named_tool_choice_calls_that_tool(engine, model_factory):
+    """A calculator question and a clock one: the named tool is called either way."""
+    session = await engine.open_session()
     grammar = tool_call_grammar(TOOLS, "clock", parallel=False)
-    for question in PROMPTS[:4]:
+    for question in PROMPTS[:2]:
         result = await session.generate(
-            prompt_ids(constraint_engine, question), CONSTRAINED, constraint=model_factory(grammar)
+            prompt_ids(engine, question), CONSTRAINED, constraint=model_factory(grammar)
         )
         assert_one_valid_call(result.text, {"clock"})
     await session.close()
 
 
-async def test_with_parallel_calls_every_call_of_an_answer_is_valid(constraint_engine, model_factory):
-    session = await constraint_engine.open_session()
+async def test_with_parallel_calls_every_call_of_an_answer_is_valid(engine, model_factory):
+    """A calculator question and a clock one; each answer holds several calls (~120 tokens)."""
+    session = await engine.open_session()
     grammar = tool_call_grammar(TOOLS, "required")  # parallel: one or more calls
-    for question in PROMPTS[:4]:
+    for question in PROMPTS[:2]:
         result = await session.generate(
-            prompt_ids(constraint_engine, question), CONSTRAINED, constraint=model_factory(grammar)
+            prompt_ids(engine, question), CONSTRAINED, constraint=model_factory(grammar)
         )
         parsed = parse_tool_calls(result.text)
         assert parsed.errors == () and parsed.content == "" and parsed.tool_calls, result.text
@@ -184,13 +132,13 @@ async def test_with_parallel_calls_every_call_of_an_answer_is_valid(constraint_e
 
 
 async def test_auto_tool_choice_yields_prose_without_a_call_tag_or_one_valid_call(
-    constraint_engine, model_factory
+    engine, model_factory
 ):
-    session = await constraint_engine.open_session()
+    session = await engine.open_session()
     grammar = tool_call_grammar(TOOLS, "auto")
     for question in PROMPTS[:4]:
         result = await session.generate(
-            prompt_ids(constraint_engine, question), CONSTRAINED, constraint=model_factory(grammar)
+            prompt_ids(engine, question), AUTO, constraint=model_factory(grammar)
         )
         if result.text.startswith(TOOL_CALL_OPEN):
             assert_one_valid_call(result.text, {"calculator", "clock"})
