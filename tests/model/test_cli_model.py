@@ -5,6 +5,7 @@ The tests here run the real model; the scripted ones are in ``tests/test_cli.py`
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 from test_cli import cli, session_id_in, stored
 from test_cli import db, isolated_env  # noqa: F401  (fixtures; isolated_env is autouse)
+from zoo_helpers import ZOO
 
 pytestmark = pytest.mark.model
 
@@ -22,13 +24,28 @@ pytestmark = pytest.mark.model
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_cli_resume_restores_the_kv_of_a_chat_with_tools_and_a_system_prompt(db):
-    first = cli("chat", "--db", db, "--tools", "--system", "Use tools.", "--max-new-tokens", "24",
-                input="What time is it?\n")
+def test_cli_chat_with_tools_and_a_system_prompt_lists_resumes_on_its_kv_exports_and_removes(db):
+    """One CLI session through every stored-session command: ``chat`` with tools and a system
+    prompt (an arithmetic question, so the tool call is a short one: a question the tools do not
+    fit makes this model write a 228-token call), ``sessions list``, ``resume`` on the restored
+    KV, ``sessions export`` (the agent's system prompt first), ``sessions rm``, ``sessions show``."""
+    first = cli("chat", "--db", db, "--tools", "--system", "Use tools.", "--max-new-tokens", "24", "--metrics",
+                input="What is 2 + 3?\n")
     assert first.exit_code == 0, first.output
-    again = cli("resume", session_id_in(first.output), "--db", db, input="Thanks.\n")
+    session_id = session_id_in(first.output)
+    assert session_id in cli("sessions", "list", "--db", db).output
+    again = cli("resume", session_id, "--db", db, input="Thanks.\n")
     assert again.exit_code == 0, again.output
-    assert int(again.output.split("messages, ")[1].split()[0]) > 0, again.output
+    assert "resumed session" in again.output
+    assert int(again.output.split("messages, ")[1].split()[0]) > 0, again.output  # tokens of KV restored
+    exported = [json.loads(line) for line in cli("sessions", "export", session_id, "--db", db).output.splitlines()
+                if line.strip()]
+    roles = [m["role"] for m in exported]
+    assert roles[:3] == ["system", "user", "assistant"] and roles.count("user") == 2, roles
+    assert exported[0]["content"] == "Use tools.", exported[0]
+    assert cli("sessions", "rm", session_id, "--db", db).exit_code == 0
+    missing = cli("sessions", "show", session_id, "--db", db)
+    assert missing.exit_code == 1 and "no session" in missing.output
 
 
 class Child:
@@ -62,7 +79,10 @@ class Child:
 
 
 def test_ctrl_c_cancels_the_answer_keeps_the_session_and_twice_exits_130(db):
-    child = Child("--db", db, "--max-new-tokens", "400", "--metrics")
+    """Signals, the stored session and the exit code are mechanics: the child runs the zoo's tiny
+    random-weight Qwen2.5 (ChatML as the default model; it compiles in ~1 s where the default
+    model's three graphs take ~13 CPU-s in a fresh process), which streams until it is stopped."""
+    child = Child("--db", db, "--model", str(ZOO / "qwen2_5"), "--max-new-tokens", "400", "--metrics")
     try:
         child.send("Write a very long story about a dragon who learns to cook, in ten chapters.")
         child.wait_for(lambda out, err: len(out.strip()) >= 10, "the answer streaming")

@@ -1,7 +1,8 @@
-"""Persistence end to end: crash safety, resume from a KV snapshot in a new process, corrupt
-snapshots, cross-process leases, and the CLI.
+"""Persistence end to end: resume from a KV snapshot in a new process, corrupt snapshots.
 
-The tests here run the real model; the scripted ones are in ``tests/test_persistence.py``."""
+The tests here run the real model; the scripted ones (crash safety, cross-process leases) are in
+``tests/test_persistence.py``; the CLI's chat, sessions and resume commands on the real model are
+one test in ``tests/model/test_cli_model.py``."""
 
 from __future__ import annotations
 
@@ -91,27 +92,3 @@ async def test_corrupt_snapshot_falls_back_to_reprefill_and_loses_nothing(backen
         assert check.text == result.final_text
         await reference.close()
         await runtime.aclose()
-
-
-def test_cli_chat_then_sessions_list_then_resume(tmp_path):
-    from typer.testing import CliRunner
-
-    from agentkv.cli.app import app
-
-    db = f"sqlite:///{tmp_path / 'cli.db'}"
-    runner = CliRunner()
-    first = runner.invoke(app, ["chat", "--db", db, "--metrics"], input="Hello there.\n")
-    assert first.exit_code == 0, first.output
-    session_id = next(line.split()[1] for line in first.output.splitlines() if line.startswith("session "))
-    listing = runner.invoke(app, ["sessions", "list", "--db", db])
-    assert session_id in listing.output
-    again = runner.invoke(app, ["resume", session_id, "--db", db], input="And again.\n")
-    assert again.exit_code == 0, again.output
-    assert "resumed session" in again.output
-    exported = runner.invoke(app, ["sessions", "export", session_id, "--db", db])
-    roles = [json.loads(line)["role"] for line in exported.output.splitlines() if line.strip()]
-    assert roles == ["system", "user", "assistant", "user", "assistant"]  # the agent's system prompt first
-    gone = runner.invoke(app, ["sessions", "rm", session_id, "--db", db])
-    assert gone.exit_code == 0
-    missing = runner.invoke(app, ["sessions", "show", session_id, "--db", db])
-    assert missing.exit_code == 1 and "no session" in missing.output
