@@ -86,7 +86,7 @@ async def test_the_graphs_own_argmax_is_numpys_on_every_step_under_every_profile
 
 async def test_a_session_joining_a_run_shares_its_steps_and_both_get_their_solo_tokens(paged_exact):
     first, second = chat(paged_exact, "List five uses of copper."), chat(paged_exact, "Name three planets.")
-    config = RUNS.model_copy(update={"max_new_tokens": 64, "ignore_eos": True})
+    config = RUNS.model_copy(update={"max_new_tokens": 32, "ignore_eos": True})  # 4 runs of 8
     solo_first, *_ = await decode(paged_exact, first, config)
     solo_second, *_ = await decode(paged_exact, second, config)
     results: dict[str, object] = {}
@@ -117,7 +117,7 @@ async def test_a_session_joining_a_run_shares_its_steps_and_both_get_their_solo_
 async def test_seeded_sampling_draws_the_same_tokens_with_runs_on_or_off(paged_exact):
     ids = chat(paged_exact, "Tell me a story about a lighthouse keeper.")
     for seed in (1, 2):
-        sampled = {"temperature": 0.8, "top_p": 0.95, "seed": seed}
+        sampled = {"temperature": 0.8, "top_p": 0.95, "seed": seed, "max_new_tokens": 24}  # 3 runs of 8
         on, _, _, on_log, _ = await decode(paged_exact, ids, RUNS.model_copy(update=sampled))
         off, _, _, off_log, _ = await decode(paged_exact, ids, ONE_BY_ONE.model_copy(update=sampled))
         assert on.token_ids == off.token_ids and on_log == off_log, (on.text, off.text)
