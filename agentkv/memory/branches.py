@@ -1,24 +1,26 @@
 """Branches in SQL: a fork shares its parent's messages up to ``fork_seq`` without copying a row,
-and each session sees the window of what it shares as it was at its fork point, plus its own marks.
+and each session sees the window of what it shares as it was at its fork point, plus its own moves.
 
-A session's view is its own rows and, up its lineage, each ancestor's rows up to the seq the branch
-below shares. An ancestor's window flags are read *as of* that seq (a message it moved out of the
-window later is still in the fork's window); the fork's own window changes to shared messages are
-``branch_marks``, never an update of the parent's rows::
+Every change of a session's window (a compaction, a truncation, a rewind) is one *window version*
+of that session, stored as append-only ``window_moves`` rows (one per message moved in or out).
+A fork records its parent's version at the fork point (``fork_version``) and reads the parent's
+moves up to it, then its own; a move the parent makes later — a rewind putting messages back
+included — is the parent's alone. A message's row records the version its session had when it
+was appended, which is what a fork at the seq before it reads up to::
 
-    rows = view(s, session_id)          # [(MessageRow, in_window, replaced_by_seq)] in seq order
+    rows = view(s, session_id)          # [Seen(row, in_window, replaced_by_seq)] in seq order
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from agentkv.errors import SessionExists, UserError
-from agentkv.memory.schema import BranchMarkRow, MessageRow, SessionRow, utcnow
+from agentkv.memory.schema import MessageRow, SessionRow, WindowMoveRow, utcnow
 
 
 @dataclass(frozen=True)
@@ -30,46 +32,66 @@ class Seen:
     replaced_by_seq: int | None
 
 
-def lineage(s: Session, session: SessionRow) -> list[tuple[SessionRow, int | None]]:
-    """The session and its ancestors, each with the newest seq the branch below shares of it
-    (None for the session itself: all of it)."""
-    chain: list[tuple[SessionRow, int | None]] = [(session, None)]
-    upto: int | None = None
-    while session.parent_id is not None:
-        assert session.fork_seq is not None
-        upto = session.fork_seq if upto is None else min(upto, session.fork_seq)
-        parent = s.get(SessionRow, session.parent_id)
+@dataclass(frozen=True)
+class Shared:
+    """A session of the reader's lineage and how much of it the reader sees."""
+
+    node: SessionRow
+    upto_seq: int | None
+    """The newest of its messages the reader sees (None: the reader itself, all of them)."""
+    upto_version: int | None
+    """The newest of its window versions the reader sees (None: all)."""
+
+
+def lineage(s: Session, session: SessionRow) -> list[Shared]:
+    """The session and its ancestors, each with the newest seq and window version the branch
+    below shares of it. NOTE: where a branch further down forked at an earlier seq than the
+    one above it, it sees an ancestor as it was just before that seq's next message."""
+    chain = [Shared(session, None, None)]
+    upto_seq: int | None = None
+    upto_version: int | None = None
+    child = session
+    while child.parent_id is not None:
+        assert child.fork_seq is not None and child.fork_version is not None
+        parent = s.get(SessionRow, child.parent_id)
         if parent is None:  # NOTE: a parent is never deleted while it has forks (delete refuses)
             break
-        chain.append((parent, upto))
-        session = parent
+        if upto_seq is None or child.fork_seq <= upto_seq:
+            upto_seq, upto_version = child.fork_seq, child.fork_version
+        else:
+            upto_version = version_before(s, parent, upto_seq + 1)
+        chain.append(Shared(parent, upto_seq, upto_version))
+        child = parent
     return chain
+
+
+def version_before(s: Session, session: SessionRow, seq: int) -> int:
+    """The session's window version when it appended message ``seq``: the moves up to it came
+    before. 0 (none of its moves) when ``seq`` is a row it shares: it was appended before the
+    session existed."""
+    stamp = s.execute(select(MessageRow.window_version)
+                      .where(MessageRow.session_id == session.id, MessageRow.seq == seq)).scalar()
+    return 0 if stamp is None else int(stamp)
 
 
 def view(s: Session, session: SessionRow) -> list[Seen]:
     """Every message ``session`` sees, in seq order, with its window state for that session."""
-    seen: dict[int, Seen] = {}
-    for node, upto in reversed(lineage(s, session)):  # the oldest ancestor first: lower ones override
-        for mark in s.scalars(select(BranchMarkRow).where(BranchMarkRow.session_id == node.id)):
-            if mark.seq in seen and _applies(mark.out_since_seq, mark.replaced_by_seq, upto):
-                seen[mark.seq] = Seen(seen[mark.seq].row, False, mark.replaced_by_seq)
+    rows: dict[int, MessageRow] = {}
+    state: dict[int, tuple[bool, int | None]] = {}
+    for shared in reversed(lineage(s, session)):  # the oldest ancestor first: later moves override
+        node, upto_seq, upto_version = shared.node, shared.upto_seq, shared.upto_version
         query = select(MessageRow).where(MessageRow.session_id == node.id)
-        if upto is not None:
-            query = query.where(MessageRow.seq <= upto)
-        for row in s.scalars(query):
-            out = not row.in_window and _applies(row.out_since_seq, row.replaced_by_seq, upto)
-            seen[row.seq] = Seen(row, not out, row.replaced_by_seq if out else None)
-    return [seen[seq] for seq in sorted(seen)]
-
-
-def _applies(out_since_seq: int | None, replaced_by_seq: int | None, upto: int | None) -> bool:
-    """Whether a move out of the window had happened by ``upto`` (None: now). A move recorded
-    before schema 5 has no ``out_since_seq`` and counts as early."""
-    if upto is None:
-        return True
-    if replaced_by_seq is not None and replaced_by_seq > upto:
-        return False
-    return out_since_seq is None or out_since_seq <= upto
+        moves = select(WindowMoveRow).where(WindowMoveRow.session_id == node.id)
+        if upto_seq is not None:
+            query = query.where(MessageRow.seq <= upto_seq)
+            moves = moves.where(WindowMoveRow.seq <= upto_seq)
+        if upto_version is not None:
+            moves = moves.where(WindowMoveRow.version <= upto_version)
+        rows.update((row.seq, row) for row in s.scalars(query))
+        for move in s.scalars(moves.order_by(WindowMoveRow.version)):
+            if move.seq in rows:
+                state[move.seq] = (move.in_window, move.replaced_by_seq)
+    return [Seen(rows[seq], *state.get(seq, (True, None))) for seq in sorted(rows)]
 
 
 def last_seq(s: Session, session: SessionRow) -> int:
@@ -78,48 +100,58 @@ def last_seq(s: Session, session: SessionRow) -> int:
     return max(int(own or 0), session.fork_seq or 0)
 
 
-def move_out(s: Session, session: SessionRow, seqs: Sequence[int], replaced_by_seq: int | None) -> None:
-    """Move messages out of the session's window: its own rows are updated, shared ones get a
-    branch mark. The seqs are checked by the caller against ``view``."""
-    now_seq = last_seq(s, session)
-    wanted = set(seqs)
-    for row in s.scalars(select(MessageRow).where(MessageRow.session_id == session.id, MessageRow.seq.in_(wanted))):
-        row.in_window, row.replaced_by_seq, row.out_since_seq = False, replaced_by_seq, now_seq
-        wanted.discard(row.seq)
-    for seq in wanted:
-        mark = s.get(BranchMarkRow, (session.id, seq)) or BranchMarkRow(session_id=session.id, seq=seq)
-        mark.replaced_by_seq, mark.out_since_seq = replaced_by_seq, now_seq
-        s.add(mark)
+def move(s: Session, session: SessionRow, changes: dict[int, tuple[bool, int | None]]) -> None:
+    """Record one window version of the session: each seq moves in or out (``(in_window,
+    replaced_by_seq)``). Its own rows' flags follow; the rows it shares are left as their session
+    has them. The seqs are checked by the caller against ``view``."""
+    if not changes:
+        return
+    session.window_version += 1
+    version = session.window_version
+    s.add_all(WindowMoveRow(session_id=session.id, version=version, seq=seq, in_window=inside,
+                            replaced_by_seq=replaced_by)
+              for seq, (inside, replaced_by) in changes.items())
+    for row in s.scalars(select(MessageRow).where(MessageRow.session_id == session.id,
+                                                  MessageRow.seq.in_(list(changes)))):
+        row.in_window, row.replaced_by_seq = changes[row.seq]
     session.updated_at = utcnow()
 
 
+def move_out(s: Session, session: SessionRow, seqs: Iterable[int], replaced_by_seq: int | None) -> None:
+    """Move messages out of the session's window, replaced by ``replaced_by_seq`` (a summary) or
+    by nothing (a truncation); one window version."""
+    move(s, session, {seq: (False, replaced_by_seq) for seq in seqs})
+
+
 def rewind(s: Session, session: SessionRow, after_seq: int) -> int:
-    """Take the messages after ``after_seq`` out of the session's window and put back what only
-    they had replaced; returns how many left. Rows stay stored (a parent's rows untouched)."""
-    seen = view(s, session)
-    put_back = [item.row.seq for item in seen if not item.in_window and (item.replaced_by_seq or 0) > after_seq]
-    for row in s.scalars(select(MessageRow).where(MessageRow.session_id == session.id,
-                                                   MessageRow.seq.in_(put_back))):
-        row.in_window, row.replaced_by_seq, row.out_since_seq = True, None, None
-    s.execute(delete(BranchMarkRow).where(BranchMarkRow.session_id == session.id,
-                                          BranchMarkRow.seq.in_(put_back)))
-    s.flush()
-    leaving = [item.row.seq for item in seen if item.in_window and item.row.seq > after_seq]
-    move_out(s, session, leaving, None)
-    return len(leaving)
+    """Take the messages after ``after_seq`` out of the session's window and put back the ones up
+    to it that a later message had replaced; returns how many left. One window version of this
+    session: rows stay stored, and no other session's window changes."""
+    changes: dict[int, tuple[bool, int | None]] = {}
+    for item in view(s, session):
+        seq = item.row.seq
+        if seq > after_seq and item.in_window:
+            changes[seq] = (False, None)
+        elif seq <= after_seq and not item.in_window and (item.replaced_by_seq or 0) > after_seq:
+            changes[seq] = (True, None)
+    move(s, session, changes)
+    return sum(1 for inside, _ in changes.values() if not inside)
 
 
 def fork(s: Session, parent: SessionRow, new_id: str, at: int | None, metadata: dict[str, object]) -> SessionRow:
-    """A new session sharing ``parent``'s messages up to ``at`` (default: all of them)."""
+    """A new session sharing ``parent``'s messages up to ``at`` (default: all of them), with the
+    parent's window as it is now (``at`` its newest seq) or as it was when message ``at + 1`` came."""
     newest = last_seq(s, parent)
     point = newest if at is None else at
     if not 0 <= point <= newest:
         raise UserError(f"session {parent.id!r} has messages 1..{newest}; fork at a seq in 0..{newest}")
     if s.get(SessionRow, new_id) is not None:
         raise SessionExists(new_id)
+    version = parent.window_version if point == newest else version_before(s, parent, point + 1)
     now = utcnow()
     row = SessionRow(id=new_id, agent_name=parent.agent_name, created_at=now, updated_at=now, lease_holder=None,
-                     lease_expires_at=None, lease_epoch=0, metadata_=metadata, parent_id=parent.id, fork_seq=point)
+                     lease_expires_at=None, lease_epoch=0, metadata_=metadata, parent_id=parent.id, fork_seq=point,
+                     window_version=0, fork_version=version)
     s.add(row)
     s.flush()
     return row

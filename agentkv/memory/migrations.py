@@ -223,6 +223,49 @@ def _m009_call_decode_figures(conn: Connection) -> None:
         conn.execute(text(f"ALTER TABLE calls ADD COLUMN {name} INTEGER"))
 
 
+def _m010_window_moves(conn: Connection) -> None:
+    """10: window_moves — every move of a message into or out of a session's window, numbered by
+    that session's sessions.window_version; sessions.fork_version (the parent's version at the fork)
+    and messages.window_version (the session's version when the message came). Schema 5 told a
+    fork's window by seqs and updated the shared rows in place, so a parent's rewind changed its
+    forks' windows (issue 45); now a fork reads its ancestors' moves up to its fork point only.
+
+    Existing windows read as they did: each message out of a window (a row of its session, or a
+    branch_marks row of a fork) becomes one move whose version is the seq schema 5 compared —
+    max(out_since_seq, replaced_by_seq), 0 when both are NULL —, a fork's fork_version is its
+    fork_seq, a message's window_version its seq - 1 (so a fork at an earlier seq reads as of
+    that seq, as before), and a session's window_version its newest seq, so that its later moves
+    come after all of these. branch_marks goes; messages.out_since_seq stays, unused (dropping a
+    column needs SQLite 3.35)."""
+    conn.execute(text("ALTER TABLE sessions ADD COLUMN window_version INTEGER NOT NULL DEFAULT 0"))
+    conn.execute(text("ALTER TABLE sessions ADD COLUMN fork_version INTEGER"))
+    conn.execute(text("ALTER TABLE messages ADD COLUMN window_version INTEGER NOT NULL DEFAULT 0"))
+    md = MetaData()
+    Table("sessions", md, Column("id", String(255), primary_key=True))
+    Table(
+        "window_moves", md,
+        Column("session_id", String(255), ForeignKey("sessions.id", ondelete="CASCADE"), primary_key=True),
+        Column("version", Integer, primary_key=True, autoincrement=False),
+        Column("seq", Integer, primary_key=True, autoincrement=False),
+        Column("in_window", Boolean, nullable=False),
+        Column("replaced_by_seq", Integer),
+    )
+    md.tables["window_moves"].create(conn)
+    # NOTE: CASE, not max() / GREATEST(): the one spelling SQLite and PostgreSQL share
+    since = ("CASE WHEN COALESCE(out_since_seq, 0) > COALESCE(replaced_by_seq, 0) "
+             "THEN COALESCE(out_since_seq, 0) ELSE COALESCE(replaced_by_seq, 0) END")
+    conn.execute(text(f"INSERT INTO window_moves (session_id, version, seq, in_window, replaced_by_seq) "
+                      f"SELECT session_id, {since}, seq, FALSE, replaced_by_seq FROM messages WHERE NOT in_window"))
+    conn.execute(text(f"INSERT INTO window_moves (session_id, version, seq, in_window, replaced_by_seq) "
+                      f"SELECT session_id, {since}, seq, FALSE, replaced_by_seq FROM branch_marks"))
+    conn.execute(text("DROP TABLE branch_marks"))
+    conn.execute(text("UPDATE messages SET window_version = seq - 1"))
+    conn.execute(text("UPDATE sessions SET fork_version = fork_seq"))
+    newest = "(SELECT COALESCE(MAX(seq), 0) FROM messages WHERE messages.session_id = sessions.id)"
+    conn.execute(text(f"UPDATE sessions SET window_version = CASE WHEN COALESCE(fork_seq, 0) > {newest} "
+                      f"THEN fork_seq ELSE {newest} END"))
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "initial", _m001_initial),
     Migration(2, "sessions_by_recency", _m002_sessions_by_recency),
@@ -233,6 +276,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(7, "lease_epoch", _m007_lease_epoch),
     Migration(8, "message_reasoning", _m008_message_reasoning),
     Migration(9, "call_decode_figures", _m009_call_decode_figures),
+    Migration(10, "window_moves", _m010_window_moves),
 )
 LATEST_VERSION = MIGRATIONS[-1].version
 

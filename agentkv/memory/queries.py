@@ -39,12 +39,12 @@ from agentkv.memory.records import (
 )
 from agentkv.memory.schema import (
     AgentRow,
-    BranchMarkRow,
     CallRow,
     MessageRow,
     ResponseRow,
     SessionRow,
     SnapshotRow,
+    WindowMoveRow,
     utcnow,
 )
 from agentkv.memory.snapshots import SnapshotStorage
@@ -78,7 +78,7 @@ def create_session(s: Session, agent_name: str, session_id: str,
         raise SessionExists(session_id)
     now = utcnow()
     row = SessionRow(id=session_id, agent_name=agent_name, created_at=now, updated_at=now,
-                     lease_holder=None, lease_expires_at=None, lease_epoch=0, metadata_=metadata)
+                     lease_holder=None, lease_expires_at=None, lease_epoch=0, metadata_=metadata, window_version=0)
     s.add(row)
     s.flush()
     return convert.session_record(row)
@@ -131,11 +131,14 @@ def append_message(s: Session, session_id: str, message: Message, token_count: i
     session = fenced_row(s, session_id, fence)
     now = utcnow()
     row = MessageRow(session_id=session_id, seq=branches.last_seq(s, session) + 1, token_count=token_count,
-                     in_window=in_window, replaced_by_seq=None, created_at=now,
+                     in_window=True, replaced_by_seq=None, created_at=now, window_version=session.window_version,
                      **convert.message_fields(message))
     s.add(row)
     session.updated_at = now
     s.flush()
+    if not in_window:  # stored out of the window: a move of its own, as any other
+        branches.move_out(s, session, [row.seq], None)
+        s.flush()
     return convert.stored_message(row)
 
 
@@ -187,7 +190,7 @@ def delete_session(s: Session, session_id: str, fence: int | None = None) -> lis
     if forks := branches.forks_of(s, session_id):
         raise UserError(f"session {session_id!r} has forks that share its messages ({', '.join(forks)}); "
                         "delete them first; nothing was deleted")
-    s.execute(delete(BranchMarkRow).where(BranchMarkRow.session_id == session_id))
+    s.execute(delete(WindowMoveRow).where(WindowMoveRow.session_id == session_id))
     s.execute(delete(CallRow).where(CallRow.session_id == session_id))
     names = list(s.scalars(select(SnapshotRow.path).where(SnapshotRow.session_id == session_id)))
     s.execute(delete(SnapshotRow).where(SnapshotRow.session_id == session_id))

@@ -86,10 +86,17 @@ class SessionRow(Base):
     parent_id: Mapped[str | None] = mapped_column(String(255), ForeignKey("sessions.id"), index=True)
     """The session this one was forked from; it shares the parent's messages up to ``fork_seq``."""
     fork_seq: Mapped[int | None] = mapped_column(Integer)
+    window_version: Mapped[int] = mapped_column(Integer, server_default="0")
+    """How many window moves the session has made (schema 10): each move (a compaction, a truncation,
+    a rewind) counts it up and is stored as ``window_moves`` rows of that version."""
+    fork_version: Mapped[int | None] = mapped_column(Integer)
+    """The parent's ``window_version`` at the fork point (schema 10): the fork sees the parent's
+    window moves up to it and none after."""
 
 
 class MessageRow(Base):
-    """Append-only: content never changes; only the window flags are updated."""
+    """Append-only: content never changes. The window flags are the owning session's window now,
+    kept in step with its ``window_moves`` (a fork reads those, never these)."""
 
     __tablename__ = "messages"
 
@@ -110,22 +117,30 @@ class MessageRow(Base):
     replaced_by_seq: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[datetime]
     out_since_seq: Mapped[int | None] = mapped_column(Integer)
-    """The session's newest seq when the message left the window (None: in it, or marked before
-    schema 5); a fork at an earlier seq still sees it in its window."""
+    """Schemas 5-9 only: the session's newest seq when the message left the window. Migration 10
+    turned it into ``window_moves``; nothing writes or reads it since (NULL on newer rows)."""
+    window_version: Mapped[int] = mapped_column(Integer, server_default="0")
+    """The session's ``window_version`` when the message was appended (schema 10): a fork at the
+    seq before this one sees the window as it was then."""
 
 
-class BranchMarkRow(Base):
-    """A fork's own window mark on a message it shares with its parent (the parent's row is
-    left as the parent has it)."""
+class WindowMoveRow(Base):
+    """One message's move into or out of one session's window (append-only, schema 10): a fork
+    reads its ancestors' moves up to its fork point and its own, so no session's move changes
+    another's window."""
 
-    __tablename__ = "branch_marks"
+    __tablename__ = "window_moves"
 
     session_id: Mapped[str] = mapped_column(
         String(255), ForeignKey("sessions.id", ondelete="CASCADE"), primary_key=True
     )
+    """The session whose window changed (the message may be an ancestor's row it shares)."""
+    version: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    """That session's ``window_version`` after the move (one version per compaction or rewind)."""
     seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    in_window: Mapped[bool] = mapped_column(Boolean)
     replaced_by_seq: Mapped[int | None] = mapped_column(Integer)
-    out_since_seq: Mapped[int] = mapped_column(Integer)
+    """The summary that replaced the message (a move out by a compaction), else None."""
 
 
 class SnapshotRow(Base):
