@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+from zoo_helpers import ZOO
 
 from agentkv import UserError, open_engine
 
@@ -15,16 +16,18 @@ pytestmark = pytest.mark.model
 
 
 def test_the_default_on_cpu_is_the_paged_engine_and_stateful_is_one_word_away(monkeypatch):
+    """Which backend is picked and which options reach it is routing, not numerics: on the zoo's
+    tiny Qwen2.5 (the default model's paged graph took ~6.5 CPU-s to compile here, the zoo's ~1)."""
     from agentkv.engine.paged.engine import PagedEngine
     from agentkv.engine.stateful.engine import StatefulEngine
 
     monkeypatch.delenv("AGENTKV_ENGINE", raising=False)
-    paged = open_engine(num_slots=1, kv_cache_bytes=16 << 20, chunk_graph=False)
+    paged = open_engine(ZOO / "qwen2_5", num_slots=1, kv_cache_bytes=16 << 20, chunk_graph=False)
     assert isinstance(paged, PagedEngine) and paged.fingerprint.endswith(":paged")
     assert paged.paged_model.graphs == 1
     # the paged-only options are dropped
-    stateful = open_engine(backend="stateful", num_slots=1, kv_cache_bytes=16 << 20, chunk_graph=True,
-                           small_graph=True)
+    stateful = open_engine(ZOO / "qwen2_5", backend="stateful", num_slots=1, kv_cache_bytes=16 << 20,
+                           chunk_graph=True, small_graph=True)
     assert type(stateful) is StatefulEngine and not stateful.fingerprint.endswith(":paged")
 
 
