@@ -117,16 +117,17 @@ def test_only_the_serve_command_imports_the_server_and_the_server_imports_no_eng
 FLOORS: tuple[tuple[str, int], ...] = (
     ("agentkv.errors", 0), ("agentkv.validation_text", 0),
     ("agentkv.kv", 1),                      # numpy only: token log, snapshots, RoPE, precisions
-    ("agentkv.engine.base", 2),             # the engine's protocols
-    ("agentkv.engine.decode", 3), ("agentkv.engine.prefix", 3),
-    ("agentkv.engine.session", 4),          # the KV session, its backend, SlotEngine
-    ("agentkv.engine.openvino", 5),         # OpenVINOEngine(SlotEngine): the backends' shared parent
-    ("agentkv.engine.stateful", 6), ("agentkv.engine.paged", 6),  # siblings: neither imports the other
-    ("agentkv.engine.factory", 7), ("agentkv.engine", 7),
-    ("agentkv.chat", 7), ("agentkv.tools", 8), ("agentkv.observe", 9), ("agentkv.result", 10),
-    ("agentkv.events", 11), ("agentkv.policies", 12), ("agentkv.agent", 13), ("agentkv.memory", 14),
-    ("agentkv.run", 15), ("agentkv.runtime", 16), ("agentkv.testing", 17), ("agentkv.server", 18),
-    ("agentkv.cli", 19), ("agentkv", 20),
+    ("agentkv.engine.counters", 2),         # what an engine holds and has done (its protocol returns it)
+    ("agentkv.engine.base", 3),             # the engine's protocols
+    ("agentkv.engine.decode", 4), ("agentkv.engine.prefix", 4),
+    ("agentkv.engine.session", 5),          # the KV session, its backend, SlotEngine
+    ("agentkv.engine.openvino", 6),         # OpenVINOEngine(SlotEngine): the backends' shared parent
+    ("agentkv.engine.stateful", 7), ("agentkv.engine.paged", 7),  # siblings: neither imports the other
+    ("agentkv.engine.factory", 8), ("agentkv.engine", 8),
+    ("agentkv.chat", 8), ("agentkv.tools", 9), ("agentkv.observe", 10), ("agentkv.result", 11),
+    ("agentkv.events", 12), ("agentkv.policies", 13), ("agentkv.agent", 14), ("agentkv.memory", 15),
+    ("agentkv.run", 16), ("agentkv.runtime", 17), ("agentkv.testing", 18), ("agentkv.server", 19),
+    ("agentkv.cli", 20), ("agentkv", 21),
 )
 """Rooms from the bottom up. A module may import its own room and rooms on lower floors only;
 two rooms on one floor never import each other."""

@@ -38,11 +38,11 @@ import hashlib
 import json
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from cachetools import LRUCache
 
+from agentkv.chat.generated_markers import GeneratedMarkers
 from agentkv.chat.prompt import Entry, MessageSpan, RenderedPrompt, ends_prefix
 from agentkv.chat.template import PROBE_USER_CONTENT, ChatTemplate, common_prefix
 
@@ -55,51 +55,6 @@ _CUT_WINDOW = 64
 """Characters on each side of a boundary whose ids must not change when it is cut there."""
 _PROBE_INDEX = -1
 """The index of the user turn a history is rendered before (no message of the caller's)."""
-
-
-@dataclass(frozen=True)
-class _Generated:
-    """The markers standing for generated messages, and the texts to put back."""
-
-    ids: dict[str, tuple[int, ...]]
-    """Marker → the ids it stands for."""
-    shown: dict[str, str]
-    """A reasoning message's thinking as the template shows it → the marker of the whole message."""
-    markers: tuple[tuple[str, ...], ...]
-    """Per generated message, the markers one of which its rendering holds."""
-    written: tuple[tuple[int, str, str, int], ...] = ()
-    """Per generated message the template was shown as tool calls: its position among the dicts,
-    the text its ids decode to (what the template renders for those calls), its marker, and how
-    many times that text occurs in the rendering of the messages before it (a user or tool message
-    quoting the call: those occurrences are not the message's)."""
-
-    def substitute(self, text: str | None) -> str | None:
-        """``text`` with every thinking the template shows replaced by its whole message's marker,
-        and the text of each message shown as calls by its marker, at its first occurrence after
-        those the messages before it hold."""
-        if text is None:
-            return None
-        for shown, whole in self.shown.items():
-            text = text.replace(shown, whole)
-        for _, written, marker, before in self.written:
-            text = _replace_nth(text, written, marker, before)
-        return text
-
-    def written_at(self, position: int) -> tuple[str, str] | None:
-        """(text, marker) of the message at ``position`` when it is shown as calls, else None."""
-        return next(((text, marker) for i, text, marker, _ in self.written if i == position), None)
-
-    def contents(self, position: int, payload: dict[str, Any]) -> list[str]:
-        """The texts the message at ``position`` may appear as in a rendering: its content as
-        given, or, for a reasoning model's message, its whole message's marker; the marker alone
-        for a message shown as calls."""
-        written = self.written_at(position)
-        if written is not None:
-            return [written[1]]
-        content = payload.get("content")
-        if not isinstance(content, str) or not content:
-            return []
-        return [content, *([self.shown[content]] if content in self.shown else [])]
 
 
 class WholeConversation:
@@ -188,7 +143,7 @@ class WholeConversation:
     # -- where each message ends -----------------------------------------------------------------
 
     def _bounds(self, dicts: list[dict[str, Any]], text: str, tools: list[Any] | None,
-                markers: list[tuple[int, int]], generated: _Generated) -> list[int]:
+                markers: list[tuple[int, int]], generated: GeneratedMarkers) -> list[int]:
         """The end (in characters of ``text``) of each message's span."""
         bounds: list[int] = []
         previous = 0
@@ -215,7 +170,7 @@ class WholeConversation:
         return len(head) if head is not None and text.startswith(head) else 0
 
     def _text(self, key: bytes, dicts: list[dict[str, Any]], tools: list[Any] | None,
-              generated: _Generated | None = None) -> str | None:
+              generated: GeneratedMarkers | None = None) -> str | None:
         if key not in self._texts:
             text = self.template.apply(dicts, generation=False, tools=tools)
             self._texts[key] = generated.substitute(text) if generated is not None else text
@@ -240,7 +195,7 @@ class WholeConversation:
     # -- generated messages -----------------------------------------------------------------------
 
     def _dicts(self, entries: Sequence[Entry], split_thinking: bool,
-               template_calls: bool = False) -> tuple[list[dict[str, Any]], _Generated]:
+               template_calls: bool = False) -> tuple[list[dict[str, Any]], GeneratedMarkers]:
         """The template's dicts, a marker standing for each generated message's content; with
         ``split_thinking``, a reasoning model's message shows the template its thinking apart
         (``<think>`` … ``</think>``), so the template decides whether it stays: where it shows it,
@@ -277,7 +232,7 @@ class WholeConversation:
                     payload["content"] = thinking
                     markers.append((marker, whole))
             dicts.append(payload)
-        return dicts, _Generated(ids, shown, tuple(markers), tuple(written))
+        return dicts, GeneratedMarkers(ids, shown, tuple(markers), tuple(written))
 
     def _occurrences_before(self, dicts: list[dict[str, Any]], text: str) -> int:
         """How often ``text`` occurs in the rendering of ``dicts`` (the messages before a calling
@@ -395,14 +350,3 @@ def _digest(value: Any) -> bytes:
 
 def _chain(digest: bytes, value: Any) -> bytes:
     return hashlib.blake2b(digest + _json(value).encode(), digest_size=16).digest()
-
-
-def _replace_nth(text: str, old: str, new: str, skip: int) -> str:
-    """``text`` with the occurrence of ``old`` after its first ``skip`` ones replaced by ``new``:
-    ``_replace_nth("a b a", "a", "X", 1) == "a b X"``."""
-    at = -1
-    for _ in range(skip + 1):
-        at = text.find(old, at + 1)
-        if at < 0:
-            return text
-    return text[:at] + new + text[at + len(old):]

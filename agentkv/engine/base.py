@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from agentkv.engine.counters import EngineCounters
+
 if TYPE_CHECKING:
     from agentkv.kv.snapshot import KVSnapshot
 
@@ -386,22 +388,3 @@ class Engine(Protocol):
         """What the engine holds and has done now (a consistent copy; changes nothing), read by
         the server's ``/metrics``: ``engine.counters().kv_blocks_used``."""
         ...
-
-
-@dataclass(frozen=True)
-class EngineCounters:
-    """What an engine holds and has done, read when metrics are scraped."""
-
-    kv_blocks_used: int
-    """KV blocks held by sessions, forks and cached prefixes (the stateful form: slots bound)."""
-    kv_blocks_total: int
-    kv_blocks_active: int
-    """Blocks of sessions running a call, plus those reserved for a step (stateful: slots leased)."""
-    kv_blocks_evictable: int
-    """Held blocks freed on demand, failing no call: only cached prefixes, unrun forks or idle
-    sessions (to host) hold them (stateful: bound slots not leased)."""
-    model_steps: int
-    """Forward passes run since the engine was made."""
-    prefix_cache_hit_tokens: int
-    """Prompt tokens the prefix cache supplied (prefill skipped)."""
-

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from agentkv.engine.base import Engine, EngineCounters
+from agentkv.engine.base import Engine
+from agentkv.engine.counters import EngineCounters
 
 SNAPSHOT_SAVES = "agentkv_snapshot_saves"
 """KV snapshots saved (counter; exposed with ``_total``)."""

@@ -31,7 +31,7 @@ from typing import Any
 
 import anyio
 
-from agentkv.engine.base import EngineCounters
+from agentkv.engine.counters import EngineCounters
 from agentkv.engine.openvino.engine import CompiledSlots, OpenVINOEngine
 from agentkv.engine.paged.backend import PagedBackend
 from agentkv.engine.paged.batcher import DEFAULT_MAX_TOKENS, StepBatcher

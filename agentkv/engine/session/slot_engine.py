@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from agentkv.engine.base import EngineCounters, Tokenizer
+from agentkv.engine.base import Tokenizer
+from agentkv.engine.counters import EngineCounters
 from agentkv.engine.session.backend import PrefixStore, SlotBackend
 from agentkv.engine.session.session import SlotSession
 from agentkv.engine.session.slot_pool import SlotPool
