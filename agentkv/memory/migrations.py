@@ -266,6 +266,18 @@ def _m010_window_moves(conn: Connection) -> None:
                       f"THEN fork_seq ELSE {newest} END"))
 
 
+def _m011_past_reasoning_auto(conn: Connection) -> None:
+    """11: an agent row's ``past_reasoning`` "shift" becomes "auto", the new default. Rows written
+    before it always held "shift" (then the default), chosen or not; kept, they would make an agent
+    resumed from its row shift earlier thinking on an exact engine, whose KV must stay bit-exact.
+    "auto" still shifts on every other engine; "reprefill" rows stay as they are."""
+    agents = Table("agents", MetaData(), Column("name", String(255), primary_key=True), Column("settings", JSON))
+    for name, settings in conn.execute(select(agents.c.name, agents.c.settings)).all():
+        if isinstance(settings, dict) and settings.get("past_reasoning") == "shift":
+            conn.execute(agents.update().where(agents.c.name == name)
+                         .values(settings={**settings, "past_reasoning": "auto"}))
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "initial", _m001_initial),
     Migration(2, "sessions_by_recency", _m002_sessions_by_recency),
@@ -277,6 +289,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(8, "message_reasoning", _m008_message_reasoning),
     Migration(9, "call_decode_figures", _m009_call_decode_figures),
     Migration(10, "window_moves", _m010_window_moves),
+    Migration(11, "past_reasoning_auto", _m011_past_reasoning_auto),
 )
 LATEST_VERSION = MIGRATIONS[-1].version
 
