@@ -9,7 +9,8 @@ names an offered tool and its arguments validate against the tool's JSON schema,
 the run (``final_text``, the recorded messages) holds tool-call markup. Whether the model chose
 the expected tool is reported beside it, not counted. The last line is one JSON object.
 Run: ``python benchmarks/function_calling.py [--cases N] [--max-new-tokens 256]``; the
-real-model test (``tests/model/test_function_calling_model.py``) runs a fixed subset of the same cases.
+real-model test (``tests/model/test_function_calling_model.py``) runs the first case of each
+category (``FunctionCallingSet.one_per_category``).
 """
 
 from __future__ import annotations
@@ -80,6 +81,11 @@ class FunctionCallingSet:
                 if queue and len(chosen) < count:
                     chosen.append(queue.pop(0))
         return chosen
+
+    def one_per_category(self) -> list[dict[str, Any]]:
+        """The first case of each category: the real-model test's subset
+        (``fc_set.one_per_category()``)."""
+        return self.subset(len({case["category"] for case in self.cases}))
 
 
 def markup_in(text: str) -> bool:
