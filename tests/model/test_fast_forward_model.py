@@ -2,7 +2,8 @@
 ``tool_choice="required"`` decoded with fast-forward on equal the one-step-per-token decode under
 ``exact=True`` (tokens, stream, KV log) in fewer model steps; seeded sampling draws the same tokens;
 ``max_new_tokens`` and stop strings cut a forced run where one-by-one decoding would. Under the
-default numerics the agreement is printed, and every answer is a valid call.
+default numerics every answer decoded with fast-forward is a valid call (how many equal the
+one-by-one answers there, and the speed-up, is ``benchmarks/decode.py``'s tool-call workload).
 
 Each case's long tool prompt is prefilled once; its ON and OFF runs fork that session (``TAIL``).
 
@@ -23,6 +24,15 @@ pytestmark = pytest.mark.model
 
 CASES = json.loads((Path(__file__).resolve().parents[1] / "data" / "function_calling.json").read_text(encoding="utf-8"))
 PICKED = ["simple_0", "multiple_0", "parallel_0", "nested_0", "enum_0", "parallel_multiple_0"]
+"""The first case of each category: the valid-call test under the default numerics runs them all."""
+EXACT = ["multiple_0", "nested_0", "enum_0"]
+"""The exactness test's cases, each a different shape of forced run under the one-call grammar: a
+choice among four tool names (the model picks the name, the rest of it and the keys are forced), a
+nested object with an integer and an enum (``cabin``), and enums whose values share a prefix
+(``m``, ``mi``: a forced run must stop where the value is still open). The one-tool case
+(``simple_0``: name and keys forced, strings written by the model) is checked on the paged engine
+by the cut test; the parallel categories' prompts under the one-call grammar give these shapes
+again."""
 # NOTE: drafts off on both sides: model_steps here counts fast-forward alone
 ON = GenerationConfig(max_new_tokens=96, prompt_lookup=False)
 OFF = GenerationConfig(max_new_tokens=96, fast_forward=False, prompt_lookup=False)
@@ -85,7 +95,7 @@ async def held_on_paged_exact(paged_exact: Engine) -> AsyncIterator[Callable[[st
 
 async def test_fast_forward_equals_one_step_per_token_under_exact_numerics_in_fewer_steps(any_exact_engine):
     forced = saved = 0
-    for case_id in PICKED:
+    for case_id in EXACT:
         ids, grammar = case_prompt(any_exact_engine, case_id)
         base = await hold_prompt(any_exact_engine, ids)
         try:
@@ -105,13 +115,14 @@ async def test_fast_forward_equals_one_step_per_token_under_exact_numerics_in_fe
         forced, saved = forced + m.forced_tokens, saved + m.steps_saved
         print(f"\n[fast-forward] {case_id}: {m.generated_tokens} tokens, {m.forced_tokens} forced, "
               f"steps {p.model_steps} -> {m.model_steps}")
-    print(f"[fast-forward] {forced} forced tokens, {saved} steps saved over {len(PICKED)} calls")
+    print(f"[fast-forward] {forced} forced tokens, {saved} steps saved over {len(EXACT)} calls")
 
 
 async def test_seeded_sampling_draws_the_same_tokens_with_fast_forward_on_or_off(paged_exact, held_on_paged_exact):
+    """Two seeds on the longest case (~70 tokens, sampled choices between forced runs)."""
     ids, grammar = case_prompt(paged_exact, "nested_0")
     base = await held_on_paged_exact("nested_0")
-    for seed in (1, 2, 3):
+    for seed in (1, 2):
         sampled = {"temperature": 0.9, "top_p": 0.95, "seed": seed}
         plain, *_ = await run(paged_exact, base, ids, grammar, OFF.model_copy(update=sampled))
         fast, *_ = await run(paged_exact, base, ids, grammar, ON.model_copy(update=sampled))
@@ -130,18 +141,17 @@ async def test_max_new_tokens_and_stop_strings_cut_a_forced_run_where_one_by_one
     assert fast_log == plain_log and len(fast.token_ids) <= cut.get("max_new_tokens", 96)
 
 
-async def test_default_numerics_give_valid_calls_with_fast_forward_and_report_agreement(engine):
-    equal = 0
+async def test_default_numerics_give_valid_calls_with_fast_forward(engine):
+    """Every category's first case, fast-forward on (the default). Agreement with one-by-one
+    decoding under these numerics is measured, not asserted: ``benchmarks/decode.py``
+    (``equal_answers_toolcalls``)."""
     for case_id in PICKED:
         ids, grammar = case_prompt(engine, case_id)
         base = await hold_prompt(engine, ids)
         try:
-            plain, *_ = await run(engine, base, ids, grammar, OFF)
             fast, *_ = await run(engine, base, ids, grammar, ON)
         finally:
             await base.close()
         parsed = parse_tool_calls(fast.text)
         assert parsed.errors == () and len(parsed.tool_calls) == 1, fast.text
         assert fast.metrics.forced_tokens > 0
-        equal += fast.token_ids == plain.token_ids
-    print(f"\n[fast-forward] default numerics: {equal}/{len(PICKED)} calls token-for-token equal to one-by-one")
