@@ -38,12 +38,36 @@ def tiny_files():
 
 
 # ---- the paged model ---------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def exact_paged():
-    from agentkv.engine.openvino.models import resolve_model
-    from agentkv.engine.paged.model import PagedModel
+class HeldBlocks:
+    """A paged model seen through blocks the test holds: block ``i`` of a test's tables is the
+    ``i``-th held block, so the tests write small fixed numbers and touch no one else's blocks."""
 
-    return PagedModel(resolve_model(None), num_blocks=64, kv_cache_precision="f32", exact=True)
+    def __init__(self, model, blocks: list[int]) -> None:
+        self.model, self.blocks = model, blocks
+
+    def step(self, steps):
+        return self.model.step([replace(seq, blocks=[self.blocks[b] for b in seq.blocks]) for seq in steps])
+
+    def step_alone(self, token: int, past_len: int, table: list[int], **options):
+        return self.model.step_alone(token, past_len, [self.blocks[b] for b in table], **options)
+
+    def __getattr__(self, name: str):
+        return getattr(self.model, name)
+
+
+@pytest.fixture(scope="module")
+def exact_paged(paged_exact):
+    """The paged model of the session's ``paged_exact`` engine (f32 blocks, exact numerics: what a
+    ``PagedModel(..., kv_cache_precision="f32", exact=True)`` computes) through 64 blocks held from
+    its pool: where the session already built that engine, one compile of the default model's three
+    graphs fewer (~15 s of CPU)."""
+    pool, holder = paged_exact.block_pool, object()
+    blocks = pool.allocate(64, holder=holder)
+    try:
+        yield HeldBlocks(paged_exact.paged_model, blocks)
+    finally:
+        pool.release(blocks)
+        pool.unreserve(holder)
 
 
 F32_CHUNKING_RELATIVE = 1e-5
@@ -73,16 +97,16 @@ def test_any_multi_token_chunking_equals_a_one_pass_prefill_bit_for_bit_on_avx51
         assert np.max(np.abs(one - chunked)) <= F32_CHUNKING_RELATIVE * np.max(np.abs(one))
 
 
-async def test_a_paged_prefill_equals_the_stateful_engine_within_float_rounding(exact_paged):
+async def test_a_paged_prefill_equals_the_stateful_engine_within_float_rounding(exact_paged, engine_f32):
     from agentkv.engine.paged.model import SequenceStep
-    from agentkv.engine.stateful.engine import StatefulEngine
 
     paged = exact_paged.step([SequenceStep(IDS[:100], 0, [0, 1, 2, 3])])[0]
-    stateful = StatefulEngine(num_slots=1, exact=True, prefix_cache_bytes=0)
-    session = await stateful.open_session()
-    await session.prefill(IDS[:100])
-    reference = await session.next_token_logits()
-    await stateful.aclose()
+    session = await engine_f32.open_session()  # exact numerics, no prefix cache: a one-pass prefill
+    try:
+        await session.prefill(IDS[:100])
+        reference = await session.next_token_logits()
+    finally:
+        await session.close()
     assert np.abs(paged - reference).max() <= 1e-3
 
 
