@@ -50,7 +50,7 @@ fi
 if ! as_pg "$BINDIR/pg_ctl" -D "$PGDATA_DIR" status >/dev/null 2>&1; then
     log "starting the server on 127.0.0.1:$PORT"
     as_pg "$BINDIR/pg_ctl" -D "$PGDATA_DIR" -l "$PGDATA_DIR/server.log" -w -t 60 \
-        -o "-c listen_addresses=127.0.0.1 -p $PORT -c unix_socket_directories=$PGDATA_DIR" \
+        -o "-c listen_addresses=127.0.0.1 -p $PORT -c unix_socket_directories=$PGDATA_DIR -c max_connections=300" \
         start >&2
 fi
 
