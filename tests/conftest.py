@@ -223,3 +223,30 @@ async def store(store_url: str, tmp_path: Path) -> AsyncIterator[Store]:
     opened = Store(store_url, snapshot_dir=tmp_path / "snapshots")
     yield opened
     await opened.close()
+
+
+@pytest.fixture
+def fake_gguf_conversion(monkeypatch, tmp_path):
+    """openvino-genai's GGUF conversion faked (it writes placeholder IR files), the model cache in
+    ``tmp_path / "cache"`` and a tiny GGUF to convert: ``gguf = fake_gguf_conversion()``;
+    ``fake_gguf_conversion(on_convert=f)`` calls ``f()`` as each conversion starts."""
+    import openvino_genai
+
+    from agentkv.engine.openvino import models
+
+    def make(on_convert=None) -> Path:
+        class FakePipeline:
+            def __init__(self, path, device, **kwargs):
+                if on_convert is not None:
+                    on_convert()
+                for name in models.IR_FILES:
+                    (Path(path).parent / name).write_text("ir", encoding="utf-8")
+
+        monkeypatch.setattr(openvino_genai, "LLMPipeline", FakePipeline)
+        monkeypatch.setattr(models.ModelFiles, "gguf_metadata", lambda self: {})
+        monkeypatch.setenv("AGENTKV_CACHE_DIR", str(tmp_path / "cache"))
+        gguf = tmp_path / "tiny.gguf"
+        gguf.write_bytes(b"GGUF")
+        return gguf
+
+    return make

@@ -4,7 +4,6 @@ a scripted engine in place of the model where the model is not the point (issue 
 from __future__ import annotations
 
 import inspect
-from pathlib import Path
 
 import anyio
 import pytest
@@ -266,22 +265,10 @@ def test_help_documents_the_environment_variables():
         assert name in result.output
 
 
-def test_model_conversion_names_the_final_directory(tmp_path, monkeypatch, capsys):
-    import openvino_genai
-
+def test_model_conversion_names_the_final_directory(fake_gguf_conversion, capsys):
     from agentkv.engine.openvino import models
 
-    class FakePipeline:
-        def __init__(self, path, device, **kwargs):
-            for name in models.IR_FILES:
-                (Path(path).parent / name).write_text("ir", encoding="utf-8")
-
-    monkeypatch.setattr(openvino_genai, "LLMPipeline", FakePipeline)
-    monkeypatch.setattr(models.ModelFiles, "gguf_metadata", lambda self: {})
-    monkeypatch.setenv("AGENTKV_CACHE_DIR", str(tmp_path / "cache"))
-    gguf = tmp_path / "tiny.gguf"
-    gguf.write_bytes(b"GGUF")
-    files = models._ensure_ir_for_gguf(gguf)
+    files = models._ensure_ir_for_gguf(fake_gguf_conversion())
     message = capsys.readouterr().err
     assert str(files.ir_dir) in message.replace("\n", "")
     assert ".convert-" not in message

@@ -11,26 +11,12 @@ from rich.console import Console
 from agentkv.engine.openvino import models
 
 
-def test_conversion_shows_a_progress_bar_naming_each_step(tmp_path, monkeypatch):
-    import openvino_genai
-
+def test_conversion_shows_a_progress_bar_naming_each_step(fake_gguf_conversion, monkeypatch):
     seen: list[str] = []
     screen = io.StringIO()
-
-    class FakePipeline:
-        def __init__(self, path, device, **kwargs):
-            seen.append(screen.getvalue())
-            for name in models.IR_FILES:
-                (Path(path).parent / name).write_text("ir", encoding="utf-8")
-
-    monkeypatch.setattr(openvino_genai, "LLMPipeline", FakePipeline)
-    monkeypatch.setattr(models.ModelFiles, "gguf_metadata", lambda self: {})
     monkeypatch.setattr(models, "progress_console",
                         lambda: Console(file=screen, force_terminal=True, width=120, color_system=None))
-    monkeypatch.setenv("AGENTKV_CACHE_DIR", str(tmp_path / "cache"))
-    gguf = tmp_path / "tiny.gguf"
-    gguf.write_bytes(b"GGUF")
-    models._ensure_ir_for_gguf(gguf)
+    models._ensure_ir_for_gguf(fake_gguf_conversion(on_convert=lambda: seen.append(screen.getvalue())))
     shown = screen.getvalue()
     assert shown.startswith("Converting tiny.gguf to OpenVINO IR")
     for number, step in enumerate(models.CONVERT_STEPS):

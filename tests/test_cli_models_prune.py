@@ -101,22 +101,11 @@ def test_prune_removes_only_the_stale_conversions(cache, args):
     assert "nothing to prune" in again.output
 
 
-def test_a_conversion_records_its_gguf_so_a_later_upgrade_makes_it_stale(tmp_path, monkeypatch):
-    import openvino_genai
-
+def test_a_conversion_records_its_gguf_so_a_later_upgrade_makes_it_stale(fake_gguf_conversion):
     from agentkv.engine.openvino import models
     from agentkv.engine.openvino.model_cache import conversions
 
-    class FakePipeline:
-        def __init__(self, path, device, **kwargs):
-            for name in IR_FILES:
-                (Path(path).parent / name).write_text("ir", encoding="utf-8")
-
-    monkeypatch.setattr(openvino_genai, "LLMPipeline", FakePipeline)
-    monkeypatch.setattr(models.ModelFiles, "gguf_metadata", lambda self: {})
-    monkeypatch.setenv("AGENTKV_CACHE_DIR", str(tmp_path / "cache"))
-    gguf = tmp_path / "tiny.gguf"
-    gguf.write_bytes(b"GGUF")
+    gguf = fake_gguf_conversion()
     first = models._ensure_ir_for_gguf(gguf).ir_dir
     assert json.loads((first / SOURCE_FILE).read_text(encoding="utf-8")) == {"gguf": str(gguf.resolve())}
     gguf.write_bytes(b"GGUF v2")  # reinstalled: another size and time, another key

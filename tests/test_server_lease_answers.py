@@ -16,6 +16,7 @@ import anyio
 import httpx
 import pytest
 from sse_starlette.sse import AppStatus
+from test_server_replicas import gated
 
 from agentkv.errors import SessionBusy
 from agentkv.memory import Store
@@ -23,7 +24,7 @@ from agentkv.server import create_app
 from agentkv.server.app import STOPPED_BEFORE_START
 from agentkv.server.decided_stream import DecidedStream
 from agentkv.server.response_wire import ResponseRequest
-from agentkv.testing import ScriptedCall, ScriptedEngine
+from agentkv.testing import ScriptedEngine
 
 KEY = "sk-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -42,15 +43,6 @@ async def served(engine: ScriptedEngine, url: str | None = None, *,
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
                                      headers=AUTH) as client:
             yield client, app
-
-
-def gated(text: str, gate: anyio.Event, started: anyio.Event):
-    """A scripted reply that starts, then waits for ``gate`` before it answers ``text``."""
-    async def reply(call: ScriptedCall) -> str:
-        started.set()
-        await gate.wait()
-        return text
-    return reply
 
 
 def chat(content: str, **extra) -> dict:
