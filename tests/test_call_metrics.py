@@ -13,8 +13,10 @@ from pathlib import Path
 import anyio
 import pytest
 from rich.console import Console
-from sqlalchemy import create_engine, insert, text
+from sqlalchemy import create_engine, text
 from typer.testing import CliRunner
+
+from _old_schema import schema_at
 
 from agentkv import Agent, Runtime
 from agentkv.cli.app import app
@@ -24,7 +26,7 @@ from agentkv.errors import SchemaVersionError
 from agentkv.events import ModelCallFinished
 from agentkv.memory import Store
 from agentkv.memory import migrations
-from agentkv.memory.migrations import MIGRATIONS, schema_version
+from agentkv.memory.migrations import MIGRATIONS
 from agentkv.memory.schema import utcnow
 from agentkv.memory.session_stats import CallDecode, SessionStats, session_stats
 from agentkv.testing import ScriptedEngine
@@ -148,10 +150,7 @@ def _database_at(store_url: str, version: int) -> None:
     engine = create_engine(store_url)
     now = utcnow().replace(tzinfo=None)
     with engine.begin() as conn:
-        schema_version.metadata.create_all(conn)
-        for step in MIGRATIONS[:version]:
-            step.apply(conn)
-            conn.execute(insert(schema_version).values(version=step.version, name=step.name, applied_at=now))
+        schema_at(conn, version)
         conn.execute(text("INSERT INTO agents (name, instructions, tool_names, settings, updated_at) "
                           "VALUES ('old', 'Be kind.', '[]', '{}', :now)"), {"now": now})
         conn.execute(text("INSERT INTO sessions (id, agent_name, created_at, updated_at, metadata) "

@@ -15,11 +15,12 @@ import anyio
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sqlalchemy import create_engine, inspect, insert, text
+from sqlalchemy import create_engine, inspect, text
+
+from _old_schema import schema_at
 
 from agentkv.chat.messages import Message
 from agentkv.memory import Store
-from agentkv.memory.migrations import MIGRATIONS, schema_version
 from agentkv.memory.schema import utcnow
 
 
@@ -246,10 +247,7 @@ def schema_9_database(store_url: str) -> None:
     engine = create_engine(store_url)
     now = utcnow().replace(tzinfo=None)
     with engine.begin() as conn:
-        schema_version.metadata.create_all(conn)
-        for step in MIGRATIONS[:9]:
-            step.apply(conn)
-            conn.execute(insert(schema_version).values(version=step.version, name=step.name, applied_at=now))
+        schema_at(conn, 9)
         conn.execute(text("INSERT INTO agents (name, instructions, tool_names, settings, updated_at) "
                           "VALUES ('old', '', '[]', '{}', :now)"), {"now": now})
         for sid, parent, fork_seq in LEGACY_SESSIONS:

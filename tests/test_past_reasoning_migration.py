@@ -7,10 +7,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from sqlalchemy import create_engine, insert, text
+from sqlalchemy import create_engine, text
+
+from _old_schema import schema_at
 
 from agentkv.memory import Store
-from agentkv.memory.migrations import MIGRATIONS, schema_version
 from agentkv.memory.schema import utcnow
 from agentkv.run.past_reasoning import shifts_past_reasoning
 from agentkv.runtime.stored_agent import agent_from_record
@@ -21,10 +22,7 @@ def _database_at_schema_10(store_url: str) -> None:
     engine = create_engine(store_url)
     now = utcnow().replace(tzinfo=None)
     with engine.begin() as conn:
-        schema_version.metadata.create_all(conn)
-        for step in MIGRATIONS[:10]:
-            step.apply(conn)
-            conn.execute(insert(schema_version).values(version=step.version, name=step.name, applied_at=now))
+        schema_at(conn, 10)
         for name, mode in (("defaulted", "shift"), ("rereads", "reprefill"), ("older", None)):
             settings = {"tool_choice": "auto", **({"past_reasoning": mode} if mode else {})}
             conn.execute(text("INSERT INTO agents (name, instructions, tool_names, settings, updated_at) "

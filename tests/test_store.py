@@ -17,6 +17,8 @@ import pytest
 from sqlalchemy import create_engine, insert, inspect, text
 from sqlalchemy.exc import OperationalError
 
+from _old_schema import schema_at
+
 from agentkv.chat.messages import Message, ToolCall
 from agentkv.kv.snapshot import KVSnapshot
 from agentkv.errors import (
@@ -476,11 +478,7 @@ async def test_an_agent_without_instructions_is_stored_as_one_without_a_system_t
 async def test_agents_stored_before_migration_3_keep_their_system_turn(store_url: str, tmp_path: Path) -> None:
     engine = create_engine(store_url)
     with engine.begin() as conn:
-        schema_version.metadata.create_all(conn)
-        for step in MIGRATIONS[:2]:
-            step.apply(conn)
-            conn.execute(insert(schema_version).values(version=step.version, name=step.name,
-                                                       applied_at=utcnow().replace(tzinfo=None)))
+        schema_at(conn, 2)
         conn.execute(text("INSERT INTO agents (name, instructions, tool_names, settings, updated_at) "
                           "VALUES ('old', 'Be kind.', '[]', '{}', :now)"), {"now": utcnow().replace(tzinfo=None)})
     engine.dispose()
