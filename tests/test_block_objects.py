@@ -143,3 +143,16 @@ def test_the_object_tier_follows_the_tier_protocol_and_refuses_bad_settings(unre
     with pytest.raises(UserError, match="bucket"):
         ObjectBlocks("", client=unreachable.client)
     assert ObjectBlocks("b", client=unreachable.client).key(key(7)) == f"blocks/00/{key(7)}"
+
+
+def test_refused_credentials_make_put_and_check_name_the_credentials_and_reads_come_back_empty(objects, monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    refused = ObjectBlocks(objects.bucket, objects.prefix)
+    try:
+        for call in (lambda: refused.put(key(1), b"x"), refused.check):
+            with pytest.raises(BlockTierUnavailable, match="check the credentials"):
+                call()
+        assert refused.get_many([key(1)]) == {} and refused.has_many([key(1)]) == set()
+    finally:
+        refused.close()
+    assert list(objects.listing()) == []
