@@ -1,12 +1,21 @@
 """KVLog: a session's token log and the KV a slot holds for it — the one place the KV invariant is kept.
 
 Invariant (DESIGN.md): the slot's KV is exactly the KV of ``tokens`` at positions
-``0..len-1``. Every method that changes the KV changes ``tokens`` in the same step, and on
-failure leaves both empty rather than out of step. Decode and beam search work through a
-KVLog; a ``KVSession`` adds locking, leases and alignment on top. The KV lives in a slot
-(anything with ``KVSlot``'s methods: a stateful model's InferRequest, ``engine/slot.py``, or a
-paged block table, ``engine/paged_slot.py``); every method blocks and the caller holds the
-slot's lease::
+``0..len-1``, computed by passes beginning at ``cuts`` (and 0). Every method that changes the KV
+changes ``tokens`` and ``cuts`` in the same step, and on failure leaves them empty rather than
+out of step.
+
+**Cuts.** KV bits depend on where the passes that computed them began (bf16 compute, dynamic
+quantisation; even at f32 a one-token decode step differs from a prefill), so the log records
+every pass start: ``cuts`` are the sorted, unique positions ``0 < p < len(tokens)`` at which a
+pass began (a prefill chunk, a one-token decode step, a draft verification; 0 is implied), or
+None when unknown (KV loaded from a snapshot file written before cuts were recorded: it cannot
+be keyed, ``kv/block_keys.py``). Every pass start is kept, canonical chunk starts included.
+
+Decode and beam search work through a KVLog; a ``KVSession`` adds locking, leases and
+alignment on top. The KV lives in a slot (anything with ``KVSlot``'s methods: a stateful
+model's InferRequest, ``engine/slot.py``, or a paged block table, ``engine/paged_slot.py``);
+every method blocks and the caller holds the slot's lease::
 
     log = KVLog(boundaries=engine.boundaries)
     logits = log.feed(slot, prompt_ids)          # canonical chunks; logits after the last id
@@ -18,6 +27,7 @@ slot's lease::
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -65,6 +75,8 @@ class KVSource(Protocol):
     def shifted(self) -> bool: ...
     @property
     def lossless(self) -> bool: ...
+    @property
+    def cuts(self) -> tuple[int, ...] | None: ...
     def write_into(self, slot: KVSlot) -> None: ...
     def release(self) -> None: ...
 
@@ -75,6 +87,9 @@ class KVLog:
     def __init__(self, *, boundaries: PrefixBoundaries | None = None, chunk_size: int | None = None) -> None:
         self.tokens: list[int] = []
         """The tokens whose KV the slot holds, in order."""
+        self.cuts: list[int] | None = []
+        """Where the passes that computed the KV began: sorted, unique, inside ``(0, len(tokens))``;
+        None: unknown (loaded from a snapshot written before cuts were recorded)."""
         self.last_logits: np.ndarray | None = None
         """float32 ``[vocab]`` logits after ``tokens[-1]``, when known."""
         self.shifted = False
@@ -87,9 +102,23 @@ class KVLog:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def copy(self) -> KVLog:
+        """A log of the same tokens, cuts and flags, chunking as this one (a fork's, whose KV is
+        held elsewhere until it gets a slot): ``forked = log.copy()``; last logits unknown."""
+        copied = KVLog(boundaries=self._boundaries, chunk_size=self._chunk_size)
+        copied.tokens, copied.shifted, copied.exact = list(self.tokens), self.shifted, self.exact
+        copied.cuts = None if self.cuts is None else list(self.cuts)
+        return copied
+
     def forget(self) -> None:
         """Empty the log without touching a slot (its KV lives elsewhere or nowhere)."""
         self.tokens, self.last_logits, self.shifted, self.exact = [], None, False, True
+        self.cuts = []
+
+    def _pass_began(self, position: int) -> None:
+        """Record a pass that began at ``position`` (= ``len(tokens)`` before its tokens join)."""
+        if self.cuts is not None and position > 0 and (not self.cuts or self.cuts[-1] < position):
+            self.cuts.append(position)
 
     # ---- changes (blocking; the caller holds the slot's lease) -----------------------
     def feed(self, slot: KVSlot, ids: Sequence[int]) -> np.ndarray:
@@ -101,6 +130,8 @@ class KVLog:
         for begin, end in spans:
             piece = [int(t) for t in ids[begin - start : end - start]]
             logits = slot.feed(np.array([piece], dtype=np.int64), past_len=begin)[0]
+            if piece:
+                self._pass_began(begin)
             self.tokens.extend(piece)
             self.last_logits = logits
         assert logits is not None
@@ -125,6 +156,8 @@ class KVLog:
             piece = np.array([[int(t) for t in ids[begin - start : end - start]]], dtype=np.int64)
             wanted = min(end - begin, rows - (stop - end))
             logits = slot.feed_rows(piece, begin, wanted) if wanted > 0 else slot.feed(piece, past_len=begin)
+            if piece.shape[1]:
+                self._pass_began(begin)
             self.tokens.extend(int(t) for t in piece[0])
             self.last_logits = logits[-1]
             if wanted > 0:
@@ -140,7 +173,8 @@ class KVLog:
         ``feed_run`` (paged) runs the one-token steps itself, back to back while its session steps
         alone (``greedy``: ``choose`` is the argmax, which such a slot may take from the model).
         ``started()`` (``RunStep.started``) is called while such a slot's first step computes, else
-        before the first feed. On failure the log holds the tokens fed so far, last logits unknown::
+        before the first feed. Each token the slot's run feeds is a pass of its own (a cut). On
+        failure the log holds the tokens fed so far (their cuts too), last logits unknown::
 
             chosen = log.feed_run(slot, [t], steps=8, choose=pick, ends=lambda t: t in stop_ids)
         """
@@ -167,13 +201,18 @@ class KVLog:
         except BaseException:
             fed = [token, *chosen[before:]][: slot.length() - start]
             if fed:
-                self.tokens.extend(fed)
+                self._extend_by_steps(fed)
                 self.last_logits = None
             raise
-        self.tokens.append(token)
-        self.tokens.extend(chosen[before:-1])
+        self._extend_by_steps([token, *chosen[before:-1]])
         self.last_logits = logits
         return chosen
+
+    def _extend_by_steps(self, fed: Sequence[int]) -> None:
+        """``fed`` joined the log one token per pass (one-token decode steps): each is a cut."""
+        for token in fed:
+            self._pass_began(len(self.tokens))
+            self.tokens.append(int(token))
 
     def trim(self, slot: KVSlot, n: int) -> None:
         """Keep the first ``n`` tokens and their KV (a trim to 0 makes the log exact again). On
@@ -191,18 +230,25 @@ class KVLog:
             self.clear(slot)
             raise
         del self.tokens[n:]
+        self._drop_cuts_from(n)
         self.last_logits = None
+
+    def _drop_cuts_from(self, n: int) -> None:
+        """Forget the cuts at positions ``>= n`` (their tokens left the log)."""
+        if self.cuts is not None:
+            del self.cuts[bisect_left(self.cuts, n):]
 
     def load(self, slot: KVSlot, source: KVSource, *, exact: bool) -> None:
         """Replace KV and log by ``source``'s — a ``KVSnapshot`` (copied in) or ``SharedBlocks``
-        (its blocks pointed at) — (``exact``: the KV is the very values it was read as). On
-        failure the slot and the log are empty: never partial KV."""
+        (its blocks pointed at) — (``exact``: the KV is the very values it was read as); the cuts
+        are the source's (None: unknown). On failure the slot and the log are empty: never partial KV."""
         try:
             source.write_into(slot)
         except BaseException:
             self.clear(slot)
             raise
         self.tokens, self.last_logits = list(source.tokens), None
+        self.cuts = None if source.cuts is None else [int(c) for c in source.cuts if c > 0]  # 0 is implied
         self.shifted, self.exact = source.shifted, exact
 
     def clear(self, slot: KVSlot) -> None:
@@ -212,7 +258,9 @@ class KVLog:
 
     def drop(self, slot: KVSlot, start: int, end: int, convention: RopeConvention) -> None:
         """Remove ``tokens[start:end]`` and their KV; later keys re-rotated by −(end−start).
-        Marks the log shifted; on a failed write the slot and the log are empty."""
+        Marks the log shifted; cuts inside the span go, later ones move down by end−start and
+        ``start`` becomes a cut (the KV after it was rewritten). On a failed write the slot and
+        the log are empty."""
         keys, values = drop_span(*slot.read(), start, end, convention)
         try:
             slot.write(keys, values)
@@ -220,22 +268,35 @@ class KVLog:
             self.clear(slot)
             raise
         del self.tokens[start:end]
+        if self.cuts is not None and end > start:
+            later = [c - (end - start) for c in self.cuts if c >= end]
+            kept = [c for c in self.cuts if c < start]
+            self.cuts = [c for c in sorted({*kept, start, *later}) if 0 < c < len(self.tokens)]
         self.last_logits = None
         self.shifted = True
 
     def collapse(self, slot: KVSlot, row: int, tokens: Sequence[int], logits: np.ndarray | None = None) -> None:
         """Keep only batch row ``row``, holding ``tokens`` (its first ``len(tokens)`` positions),
-        with ``logits`` after them when known (beam search's end)."""
+        with ``logits`` after them when known (beam search's end). The row's tokens past the log's
+        were fed by the beam steps, one token per pass: each is a cut."""
         slot.select_row(row, len(tokens))
-        self.tokens, self.last_logits = [int(t) for t in tokens], logits
+        kept = min(len(self.tokens), len(tokens))
+        self.tokens = [int(t) for t in tokens[:kept]]
+        self._drop_cuts_from(kept)
+        self._extend_by_steps(tokens[kept:])
+        self.last_logits = logits
 
     def collapse_feeding(self, slot: KVSlot, row: int, row_tokens: Sequence[int], rest: Sequence[int]) -> np.ndarray:
         """Collapse onto live batch row ``row`` — which holds the log's tokens, then
-        ``row_tokens`` — on the same infer that feeds it ``rest`` (``beam_idx=[row]``)."""
+        ``row_tokens`` (fed by the beam steps, one token per pass) — on the same infer that feeds
+        it ``rest`` (one pass: a cut at its start)."""
         past_len = len(self.tokens) + len(row_tokens)
         ids, beam_idx = np.array([list(rest)], dtype=np.int64), np.array([row], dtype=np.int32)
         logits: np.ndarray = slot.feed(ids, past_len, beam_idx)[0]
-        self.tokens.extend(int(t) for t in (*row_tokens, *rest))
+        self._extend_by_steps(row_tokens)
+        if len(rest):
+            self._pass_began(len(self.tokens))
+        self.tokens.extend(int(t) for t in rest)
         self.last_logits = logits
         return logits
 

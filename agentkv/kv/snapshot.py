@@ -18,6 +18,14 @@ input bit for bit (``snap.lossless`` is True). An explicit ``"f16"`` or ``"u8"``
 
 A u8 paged cache is snapshotted as its raw blocks (``precision="u8-paged"``, built with
 ``KVSnapshot.from_blocks``): the only copy of it that restores bit for bit, at u8 size.
+
+A snapshot carries ``cuts``, where the passes that computed its KV began (``kv/log.py``,
+``kv/snapshot_cuts.py``): written as an int64 array ``cuts`` when known; a file written before
+them reads back with ``cuts=None`` (unknown) and its checksum still verifies. ``span`` cuts the
+KV of some tokens out as a snapshot of its own and ``join`` glues spans back, bit for bit::
+
+    head, tail = snap.span(0, 64), snap.span(64, snap.num_tokens)
+    whole = KVSnapshot.join([head, tail])      # tokens, arrays and cuts equal snap's
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Final, Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
@@ -43,32 +51,22 @@ from agentkv.kv.precision import (
     quantize_u8,
     to_bf16_bits,
 )
+from agentkv.kv.snapshot_cuts import checked_cuts, prefix_cuts
 from agentkv.kv.snapshot_file import (
     SnapshotPayload,
     corrupt,
     read_payload,
     write_payload,
 )
+from agentkv.kv.snapshot_layout import QUANT_PARAMS, RAW_BLOCKS, STORAGE_DTYPES, check_layout
+from agentkv.kv.snapshot_spans import joined_fields, sliced_fields, span_fields
 from agentkv.kv.u8_blocks import BlockLayout, raw_block_layouts
 
-__all__ = ["SUFFIX", "KVSnapshot", "Precision", "PrecisionChoice", "dequantize_u8", "from_bf16_bits",
-           "holds_exactly", "lossless_precision", "quantize_u8", "to_bf16_bits"]
+__all__ = ["QUANT_PARAMS", "RAW_BLOCKS", "SUFFIX", "KVSnapshot", "Precision", "PrecisionChoice", "dequantize_u8",
+           "from_bf16_bits", "holds_exactly", "lossless_precision", "quantize_u8", "to_bf16_bits"]
 
 SUFFIX = ".agkv"
 """The file suffix of every KV snapshot file (the store's, and the engine's spill files)."""
-_STORAGE_DTYPE: dict[str, np.dtype[Any]] = {
-    "f32": np.dtype("<f4"),
-    "bf16": np.dtype("<u2"),
-    "f16": np.dtype("<f2"),
-    "u8": np.dtype("u1"),
-    "u8-paged": np.dtype("u1"),
-}
-RAW_BLOCKS: Final = "u8-paged"
-"""The storage precision of raw u8 paged blocks (parameters inside the blocks)."""
-_PARAM_DTYPES = (np.dtype("<f4"), np.dtype("<f2"))
-QUANT_PARAMS = ("key_scale", "key_zero", "value_scale", "value_zero")
-"""The ``KVSnapshot`` fields holding u8 quantisation parameters (all None unless the precision is u8)."""
-
 
 def _read_only(a: np.ndarray) -> np.ndarray:
     """A read-only view of ``a`` (the caller's array keeps its own flags)."""
@@ -118,55 +116,19 @@ class KVSnapshot:
     """u8 only: like ``key_zero``, for the values."""
     block_tokens: int | None = None
     """u8-paged only: tokens per block."""
+    cuts: tuple[int, ...] | None = None
+    """Where the passes that computed this KV began, counted from the first token: sorted, unique,
+    in ``[0, num_tokens)``. A whole log's snapshot never holds 0 (implied); a ``span``'s holds 0
+    when a pass began at its first token. None: unknown (a file written before cuts existed)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tokens", tuple(int(t) for t in self.tokens))
-        self._check_layout()
+        object.__setattr__(self, "cuts", checked_cuts(self.cuts, len(self.tokens)))
+        check_layout(self)
         for name in ("keys", "values", *QUANT_PARAMS):
             array = getattr(self, name)
             if array is not None:
                 object.__setattr__(self, name, _read_only(array))
-
-    def _check_layout(self) -> None:
-        if self.precision not in _STORAGE_DTYPE:
-            raise UserError(f"precision must be one of f32, bf16, f16, u8, u8-paged, not {self.precision!r}")
-        if self.precision == RAW_BLOCKS:
-            self._check_blocks()
-            return
-        if self.block_tokens is not None:
-            raise UserError("block_tokens belongs to u8-paged snapshots only")
-        dtype = _STORAGE_DTYPE[self.precision]
-        if self.keys.ndim != 5 or self.keys.shape != self.values.shape:
-            raise UserError(
-                "keys and values must share one shape [layers, batch, heads, T, head_dim]; got "
-                f"{self.keys.shape} and {self.values.shape}"
-            )
-        if self.keys.dtype != dtype or self.values.dtype != dtype:
-            raise UserError(
-                f"precision {self.precision} stores {dtype}, got {self.keys.dtype}/{self.values.dtype}; "
-                "build snapshots with KVSnapshot.from_float"
-            )
-        if self.keys.shape[3] != len(self.tokens):
-            raise UserError(f"KV holds {self.keys.shape[3]} tokens but the log has {len(self.tokens)}")
-        params = [getattr(self, name) for name in QUANT_PARAMS]
-        if self.precision != "u8":
-            if any(p is not None for p in params):
-                raise UserError("scale/zero arrays belong to u8 snapshots only")
-            return
-        for name, p in zip(QUANT_PARAMS, params):
-            if p is None or p.shape != self.keys.shape[:4] or p.dtype not in _PARAM_DTYPES:
-                got = None if p is None else (p.shape, str(p.dtype))
-                raise UserError(
-                    f"u8 snapshot needs {name} of shape {self.keys.shape[:4]} in float32/float16, "
-                    f"got {got}"
-                )
-
-    def _check_blocks(self) -> None:
-        if self.block_tokens is None or self.block_tokens < 1:
-            raise UserError("a u8-paged snapshot needs block_tokens >= 1")
-        self._layouts()  # raises on blocks of another dtype, count or an unknown layout
-        if any(getattr(self, name) is not None for name in QUANT_PARAMS):
-            raise UserError("scale/zero arrays belong to u8 snapshots only")
 
     def _layouts(self) -> tuple[BlockLayout, BlockLayout]:
         assert self.block_tokens is not None
@@ -174,17 +136,19 @@ class KVSnapshot:
 
     @classmethod
     def from_blocks(cls, tokens: Sequence[int], keys: np.ndarray, values: np.ndarray, *, block_tokens: int,
-                    fingerprint: str, shifted: bool = False, lossless: bool = True) -> KVSnapshot:
+                    fingerprint: str, shifted: bool = False, lossless: bool = True,
+                    cuts: Sequence[int] | None = None) -> KVSnapshot:
         """A u8 paged cache's raw blocks ``[layers, blocks, heads, rows, cols]`` (as
         ``PagedSlot.read_blocks`` gives them) holding ``tokens``; restores bit for bit::
 
-            snap = KVSnapshot.from_blocks(tokens, *slot.read_blocks(), block_tokens=32, fingerprint=fp)
+            snap = KVSnapshot.from_blocks(tokens, *slot.read_blocks(), block_tokens=32, fingerprint=fp,
+                                          cuts=log.cuts)
         """
         if np.asarray(keys).dtype != np.uint8 or np.asarray(values).dtype != np.uint8:
             raise UserError("from_blocks takes a u8 cache's raw blocks (uint8); snapshot float caches with from_float")
         return cls(tokens=tuple(tokens), keys=np.array(keys), values=np.array(values),
                    precision=RAW_BLOCKS, fingerprint=fingerprint, shifted=shifted, lossless=lossless,
-                   block_tokens=block_tokens)
+                   block_tokens=block_tokens, cuts=None if cuts is None else tuple(cuts))
 
     @classmethod
     def from_float(
@@ -197,31 +161,35 @@ class KVSnapshot:
         fingerprint: str,
         shifted: bool = False,
         lossless: bool = True,
+        cuts: Sequence[int] | None = None,
     ) -> KVSnapshot:
         """Store float K/V ``[layers, batch, heads, T, head_dim]`` in ``precision`` ("auto": the
-        smallest lossless form). ``lossless=False`` marks KV that was inexact before capture.
+        smallest lossless form). ``lossless=False`` marks KV that was inexact before capture;
+        ``cuts``: where the passes that computed it began (``log.cuts``; None: unknown).
 
         The result owns copies: later writes to ``keys_f32`` do not change the snapshot.
         """
         keys = np.asarray(keys_f32, dtype=np.float32)
         values = np.asarray(values_f32, dtype=np.float32)
         stored: Precision = lossless_precision(keys, values) if precision == "auto" else precision
+        known_cuts = None if cuts is None else tuple(cuts)
         if stored == "u8":
             kq, ks, kz = quantize_u8(keys)
             vq, vs, vz = quantize_u8(values)
             return cls(tokens=tuple(tokens), keys=kq, values=vq, precision=stored, fingerprint=fingerprint,
-                       shifted=shifted, lossless=False, key_scale=ks, key_zero=kz, value_scale=vs, value_zero=vz)
-        if stored not in _STORAGE_DTYPE:
+                       shifted=shifted, lossless=False, key_scale=ks, key_zero=kz, value_scale=vs, value_zero=vz,
+                       cuts=known_cuts)
+        if stored not in STORAGE_DTYPES:
             raise UserError(f"precision must be one of auto, f32, bf16, f16, u8, not {stored!r}")
         if stored == "bf16":
             stored_k, stored_v = to_bf16_bits(keys), to_bf16_bits(values)
         else:
-            dtype = _STORAGE_DTYPE[stored]
+            dtype = STORAGE_DTYPES[stored]
             stored_k, stored_v = keys.astype(dtype, copy=True), values.astype(dtype, copy=True)
         # NOTE: "auto" chose a precision that holds them exactly: no second pass over the KV
         exact = lossless and (precision == "auto" or holds_exactly(stored, keys, values))
         return cls(tokens=tuple(tokens), keys=stored_k, values=stored_v, precision=stored, fingerprint=fingerprint,
-                   shifted=shifted, lossless=exact)
+                   shifted=shifted, lossless=exact, cuts=known_cuts)
 
     def to_float(self) -> tuple[np.ndarray, np.ndarray]:
         """Float32 ``(keys, values)``, fresh writable arrays ready to set into a model."""
@@ -257,24 +225,23 @@ class KVSnapshot:
         """Nothing to let go: a snapshot is a host copy (the ``KVSource`` protocol asks for it)."""
 
     def prefix(self, n: int) -> KVSnapshot:
-        """The snapshot of the first ``n`` tokens: ``snap.prefix(32).tokens == snap.tokens[:32]``."""
+        """The snapshot of the first ``n`` tokens (views, the cuts before ``n``):
+        ``snap.prefix(32).tokens == snap.tokens[:32]``."""
         if not 0 <= n <= self.num_tokens:
             raise UserError(f"prefix length must be in 0..{self.num_tokens}, got {n}")
-        if self.precision == RAW_BLOCKS:
-            assert self.block_tokens is not None
-            blocks = -(-n // self.block_tokens)
-            return KVSnapshot.from_blocks(self.tokens[:n], self.keys[:, :blocks], self.values[:, :blocks],
-                                          block_tokens=self.block_tokens, fingerprint=self.fingerprint,
-                                          shifted=self.shifted, lossless=self.lossless)
-        cut: dict[str, Any] = {
-            name: (None if getattr(self, name) is None else getattr(self, name)[:, :, :, :n])
-            for name in QUANT_PARAMS
-        }
-        return KVSnapshot(
-            tokens=self.tokens[:n], keys=self.keys[:, :, :, :n], values=self.values[:, :, :, :n],
-            precision=self.precision, fingerprint=self.fingerprint, shifted=self.shifted,
-            lossless=self.lossless, **cut,
-        )
+        return KVSnapshot(**sliced_fields(self, 0, n, prefix_cuts(self.cuts, n), copy=False))
+
+    def span(self, start: int, stop: int) -> KVSnapshot:
+        """The KV of ``tokens[start:stop]`` as a snapshot owning its arrays, cuts counted from
+        ``start`` (0 among them when a pass began there): ``snap.span(64, 128).tokens ==
+        snap.tokens[64:128]``. Raw u8 blocks are cut at block bounds only (``kv/snapshot_spans.py``)."""
+        return KVSnapshot(**span_fields(self, start, stop))
+
+    @classmethod
+    def join(cls, parts: Sequence[KVSnapshot]) -> KVSnapshot:
+        """Consecutive spans as one snapshot — ``span``'s inverse: ``KVSnapshot.join([s.span(0, a),
+        s.span(a, s.num_tokens)])`` equals ``s`` (tokens, arrays bit for bit, cuts)."""
+        return cls(**joined_fields(parts))
 
     @property
     def num_tokens(self) -> int:
@@ -309,6 +276,8 @@ class KVSnapshot:
             "values": self.values,
         }
         arrays.update({name: getattr(self, name) for name in QUANT_PARAMS})
+        # NOTE: absent when unknown: files written before cuts existed keep their checksums
+        arrays["cuts"] = None if self.cuts is None else np.asarray(self.cuts, dtype="<i8").reshape(-1)
         return arrays
 
     def _metadata(self) -> dict[str, Any]:
@@ -386,6 +355,7 @@ def _build(payload: SnapshotPayload, path: Path) -> KVSnapshot:
             lossless=header.get("lossless") is True,
             **{name: arrays.get(name) for name in QUANT_PARAMS},
             block_tokens=_block_tokens(header.get("block_tokens")),
+            cuts=None if "cuts" not in arrays else arrays["cuts"].tolist(),
         )
     except (KeyError, UserError) as e:
         raise corrupt(path, f"has an inconsistent layout ({e})") from e

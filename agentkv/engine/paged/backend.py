@@ -39,6 +39,11 @@ if TYPE_CHECKING:
     from anyio.lowlevel import EventLoopToken
 
 
+def _cuts(cuts: Sequence[int] | None) -> tuple[int, ...] | None:
+    """A log's cuts as a snapshot keeps them (None: unknown)."""
+    return None if cuts is None else tuple(cuts)
+
+
 class PagedBackend(SlotBackend):
     """Block tables over one ``BlockPool`` of a ``PagedModel``; see the module docstring."""
 
@@ -68,18 +73,19 @@ class PagedBackend(SlotBackend):
             if stored == "bf16":  # the snapshot's bf16 storage is the values' bits
                 return KVSnapshot(tokens=tuple(log.tokens), keys=keys.view(np.uint16), values=values.view(np.uint16),
                                   precision="bf16", fingerprint=self.fingerprint, shifted=log.shifted,
-                                  lossless=log.exact)
+                                  lossless=log.exact, cuts=_cuts(log.cuts))
             return KVSnapshot(tokens=tuple(log.tokens), keys=keys.astype(np.float16, copy=False),
                               values=values.astype(np.float16, copy=False), precision="f16",
-                              fingerprint=self.fingerprint, shifted=log.shifted, lossless=log.exact)
+                              fingerprint=self.fingerprint, shifted=log.shifted, lossless=log.exact,
+                              cuts=_cuts(log.cuts))
         blocks = slot.blocks[: blocks_for(len(log))]  # a failed feed may have grown the table already
-        return self._raw_snapshot(log.tokens, blocks, shifted=log.shifted, lossless=log.exact)
+        return self._raw_snapshot(log.tokens, blocks, shifted=log.shifted, lossless=log.exact, cuts=log.cuts)
 
     def _raw_snapshot(self, tokens: Sequence[int], blocks: Sequence[int], *, shifted: bool,
-                      lossless: bool) -> KVSnapshot:
+                      lossless: bool, cuts: Sequence[int] | None) -> KVSnapshot:
         keys, values = read_raw_blocks(self.paged_model, blocks)
         return KVSnapshot.from_blocks(tokens, keys, values, block_tokens=BLOCK_SIZE, fingerprint=self.fingerprint,
-                                      shifted=shifted, lossless=lossless)
+                                      shifted=shifted, lossless=lossless, cuts=cuts)
 
     def restores_exactly(self, source: KVSource) -> bool:
         """Raw blocks and shared blocks give back the very bytes; floats as on any backend."""
@@ -94,14 +100,16 @@ class PagedBackend(SlotBackend):
         blocks = list(slot.blocks)
         self.block_pool.share(blocks)
         return SharedBlocks(self.block_pool, log.tokens, blocks, shifted=log.shifted, lossless=log.exact,
-                            read=self.snapshot_of_shared)
+                            cuts=log.cuts, read=self.snapshot_of_shared)
 
     def snapshot_of_shared(self, shared: SharedBlocks) -> KVSnapshot:
         """Host snapshot of blocks a fork holds (blocking): ``SharedBlocks(..., read=backend.snapshot_of_shared)``."""
         if self._raw_snapshots:
-            return self._raw_snapshot(shared.tokens, shared.blocks, shifted=shared.shifted, lossless=shared.lossless)
+            return self._raw_snapshot(shared.tokens, shared.blocks, shifted=shared.shifted, lossless=shared.lossless,
+                                      cuts=shared.cuts)
         keys, values = read_table(self.paged_model, shared.blocks, shared.num_tokens)
-        return self.snapshot_of(shared.tokens, keys, values, shifted=shared.shifted, lossless=shared.lossless)
+        return self.snapshot_of(shared.tokens, keys, values, shifted=shared.shifted, lossless=shared.lossless,
+                                cuts=shared.cuts)
 
     def _make_prefix_cache(self, budget_bytes: int | None, precision: PrecisionChoice) -> PagedPrefixCache:
         """Cached prefixes stay in the pool's blocks (``precision`` does not apply: nothing is

@@ -4,7 +4,8 @@ On the paged engine a prefix's KV already sits in blocks. Once a session has rea
 prefix (system prompt + tool schemas), the cache takes a reference on the blocks that hold it;
 a later session that starts with the prefix gets a block table pointing at the same blocks and
 prefills only what follows. The last, partly filled block is shared too: whoever writes into a
-shared block first copies it (``PagedSlot``'s copy-on-write), so cached KV never changes::
+shared block first copies it (``PagedSlot``'s copy-on-write), so cached KV never changes. An
+entry keeps the cuts of the KV it shares (where the session's passes began), and a hit carries them::
 
     cache = PagedPrefixCache(pool, boundaries=engine.boundaries, max_blocks=64, block_bytes=model.block_bytes)
     await cache.capture(session, slot)             # after a prefill: share the prefixes it covers
@@ -28,7 +29,9 @@ from agentkv.kv.log import KVSlot
 from agentkv.engine.paged.model import BLOCK_SIZE
 from agentkv.engine.paged.slot import PagedSlot, blocks_for
 from agentkv.engine.paged.shared_blocks import SharedBlocks
+from agentkv.engine.prefix.kv_chunks import captured_cuts
 from agentkv.engine.prefix.stats import CapturableSession, PrefixCacheStats
+from agentkv.kv.snapshot_cuts import Cuts
 from agentkv.errors import UserError
 
 
@@ -50,6 +53,7 @@ class PagedPrefixCache:
         self.exact_partial_blocks = exact_partial_blocks
         self._lock = threading.Lock()
         self._entries: OrderedDict[tuple[str, tuple[int, ...]], tuple[int, ...]] = OrderedDict()  # LRU first
+        self._cuts: dict[tuple[str, tuple[int, ...]], Cuts] = {}  # where each entry's KV passes began
         self._counts = dict.fromkeys(("hits", "misses", "hit_tokens", "inserted_tokens", "evictions",
                                       "evicted_bytes"), 0)
 
@@ -69,6 +73,7 @@ class PagedPrefixCache:
                 blocks = tuple(slot.blocks[: blocks_for(len(mark))])
                 self.pool.share(blocks)
                 self._entries[key] = blocks
+                self._cuts[key] = captured_cuts(session, len(mark))
                 self._counts["inserted_tokens"] += len(mark)
                 added += len(mark)
                 self._fit_budget(protect=key)
@@ -94,7 +99,7 @@ class PagedPrefixCache:
             self._counts["hits"] += 1
             self._counts["hit_tokens"] += len(best) - max(0, longer_than)
             exact = self.exact_partial_blocks or len(best) % BLOCK_SIZE == 0
-            return SharedBlocks(self.pool, best, blocks, lossless=exact)
+            return SharedBlocks(self.pool, best, blocks, lossless=exact, cuts=self._cuts.get((salt, best)))
 
     def match_len(self, tokens: Sequence[int], *, salt: str = "") -> int:
         """How many leading tokens of ``tokens`` a cached prefix covers (no stats, no LRU touch)."""
@@ -131,7 +136,8 @@ class PagedPrefixCache:
             self._evict_oldest()
 
     def _evict_oldest(self) -> None:
-        _, blocks = self._entries.popitem(last=False)
+        key, blocks = self._entries.popitem(last=False)
+        self._cuts.pop(key, None)
         freed = len(set(blocks) - self._distinct_blocks())
         self.pool.release(blocks)
         self._counts["evictions"] += 1

@@ -6,7 +6,7 @@ until ``write_into`` hands them to a slot or ``release`` lets go, whichever come
 later writes into a block others hold copies it first (``PagedSlot``'s copy-on-write)::
 
     pool.share(slot.blocks)
-    held = SharedBlocks(pool, tokens, slot.blocks, read=backend.snapshot_of_shared)
+    held = SharedBlocks(pool, tokens, slot.blocks, cuts=log.cuts, read=backend.snapshot_of_shared)
     held.write_into(other_slot)        # other_slot's table: the same blocks
 """
 
@@ -19,6 +19,7 @@ from agentkv.engine.paged.block_pool import BlockPool
 from agentkv.kv.log import KVSlot
 from agentkv.engine.paged.slot import PagedSlot
 from agentkv.kv.snapshot import KVSnapshot
+from agentkv.kv.snapshot_cuts import checked_cuts
 from agentkv.errors import UserError
 
 
@@ -36,11 +37,15 @@ class SharedBlocks:
         *,
         shifted: bool = False,
         lossless: bool = True,
+        cuts: Sequence[int] | None = None,
         read: Callable[[SharedBlocks], KVSnapshot] | None = None,
     ) -> None:
-        """``blocks``: references already taken for this object. ``read`` makes a host snapshot
+        """``blocks``: references already taken for this object. ``cuts``: where the passes that
+        computed the KV began (``KVLog.cuts``; None: unknown). ``read`` makes a host snapshot
         of them (``load``); without it ``load`` is refused."""
         self.tokens = tuple(int(t) for t in tokens)
+        self.cuts = checked_cuts(cuts, len(self.tokens))
+        """Where the passes that computed this KV began (sorted, in ``[0, num_tokens)``), or None."""
         self.blocks = tuple(int(b) for b in blocks)
         self.shifted = shifted
         self.lossless = lossless

@@ -6,12 +6,15 @@ KV of its edge's tokens only)::
 
     cache = PrefixCache(fingerprint=engine.fingerprint, budget_bytes=256 << 20)   # lossless "auto"
     cache.register(system_ids)                     # a boundary worth caching
-    cache.insert(system_ids, keys, values)         # float32 [layers, batch, heads, T, head_dim]
+    cache.insert(system_ids, keys, values, cuts=[])   # float32 [layers, batch, heads, T, head_dim]
     hit = cache.lookup(system_ids + question_ids, longer_than=0)   # KVSnapshot of system_ids
 
 The engine calls ``lookup`` before a prefill and ``capture`` after it. A match may end inside
 an edge: with causal attention the KV of a prefix is the prefix of the KV. Keys live in a
-namespace (model fingerprint, tenant salt). Leaves are evicted under a byte budget in the
+namespace (model fingerprint, tenant salt). Each edge's snapshot keeps the cuts of the KV it
+holds (where the passes that computed it began, ``KVSnapshot.span``), so a hit gives back the
+cuts with the KV; an edge stored after a path whose KV was cut otherwise has unknown cuts (None:
+a hybrid no single run computed). Leaves are evicted under a byte budget in the
 order an ``EvictionPolicy`` gives (LRU by default); nodes held by a ``PrefixLease`` never are.
 Every public method is thread-safe (one ``threading.Lock``, held for tree edits, not for the
 precision conversion or the copies).
@@ -22,17 +25,18 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import anyio
 import numpy as np
 
 from agentkv.engine.base import common_prefix_len
-from agentkv.engine.prefix.kv_chunks import join_chunks, slice_chunk
+from agentkv.engine.prefix.kv_chunks import captured_cuts, join_chunks
 from agentkv.engine.prefix.stats import CapturableSession, PrefixCacheStats, ReadableSlot
 from agentkv.kv.chunking import PrefixBoundaries
 from agentkv.kv.snapshot import KVSnapshot, PrecisionChoice
+from agentkv.kv.snapshot_cuts import Cuts, join_cuts, prefix_cuts, span_cuts
 from agentkv.errors import UserError
 
 Namespace = tuple[str, str]
@@ -161,7 +165,9 @@ class PrefixCache:
         wanted = self._uncached_marks(session.tokens, salt)
         if not wanted:
             return 0
-        return await anyio.to_thread.run_sync(self._capture_blocking, slot, wanted, salt, limiter=self._limiter)
+        cuts = captured_cuts(session, len(wanted[-1]))
+        return await anyio.to_thread.run_sync(self._capture_blocking, slot, wanted, salt, cuts,
+                                              limiter=self._limiter)
 
     def _uncached_marks(self, tokens: tuple[int, ...], salt: str) -> list[tuple[int, ...]]:
         """Registered prefixes of ``tokens`` not fully cached, shortest first."""
@@ -170,13 +176,16 @@ class PrefixCache:
         with self._lock:
             return [m for m in marks if self._walk(ns, m)[1] < len(m)]
 
-    def _capture_blocking(self, slot: ReadableSlot, wanted: list[tuple[int, ...]], salt: str) -> int:
+    def _capture_blocking(self, slot: ReadableSlot, wanted: list[tuple[int, ...]], salt: str, cuts: Cuts) -> int:
         keys, values = slot.read()  # float32 [layers, batch, heads, T, head_dim]
-        return sum(self.insert(m, keys[:, :, :, : len(m)], values[:, :, :, : len(m)], salt=salt) for m in wanted)
+        return sum(self.insert(m, keys[:, :, :, : len(m)], values[:, :, :, : len(m)], salt=salt,
+                               cuts=prefix_cuts(cuts, len(m))) for m in wanted)
 
     # ---- insert ----------------------------------------------------------------------
-    def insert(self, tokens: Sequence[int], keys: np.ndarray, values: np.ndarray, *, salt: str = "") -> int:
-        """Cache the KV of ``tokens`` (float32 ``[layers, batch, heads, len(tokens), head_dim]``).
+    def insert(self, tokens: Sequence[int], keys: np.ndarray, values: np.ndarray, *, salt: str = "",
+               cuts: Sequence[int] | None = None) -> int:
+        """Cache the KV of ``tokens`` (float32 ``[layers, batch, heads, len(tokens), head_dim]``),
+        computed by passes beginning at ``cuts`` (``KVLog.cuts``; None: unknown).
 
         Blocking (converts to the cache precision). Stores only the part not cached yet; does
         nothing if that part cannot fit the budget. Returns the tokens newly stored.
@@ -185,30 +194,34 @@ class PrefixCache:
         if keys.ndim != 5 or keys.shape != values.shape or keys.shape[3] != len(key):
             raise UserError(f"keys/values must be [layers, batch, heads, {len(key)}, head_dim], got {keys.shape}")
         ns = (self.fingerprint, salt)
+        known = None if cuts is None else tuple(sorted({int(c) for c in cuts if 0 < c < len(key)}))
         with self._lock:
             start = self._walk(ns, key)[1]
         if start >= len(key):
             return 0
-        chunk = self._convert(key, keys, values, start, len(key))  # NOTE: outside the lock
+        chunk = self._convert(key, keys, values, start, len(key), known)  # NOTE: outside the lock
         with self._lock:
-            return self._attach(ns, key, keys, values, start, chunk)
+            return self._attach(ns, key, keys, values, start, chunk, known)
 
-    def _convert(self, key: tuple[int, ...], keys: np.ndarray, values: np.ndarray, start: int, stop: int) -> KVSnapshot:
+    def _convert(self, key: tuple[int, ...], keys: np.ndarray, values: np.ndarray, start: int, stop: int,
+                 cuts: Cuts) -> KVSnapshot:
         return KVSnapshot.from_float(
             key[start:stop], keys[:, :, :, start:stop], values[:, :, :, start:stop],
-            precision=self.precision, fingerprint=self.fingerprint,
+            precision=self.precision, fingerprint=self.fingerprint, cuts=span_cuts(cuts, start, stop),
         )
 
     def _attach(self, ns: Namespace, key: tuple[int, ...], keys: np.ndarray, values: np.ndarray,
-                start: int, chunk: KVSnapshot) -> int:
-        """Hang ``chunk`` (the KV of ``key[start:]``) under the longest cached prefix of ``key``."""
+                start: int, chunk: KVSnapshot, cuts: Cuts) -> int:
+        """Hang ``chunk`` (the KV of ``key[start:]``, cut at ``cuts``) under the longest cached prefix of ``key``."""
         path, matched = self._walk(ns, key)
         if matched >= len(key):
             return 0
         if matched > start:  # another thread stored part of it meanwhile
-            chunk = slice_chunk(chunk, matched - start, len(key) - start)
+            chunk = chunk.span(matched - start, len(key) - start)
         elif matched < start:  # part of it was evicted meanwhile
-            chunk = join_chunks([self._convert(key, keys, values, matched, start), chunk])
+            chunk = join_chunks([self._convert(key, keys, values, matched, start, cuts), chunk])
+        if chunk.cuts is not None and _path_cuts(path) != prefix_cuts(cuts, matched):
+            chunk = replace(chunk, cuts=None)  # computed after KV cut otherwise than the cached path's
         parent = self._roots.setdefault(ns, PrefixNode(edge=(), kv=None))
         if path:
             parent, taken = path[-1]
@@ -230,7 +243,7 @@ class PrefixCache:
         """Cut ``node``'s edge at ``at``: it keeps ``edge[:at]``; a new child takes the rest."""
         assert node.kv is not None and 0 < at < len(node.edge)
         lower = PrefixNode(
-            edge=node.edge[at:], kv=slice_chunk(node.kv, at, len(node.edge)), parent=node,
+            edge=node.edge[at:], kv=node.kv.span(at, len(node.edge)), parent=node,
             children=node.children, last_used=node.last_used, leases=set(node.leases),
         )
         for child in lower.children.values():
@@ -238,7 +251,7 @@ class PrefixCache:
         for lease in node.leases:
             lease._nodes.append(lower)
         before = node.nbytes
-        node.edge, node.kv, node.children = node.edge[:at], slice_chunk(node.kv, 0, at), {lower.edge[0]: lower}
+        node.edge, node.kv, node.children = node.edge[:at], node.kv.span(0, at), {lower.edge[0]: lower}
         self._bytes += node.nbytes + lower.nbytes - before
 
     # ---- lookup ----------------------------------------------------------------------
@@ -335,3 +348,12 @@ class PrefixCache:
         with self._lock:
             return PrefixCacheStats(bytes=self._bytes, budget_bytes=self.budget_bytes,
                                     nodes=len(self._nodes()), **self._counts)
+
+
+def _path_cuts(path: list[tuple[PrefixNode, int]]) -> Cuts:
+    """The cuts of the KV the nodes along ``path`` hold (the tokens taken from each), from the root."""
+    parts = []
+    for node, taken in path:
+        assert node.kv is not None
+        parts.append((prefix_cuts(node.kv.cuts, taken), taken))
+    return join_cuts(parts)

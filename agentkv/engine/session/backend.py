@@ -210,14 +210,15 @@ class SlotBackend:
             snapshot = backend.snapshot(log, slot)
         """
         keys, values = log.read(slot)
-        return self.snapshot_of(log.tokens, keys, values, shifted=log.shifted, lossless=log.exact)
+        return self.snapshot_of(log.tokens, keys, values, shifted=log.shifted, lossless=log.exact, cuts=log.cuts)
 
     def snapshot_of(self, tokens: Sequence[int], keys: np.ndarray, values: np.ndarray, *, shifted: bool,
-                    lossless: bool) -> KVSnapshot:
-        """Host snapshot of ``tokens``' float32 KV in the snapshot precision:
-        ``backend.snapshot_of(tokens, keys, values, shifted=False, lossless=True)``."""
+                    lossless: bool, cuts: Sequence[int] | None) -> KVSnapshot:
+        """Host snapshot of ``tokens``' float32 KV in the snapshot precision, computed by passes
+        beginning at ``cuts`` (None: unknown):
+        ``backend.snapshot_of(tokens, keys, values, shifted=False, lossless=True, cuts=log.cuts)``."""
         return KVSnapshot.from_float(tuple(tokens), keys, values, precision=self.snapshot_precision,
-                                     fingerprint=self.fingerprint, shifted=shifted, lossless=lossless)
+                                     fingerprint=self.fingerprint, shifted=shifted, lossless=lossless, cuts=cuts)
 
     def hold(self, log: KVLog, slot: KVSlot) -> OffloadedKV:
         """What a fork holds of ``log``'s KV until it gets a slot: a host snapshot (blocking;

@@ -24,17 +24,13 @@ from typing import Any, TypeVar
 import anyio
 import numpy as np
 
-from agentkv.engine.base import (
-    GenerationConfig, GenerationMetrics, GenerationResult, GenerationStream, TokenConstraint, TokenDelta,
-    common_prefix_len,
-)
+from agentkv.engine.base import (GenerationConfig, GenerationMetrics, GenerationResult, GenerationStream,
+                                 TokenConstraint, TokenDelta, common_prefix_len)
 from agentkv.engine.decode.alignment import Alignment, validate_prompt
 from agentkv.engine.decode.loop import DecodeLoop, step_counts, with_steps
 from agentkv.engine.session.backend import SlotBackend
 from agentkv.engine.session.slot_pool import OffloadedKV
-from agentkv.errors import (
-    KVLogCorrupt, KVShiftUnsupported, SessionClosed, SnapshotIncompatible, UserError,
-)
+from agentkv.errors import KVLogCorrupt, KVShiftUnsupported, SessionClosed, SnapshotIncompatible, UserError
 from agentkv.kv.log import KVLog, KVSlot, KVSource
 from agentkv.kv.snapshot import KVSnapshot
 T = TypeVar("T")
@@ -82,6 +78,11 @@ class SlotSession:
     @property
     def shifted(self) -> bool:
         return self._log.shifted
+
+    @property
+    def cuts(self) -> tuple[int, ...] | None:
+        """Where the passes that computed the KV began (``KVLog.cuts``); None: unknown."""
+        return None if self._log.cuts is None else tuple(self._log.cuts)
 
     @property
     def kv_exact(self) -> bool:
@@ -339,8 +340,7 @@ class SlotSession:
             else:
                 async with self._lease() as slot:
                     held = await self._run(self._backend.hold, self._log, slot)
-            log = self._backend.new_log()
-            log.tokens, log.shifted, log.exact = list(self._log.tokens), self._log.shifted, self._log.exact
+            log = self._log.copy()
         return type(self)(self._backend, log=log, held=held, salt=self.salt)
 
     async def check_integrity(self) -> None:
