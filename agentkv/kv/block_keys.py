@@ -144,6 +144,26 @@ class KVNamespace:
                     digest=_digest(_PERSON_TAIL, parent, data[start * 8:], tail_cuts, start).hex())
         return BlockChain(namespace=self, keys=tuple(keys), tail=tail)
 
+    def key_of(self, parent: str, start: int, tokens: Sequence[int] | np.ndarray, cuts: Iterable[int] = ()) -> str:
+        """The key of one full block: ``tokens`` (``block_size`` ids) at log position ``start`` after
+        the block keyed ``parent`` (the namespace's ``id`` for the first block), with ``cuts``
+        (absolute positions; those ``chain`` ignores are ignored). What a reader checks a fetched
+        block against: ``space.key_of(chain.keys[0], 32, tokens[32:64]) == chain.keys[1]``."""
+        data = int64_bytes(tokens)
+        if len(data) != 8 * self.block_size:
+            raise UserError(f"a block holds {self.block_size} tokens, got {len(data) // 8}")
+        if not _is_int(start) or start < 0 or start % self.block_size:
+            raise UserError(f"start must be a non-negative multiple of {self.block_size}, got {start!r}")
+        try:
+            parent_digest = bytes.fromhex(parent)
+        except (TypeError, ValueError):
+            parent_digest = b""
+        if len(parent_digest) != _KEY_BYTES:
+            raise UserError(f"parent must be a block key or the namespace id (32 hex digits), got {parent!r}")
+        end = int(start) + self.block_size
+        inside = self._cuts([c for c in cuts if start <= c < end], end)
+        return _digest(_PERSON_BLOCK, parent_digest, data, inside, int(start)).hex()
+
     def _cuts(self, cuts: Iterable[int], length: int) -> tuple[int, ...]:
         """The cuts that change keys: inside the log, not a multiple of the chunk size, sorted."""
         positions = np.frombuffer(int64_bytes(list(cuts), what="cuts", fix=_CUTS_FIX), dtype="<i8")

@@ -58,6 +58,8 @@ def content_checksum(metadata: Mapping[str, Any], arrays: Iterable[np.ndarray]) 
     digest = hashlib.blake2b(digest_size=32)
     digest.update(json.dumps(metadata, sort_keys=True).encode())
     for array in arrays:
+        if array.size == 0:  # NOTE: no bytes to add (a log's empty tail); a memoryview cannot cast it
+            continue
         contiguous = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
         digest.update(contiguous.data.cast("B"))
     return "blake2b:" + digest.hexdigest()
