@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from agentkv.engine.counters import EngineCounters
 
 if TYPE_CHECKING:
+    from agentkv.kv.block_keys import KVNamespace
     from agentkv.kv.snapshot import KVSnapshot
 
 
@@ -370,6 +371,11 @@ class Engine(Protocol):
         quantisation: ``open_engine(exact=True)``): its KV never depends on how a prefill was
         chunked, and what would make it only close (a RoPE shift of earlier thinking, the default
         self-check tolerance) is not chosen by default."""
+
+    def kv_namespace(self, *, salt: str = "", block_size: int = 32) -> KVNamespace:
+        """What makes this engine's KV of the same tokens bit-identical, for tenant ``salt``: the
+        namespace the KV store keys blocks of ``block_size`` tokens in (``kv/block_keys.py``):
+        ``engine.kv_namespace(salt="team-a").chain(snap.tokens, cuts=snap.cuts)``."""
 
     async def open_session(self, *, salt: str = "") -> KVSession:
         """A new empty session; ``salt`` names its tenant (prefixes are cached per salt)."""

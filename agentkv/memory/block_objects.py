@@ -37,7 +37,7 @@ from agentkv.memory.block_tiers import (
     check_key,
     is_key,
 )
-from agentkv.memory.snapshot_objects import CONNECT_TIMEOUT_S, MAX_ATTEMPTS, READ_TIMEOUT_S
+from agentkv.memory.snapshot_objects import MAX_ATTEMPTS, new_s3_client
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
@@ -69,7 +69,8 @@ class ObjectBlocks:
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.max_concurrency = max_concurrency
-        self.client: S3Client = client if client is not None else _new_client(max_concurrency)
+        self.client: S3Client = (client if client is not None
+                                 else new_s3_client(max_pool_connections=max(10, max_concurrency)))
         """The boto3 S3 client (thread-safe)."""
         self._counters = TierCounters()
         self._limiter = WarningLimiter(60.0)
@@ -270,18 +271,3 @@ def _reason(error: BaseException) -> str:
     code = str(response.get("Error", {}).get("Code", "")) if isinstance(response, dict) else ""
     return f"{code}: {error}" if code and code not in str(error) else str(error)
 
-
-def _new_client(max_concurrency: int) -> S3Client:
-    """A boto3 S3 client with the snapshot bucket's short timeouts and few retries, and a connection
-    pool as large as the parallel transfers, configured from the environment."""
-    try:
-        import boto3
-        from botocore.config import Config
-    except ImportError as e:
-        raise UserError("the S3 block tier needs boto3: pip install 'agentkv[s3]' (or pip install boto3)") from e
-    config = Config(connect_timeout=CONNECT_TIMEOUT_S, read_timeout=READ_TIMEOUT_S,
-                    retries={"max_attempts": MAX_ATTEMPTS, "mode": "standard"},
-                    max_pool_connections=max(10, max_concurrency))
-    # NOTE: a session of its own: boto3's default session caches the credentials it first found
-    client: Any = boto3.session.Session().client("s3", config=config)
-    return client  # type: ignore[no-any-return]

@@ -79,7 +79,8 @@ def snapshot_record(row: SnapshotRow, files: SnapshotStorage) -> SnapshotRecord:
                           token_hash=row.token_hash, fingerprint=row.fingerprint,
                           precision=row.precision, path=files.resolve(row.path),
                           checksum=row.checksum, nbytes=row.nbytes, shifted=bool(row.shifted),
-                          created_at=row.created_at)
+                          created_at=row.created_at, block_keys=tuple((row.block_keys or "").split()),
+                          block_size=row.block_size, kv_namespace=row.kv_namespace)
 
 
 def response_record(row: ResponseRow) -> ResponseRecord:

@@ -15,22 +15,32 @@ from datetime import datetime, timedelta
 
 from sqlalchemy.orm import Session
 
+from agentkv.kv.block_keys import KVNamespace
 from agentkv.kv.snapshot import KVSnapshot
-from agentkv.memory import queries, retention
+from agentkv.memory import queries, retention, snapshot_rows
+from agentkv.memory.block_store import BlockStore
 from agentkv.memory.database import Database
 from agentkv.memory.records import PruneReport, SnapshotRecord
 from agentkv.memory.snapshots import SnapshotStorage
 
 
 def save_snapshot(db: Database, files: SnapshotStorage, session_id: str, snapshot: KVSnapshot, *, keep: int,
-                  budget_bytes: int | None, fence: int | None) -> SnapshotRecord:
+                  budget_bytes: int | None, fence: int | None, blocks: BlockStore | None = None,
+                  namespace: KVNamespace | None = None) -> SnapshotRecord:
     """Write the snapshot file, then its row; prune beyond the ``keep`` newest and past
-    ``budget_bytes``. A failed row write removes the file again."""
+    ``budget_bytes``. A failed row write removes the file again. With ``blocks`` and ``namespace``
+    (and a snapshot that knows its cuts and was not shifted) the full blocks go to the block store
+    — only those no tier holds yet — and the file keeps the tail after them."""
     db.read(lambda s: queries.session_row(s, session_id))  # no file for a missing session
-    name = files.write(session_id, snapshot)
+    chain = stored = None
+    if blocks is not None and namespace is not None and snapshot.cuts is not None and not snapshot.shifted:
+        chain = namespace.chain(snapshot.tokens, cuts=snapshot.cuts)
+        blocks.save(snapshot, chain)
+        stored = snapshot.span(chain.tail.start, snapshot.num_tokens)
+    name = files.write(session_id, snapshot if stored is None else stored)
 
     def add(s: Session) -> tuple[SnapshotRecord, list[str]]:
-        record = queries.add_snapshot(s, files, session_id, snapshot, name, fence)
+        record = snapshot_rows.add(s, files, session_id, snapshot, name, fence, blocks=chain, stored=stored)
         pruned = retention.excess_snapshots(s, files, keep, session_id=session_id)
         if budget_bytes is not None:
             s.flush()
@@ -47,10 +57,11 @@ def save_snapshot(db: Database, files: SnapshotStorage, session_id: str, snapsho
 
 
 def prune(db: Database, files: SnapshotStorage, *, cutoff: datetime | None, keep_snapshots: int | None,
-          orphans_older_than: timedelta, now: datetime) -> PruneReport:
+          orphans_older_than: timedelta, now: datetime, blocks: BlockStore | None = None) -> PruneReport:
     """Delete sessions not updated since ``cutoff`` (and not leased at ``now``), snapshots beyond
     the newest ``keep_snapshots`` of each session (rows in one transaction, then their files), then
-    unreferenced files older than ``orphans_older_than``."""
+    unreferenced files — and, with ``blocks``, keyed blocks no row names — older than
+    ``orphans_older_than``."""
     def rows(s: Session) -> tuple[list[str], list[str]]:
         deleted, names = retention.old_sessions(s, cutoff, now) if cutoff is not None else ([], [])
         if keep_snapshots is not None:
@@ -61,4 +72,6 @@ def prune(db: Database, files: SnapshotStorage, *, cutoff: datetime | None, keep
     freed = files.remove(names)
     orphans = files.unreferenced(db.read(retention.referenced_files), older_than=orphans_older_than)
     freed += files.remove(orphans)
+    if blocks is not None:
+        freed += blocks.collect(db.read(retention.referenced_blocks), older_than=orphans_older_than)
     return PruneReport(tuple(deleted), len(names) + len(orphans), len(orphans), freed)

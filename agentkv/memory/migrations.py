@@ -278,6 +278,18 @@ def _m011_past_reasoning_auto(conn: Connection) -> None:
                          .values(settings={**settings, "past_reasoning": "auto"}))
 
 
+BLOCK_COLUMNS = (("block_keys", "TEXT"), ("block_size", "INTEGER"), ("kv_namespace", "VARCHAR(32)"))
+"""The ``kv_snapshots`` columns migration 12 adds."""
+
+
+def _m012_snapshot_blocks(conn: Connection) -> None:
+    """12: kv_snapshots.block_keys / block_size / kv_namespace — a snapshot saved as keyed blocks
+    shared between turns and conversations (issue 46) names them here, and its file keeps only the
+    tail after them. NULL for every snapshot before: its file holds the whole KV and still restores."""
+    for name, kind in BLOCK_COLUMNS:
+        conn.execute(text(f"ALTER TABLE kv_snapshots ADD COLUMN {name} {kind}"))
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "initial", _m001_initial),
     Migration(2, "sessions_by_recency", _m002_sessions_by_recency),
@@ -290,6 +302,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(9, "call_decode_figures", _m009_call_decode_figures),
     Migration(10, "window_moves", _m010_window_moves),
     Migration(11, "past_reasoning_auto", _m011_past_reasoning_auto),
+    Migration(12, "snapshot_blocks", _m012_snapshot_blocks),
 )
 LATEST_VERSION = MIGRATIONS[-1].version
 

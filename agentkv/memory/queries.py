@@ -24,8 +24,6 @@ from agentkv.errors import (
     SessionNotFound,
     UserError,
 )
-from agentkv.kv.digest import tokens_digest
-from agentkv.kv.snapshot import KVSnapshot
 from agentkv.memory import branches, convert
 from agentkv.memory.holders import holder_is_dead_here
 from agentkv.memory.records import (
@@ -34,7 +32,6 @@ from agentkv.memory.records import (
     ResponseRecord,
     SessionRecord,
     SessionSummary,
-    SnapshotRecord,
     StoredMessage,
 )
 from agentkv.memory.schema import (
@@ -47,7 +44,6 @@ from agentkv.memory.schema import (
     WindowMoveRow,
     utcnow,
 )
-from agentkv.memory.snapshots import SnapshotStorage
 
 
 def upsert_agent(s: Session, name: str, instructions: str | None, tool_names: list[str],
@@ -295,39 +291,6 @@ def force_release_lease(s: Session, session_id: str) -> str | None:
     if previous is not None:
         row.lease_epoch += 1
     return previous
-
-
-def add_snapshot(s: Session, files: SnapshotStorage, session_id: str, snapshot: KVSnapshot,
-                 name: str, fence: int | None = None) -> SnapshotRecord:
-    """Insert the row of a written file (retention then decides what else stays)."""
-    fenced_row(s, session_id, fence)
-    row = SnapshotRow(session_id=session_id, num_tokens=snapshot.num_tokens,
-                      token_hash=tokens_digest(snapshot.tokens), fingerprint=snapshot.fingerprint,
-                      precision=snapshot.precision, path=name, checksum=snapshot.checksum(),
-                      nbytes=snapshot.nbytes, shifted=snapshot.shifted, created_at=utcnow())
-    s.add(row)
-    s.flush()
-    return convert.snapshot_record(row, files)
-
-
-def snapshots(s: Session, files: SnapshotStorage, session_id: str) -> list[SnapshotRecord]:
-    session_row(s, session_id)
-    return [convert.snapshot_record(row, files) for row in s.scalars(_newest_first(session_id))]
-
-
-def delete_snapshot(s: Session, snapshot_id: int) -> str | None:
-    """Delete a snapshot row; return its file name (None if the row was already gone)."""
-    row = s.get(SnapshotRow, snapshot_id)
-    if row is None:
-        return None
-    s.delete(row)
-    return row.path
-
-
-def _newest_first(session_id: str) -> Any:
-    return (select(SnapshotRow).where(SnapshotRow.session_id == session_id)
-            .order_by(SnapshotRow.created_at.desc(), SnapshotRow.id.desc()))
-
 
 
 def add_response(s: Session, response_id: str, session_id: str, owner: str,

@@ -107,8 +107,16 @@ class SnapshotRecord:
     checksum: str
     """``KVSnapshot.checksum()`` when saved; loading checks the file against it."""
     nbytes: int
+    """Bytes of the arrays the file at ``path`` holds (with ``block_keys``: the tail's only)."""
     shifted: bool
     created_at: datetime
+    block_keys: tuple[str, ...] = ()
+    """The keyed blocks holding the KV's full blocks, oldest first (``kv/block_keys.py``); the file
+    then holds only the tail after them. Empty: the file holds the whole KV."""
+    block_size: int | None = None
+    """Tokens per block of ``block_keys``."""
+    kv_namespace: str | None = None
+    """``KVNamespace.id`` the blocks were keyed in (the first block's parent)."""
 
 
 @dataclass(frozen=True)

@@ -92,6 +92,12 @@ def referenced_files(s: Session) -> set[str]:
     return set(s.scalars(select(SnapshotRow.path)))
 
 
+def referenced_blocks(s: Session) -> set[str]:
+    """The keyed blocks snapshot rows name (what the block collector keeps)."""
+    return {key for keys in s.scalars(select(SnapshotRow.block_keys).where(SnapshotRow.block_keys.is_not(None)))
+            for key in (keys or "").split()}
+
+
 def _drop_snapshots(s: Session, session_id: str, *, keep: int, files: SnapshotStorage | None = None) -> list[str]:
     newest_first = list(s.scalars(select(SnapshotRow).where(SnapshotRow.session_id == session_id)
                                   .order_by(SnapshotRow.created_at.desc(), SnapshotRow.id.desc())))

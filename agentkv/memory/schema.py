@@ -159,6 +159,13 @@ class SnapshotRow(Base):
     nbytes: Mapped[int] = mapped_column(BigInteger)
     shifted: Mapped[bool] = mapped_column(Boolean)
     created_at: Mapped[datetime]
+    block_keys: Mapped[str | None] = mapped_column(Text, nullable=True, default=None)
+    """Keyed blocks (``kv/block_keys.py``) holding the KV's full blocks, space-separated, oldest
+    first; ``path`` then holds only the tail after them. NULL: ``path`` holds the whole KV."""
+    block_size: Mapped[int | None] = mapped_column(Integer, nullable=True, default=None)
+    """Tokens per block of ``block_keys`` (NULL with it)."""
+    kv_namespace: Mapped[str | None] = mapped_column(String(32), nullable=True, default=None)
+    """``KVNamespace.id`` the blocks were keyed in: the first block's parent (NULL with them)."""
 
 
 class ResponseRow(Base):

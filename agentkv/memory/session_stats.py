@@ -110,8 +110,9 @@ class SessionStats:
         out += self._decode_lines()
         for snap in self.snapshots:
             age = (now - snap.created_at).total_seconds()
-            out.append(f"snapshot {snap.num_tokens} tokens, {snap.nbytes / 1e6:.1f} MB, {snap.precision}, "
-                       f"{_age(age)} old")
+            where = (f"{len(snap.block_keys)} shared blocks of {snap.block_size} tokens + a tail file of "
+                     f"{snap.nbytes / 1e6:.1f} MB" if snap.block_keys else f"{snap.nbytes / 1e6:.1f} MB")
+            out.append(f"snapshot {snap.num_tokens} tokens, {where}, {snap.precision}, {_age(age)} old")
         return out
 
     def _decode_lines(self) -> list[str]:

@@ -59,7 +59,7 @@ class SnapshotObjects:
         self.prefix = prefix.strip("/")
         self.tenant = tenant
         """The tenant salt new snapshots are written under ("" : the default tenant)."""
-        self.client: S3Client = client if client is not None else _new_client()
+        self.client: S3Client = client if client is not None else new_s3_client()
         """The boto3 S3 client (thread-safe; shared by ``scoped`` copies)."""
 
     @property
@@ -222,15 +222,18 @@ class _Missing(Exception):
     """An object (or bucket) that does not exist: a 404, which each caller turns into its own answer."""
 
 
-def _new_client() -> S3Client:
-    """A boto3 S3 client with short timeouts and few retries, configured from the environment."""
+def new_s3_client(*, max_pool_connections: int = 10) -> S3Client:
+    """A boto3 S3 client with short timeouts and few retries, configured from the environment, with
+    up to ``max_pool_connections`` connections (as many as the transfers run in parallel):
+    ``client = new_s3_client(max_pool_connections=16)``."""
     try:
         import boto3
         from botocore.config import Config
     except ImportError as e:
-        raise UserError("S3 snapshots need boto3: pip install 'agentkv[s3]' (or pip install boto3)") from e
+        raise UserError("S3 storage needs boto3: pip install 'agentkv[s3]' (or pip install boto3)") from e
     config = Config(connect_timeout=CONNECT_TIMEOUT_S, read_timeout=READ_TIMEOUT_S,
-                    retries={"max_attempts": MAX_ATTEMPTS, "mode": "standard"})
+                    retries={"max_attempts": MAX_ATTEMPTS, "mode": "standard"},
+                    max_pool_connections=max_pool_connections)
     # NOTE: a session of its own: boto3's default session caches the credentials it first found
     client: Any = boto3.session.Session().client("s3", config=config)
     return client  # type: ignore[no-any-return]

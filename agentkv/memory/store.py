@@ -29,10 +29,14 @@ from sqlalchemy.orm import Session
 
 from agentkv.chat.messages import Message
 from agentkv.errors import SessionExists, UserError
+from agentkv.kv.block_keys import BLOCK_MULTIPLE, KVNamespace
 from agentkv.kv.snapshot import KVSnapshot
-from agentkv.memory import convert, housekeeping, queries
+from agentkv.memory import convert, housekeeping, queries, snapshot_rows
+from agentkv.memory.block_snapshots import load_block_snapshot
+from agentkv.memory.block_store import BlockStore
 from agentkv.memory.database import Database, default_snapshot_dir
 from agentkv.memory.export import conversation_jsonl
+from agentkv.memory.kv_tiers import DEFAULT_HOST_BYTES, block_tiers
 from agentkv.memory.leases import WRITE_LEASE_WAIT_S, fence_or_lease
 from agentkv.memory.records import (
     AgentRecord,
@@ -58,6 +62,10 @@ ENV_DB_URL = "AGENTKV_DB_URL"
 """Environment variable read by ``Store.from_env`` (only there)."""
 SNAPSHOTS_KEPT = 2
 """Snapshots kept per session by default; older ones are pruned on save."""
+DEFAULT_BLOCK_TOKENS = 32
+"""Tokens per stored KV block by default (one paged block; see the KV store's benchmark)."""
+BLOCK_FLUSH_WAIT_S = 30.0
+"""How long ``Store.close`` waits for queued KV blocks to be written."""
 ORPHAN_GRACE = timedelta(minutes=10)
 """An unreferenced snapshot file younger than this may be a save in progress: prune leaves it."""
 
@@ -77,7 +85,9 @@ class Store(SessionLeases):
     def __init__(self, url: str | None = None, *, snapshot_dir: Path | None = None,
                  snapshots: str | Path | None = None,
                  keep_snapshots: int = SNAPSHOTS_KEPT, snapshot_budget_bytes: int | None = None,
-                 clock: Clock = utcnow, lease_wait_s: float = WRITE_LEASE_WAIT_S) -> None:
+                 clock: Clock = utcnow, lease_wait_s: float = WRITE_LEASE_WAIT_S,
+                 kv_host_bytes: int | None = DEFAULT_HOST_BYTES, kv_disk: Path | None = None,
+                 kv_disk_bytes: int | None = None, block_size: int = DEFAULT_BLOCK_TOKENS) -> None:
         """``snapshots``: where KV snapshots go — ``s3://bucket/prefix`` (S3 or an S3-compatible
         server; credentials and endpoint from the standard ``AWS_*`` variables), ``file:///dir`` or a
         directory; default: ``snapshot_dir``, else a directory beside the database (``SnapshotURLError``
@@ -85,7 +95,10 @@ class Store(SessionLeases):
         the most all snapshots may take — saving past it deletes the snapshots of the sessions
         used longest ago (they re-prefill when resumed). ``clock``: what leases read the time
         from (``Store(url, clock=FakeClock())`` in a test lets a lease expire without waiting).
-        ``lease_wait_s``: see the class docstring."""
+        ``lease_wait_s``: see the class docstring. ``kv_host_bytes``, ``kv_disk``, ``kv_disk_bytes``:
+        the KV block tiers in front of the snapshot location (``memory/kv_tiers.py``; a snapshot
+        directory's blocks are bounded by ``kv_disk_bytes``, else by ``snapshot_budget_bytes``);
+        ``block_size``: tokens per stored block (a multiple of 32)."""
         if lease_wait_s < 0:
             raise UserError(f"lease_wait_s must be >= 0 seconds, got {lease_wait_s}")
         if keep_snapshots < 1:
@@ -107,6 +120,14 @@ class Store(SessionLeases):
         self.files: SnapshotStorage = open_snapshot_storage(
             snapshots, default_dir=snapshot_dir or default_snapshot_dir(self.database.parsed_url))
         """Where snapshot bytes live: ``SnapshotFiles`` (a directory) or ``SnapshotObjects`` (S3)."""
+        if block_size <= 0 or block_size % BLOCK_MULTIPLE:
+            raise UserError(f"block_size must be a positive multiple of {BLOCK_MULTIPLE} tokens, got {block_size}")
+        self.block_size = block_size
+        """Tokens per KV block the store keeps (the ``block_size`` of the namespaces it is given)."""
+        self.blocks = BlockStore(block_tiers(self.files, host_bytes=kv_host_bytes, disk=kv_disk,
+                                             disk_bytes=kv_disk_bytes if kv_disk_bytes is not None
+                                             else snapshot_budget_bytes))
+        """The keyed KV blocks snapshots are saved as (their tiers, the write-behind queue)."""
 
     @classmethod
     def from_env(cls) -> Store:
@@ -115,7 +136,9 @@ class Store(SessionLeases):
         return cls(os.environ.get(ENV_DB_URL) or None, snapshots=os.environ.get(ENV_SNAPSHOT_URL) or None)
 
     async def close(self) -> None:
-        """Close pooled connections; the store can still be used afterwards (it reconnects)."""
+        """Write the KV blocks still queued (bounded wait) and close pooled connections; the store
+        can still be used afterwards (it reconnects)."""
+        await anyio.to_thread.run_sync(self.blocks.flush, BLOCK_FLUSH_WAIT_S)
         await self.database.dispose()
 
     async def __aenter__(self) -> Store:
@@ -264,18 +287,24 @@ class Store(SessionLeases):
     # -- KV snapshots -----------------------------------------------------------------------
 
     async def save_snapshot(self, session_id: str, snapshot: KVSnapshot, *,
-                            keep: int | None = None, fence: int | None = None, tenant: str = "") -> SnapshotRecord:
-        """Write the snapshot (a file: temp + rename; an object: one PUT), then its row; prune
-        beyond ``keep`` newest (default: the store's ``keep_snapshots``) and past the store's byte
+                            keep: int | None = None, fence: int | None = None, tenant: str = "",
+                            namespace: KVNamespace | None = None) -> SnapshotRecord:
+        """Write the snapshot (a file: temp + rename; an object: one PUT), then its row; prune beyond
+        ``keep`` newest (default: the store's ``keep_snapshots``) and past the store's byte
         budget. ``fence`` as for ``append_message``; ``tenant``: the conversation's tenant salt
-        (S3 keys are per tenant)."""
+        (S3 keys are per tenant). With ``namespace`` (``engine.kv_namespace(salt=...,
+        block_size=store.block_size)``) the KV's full blocks go to the block store — each written
+        once, whoever shares it — and the file keeps the tail."""
         keep = self.keep_snapshots if keep is None else keep
         if keep < 1:
             raise UserError(f"keep must be >= 1, got {keep}")
+        if namespace is not None and namespace.block_size != self.block_size:
+            raise UserError(f"the namespace keys {namespace.block_size}-token blocks but this store keeps "
+                            f"{self.block_size}: pass engine.kv_namespace(..., block_size=store.block_size)")
         files = self.files.scoped(tenant)
         return await self.database.run(partial(housekeeping.save_snapshot, self.database, files, session_id,
                                                snapshot, keep=keep, budget_bytes=self.snapshot_budget_bytes,
-                                               fence=fence))
+                                               fence=fence, blocks=self.blocks, namespace=namespace))
 
     async def prune(self, *, older_than: timedelta | None = None, keep_snapshots: int | None = None,
                     orphans_older_than: timedelta = ORPHAN_GRACE) -> PruneReport:
@@ -289,30 +318,35 @@ class Store(SessionLeases):
         cutoff = utcnow() - older_than if older_than is not None else None
         return await self.database.run(partial(housekeeping.prune, self.database, self.files, cutoff=cutoff,
                                                keep_snapshots=keep_snapshots, orphans_older_than=orphans_older_than,
-                                               now=self.clock()))
+                                               now=self.clock(), blocks=self.blocks))
 
     async def snapshots(self, session_id: str) -> list[SnapshotRecord]:
         """The session's snapshot records, newest first."""
-        return await self.database.run(self.database.read, lambda s: queries.snapshots(s, self.files, session_id))
+        return await self.database.run(self.database.read,
+                                       lambda s: snapshot_rows.of_session(s, self.files, session_id))
 
-    async def load_snapshot(self, record: SnapshotRecord, *, expected_fingerprint: str
-                            ) -> KVSnapshot:
-        """Read and verify a snapshot (file or object).
+    async def load_snapshot(self, record: SnapshotRecord, *, expected_fingerprint: str,
+                            namespace: KVNamespace | None = None) -> KVSnapshot:
+        """Read and verify a snapshot (file or object; keyed blocks too, given the ``namespace``
+        they were saved in): the whole KV, or of a block snapshot the part the tiers still hold
+        (a prefix of it; the caller re-prefills the rest).
 
-        ``SnapshotIncompatible`` for another fingerprint; ``SnapshotCorrupt`` for a missing,
-        damaged or replaced one (``delete_snapshot`` it; the session re-prefills);
+        ``SnapshotIncompatible`` for another fingerprint or namespace; ``SnapshotCorrupt`` for a
+        missing, damaged or replaced one (``delete_snapshot`` it; the session re-prefills);
         ``SnapshotStoreUnavailable`` when the S3 endpoint cannot be used.
         """
         refuse_other_fingerprint(record.path, record.fingerprint, expected_fingerprint)
         load = partial(self.files.load, str(record.path),
                        expected_fingerprint=expected_fingerprint,
                        expected_checksum=record.checksum)
-        return await anyio.to_thread.run_sync(load)
+        if not record.block_keys:
+            return await anyio.to_thread.run_sync(load)
+        return await anyio.to_thread.run_sync(partial(load_block_snapshot, self.blocks, record, load, namespace))
 
     async def delete_snapshot(self, record: SnapshotRecord) -> None:
         """Delete one snapshot's row and file (e.g. after ``SnapshotCorrupt``)."""
         def delete() -> None:
-            name = self.database.write(lambda s: queries.delete_snapshot(s, record.id))
+            name = self.database.write(lambda s: snapshot_rows.delete(s, record.id))
             self.files.remove([name or str(record.path)])
         await self.database.run(delete)
 

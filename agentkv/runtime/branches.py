@@ -19,7 +19,8 @@ from agentkv.memory.leases import LeaseKeeper
 from agentkv.result import ResumeReport
 from agentkv.run.conversation import Conversation
 from agentkv.run.past_reasoning import reusable_kv_len
-from agentkv.runtime.persistence import load_window, restore_newest_snapshot
+from agentkv.kv.block_keys import KVNamespace
+from agentkv.runtime.persistence import kv_namespace, load_window, restore_newest_snapshot
 
 
 async def seed_branch_kv(store: Store, branch: Conversation, *, parent_id: str, fork_seq: int | None,
@@ -39,7 +40,8 @@ async def seed_branch_kv(store: Store, branch: Conversation, *, parent_id: str, 
         await branch.kv.trim(restored)
     else:
         restored, skipped = await restore_from_lineage(store, parent_id, branch.kv, prompt, branch.engine.fingerprint,
-                                                       partial(reusable_kv_len, branch.renderer, agent, branch.engine))
+                                                       partial(reusable_kv_len, branch.renderer, agent, branch.engine),
+                                                       namespace=kv_namespace(store, branch))
     branch.resume_report = ResumeReport(len(branch.window), restored, skipped)
     branch.call_checks.note(f"fork of {parent_id} at message {fork_seq}: {restored} tokens of KV "
                             f"{'from its live KV' if forked else 'from a snapshot'}")
@@ -48,14 +50,15 @@ async def seed_branch_kv(store: Store, branch: Conversation, *, parent_id: str, 
 async def restore_from_lineage(store: Store, session_id: str | None, kv: KVSession, prompt: tuple[int, ...],
                                fingerprint: str,
                                reusable: Callable[[Sequence[int], Sequence[int]], int] = common_prefix_len,
-                               ) -> tuple[int, tuple[str, ...]]:
+                               *, namespace: KVNamespace | None = None) -> tuple[int, tuple[str, ...]]:
     """Restore into ``kv`` the newest snapshot of the nearest conversation up from
     ``session_id`` (itself, its parent, ...) that has one sharing a prefix with ``prompt``;
     returns the tokens restored and why snapshots were passed over:
     ``restored, skipped = await restore_from_lineage(store, "abc", kv, prompt, engine.fingerprint)``."""
     skipped: list[str] = []
     while session_id is not None:
-        restored = await restore_newest_snapshot(store, session_id, kv, prompt, fingerprint, reusable)
+        restored = await restore_newest_snapshot(store, session_id, kv, prompt, fingerprint, reusable,
+                                                 namespace=namespace)
         skipped += restored.skipped
         if restored.tokens:
             return restored.tokens, tuple(skipped)

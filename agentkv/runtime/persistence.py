@@ -20,6 +20,7 @@ from agentkv.chat.messages import Message, pending_tool_calls
 from agentkv.engine.base import KVSession, common_prefix_len
 from agentkv.errors import LeaseLost, SnapshotCorrupt, SnapshotIncompatible
 from agentkv.events import CacheBroken, ContextCompacted, ModelCallFinished, RunEvent
+from agentkv.kv.block_keys import KVNamespace
 from agentkv.memory import CallRecord, Store
 from agentkv.observe import tracing
 from agentkv.observe.cache_breaks import CacheBreak
@@ -32,6 +33,7 @@ from agentkv.run.past_reasoning import reusable_kv_len
 logger = logging.getLogger(__name__)
 
 __all__ = ["CallLog", "Restored", "ResumeReport", "StoreSink", "StoreWindowHook", "catch_up_from_snapshot",
+           "kv_namespace",
            "load_window", "record_interrupted_calls", "restore_newest_snapshot", "save_snapshot",
            "save_snapshot_unless_stored"]
 
@@ -129,7 +131,7 @@ async def save_snapshot(store: Store, conversation: Conversation) -> None:
             if usable < snapshot.num_tokens:
                 snapshot = snapshot.prefix(usable)
             await store.save_snapshot(conversation.id, snapshot, fence=conversation.lease_token,
-                                      tenant=conversation.salt)
+                                      tenant=conversation.salt, namespace=kv_namespace(store, conversation))
             SNAPSHOTS.saves += 1
             span.set(tokens=snapshot.num_tokens, bytes=snapshot.nbytes, precision=snapshot.precision)
     except Exception as error:  # NOTE: no traceback: a full disk would print one every turn
@@ -174,11 +176,17 @@ async def catch_up_from_snapshot(store: Store, conversation: Conversation) -> in
     restored = await restore_newest_snapshot(
         store, conversation.id, conversation.kv, prompt, fingerprint,
         partial(reusable_kv_len, conversation.renderer, conversation.agent, conversation.engine),
-        better_than=held)
+        better_than=held, namespace=kv_namespace(store, conversation))
     if restored.tokens:
         logger.info("session %s: another process ran it; restored its newest snapshot (%d tokens, %d held here)",
                     conversation.id, restored.tokens, held)
     return restored.tokens
+
+
+def kv_namespace(store: Store, conversation: Conversation) -> KVNamespace:
+    """The namespace the store keys ``conversation``'s KV blocks in (its engine, tenant and the
+    store's block size): ``await store.save_snapshot(..., namespace=kv_namespace(store, conversation))``."""
+    return conversation.engine.kv_namespace(salt=conversation.salt, block_size=store.block_size)
 
 
 def _snapshot_worthy_len(conversation: Conversation) -> int:
@@ -221,6 +229,7 @@ class Restored:
 async def restore_newest_snapshot(
     store: Store, session_id: str, kv: KVSession, prompt: tuple[int, ...], fingerprint: str,
     reusable: Callable[[Sequence[int], Sequence[int]], int] = common_prefix_len, *, better_than: int = 0,
+    namespace: KVNamespace | None = None,
 ) -> Restored:
     """Restore into ``kv`` the newest valid snapshot that shares a prefix with ``prompt`` — the
     whole snapshot, or its part up to where they diverge (a rewound or forked history), as
@@ -229,7 +238,9 @@ async def restore_newest_snapshot(
 
     A corrupt or missing file, or one from another model, is skipped and logged: the conversation
     then re-prefills, losing nothing. ``better_than``: the tokens ``kv`` already holds of the prompt;
-    a snapshot that would not restore more is passed over (and ``kv`` kept).
+    a snapshot that would not restore more is passed over (and ``kv`` kept). ``namespace``: the one
+    the session's KV blocks are keyed in (``kv_namespace``); without it a snapshot saved as blocks
+    is passed over.
     """
     skipped: list[str] = []
     held = 0
@@ -239,7 +250,7 @@ async def restore_newest_snapshot(
             continue
         held = held or record.num_tokens
         try:
-            snapshot = await store.load_snapshot(record, expected_fingerprint=fingerprint)
+            snapshot = await store.load_snapshot(record, expected_fingerprint=fingerprint, namespace=namespace)
         except (SnapshotCorrupt, SnapshotIncompatible) as error:
             logger.warning("skipping snapshot %s of session %s: %s", record.path, session_id, error)
             skipped.append(f"{record.path.name}: {error}")

@@ -52,6 +52,7 @@ from agentkv.runtime.persistence import (
     catch_up_from_snapshot,
     load_window,
     record_interrupted_calls,
+    kv_namespace,
     restore_newest_snapshot,
     save_snapshot,
     save_snapshot_unless_stored,
@@ -154,7 +155,8 @@ class Runtime:
         rendered = conversation.render(agent, add_generation_prompt=False)
         prompt = rendered.token_ids
         restored = await restore_newest_snapshot(store, session_id, conversation.kv, prompt, self.engine.fingerprint,
-                                                 partial(reusable_kv_len, self.renderer, agent, self.engine))
+                                                 partial(reusable_kv_len, self.renderer, agent, self.engine),
+                                                 namespace=kv_namespace(store, conversation))
         # NOTE: a break is KV lost: less restored than the newest snapshot held (without one,
         # than the history). The tokens a snapshot never held (the unfed last token of a cut
         # answer, the end-of-turn markup) are prefilled by the next call, but nothing is lost.

@@ -44,6 +44,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from agentkv.engine.base import Engine
 from agentkv.errors import AgentKVError
 from agentkv.memory import Store
+from agentkv.memory.block_metrics import BlockStoreCollector
 from agentkv.observe.metrics import ServedCounts, ServerCollector, ServerLoad, registry_of
 from agentkv.runtime.runtime import Runtime
 from agentkv.server.access_log import AccessLog, AccessNote
@@ -151,6 +152,8 @@ def create_app(
         running=runs.running - runs.waiting, waiting=runs.waiting,
         live_conversations=len(live) + (len(conversations) if conversations is not None else 0)), served=served)
     registry = registry_of(collector)
+    if store is not None:
+        registry.register(BlockStoreCollector(store.blocks))
 
     @app.get("/metrics")
     async def metrics() -> Response:

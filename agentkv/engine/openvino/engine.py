@@ -127,6 +127,15 @@ class OpenVINOEngine(SlotEngine, abc.ABC):
         equal to, this one's, so snapshots do not cross backends (a resume re-prefills instead)."""
         return ""
 
+    def _kv_layout(self) -> str:
+        return "stateful"
+
+    def _kv_precision(self) -> str:
+        return self.kv_cache_precision
+
+    def _numerics_class(self) -> str:
+        return str(self.numerics)
+
     @property
     def tokenizer(self) -> OVTokenizer:
         return self._ov_tokenizer

@@ -98,6 +98,9 @@ class PagedEngine(OpenVINOEngine):
         self._chunk_graph, self._small_graph = chunk_graph, small_graph
         super().__init__(model, num_slots=num_slots, prefill_chunk_size=prefill_chunk_size, **options)
 
+    def _kv_layout(self) -> str:
+        return "paged"
+
     def _fingerprint_tag(self) -> str:
         """":paged", plus a u8 cache's block shapes (its layout differs between CPUs, and raw
         blocks restore only into the same layout)."""

@@ -20,6 +20,7 @@ from agentkv.engine.counters import EngineCounters
 from agentkv.engine.session.backend import PrefixStore, SlotBackend
 from agentkv.engine.session.session import SlotSession
 from agentkv.engine.session.slot_pool import SlotPool
+from agentkv.kv.block_keys import BLOCK_MULTIPLE, KVNamespace
 from agentkv.kv.chunking import PrefixBoundaries
 from agentkv.kv.rope import RopeConvention
 
@@ -57,6 +58,29 @@ class SlotEngine:
         """False: an engine over slots alone says nothing of numerics (``OpenVINOEngine`` reads its
         plugin's; the scripted engine plays either)."""
         return False
+
+    def kv_namespace(self, *, salt: str = "", block_size: int = BLOCK_MULTIPLE) -> KVNamespace:
+        """What makes this engine's KV of the same tokens bit-identical, for tenant ``salt``: the
+        namespace the KV store keys its blocks in (``kv/block_keys.py``)::
+
+            space = engine.kv_namespace(salt="tenant-a")
+            chain = space.chain(snapshot.tokens, cuts=snapshot.cuts)
+        """
+        return KVNamespace(salt=salt, fingerprint=self.fingerprint, layout=self._kv_layout(),
+                           precision=self._kv_precision(), numerics=self._numerics_class(),
+                           chunk_size=self.backend.prefill_chunk_size, block_size=block_size)
+
+    def _kv_layout(self) -> str:
+        """How a slot lays out its KV (the stateful and paged engines name theirs)."""
+        return "slots"
+
+    def _kv_precision(self) -> str:
+        """The KV cache's element type (an engine over a model reads its plugin's)."""
+        return "f32"
+
+    def _numerics_class(self) -> str:
+        """What decides the KV's bits beyond the tokens (an engine over a model: its plugin's numerics)."""
+        return "exact" if self.exact else "close"
 
     async def open_session(self, *, salt: str = "") -> SlotSession:
         """A new empty session (bound to a slot when it first runs). ``salt`` names its tenant:

@@ -1,0 +1,236 @@
+"""The KV store's blocks: a snapshot saved as its new keyed blocks, a restore as the longest run the tiers hold.
+
+Tiers are ordered fastest first (host memory, local disk, an S3 bucket: ``memory/block_tiers.py``,
+``block_files.py``, ``block_objects.py``). A save puts each block the store has not seen into the
+tiers that live in this process at once and queues it for the persistent ones (``WriteBehind``: off
+the turn's critical path); a block already stored — the previous turn's history, a system prompt
+another conversation wrote — is not written again. A load asks every tier for the blocks it still
+misses (S3 in parallel), verifies each against its key (``kv/block_codec.py``), stops at the first
+block nobody holds and copies what slower tiers gave into the faster ones::
+
+    store = BlockStore([HostBlocks(256 << 20), DiskBlocks(Path("/srv/kv/blocks"))])
+    saved = store.save(snapshot, space.chain(snapshot.tokens, cuts=snapshot.cuts))
+    spans = store.load(space, chain.keys)        # the leading run of blocks, as spans
+    store.close()                                # waits for queued blocks (bounded)
+
+What a crash loses is what the queue held: the next restore takes the leading run and the
+conversation re-prefills the rest from its history in SQL (the source of truth).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+
+from cachetools import TTLCache
+
+from agentkv.errors import UserError
+from agentkv.kv.block_codec import BlockCorrupt, decode_block, encode_block
+from agentkv.kv.block_keys import BlockChain, KVNamespace
+from agentkv.kv.snapshot import KVSnapshot
+from agentkv.memory.block_tiers import BlockTier, BlockTierUnavailable, TierUsage
+from agentkv.memory.write_behind import WriteBehind, WriteBehindUsage
+
+__all__ = ["BlockStore", "BlocksSaved", "BlockStoreUsage", "KNOWN_TTL"]
+
+logger = logging.getLogger("agentkv.store")
+
+DEFAULT_PENDING_BYTES = 256 << 20
+"""The most block bytes queued for the persistent tiers before a save waits (back-pressure)."""
+KNOWN_TTL = timedelta(minutes=4)
+"""How long a block this process wrote or read counts as stored without asking the tiers: shorter
+than the collector's grace for unreferenced blocks (``memory/store.py``'s ``ORPHAN_GRACE``), so a
+block the collector may have removed since is written again."""
+_KNOWN_MAX = 1 << 18
+
+
+@dataclass(frozen=True)
+class BlocksSaved:
+    """What one ``BlockStore.save`` wrote."""
+
+    blocks: int
+    """Full blocks of the log."""
+    new_blocks: int
+    """Blocks written (or queued) because no tier was known to hold them."""
+    new_bytes: int
+    """Their encoded bytes."""
+
+
+@dataclass(frozen=True)
+class BlockStoreUsage:
+    """Every tier's counters and the write-behind queue's: ``store.usage().tiers[0].hits``."""
+
+    tiers: tuple[TierUsage, ...]
+    write_behind: WriteBehindUsage | None
+    corrupt_blocks: int
+    """Blocks read that failed their checks (skipped, removed from the tier, re-prefilled)."""
+
+
+class BlockStore:
+    """Keyed KV blocks over ``tiers`` (fastest first; at least one). See the module docstring."""
+
+    def __init__(self, tiers: Sequence[BlockTier], *, max_pending_bytes: int = DEFAULT_PENDING_BYTES,
+                 write_workers: int = 2) -> None:
+        if not tiers:
+            raise UserError("a BlockStore needs at least one tier (e.g. HostBlocks(256 << 20))")
+        self.tiers = tuple(tiers)
+        """The tiers, fastest first."""
+        self._near = tuple(t for t in self.tiers if not t.persistent)
+        far = [t for t in self.tiers if t.persistent]
+        self._behind = WriteBehind(far, max_pending_bytes=max_pending_bytes, workers=write_workers) if far else None
+        self._known: TTLCache[str, None] = TTLCache(maxsize=_KNOWN_MAX, ttl=KNOWN_TTL.total_seconds())
+        self._lock = threading.Lock()
+        self._corrupt = 0
+
+    # ---- writes ---------------------------------------------------------------------------
+    def save(self, snapshot: KVSnapshot, chain: BlockChain) -> BlocksSaved:
+        """Store the full blocks of ``snapshot`` that ``chain`` keys (its tokens under its namespace)
+        and no tier is known to hold. Blocking (near tiers written, far ones queued). The caller
+        keeps the tail (``chain.tail``): it is no block."""
+        size = chain.namespace.block_size
+        if snapshot.cuts is None:
+            raise UserError("this snapshot does not say where its KV's passes were cut (an older file): save it whole")
+        if snapshot.num_tokens < chain.tokens_in(len(chain.keys)):
+            raise UserError(f"the chain keys {len(chain.keys)} blocks but the snapshot holds only "
+                            f"{snapshot.num_tokens} tokens: chain the snapshot's own tokens")
+        new_blocks = new_bytes = 0
+        parent = chain.namespace.id
+        for index, key in enumerate(chain.keys):
+            if not self._is_known(key):
+                start = index * size
+                data = encode_block(snapshot.span(start, start + size), key=key, parent=parent, start=start,
+                                    cuts=snapshot.cuts)
+                self._put(key, data)
+                new_blocks, new_bytes = new_blocks + 1, new_bytes + len(data)
+            parent = key
+        return BlocksSaved(len(chain.keys), new_blocks, new_bytes)
+
+    def _is_known(self, key: str) -> bool:
+        with self._lock:
+            if key in self._known:
+                return True
+        held = any(key in tier.has_many([key]) for tier in self._near)
+        if held:
+            self._remember([key])
+        return held
+
+    def _remember(self, keys: Iterable[str]) -> None:
+        with self._lock:
+            for key in keys:
+                self._known[key] = None
+
+    def _put(self, key: str, data: bytes) -> None:
+        for tier in self._near:
+            try:
+                tier.put(key, data)
+            except BlockTierUnavailable as error:
+                logger.warning("KV block %s not kept in the %s tier: %s", key, tier.name, error)
+        if self._behind is not None:
+            self._behind.submit(key, data)
+        self._remember([key])
+
+    # ---- reads ----------------------------------------------------------------------------
+    def load(self, namespace: KVNamespace, keys: Sequence[str]) -> list[KVSnapshot]:
+        """The leading run of ``keys`` (a chain in ``namespace``, oldest first) the tiers hold, as
+        verified spans: ``len(result)`` blocks, each ``namespace.block_size`` tokens. A block that
+        fails its checks is removed from the tier that gave it, logged, and ends the run."""
+        wanted = list(keys)
+        found: dict[str, tuple[bytes, BlockTier]] = {}
+        for tier in self.tiers:
+            missing = [k for k in wanted if k not in found]
+            if not missing:
+                break
+            for key, data in tier.get_many(missing).items():
+                found[key] = (data, tier)
+        spans: list[KVSnapshot] = []
+        parent = namespace.id
+        for index, key in enumerate(wanted):
+            if key not in found:
+                break
+            data, tier = found[key]
+            try:
+                spans.append(decode_block(data, key=key, parent=parent, start=index * namespace.block_size,
+                                          namespace=namespace))
+            except BlockCorrupt as error:
+                logger.warning("%s (from the %s tier)", error, tier.name)
+                with self._lock:
+                    self._corrupt += 1
+                    self._known.pop(key, None)
+                self._remove_quietly(tier, [key])
+                break
+            parent = key
+            self._promote(key, data, tier)
+        self._remember(wanted[:len(spans)])
+        return spans
+
+    def _promote(self, key: str, data: bytes, source: BlockTier) -> None:
+        """Copy a block a slower tier gave into the near tiers faster than it."""
+        for tier in self._near:
+            if tier is source:
+                return
+            try:
+                tier.put(key, data)
+            except BlockTierUnavailable:
+                return
+
+    # ---- collection -----------------------------------------------------------------------
+    def collect(self, referenced: set[str], *, older_than: timedelta, now: datetime | None = None) -> int:
+        """Remove, from every tier, blocks no key in ``referenced`` names that were written more than
+        ``older_than`` ago (a save writes its blocks before its row); returns the bytes freed.
+        Blocks still queued are never listed, so never removed."""
+        cutoff = (now or datetime.now(timezone.utc)) - older_than
+        freed = 0
+        for tier in self.tiers:
+            try:
+                stale = [b.key for b in tier.listing() if b.key not in referenced and b.modified < cutoff]
+            except BlockTierUnavailable as error:
+                logger.warning("could not list the %s tier's KV blocks to collect them: %s", tier.name, error)
+                continue
+            if stale:
+                freed += self._remove_quietly(tier, stale)
+                with self._lock:
+                    for key in stale:
+                        self._known.pop(key, None)
+        return freed
+
+    @staticmethod
+    def _remove_quietly(tier: BlockTier, keys: list[str]) -> int:
+        """``tier.remove(keys)``; a tier that cannot be reached now is logged (the next collection retries)."""
+        try:
+            return tier.remove(keys)
+        except BlockTierUnavailable as error:
+            logger.warning("could not remove %d KV block(s) from the %s tier: %s", len(keys), tier.name, error)
+            return 0
+
+    def forget(self, keys: Iterable[str]) -> None:
+        """Stop counting ``keys`` as stored (another process removed them)."""
+        with self._lock:
+            for key in keys:
+                self._known.pop(key, None)
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued block is written (True) or ``timeout`` seconds pass (False)."""
+        return True if self._behind is None else self._behind.flush(timeout)
+
+    def usage(self) -> BlockStoreUsage:
+        """The tiers' and the queue's counters now: ``store.usage().write_behind.pending_bytes``."""
+        return BlockStoreUsage(tuple(t.usage() for t in self.tiers),
+                               None if self._behind is None else self._behind.usage(), self._corrupt)
+
+    def check(self) -> None:
+        """Fail now, with ``BlockTierUnavailable`` saying what to fix, if a tier cannot be used."""
+        for tier in self.tiers:
+            tier.check()
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Write what is queued (waiting at most ``timeout`` seconds), then stop the writers."""
+        if self._behind is not None:
+            self._behind.close(timeout)
+        for tier in self.tiers:
+            close = getattr(tier, "close", None)  # NOTE: the S3 tier's transfer threads; not in the protocol
+            if callable(close):
+                close()

@@ -1,0 +1,62 @@
+"""The SQL of KV snapshot rows: insert one (whole, or keyed blocks plus a tail), list a session's, delete one.
+
+Every function takes an open SQLAlchemy ``Session`` (one transaction of ``Store``'s)::
+
+    record = snapshot_rows.add(s, files, "sess-1", snapshot, name, fence=3)
+    newest = snapshot_rows.of_session(s, files, "sess-1")[0]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from agentkv.kv.block_keys import BlockChain
+from agentkv.kv.digest import tokens_digest
+from agentkv.kv.snapshot import KVSnapshot
+from agentkv.memory import convert
+from agentkv.memory.queries import fenced_row, session_row
+from agentkv.memory.records import SnapshotRecord
+from agentkv.memory.schema import SnapshotRow, utcnow
+from agentkv.memory.snapshots import SnapshotStorage
+
+
+def add(s: Session, files: SnapshotStorage, session_id: str, snapshot: KVSnapshot,
+                 name: str, fence: int | None = None, *, blocks: BlockChain | None = None,
+                 stored: KVSnapshot | None = None) -> SnapshotRecord:
+    """Insert the row of a written file (retention then decides what else stays): the whole of
+    ``snapshot``, or with ``blocks`` the keyed blocks of its KV and ``stored``, the tail in the file."""
+    fenced_row(s, session_id, fence)
+    in_file = snapshot if stored is None else stored
+    row = SnapshotRow(session_id=session_id, num_tokens=snapshot.num_tokens,
+                      token_hash=tokens_digest(snapshot.tokens), fingerprint=snapshot.fingerprint,
+                      precision=snapshot.precision, path=name, checksum=in_file.checksum(),
+                      nbytes=in_file.nbytes, shifted=snapshot.shifted, created_at=utcnow())
+    if blocks is not None:
+        row.block_keys = " ".join(blocks.keys)
+        row.block_size = blocks.namespace.block_size
+        row.kv_namespace = blocks.namespace.id
+    s.add(row)
+    s.flush()
+    return convert.snapshot_record(row, files)
+
+
+def of_session(s: Session, files: SnapshotStorage, session_id: str) -> list[SnapshotRecord]:
+    session_row(s, session_id)
+    return [convert.snapshot_record(row, files) for row in s.scalars(newest_first(session_id))]
+
+
+def delete(s: Session, snapshot_id: int) -> str | None:
+    """Delete a snapshot row; return its file name (None if the row was already gone)."""
+    row = s.get(SnapshotRow, snapshot_id)
+    if row is None:
+        return None
+    s.delete(row)
+    return row.path
+
+
+def newest_first(session_id: str) -> Any:
+    return (select(SnapshotRow).where(SnapshotRow.session_id == session_id)
+            .order_by(SnapshotRow.created_at.desc(), SnapshotRow.id.desc()))
