@@ -63,3 +63,32 @@ def test_a_lease_wait_shorter_than_a_crashed_hosts_lease_is_warned_about(monkeyp
     result = CliRunner().invoke(app, ["serve", "--lease-wait", wait])
     assert isinstance(result.exception, Stop)
     assert ("--lease-wait 2 is shorter than" in result.stderr) is warned
+
+
+def test_the_kv_tier_options_reach_the_store(monkeypatch, tmp_path):
+    class Stop(Exception):
+        pass
+
+    seen = {}
+
+    def stop(db, snapshots=None, kv_tiers=None):
+        seen["tiers"] = kv_tiers
+        raise Stop
+
+    monkeypatch.setattr("agentkv.cli.config.open_store", stop)
+    result = CliRunner().invoke(app, ["serve", "--kv-host-mb", "64", "--kv-disk", str(tmp_path), "--kv-disk-gb", "1.5"])
+    assert isinstance(result.exception, Stop)
+    assert seen["tiers"].host_mib == 64 and seen["tiers"].disk == tmp_path and seen["tiers"].disk_gib == 1.5
+
+
+def test_open_store_turns_the_tier_options_into_byte_bounds(tmp_path):
+    from agentkv.cli.config import KVTierOptions, open_store
+    from agentkv.memory.block_files import DiskBlocks
+    from agentkv.memory.block_tiers import HostBlocks
+
+    store = open_store(f"sqlite:///{tmp_path / 'a.db'}", str(tmp_path / "kv"),
+                       KVTierOptions(host_mib=64, disk=None, disk_gib=0.5))
+    host, disk = store.blocks.tiers
+    assert isinstance(host, HostBlocks) and host.usage().max_bytes == 64 << 20
+    assert isinstance(disk, DiskBlocks) and disk.usage().max_bytes == 1 << 29
+    store.blocks.close()

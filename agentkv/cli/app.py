@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 import anyio
@@ -30,12 +31,13 @@ from rich.table import Table
 
 from agentkv.cli.agent import AgentOptions, PolicyName
 from agentkv.cli.chat import EXIT_INTERRUPTED, ChatRequest, run_chat
-from agentkv.cli.config import ENVIRONMENT_HELP, open_store, parse_age
+from agentkv.cli.config import ENVIRONMENT_HELP, KVTierOptions, open_store, parse_age
 from agentkv.chat.messages import pending_tool_calls
 from agentkv.cli.display import format_call, sessions_table, show_message
 from agentkv.cli.help_text import (AGENT_HELP, CHAT_POLICY_HELP, CHAT_TOOLS_HELP, DB_HELP, DRAIN_HELP, ENGINE_HELP,
-                                   EXACT_HELP, KV_REUSE_HELP, LEASE_WAIT_HELP, MAX_SESSIONS_HELP, MODEL_HELP,
-                                   SERVE_POLICY_HELP, SESSION_HELP, SNAPSHOTS_HELP)
+                                   EXACT_HELP, KV_DISK_GB_HELP, KV_DISK_HELP, KV_HOST_HELP, KV_REUSE_HELP,
+                                   LEASE_WAIT_HELP, MAX_SESSIONS_HELP, MODEL_HELP, SERVE_POLICY_HELP, SESSION_HELP,
+                                   SNAPSHOTS_HELP)
 from agentkv.cli.models import models_app
 from agentkv.errors import AgentKVError, UserError
 from agentkv.memory.leases import DEFAULT_LEASE_WAIT_S, live_pid_here
@@ -323,6 +325,9 @@ def serve(
         None, "--temperature", min=0.0, metavar="T",
         help="Temperature of requests that set none (default: 1, as OpenAI's)."),
     snapshots: Optional[str] = typer.Option(None, "--snapshots", metavar="URL", help=SNAPSHOTS_HELP),
+    kv_host_mb: int = typer.Option(256, "--kv-host-mb", min=0, metavar="MIB", help=KV_HOST_HELP),
+    kv_disk: Optional[Path] = typer.Option(None, "--kv-disk", metavar="DIR", help=KV_DISK_HELP),
+    kv_disk_gb: Optional[float] = typer.Option(None, "--kv-disk-gb", min=0.0, metavar="GIB", help=KV_DISK_GB_HELP),
     exact: bool = typer.Option(False, "--exact", help=EXACT_HELP),
     lease_wait: float = typer.Option(DEFAULT_LEASE_WAIT_S, "--lease-wait", min=0.0, metavar="SECONDS",
                                      help=LEASE_WAIT_HELP),
@@ -339,7 +344,8 @@ def serve(
                          max_new_tokens=max_new_tokens, temperature=temperature)
     backend = None if engine is None else ENGINES[engine]
     options = ServeOptions(host, port, api_key, db, model, backend, max_sessions, max_running, kv_reuse, agent,
-                           snapshots=snapshots, exact=exact, lease_wait_s=lease_wait, drain_s=drain_seconds)
+                           snapshots=snapshots, exact=exact, lease_wait_s=lease_wait, drain_s=drain_seconds,
+                           kv_tiers=KVTierOptions(host_mib=kv_host_mb, disk=kv_disk, disk_gib=kv_disk_gb))
     _guard(lambda: run_server(options))
 
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 from agentkv.cli.agent import CLIUsageError
 from agentkv.memory import Store
@@ -55,12 +57,27 @@ default: 0.
 """The ``--help`` epilog (typer's rich help keeps paragraphs separated by blank lines)."""
 
 
-def open_store(db: str | None, snapshots: str | None = None) -> Store:
+@dataclass(frozen=True)
+class KVTierOptions:
+    """The KV block tiers asked for on the command line (``agentkv serve --kv-host-mb 512``)."""
+
+    host_mib: int = 256
+    """``--kv-host-mb``: host memory for recently used blocks (0: none)."""
+    disk: Path | None = None
+    """``--kv-disk``: a local block cache in front of an S3 snapshot store."""
+    disk_gib: float | None = None
+    """``--kv-disk-gb``: the most the disk blocks may take (None: no bound)."""
+
+
+def open_store(db: str | None, snapshots: str | None = None, kv_tiers: KVTierOptions = KVTierOptions()) -> Store:
     """The store the CLI uses: ``--db``, else ``$AGENTKV_DB_URL``, else ``$AGENTKV_HOME/agentkv.db``,
     else the default file (the library resolves the last two: ``memory.database.data_root``); its
-    snapshots at ``--snapshots``, else ``$AGENTKV_SNAPSHOT_URL``, else beside the database."""
+    snapshots at ``--snapshots``, else ``$AGENTKV_SNAPSHOT_URL``, else beside the database; its KV
+    block tiers as ``kv_tiers`` says."""
+    disk_bytes = None if kv_tiers.disk_gib is None else int(kv_tiers.disk_gib * (1 << 30))
     return Store(db or os.environ.get(ENV_DB_URL) or None,
-                 snapshots=snapshots or os.environ.get(ENV_SNAPSHOT_URL) or None)
+                 snapshots=snapshots or os.environ.get(ENV_SNAPSHOT_URL) or None,
+                 kv_host_bytes=kv_tiers.host_mib << 20, kv_disk=kv_tiers.disk, kv_disk_bytes=disk_bytes)
 
 
 def model_choice(model: str | None) -> str | None:

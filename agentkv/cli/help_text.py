@@ -31,6 +31,12 @@ KV_REUSE_HELP = ("Continue from the KV a kept conversation already holds when a 
                  "model reads every request's whole prompt again).")
 SNAPSHOTS_HELP = ("Where KV snapshots go: s3://bucket/prefix (AWS_* credentials and endpoint), file:///dir or a "
                   "directory (default: $AGENTKV_SNAPSHOT_URL, else beside the database).")
+KV_HOST_HELP = ("Host memory in MiB for recently used KV blocks, in front of the snapshot store (0: none; "
+                "default: 256).")
+KV_DISK_HELP = ("A local directory caching KV blocks in front of an S3 snapshot store, so a conversation this "
+                "machine saw restores without a download (default: none).")
+KV_DISK_GB_HELP = ("Most GiB of KV blocks on this machine's disk: the --kv-disk cache, or with a snapshot "
+                   "directory the blocks kept there (the least recently used go first; default: no bound).")
 EXACT_HELP = ("Exact numerics (f32 KV, no dynamic quantisation): the same greedy answers on every replica and "
               "after every restore, about 2x slower to read a long prompt.")
 LEASE_WAIT_HELP = ("Seconds a request waits for a conversation another replica is running before it is refused "

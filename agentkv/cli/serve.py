@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from agentkv.agent import Agent
 from agentkv.cli.agent import CLI_TOOLS, AgentOptions, apply_options, check_window
+from agentkv.cli.config import KVTierOptions
 from agentkv.memory.leases import CROSS_HOST_TAKEOVER_S, DEFAULT_LEASE_WAIT_S
 from agentkv.server.request_agents import AgentDefaults
 
@@ -60,6 +61,8 @@ class ServeOptions:
     same on every replica and after every restore, at some speed."""
     lease_wait_s: float = DEFAULT_LEASE_WAIT_S
     """``--lease-wait``: seconds a request waits for a conversation another replica runs (then 409)."""
+    kv_tiers: KVTierOptions = KVTierOptions()
+    """``--kv-host-mb``, ``--kv-disk``, ``--kv-disk-gb``: the KV block tiers in front of the snapshots."""
     drain_s: float = 0.0
     """``--drain-seconds``: after SIGTERM, seconds ``/ready`` answers 503 while requests are still
     served (so a proxy's health check moves traffic away) before the server shuts down."""
@@ -100,8 +103,9 @@ def serve(options: ServeOptions) -> None:
     if api_key is None and not _is_loopback(options.host):
         print(f"warning: serving on {options.host} without an API key: anyone who can reach it can use it "
               f"(pass --api-key or set {API_KEY_ENV})", file=sys.stderr)
-    store = open_store(options.db, options.snapshots)
+    store = open_store(options.db, options.snapshots, options.kv_tiers)
     store.files.check()  # a bad URL, unreachable endpoint or missing bucket fails before the model loads
+    store.blocks.check()
     engine = open_engine(model_choice(options.model), backend=options.engine, exact=options.exact)
     model_id = _model_id(engine)
     app = create_app(engine, store=store, api_key=api_key, model_id=model_id,
