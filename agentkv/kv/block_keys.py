@@ -67,6 +67,7 @@ _FORMAT = "agentkv.block_keys/1"  # in the namespace digest: a change of encodin
 _PERSON_NAMESPACE = b"agentkv.kv-ns"  # blake2b personalisation: one per kind of digest, so a
 _PERSON_BLOCK = b"agentkv.kv-block"  # namespace digest, a block key and a tail digest never coincide
 _PERSON_TAIL = b"agentkv.kv-tail"
+_PERSON_TOKENS = b"agentkv.kv-toks"
 _CUTS_FIX = "pass the positions where the passes that computed these tokens were cut"
 
 
@@ -143,6 +144,21 @@ class KVNamespace:
         tail = Tail(start=start, tokens=tuple(int(t) for t in ids[start:]), parent=parent.hex(), cuts=tail_cuts,
                     digest=_digest(_PERSON_TAIL, parent, data[start * 8:], tail_cuts, start).hex())
         return BlockChain(namespace=self, keys=tuple(keys), tail=tail)
+
+    def token_keys(self, tokens: Sequence[int] | np.ndarray) -> tuple[str, ...]:
+        """One digest per full block over the tokens alone (no cuts), chained from the namespace:
+        how a prompt finds blocks it did not compute — a conversation sent whole to another replica
+        looks its blocks up by these (``memory/prompt_kv.py``); never equal to a block key::
+
+            space.token_keys(prompt)[i]   # the same for every log whose first (i + 1) blocks hold these tokens
+        """
+        data = int64_bytes(tokens)
+        size, row = self.block_size, 8 * self.block_size
+        parent, out = self.digest, []
+        for index in range(len(data) // row):
+            parent = _digest(_PERSON_TOKENS, parent, data[index * row:(index + 1) * row], (), index * size)
+            out.append(parent.hex())
+        return tuple(out)
 
     def key_of(self, parent: str, start: int, tokens: Sequence[int] | np.ndarray, cuts: Iterable[int] = ()) -> str:
         """The key of one full block: ``tokens`` (``block_size`` ids) at log position ``start`` after

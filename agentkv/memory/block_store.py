@@ -57,6 +57,8 @@ class BlocksSaved:
     """Blocks written (or queued) because no tier was known to hold them."""
     new_bytes: int
     """Their encoded bytes."""
+    new_keys: tuple[str, ...] = ()
+    """Their keys (``BlockStore.wait_written(saved.new_keys)`` waits until they are persisted)."""
 
 
 @dataclass(frozen=True)
@@ -96,7 +98,8 @@ class BlockStore:
         if snapshot.num_tokens < chain.tokens_in(len(chain.keys)):
             raise UserError(f"the chain keys {len(chain.keys)} blocks but the snapshot holds only "
                             f"{snapshot.num_tokens} tokens: chain the snapshot's own tokens")
-        new_blocks = new_bytes = 0
+        new_keys: list[str] = []
+        new_bytes = 0
         parent = chain.namespace.id
         for index, key in enumerate(chain.keys):
             if not self._is_known(key):
@@ -104,9 +107,16 @@ class BlockStore:
                 data = encode_block(snapshot.span(start, start + size), key=key, parent=parent, start=start,
                                     cuts=snapshot.cuts)
                 self._put(key, data)
-                new_blocks, new_bytes = new_blocks + 1, new_bytes + len(data)
+                new_keys.append(key)
+                new_bytes += len(data)
             parent = key
-        return BlocksSaved(len(chain.keys), new_blocks, new_bytes)
+        return BlocksSaved(len(chain.keys), len(new_keys), new_bytes, tuple(new_keys))
+
+    def wait_written(self, keys: Sequence[str], timeout: float | None = None) -> bool:
+        """Wait until the persistent tiers have taken ``keys`` (written, or failed and counted):
+        True, or False after ``timeout`` seconds. A save waits on its new blocks before its row
+        names them, so a row never names blocks a clean exit could still lose."""
+        return True if self._behind is None or not keys else self._behind.wait_for(keys, timeout)
 
     def _is_known(self, key: str) -> bool:
         with self._lock:

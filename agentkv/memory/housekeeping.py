@@ -24,6 +24,11 @@ from agentkv.memory.records import PruneReport, SnapshotRecord
 from agentkv.memory.snapshots import SnapshotStorage
 
 
+BLOCKS_DURABLE_WAIT_S = 10.0
+"""How long a save waits for its new blocks to reach the persistent tiers before writing its row
+(past it the row is written anyway: a crash before the blocks land costs their re-prefill)."""
+
+
 def save_snapshot(db: Database, files: SnapshotStorage, session_id: str, snapshot: KVSnapshot, *, keep: int,
                   budget_bytes: int | None, fence: int | None, blocks: BlockStore | None = None,
                   namespace: KVNamespace | None = None) -> SnapshotRecord:
@@ -35,7 +40,8 @@ def save_snapshot(db: Database, files: SnapshotStorage, session_id: str, snapsho
     chain = stored = None
     if blocks is not None and namespace is not None and snapshot.cuts is not None and not snapshot.shifted:
         chain = namespace.chain(snapshot.tokens, cuts=snapshot.cuts)
-        blocks.save(snapshot, chain)
+        saved = blocks.save(snapshot, chain)
+        blocks.wait_written(saved.new_keys, BLOCKS_DURABLE_WAIT_S)  # NOTE: bounded: a slow tier delays, never fails
         stored = snapshot.span(chain.tail.start, snapshot.num_tokens)
     name = files.write(session_id, snapshot if stored is None else stored)
 
@@ -66,6 +72,7 @@ def prune(db: Database, files: SnapshotStorage, *, cutoff: datetime | None, keep
         deleted, names = retention.old_sessions(s, cutoff, now) if cutoff is not None else ([], [])
         if keep_snapshots is not None:
             names += retention.excess_snapshots(s, files, keep_snapshots)
+        retention.expire_prompt_blocks(s, now)
         return deleted, names
 
     deleted, names = db.write(rows)

@@ -290,6 +290,30 @@ def _m012_snapshot_blocks(conn: Connection) -> None:
         conn.execute(text(f"ALTER TABLE kv_snapshots ADD COLUMN {name} {kind}"))
 
 
+def _m013_prompt_blocks(conn: Connection) -> None:
+    """13: kv_prompt_blocks — keyed blocks found by the tokens they hold (namespace, token_key,
+    block_key, parent_key, used_at): the KV of conversations sent whole (chat completions), which
+    have no session row, for any replica to restore; kv_answer_tokens — the token ids of the answers
+    in them, so another replica renders a resent answer to the tokens its KV holds."""
+    md = MetaData()
+    Table(
+        "kv_prompt_blocks", md,
+        Column("namespace", String(32), primary_key=True),
+        Column("token_key", String(32), primary_key=True),
+        Column("block_key", String(32), primary_key=True),
+        Column("parent_key", String(32), nullable=False),
+        Column("used_at", DateTime, nullable=False),
+    )
+    md.tables["kv_prompt_blocks"].create(conn)
+    Table(
+        "kv_answer_tokens", md,
+        Column("answer_key", String(64), primary_key=True),
+        Column("token_ids", JSON, nullable=False),
+        Column("used_at", DateTime, nullable=False),
+    )
+    md.tables["kv_answer_tokens"].create(conn)
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "initial", _m001_initial),
     Migration(2, "sessions_by_recency", _m002_sessions_by_recency),
@@ -303,6 +327,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(10, "window_moves", _m010_window_moves),
     Migration(11, "past_reasoning_auto", _m011_past_reasoning_auto),
     Migration(12, "snapshot_blocks", _m012_snapshot_blocks),
+    Migration(13, "prompt_blocks", _m013_prompt_blocks),
 )
 LATEST_VERSION = MIGRATIONS[-1].version
 

@@ -15,13 +15,13 @@ out the good older one that a resume would fall back on.
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
 from agentkv.memory import branches, queries
-from agentkv.memory.schema import SessionRow, SnapshotRow
+from agentkv.memory.schema import AnswerTokensRow, PromptBlockRow, SessionRow, SnapshotRow
 from agentkv.memory.snapshots import SnapshotStorage
 
 
@@ -93,9 +93,22 @@ def referenced_files(s: Session) -> set[str]:
 
 
 def referenced_blocks(s: Session) -> set[str]:
-    """The keyed blocks snapshot rows name (what the block collector keeps)."""
-    return {key for keys in s.scalars(select(SnapshotRow.block_keys).where(SnapshotRow.block_keys.is_not(None)))
-            for key in (keys or "").split()}
+    """The keyed blocks snapshot rows and the prompt index name (what the block collector keeps)."""
+    named = {key for keys in s.scalars(select(SnapshotRow.block_keys).where(SnapshotRow.block_keys.is_not(None)))
+             for key in (keys or "").split()}
+    return named | set(s.scalars(select(PromptBlockRow.block_key)))
+
+
+PROMPT_BLOCKS_KEPT = timedelta(days=7)
+"""How long a conversation sent whole keeps its KV findable after its last turn (``memory/prompt_kv.py``)."""
+
+
+def expire_prompt_blocks(s: Session, now: datetime, kept: timedelta = PROMPT_BLOCKS_KEPT) -> int:
+    """Delete prompt-index rows no save named for ``kept``; returns how many (their blocks are then
+    collected unless something else names them)."""
+    result = s.execute(delete(PromptBlockRow).where(PromptBlockRow.used_at < now - kept))
+    s.execute(delete(AnswerTokensRow).where(AnswerTokensRow.used_at < now - kept))
+    return int(getattr(result, "rowcount", 0) or 0)
 
 
 def _drop_snapshots(s: Session, session_id: str, *, keep: int, files: SnapshotStorage | None = None) -> list[str]:

@@ -168,6 +168,37 @@ class SnapshotRow(Base):
     """``KVNamespace.id`` the blocks were keyed in: the first block's parent (NULL with them)."""
 
 
+class PromptBlockRow(Base):
+    """A keyed block found by the tokens it holds: a conversation sent whole (chat completions)
+    has no session row, so another replica finds its KV by its prompt's ``token_keys``."""
+
+    __tablename__ = "kv_prompt_blocks"
+
+    namespace: Mapped[str] = mapped_column(String(32), primary_key=True)
+    """``KVNamespace.id`` (tenant, model, numerics, block size)."""
+    token_key: Mapped[str] = mapped_column(String(32), primary_key=True)
+    """``KVNamespace.token_keys(tokens)[i]``: the tokens of blocks 0..i."""
+    block_key: Mapped[str] = mapped_column(String(32), primary_key=True)
+    """The block holding block i's KV (one per way its tokens were computed)."""
+    parent_key: Mapped[str] = mapped_column(String(32))
+    """The block before it (the namespace's id for the first): a lookup follows one chain."""
+    used_at: Mapped[datetime]
+    """When a save last named it; rows unused for ``PROMPT_BLOCKS_KEPT`` are pruned."""
+
+
+class AnswerTokensRow(Base):
+    """The token ids of an answer the server generated, by its content: a conversation resent whole
+    to another replica renders that answer to the very tokens its KV holds (a re-tokenised answer
+    can differ)."""
+
+    __tablename__ = "kv_answer_tokens"
+
+    answer_key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    """blake2b of the answer's content and calls (``server/live_sessions.py``'s answer key)."""
+    token_ids: Mapped[list[Any]] = mapped_column(JSON)
+    used_at: Mapped[datetime]
+
+
 class ResponseRow(Base):
     """An API response kept for retrieval and chaining; its messages are the session's."""
 

@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -129,6 +129,21 @@ class WriteBehind:
                     return False
                 if not any(thread.is_alive() for thread in self._threads):
                     return False  # stopped: nothing will drain the queue
+                self._cond.wait(left)
+            return True
+
+    def wait_for(self, keys: Iterable[str], timeout: float | None = None) -> bool:
+        """Wait until none of ``keys`` is queued or being written (written, failed or dropped):
+        True, or False after ``timeout`` seconds. What a save waits on before its row names them."""
+        wanted = set(keys)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while wanted & (self._queued.keys() | set(self._in_flight)):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                if not any(thread.is_alive() for thread in self._threads):
+                    return False
                 self._cond.wait(left)
             return True
 

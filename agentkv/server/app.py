@@ -101,7 +101,7 @@ def create_app(
     runtime = Runtime(engine)
     stored = Runtime(engine, store, lease_wait_s=lease_wait_s) if store is not None else None
     live = LiveSessions(engine, max_sessions=max_sessions, reuse=reuse_kv)
-    runs = Runs(runtime, live, max_running=max_running)
+    runs = Runs(runtime, live, max_running=max_running, store=store)
     agents = RequestAgents([r for r in (runtime, stored) if r is not None], defaults)
     chat = ChatCompletions(runs, agents, model_id=model_id)
     conversations = OpenConversations(stored, max_open=max_sessions) if stored is not None else None

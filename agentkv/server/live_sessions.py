@@ -18,6 +18,7 @@ to the very tokens the KV holds (a re-tokenised answer could differ)::
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -180,3 +181,9 @@ class LiveSessions:
 def _answer_key(message: Message) -> tuple[object, ...]:
     calls = tuple((c.id, c.name, repr(sorted(c.arguments.items()))) for c in message.tool_calls)
     return (message.content, calls)
+
+
+def answer_digest(message: Message) -> str:
+    """A stable digest of an answer's content and calls: the key its token ids are kept under in a
+    store, for other replicas (``memory/prompt_kv.py``): ``answer_digest(Message.assistant("Hi."))``."""
+    return hashlib.blake2b(repr(_answer_key(message)).encode(), digest_size=32).hexdigest()

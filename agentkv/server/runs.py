@@ -14,6 +14,8 @@ session that shares the longest prefix with it.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
 from contextlib import AsyncExitStack, aclosing, asynccontextmanager, contextmanager
@@ -21,13 +23,19 @@ from dataclasses import dataclass
 
 from agentkv.agent import Agent
 from agentkv.chat.messages import Message
+from agentkv.engine.base import KVSession, common_prefix_len
+from agentkv.kv.block_keys import KVNamespace
+from agentkv.memory import Store
+from agentkv.memory.prompt_kv import find_answer_tokens, keep_answer_tokens, load_prompt_kv, save_prompt_kv
 from agentkv.run.conversation import Conversation, WindowEntry, render_for
 from agentkv.errors import ContextOverflowError, UserError
 from agentkv.events import RunEvent, RunFinished
 from agentkv.run.input import checked_input
 from agentkv.runtime.runtime import Runtime
 from agentkv.server.errors import RETRY_LATER, ApiError
-from agentkv.server.live_sessions import LiveSessions
+from agentkv.server.live_sessions import LiveSessions, answer_digest
+
+logger = logging.getLogger("agentkv.server")
 
 
 @dataclass
@@ -65,10 +73,14 @@ def leading_system(messages: list[Message]) -> tuple[str | None, list[Message]]:
 class Runs:
     """Admission (at most ``max_running`` requests at once, more get 429) and runs on live KV."""
 
-    def __init__(self, runtime: Runtime, live: LiveSessions, *, max_running: int = 64) -> None:
+    def __init__(self, runtime: Runtime, live: LiveSessions, *, max_running: int = 64,
+                 store: Store | None = None) -> None:
+        """``store``: where the KV of conversations sent whole is kept between turns, for any
+        replica to restore (``memory/prompt_kv.py``); None keeps it in this process only."""
         self.runtime = runtime
         self.live = live
         self.max_running = max_running
+        self.store = store
         self.running = 0
         """Requests admitted (at most ``max_running``), those waiting for their KV session included."""
         self.waiting = 0
@@ -145,13 +157,81 @@ class Runs:
             with self.waiting_for_kv():
                 kv = await held.enter_async_context(self.live.checkout(session_id=session_id, pin=pin,
                                                                        salt=prepared.salt))
+            space = self._kv_space(prepared.salt)
+            if space is not None and self._store_may_hold_more(kv, space, prepared.prompt_ids):
+                prepared = await self._with_kept_answers(prepared)
+                await self._restore_by_prompt(kv, space, prepared.prompt_ids)
             conversation = Conversation(f"api-{uuid.uuid4().hex[:12]}", prepared.agent, self.runtime.engine, kv,
                                         self.runtime.renderer, window=[WindowEntry(m) for m in prepared.history])
             conversation.call_checks.self_check = self.runtime.self_check
+            answers: list[Message] = []
             async with aclosing(self.runtime.run_stream(conversation, prepared.tail)) as run:
                 async for event in run:
                     if isinstance(event, RunFinished):
-                        for message in event.result.new_messages:
-                            if message.role == "assistant":
-                                self.live.remember(message)
+                        answers = [m for m in event.result.new_messages if m.role == "assistant"]
+                        for message in answers:
+                            self.live.remember(message)
                     yield event
+            if space is not None and answers:
+                await self._save_by_prompt(kv, space, answers)
+
+    def _kv_space(self, salt: str) -> KVNamespace | None:
+        """The namespace a tenant's KV blocks are kept in (None without a store)."""
+        if self.store is None:
+            return None
+        return self.runtime.engine.kv_namespace(salt=salt, block_size=self.store.block_size)
+
+    @staticmethod
+    def _store_may_hold_more(kv: KVSession, space: KVNamespace, prompt: Sequence[int]) -> bool:
+        """Whether the store could give more of ``prompt`` than ``kv`` holds: its whole blocks reach
+        past what the session shares with it (a new session; a live one left behind while other
+        replicas ran the conversation, as requests without ``X-Session-Id`` go wherever)."""
+        whole = len(prompt) // space.block_size * space.block_size
+        return common_prefix_len(kv.tokens, prompt) < whole
+
+    async def _restore_by_prompt(self, kv: KVSession, space: KVNamespace, prompt: Sequence[int]) -> None:
+        """Restore into ``kv`` the stored blocks of ``prompt``'s longest prefix when they hold more
+        of it than ``kv`` (another replica ran this conversation); a failure only costs the prefill."""
+        assert self.store is not None
+        try:
+            snapshot = await load_prompt_kv(self.store, space, prompt,
+                                            better_than=common_prefix_len(kv.tokens, prompt))
+            if snapshot is not None:
+                await kv.restore(snapshot)
+        except Exception as error:  # NOTE: a store that cannot be read costs a prefill, never the turn
+            logger.warning("could not restore a conversation's KV from the store (%s: %s); prefilling it",
+                           type(error).__name__, error)
+
+    async def _with_kept_answers(self, prepared: Prepared) -> Prepared:
+        """``prepared`` with the token ids another replica generated for its answers put back (and
+        its prompt rendered again) when the store kept them: a resent answer then renders to the
+        tokens its stored KV holds."""
+        assert self.store is not None
+        missing: dict[str, list[int]] = {}
+        for i, m in enumerate(prepared.history):  # NOTE: equal answers share a key: each gets the ids
+            if m.role == "assistant" and m.token_ids is None:
+                missing.setdefault(answer_digest(m), []).append(i)
+        try:
+            kept = await find_answer_tokens(self.store, list(missing))
+        except Exception as error:  # NOTE: costs a longer prefill at most
+            logger.warning("could not read kept answers from the store (%s: %s)", type(error).__name__, error)
+            return prepared
+        if not kept:
+            return prepared
+        history = list(prepared.history)
+        for key, ids in kept.items():
+            for i in missing[key]:
+                history[i] = history[i].model_copy(update={"token_ids": ids})
+        return dataclasses.replace(prepared, history=history,
+                                   prompt_ids=self.fitting_prompt(prepared.agent, [*history, *prepared.tail]))
+
+    async def _save_by_prompt(self, kv: KVSession, space: KVNamespace, answers: Sequence[Message]) -> None:
+        """Keep the KV's full blocks in the store, findable by their tokens from any replica, and
+        the token ids of the answers that produced it."""
+        assert self.store is not None
+        try:
+            await keep_answer_tokens(self.store, {answer_digest(m): m.token_ids for m in answers
+                                                  if m.token_ids is not None})
+            await save_prompt_kv(self.store, space, await kv.snapshot())
+        except Exception as error:  # NOTE: never fails the turn: the next one on another replica prefills
+            logger.warning("could not keep a conversation's KV in the store (%s: %s)", type(error).__name__, error)

@@ -302,3 +302,45 @@ def test_a_drained_replica_hands_its_conversations_over_through_s3_and_serves_ag
     print(f"\n{cluster.replicas[drained].name} re-added in {time.monotonic() - began:.1f} s")
     served = {ask(proxy, f"Back {k}: {QUESTIONS[3]}").served_by for k in range(9)}
     assert cluster.replicas[drained].name in served, served
+
+
+CONTEXT = ("Here is some context for the question: rivers carve valleys slowly, moving sediment from the "
+           "mountains down to the sea, and engineers measure bridges under different wind speeds.")
+
+
+def chat_turn(client: Any, messages: list[dict], session_id: str | None) -> tuple[str, str, str, int, int]:
+    """One chat completion of the whole ``messages`` (greedy, short), with ``X-Session-Id`` when given:
+    the answer, the replica, the session id it carried, prompt tokens and cached prompt tokens."""
+    headers = {"X-Session-Id": session_id} if session_id else {}
+    raw = client.chat.completions.with_raw_response.create(
+        model="any", messages=messages, temperature=0, max_tokens=MAX_TOKENS, extra_headers=headers)
+    body = raw.parse()
+    usage = body.usage
+    cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+    return (body.choices[0].message.content or "", raw.headers.get("X-Served-By", "?"), raw.headers["X-Session-Id"],
+            usage.prompt_tokens, cached or 0)
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["x-session-id", "no-header"])
+def test_a_chat_completion_conversation_continues_on_another_replica_from_the_store_after_kill(
+        cluster, proxy, named):
+    """Chat completions keep no session row: after each turn the replica keeps the KV's full blocks in
+    the store, findable by their tokens. Its replica killed, the next turn on another replica
+    prefills at most the new message and one block (the partial block the store does not keep)."""
+    messages: list[dict] = [{"role": "system", "content": INSTRUCTIONS}]
+    session_id = f"chat-{uuid.uuid4().hex[:8]}" if named else None
+    served = ""
+    for question in QUESTIONS[:3]:  # long turns: a history a re-prefill would not fit in the bound below
+        messages.append({"role": "user", "content": f"{CONTEXT} {question}"})
+        answer, served, carried, _, _ = chat_turn(proxy, messages, session_id)
+        messages.append({"role": "assistant", "content": answer})
+        assert not named or carried == session_id
+    owner = cluster.replica_of(served)
+    cluster.kill(owner)
+    try:
+        messages.append({"role": "user", "content": QUESTIONS[3]})
+        _, moved_to, _, prompt, cached = chat_turn(proxy, messages, session_id)
+        assert moved_to != cluster.replicas[owner].name
+        assert prompt - cached <= NEW_TOKENS_MAX + 32, (prompt, cached)
+    finally:
+        cluster.start(owner)
