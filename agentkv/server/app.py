@@ -45,6 +45,7 @@ from agentkv.engine.base import Engine
 from agentkv.errors import AgentKVError
 from agentkv.memory import Store
 from agentkv.memory.block_metrics import BlockStoreCollector
+from agentkv.server.kv_collector import COLLECT_INTERVAL_S, collect_blocks_every
 from agentkv.observe.metrics import ServedCounts, ServerCollector, ServerLoad, registry_of
 from agentkv.runtime.runtime import Runtime
 from agentkv.server.access_log import AccessLog, AccessNote
@@ -90,6 +91,7 @@ def create_app(
     reuse_kv: bool = True,
     defaults: AgentDefaults | None = None,
     lease_wait_s: float = 0.0,
+    collect_interval_s: float = COLLECT_INTERVAL_S,
 ) -> FastAPI:
     """The app serving ``engine``. ``store``: where responses and their conversations are kept
     (without one, ``/v1/responses`` serves ``store=false`` only); ``api_key``: Bearer token every
@@ -97,7 +99,8 @@ def create_app(
     sessions and stored conversations, each); ``max_running``: requests at once (more get 429);
     ``reuse_kv=False`` runs every chat request on a fresh session; ``defaults``: the agent
     settings of requests that set none; ``lease_wait_s``: how long a stored conversation another
-    replica of this server is running is waited for (then 409)."""
+    replica of this server is running is waited for (then 409); ``collect_interval_s``: seconds
+    between two collections of the store's unreferenced KV blocks (0: none)."""
     runtime = Runtime(engine)
     stored = Runtime(engine, store, lease_wait_s=lease_wait_s) if store is not None else None
     live = LiveSessions(engine, max_sessions=max_sessions, reuse=reuse_kv)
@@ -113,7 +116,11 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         readiness.start()  # the engine was compiled before the app was made
-        yield
+        async with anyio.create_task_group() as background:
+            if store is not None and collect_interval_s:
+                background.start_soon(collect_blocks_every, store, collect_interval_s)
+            yield
+            background.cancel_scope.cancel()
         readiness.drain()
         # NOTE: runs still going were cancelled by the server's shutdown: each snapshotted its
         # conversation's KV as it ended, so closing loses nothing a restart could resume
