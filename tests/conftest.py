@@ -1,6 +1,8 @@
 """Shared fixtures: real engines on the default model (compiled once per test session), and
 stores on SQLite and (with ``AGENTKV_TEST_POSTGRES_URL``) PostgreSQL. A test not marked
-``model`` that builds a real engine fails (``agentkv.testing.forbid_real_engines``)."""
+``model`` that builds a real engine fails (``agentkv.testing.forbid_real_engines``). Under
+pytest-xdist's ``--dist loadfile`` (``make test``) the files on a session paged engine go to one
+worker together (``pytest_xdist_make_scheduler``)."""
 
 from __future__ import annotations
 
@@ -78,6 +80,96 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 TEST_ENGINE = os.environ.get("AGENTKV_TEST_ENGINE", "paged")
 """Which engine the ``engine`` fixture is: "paged" (the default engine) or "stateful"."""
+
+
+SESSION_PAGED_GROUP = "session-paged-engines"
+"""The one work unit (``--dist loadfile``, ``make test``) of every file with a test on a session paged
+engine (``paged_engine``, ``paged_exact``, or ``engine`` when it is the paged one)."""
+GROUPS_FILE = "agentkv_session_paged_files"
+"""The ``workerinput`` key naming the file where each pytest-xdist worker writes which test files
+use a session paged engine (as collected), for the controller's scheduler to read."""
+
+
+def uses_a_session_paged_engine(item: pytest.Item) -> bool:
+    """Whether ``item`` runs on a session paged engine: asks for one, for the ``engine`` that is
+    one, or is the ``"paged"`` case of a fixture (``any_engine``, a test's own ``backend``) that
+    picks one with ``getfixturevalue``."""
+    names = set(getattr(item, "fixturenames", ()))
+    if names & {"paged_engine", "paged_exact"} or ("engine" in names and TEST_ENGINE == "paged"):
+        return True
+    callspec = getattr(item, "callspec", None)
+    picked = callspec.params.values() if callspec is not None else ()
+    return item.get_closest_marker("model") is not None and any(value in ("paged", "paged-exact") for value in picked)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node) -> None:
+    """pytest-xdist's controller: tell each worker where to write its files on session paged engines."""
+    if _groups_path_key not in node.config.stash:
+        node.config.stash[_groups_path_key] = _new_groups_path()
+    node.workerinput[GROUPS_FILE] = str(node.config.stash[_groups_path_key])
+
+
+def _new_groups_path() -> Path:
+    """A file name of this run's own in a new temporary directory."""
+    import tempfile
+
+    return Path(tempfile.mkdtemp(prefix="agentkv-test-groups-")) / "session_paged_files.txt"
+
+
+_groups_path_key = pytest.StashKey[Path]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """In a pytest-xdist worker told where (``pytest_configure_node``): write the test files that
+    use a session paged engine, for ``SharedEngineFileScheduling``. NOTE: a file, not an xdist_group
+    mark: ``--dist loadgroup`` passes the group in the test's id, which pytest 9.2 no longer lets a
+    plugin change (pytest-xdist issue 1386: the marks are silently ignored). tryfirst: written before
+    pytest-xdist's own hook tells the controller this worker has collected."""
+    target = getattr(session.config, "workerinput", {}).get(GROUPS_FILE)
+    if target is None:
+        return
+    files = sorted({item.nodeid.split("::", 1)[0] for item in session.items if uses_a_session_paged_engine(item)})
+    written = Path(f"{target}.{os.getpid()}")
+    written.write_text("\n".join(files), encoding="utf-8")
+    written.replace(target)  # whole, as each worker writes the same list
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``--dist loadfile`` (``make test``) with the files that use a session paged engine sent to
+    one worker as one unit: that worker compiles each of those engines' graphs (~10 s of CPU a set
+    on one core; the compiled-blob cache cannot hold them), where whole files per worker had both
+    workers compile both. Any other ``--dist`` is pytest-xdist's own."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedEngineFileScheduling(LoadFileScheduling):
+        """Whole files per worker, the session-paged-engine files as one unit. NOTE: overrides
+        pytest-xdist's ``_split_scope`` (the unit of a test id), as its own schedulers do."""
+
+        _shared: frozenset[str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self._shared is None:
+                path = config.stash.get(_groups_path_key, None)
+                listed = path.read_text(encoding="utf-8").splitlines() if path is not None and path.exists() else ()
+                self._shared = frozenset(listed)
+            file = nodeid.split("::", 1)[0]
+            return SESSION_PAGED_GROUP if file in self._shared else file
+
+    return SharedEngineFileScheduling(config, log)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Remove the controller's temporary directory of worker lists, if it made one."""
+    import shutil
+
+    path = config.stash.get(_groups_path_key, None)
+    if path is not None:
+        shutil.rmtree(path.parent, ignore_errors=True)
 
 
 @pytest.fixture
