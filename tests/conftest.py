@@ -147,10 +147,24 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     from xdist.scheduler import LoadFileScheduling
 
     class SharedEngineFileScheduling(LoadFileScheduling):
-        """Whole files per worker, the session-paged-engine files as one unit. NOTE: overrides
-        pytest-xdist's ``_split_scope`` (the unit of a test id), as its own schedulers do."""
+        """Whole files per worker, the session-paged-engine files as one unit, handed out longest
+        first: that unit, then the other model files (``tests/model/``: seconds to a minute each,
+        a file of one test among them), then the rest, each kind by test count. NOTE: overrides
+        pytest-xdist's ``_split_scope`` (the unit of a test id) and ``_assign_work_unit`` (which
+        takes the first unit of ``workqueue``), as its own schedulers do: by test count alone, the
+        model files of one test went last and one worker ran on alone through the longest of them."""
 
         _shared: frozenset[str] | None = None
+        _ordered = False
+
+        def _assign_work_unit(self, node) -> None:
+            if not self._ordered:
+                self._ordered = True
+                units = sorted(self.workqueue.items(), key=lambda unit: (
+                    unit[0] != SESSION_PAGED_GROUP, not unit[0].startswith("tests/model/"), -len(unit[1])))
+                self.workqueue.clear()
+                self.workqueue.update(units)
+            super()._assign_work_unit(node)
 
         def _split_scope(self, nodeid: str) -> str:
             if self._shared is None:
