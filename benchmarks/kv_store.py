@@ -58,8 +58,8 @@ def directory_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-async def turn_bytes(engine, turns: int, turn_tokens: int, workdir: Path) -> dict:
-    store = Store(f"sqlite:///{workdir / 'turns.db'}", snapshot_dir=workdir / "turns")
+async def turn_bytes(engine, turns: int, turn_tokens: int, workdir: Path, block_size: int = 32) -> dict:
+    store = Store(f"sqlite:///{workdir / 'turns.db'}", snapshot_dir=workdir / "turns", block_size=block_size)
     runtime = Runtime(engine, store)
     agent = Agent(name="notes", instructions="You summarise what the user sends.", generation=ANSWER)
     conversation = await runtime.open_conversation(agent)
@@ -81,8 +81,9 @@ async def turn_bytes(engine, turns: int, turn_tokens: int, workdir: Path) -> dic
             "kv_tokens": newest.num_tokens, "bytes_per_token": per_token}
 
 
-async def shared_prefix(engine, agents: int, prompt_tokens: int, agent_turns: int, workdir: Path) -> dict:
-    store = Store(f"sqlite:///{workdir / 'shared.db'}", snapshot_dir=workdir / "shared")
+async def shared_prefix(engine, agents: int, prompt_tokens: int, agent_turns: int, workdir: Path,
+                        block_size: int = 32) -> dict:
+    store = Store(f"sqlite:///{workdir / 'shared.db'}", snapshot_dir=workdir / "shared", block_size=block_size)
     runtime = Runtime(engine, store)
     prompt = padded_turn(engine.tokenizer.encode, "You are a careful assistant. House rules follow.", "",
                          start=0, target=prompt_tokens)
@@ -166,9 +167,11 @@ async def main_async(args: argparse.Namespace) -> dict:
     out: dict = {}
     with tempfile.TemporaryDirectory(prefix="agentkv-kvstore-") as tmp:
         work = Path(tmp)
-        out.update(await turn_bytes(engine, args.turns, args.turn_tokens, work))
-        out.update(await shared_prefix(engine, args.agents, args.prompt_tokens, args.agent_turns, work))
-        out.update(await replica_turns(engine, args.replica_turns, args.history // args.replica_turns, work))
+        out.update(await turn_bytes(engine, args.turns, args.turn_tokens, work, args.block_size))
+        out.update(await shared_prefix(engine, args.agents, args.prompt_tokens, args.agent_turns, work,
+                                       args.block_size))
+        if not args.bytes_only:
+            out.update(await replica_turns(engine, args.replica_turns, args.history // args.replica_turns, work))
     await engine.aclose()
     return out
 
@@ -183,6 +186,8 @@ def main() -> None:
     parser.add_argument("--agent-turns", type=int, default=4)
     parser.add_argument("--history", type=int, default=2000, help="tokens of the replica conversation")
     parser.add_argument("--replica-turns", type=int, default=6)
+    parser.add_argument("--block-size", type=int, default=32, help="tokens per stored block (a multiple of 32)")
+    parser.add_argument("--bytes-only", action="store_true", help="only the two byte ratios (no timings)")
     args = parser.parse_args()
     out = anyio.run(main_async, args)
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}))

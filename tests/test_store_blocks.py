@@ -261,3 +261,24 @@ async def test_another_store_on_the_same_bucket_restores_the_blocks_a_replica_wr
         assert s3.hits == len(record.block_keys) and s3.misses == 0
     finally:
         await reader.close()
+
+
+async def test_a_full_disk_costs_the_blocks_not_the_save(block_store: Store, monkeypatch, caplog) -> None:
+    import errno
+
+    from agentkv.memory.block_tiers import BlockTierUnavailable
+
+    def full(self, key: str, data: bytes) -> None:
+        raise BlockTierUnavailable(f"no space left on the device ({errno.ENOSPC})")
+
+    monkeypatch.setattr(DiskBlocks, "put", full)
+    sid = await new_session(block_store)
+    record = await block_store.save_snapshot(sid, log_snapshot(100), namespace=SPACE)  # no exception
+    assert len(record.block_keys) == 3
+    usage = block_store.blocks.usage().write_behind
+    assert usage is not None and usage.failed_blocks == 3
+    for tier in block_store.blocks.tiers:  # a later process: nothing in memory
+        tier.remove(record.block_keys)
+    block_store.blocks.forget(record.block_keys)
+    with pytest.raises(SnapshotCorrupt):  # what a restore skips, then the conversation re-prefills
+        await block_store.load_snapshot(record, expected_fingerprint=FP, namespace=SPACE)

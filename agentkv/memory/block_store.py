@@ -14,7 +14,9 @@ block nobody holds and copies what slower tiers gave into the faster ones::
     store.close()                                # waits for queued blocks (bounded)
 
 What a crash loses is what the queue held: the next restore takes the leading run and the
-conversation re-prefills the rest from its history in SQL (the source of truth).
+conversation re-prefills the rest from its history in SQL (the source of truth). A snapshot save
+waits for its new blocks (``wait_written``, bounded) before its row names them, so a row written by
+a process that then exits cleanly or is killed never names blocks that were still queued.
 """
 
 from __future__ import annotations
