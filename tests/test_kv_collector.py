@@ -36,3 +36,20 @@ async def test_the_collector_prunes_on_its_interval_and_a_failed_pass_is_one_war
             tasks.cancel_scope.cancel()
     assert store.calls == 3
     assert ("bucket unreachable" in caplog.text) is fail_first
+
+
+async def test_a_served_app_with_a_store_collects_on_its_interval(tmp_path, monkeypatch) -> None:
+    from agentkv.memory import Store
+    from agentkv.server import create_app
+    from agentkv.testing import ScriptedEngine
+
+    store = Store(f"sqlite:///{tmp_path / 'a.db'}")
+    counting = CountingStore(fail_first=False)
+    monkeypatch.setattr(store, "prune", counting.prune)
+    app = create_app(ScriptedEngine(), store=store, collect_interval_s=0.05)
+    with anyio.fail_after(30):
+        async with app.router.lifespan_context(app):
+            await counting.third.wait()
+    calls = counting.calls
+    await anyio.sleep(0.2)
+    assert counting.calls == calls  # stopped with the app

@@ -26,6 +26,7 @@ event.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import time
@@ -116,11 +117,13 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         readiness.start()  # the engine was compiled before the app was made
-        async with anyio.create_task_group() as background:
-            if store is not None and collect_interval_s:
-                background.start_soon(collect_blocks_every, store, collect_interval_s)
-            yield
-            background.cancel_scope.cancel()
+        # NOTE: a task, not a task group around the yield: a lifespan may be entered and exited in
+        # different tasks (ASGI lifespan managers in tests do), which a cancel scope refuses
+        collector = (asyncio.get_running_loop().create_task(collect_blocks_every(store, collect_interval_s))
+                     if store is not None and collect_interval_s else None)
+        yield
+        if collector is not None:
+            collector.cancel()
         readiness.drain()
         # NOTE: runs still going were cancelled by the server's shutdown: each snapshotted its
         # conversation's KV as it ended, so closing loses nothing a restart could resume
