@@ -3,7 +3,8 @@ what a resume found."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from agentkv.chat.messages import Message, ToolCall
@@ -73,3 +74,7 @@ class ResumeReport:
     """Why snapshots were passed over (corrupt, another model, stale)."""
     interrupted_calls: int = 0
     """Tool calls a crash left without a result, now given an "interrupted" one."""
+    restored_from: Mapping[str, int] = field(default_factory=dict)
+    """Tokens of the restored KV each place gave: "host", "disk" or "s3" (the KV store's tiers, in
+    whole blocks) and "snapshot" (a snapshot file or object: a tail, or a snapshot saved whole),
+    counted before the KV was trimmed to what the history renders: ``{"disk": 320, "snapshot": 18}``."""

@@ -62,7 +62,10 @@ async def test_a_block_snapshot_restores_bit_for_bit_and_its_file_holds_only_the
     record = await block_store.save_snapshot(sid, snap, namespace=SPACE)
     assert len(record.block_keys) == 4 and record.block_size == 32 and record.kv_namespace == SPACE.id
     assert record.nbytes == snap.span(128, 150).nbytes  # the file: 22 tokens of tail
-    assert_same_kv(await block_store.load_snapshot(record, expected_fingerprint=FP, namespace=SPACE), snap)
+    sources: dict[str, int] = {}
+    assert_same_kv(await block_store.load_snapshot(record, expected_fingerprint=FP, namespace=SPACE,
+                                                   sources=sources), snap)
+    assert sources == {"host": 128, "snapshot": 22}  # this process saved it: its blocks are in memory
 
 
 async def test_the_next_turn_writes_only_its_new_blocks(block_store: Store) -> None:
@@ -97,7 +100,13 @@ async def test_a_store_opened_later_restores_from_disk_alone(store_url: str, tmp
     await first.close()
     later = Store(store_url, snapshot_dir=tmp_path / "snap", kv_host_bytes=0)
     try:
-        assert_same_kv(await later.load_snapshot(record, expected_fingerprint=FP, namespace=SPACE), snap)
+        sources: dict[str, int] = {}
+        assert_same_kv(await later.load_snapshot(record, expected_fingerprint=FP, namespace=SPACE, sources=sources),
+                       snap)
+        assert sources == {"disk": 192, "snapshot": 8}
+        sources.clear()  # read again: still from disk (no host tier to promote into)
+        await later.load_snapshot(record, expected_fingerprint=FP, namespace=SPACE, sources=sources)
+        assert sources == {"disk": 192, "snapshot": 8}
     finally:
         await later.close()
 
@@ -256,7 +265,10 @@ async def test_another_store_on_the_same_bucket_restores_the_blocks_a_replica_wr
     assert record.block_keys[:3] == first.block_keys
     reader = Store(store_url, snapshots=bucket_url, kv_host_bytes=0)
     try:
-        assert_same_kv(await reader.load_snapshot(record, expected_fingerprint=FP, namespace=SPACE), snap)
+        sources: dict[str, int] = {}
+        assert_same_kv(await reader.load_snapshot(record, expected_fingerprint=FP, namespace=SPACE, sources=sources),
+                       snap)
+        assert sources == {"s3": 256, "snapshot": 4}
         s3 = next(u for u in reader.blocks.usage().tiers if u.tier == "s3")
         assert s3.hits == len(record.block_keys) and s3.misses == 0
     finally:

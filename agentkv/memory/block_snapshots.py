@@ -21,23 +21,32 @@ from agentkv.kv.snapshot import KVSnapshot
 from agentkv.memory.block_store import BlockStore
 from agentkv.memory.records import SnapshotRecord
 
-__all__ = ["load_block_snapshot"]
+__all__ = ["SNAPSHOT_FILE", "load_block_snapshot"]
+
+SNAPSHOT_FILE = "snapshot"
+"""The source name of KV read from a snapshot file or object (a whole snapshot, or a tail)."""
 
 logger = logging.getLogger("agentkv.store")
 
 
 def load_block_snapshot(blocks: BlockStore, record: SnapshotRecord, load_tail: Callable[[], KVSnapshot],
-                        namespace: KVNamespace | None) -> KVSnapshot:
+                        namespace: KVNamespace | None, sources: dict[str, int] | None = None) -> KVSnapshot:
     """The KV ``record`` holds that ``blocks`` and its tail file still give back (see the module
-    docstring). ``SnapshotIncompatible`` without the namespace it was saved in (another tenant,
-    block size or numerics); ``SnapshotCorrupt`` when not even its first block is held."""
+    docstring); ``sources``, when given, gets the tokens each tier gave (``"snapshot"``: the tail
+    file's). ``SnapshotIncompatible`` without the namespace it was saved in (another tenant, block
+    size or numerics); ``SnapshotCorrupt`` when not even its first block is held."""
     if namespace is None or namespace.id != record.kv_namespace or namespace.block_size != record.block_size:
         raise SnapshotIncompatible(
             f"KV snapshot {record.path} is stored as {record.block_size}-token blocks of namespace "
             f"{record.kv_namespace}, not this engine's and tenant's; the session re-prefills from its history")
-    spans = blocks.load(namespace, record.block_keys)
+    loaded = blocks.load(namespace, record.block_keys)
+    spans = loaded.spans
+    if sources is not None:
+        sources.update(loaded.tokens_by_tier())
     if len(spans) == len(record.block_keys):
         tail = load_tail()
+        if sources is not None and tail.num_tokens:
+            sources[SNAPSHOT_FILE] = tail.num_tokens
         return join_blocks([*spans, tail]) if spans else tail
     if not spans:
         raise SnapshotCorrupt(f"no block of KV snapshot {record.path} is held in any tier any more "

@@ -10,7 +10,7 @@ block nobody holds and copies what slower tiers gave into the faster ones::
 
     store = BlockStore([HostBlocks(256 << 20), DiskBlocks(Path("/srv/kv/blocks"))])
     saved = store.save(snapshot, space.chain(snapshot.tokens, cuts=snapshot.cuts))
-    spans = store.load(space, chain.keys)        # the leading run of blocks, as spans
+    spans = store.load(space, chain.keys).spans  # the leading run of blocks, as spans
     store.close()                                # waits for queued blocks (bounded)
 
 What a crash loses is what the queue held: the next restore takes the leading run and the
@@ -36,7 +36,7 @@ from agentkv.kv.snapshot import KVSnapshot
 from agentkv.memory.block_tiers import BlockTier, BlockTierUnavailable, TierUsage
 from agentkv.memory.write_behind import WriteBehind, WriteBehindUsage
 
-__all__ = ["BlockStore", "BlocksSaved", "BlockStoreUsage", "KNOWN_TTL"]
+__all__ = ["BlockStore", "BlockStoreUsage", "BlocksSaved", "KNOWN_TTL", "LoadedBlocks"]
 
 logger = logging.getLogger("agentkv.store")
 
@@ -61,6 +61,23 @@ class BlocksSaved:
     """Their encoded bytes."""
     new_keys: tuple[str, ...] = ()
     """Their keys (``BlockStore.wait_written(saved.new_keys)`` waits until they are persisted)."""
+
+
+@dataclass(frozen=True)
+class LoadedBlocks:
+    """What one ``BlockStore.load`` gave back: ``loaded.tokens_by_tier()["s3"]``."""
+
+    spans: list[KVSnapshot]
+    """The leading run of blocks, verified, in log order."""
+    tiers: tuple[str, ...]
+    """The tier each span came from ("host", "disk", "s3")."""
+
+    def tokens_by_tier(self) -> dict[str, int]:
+        """Tokens of KV each tier gave: ``{"host": 64, "s3": 320}``."""
+        out: dict[str, int] = {}
+        for span, tier in zip(self.spans, self.tiers):
+            out[tier] = out.get(tier, 0) + span.num_tokens
+        return out
 
 
 @dataclass(frozen=True)
@@ -145,10 +162,11 @@ class BlockStore:
         self._remember([key])
 
     # ---- reads ----------------------------------------------------------------------------
-    def load(self, namespace: KVNamespace, keys: Sequence[str]) -> list[KVSnapshot]:
+    def load(self, namespace: KVNamespace, keys: Sequence[str]) -> LoadedBlocks:
         """The leading run of ``keys`` (a chain in ``namespace``, oldest first) the tiers hold, as
-        verified spans: ``len(result)`` blocks, each ``namespace.block_size`` tokens. A block that
-        fails its checks is removed from the tier that gave it, logged, and ends the run."""
+        verified spans (``len(loaded.spans)`` blocks, each ``namespace.block_size`` tokens) and the
+        tier each came from. A block that fails its checks is removed from the tier that gave it,
+        logged, and ends the run."""
         wanted = list(keys)
         found: dict[str, tuple[bytes, BlockTier]] = {}
         for tier in self.tiers:
@@ -158,6 +176,7 @@ class BlockStore:
             for key, data in tier.get_many(missing).items():
                 found[key] = (data, tier)
         spans: list[KVSnapshot] = []
+        sources: list[str] = []
         parent = namespace.id
         for index, key in enumerate(wanted):
             if key not in found:
@@ -174,9 +193,10 @@ class BlockStore:
                 self._remove_quietly(tier, [key])
                 break
             parent = key
+            sources.append(tier.name)
             self._promote(key, data, tier)
         self._remember(wanted[:len(spans)])
-        return spans
+        return LoadedBlocks(spans, tuple(sources))
 
     def _promote(self, key: str, data: bytes, source: BlockTier) -> None:
         """Copy a block a slower tier gave into the near tiers faster than it."""

@@ -74,8 +74,8 @@ async def load_prompt_kv(store: Store, namespace: KVNamespace, tokens: Sequence[
     keys = await store.database.run(store.database.read, lambda s: _chain(s, namespace.id, token_keys))
     if len(keys) * namespace.block_size <= better_than:
         return None
-    spans = await anyio.to_thread.run_sync(store.blocks.load, namespace, keys)
-    return join_blocks(spans) if spans else None
+    loaded = await anyio.to_thread.run_sync(store.blocks.load, namespace, keys)
+    return join_blocks(loaded.spans) if loaded.spans else None
 
 
 def _record(s: Session, namespace: str, token_keys: Sequence[str], block_keys: Sequence[str], now: datetime) -> None:

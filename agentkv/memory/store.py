@@ -32,7 +32,7 @@ from agentkv.errors import SessionExists, UserError
 from agentkv.kv.block_keys import BLOCK_MULTIPLE, KVNamespace
 from agentkv.kv.snapshot import KVSnapshot
 from agentkv.memory import convert, housekeeping, queries, snapshot_rows
-from agentkv.memory.block_snapshots import load_block_snapshot
+from agentkv.memory.block_snapshots import SNAPSHOT_FILE, load_block_snapshot
 from agentkv.memory.block_store import BlockStore
 from agentkv.memory.database import Database, default_snapshot_dir
 from agentkv.memory.export import conversation_jsonl
@@ -326,22 +326,28 @@ class Store(SessionLeases):
                                        lambda s: snapshot_rows.of_session(s, self.files, session_id))
 
     async def load_snapshot(self, record: SnapshotRecord, *, expected_fingerprint: str,
-                            namespace: KVNamespace | None = None) -> KVSnapshot:
+                            namespace: KVNamespace | None = None,
+                            sources: dict[str, int] | None = None) -> KVSnapshot:
         """Read and verify a snapshot (file or object; keyed blocks too, given the ``namespace``
         they were saved in): the whole KV, or of a block snapshot the part the tiers still hold
         (a prefix of it; the caller re-prefills the rest).
 
         ``SnapshotIncompatible`` for another fingerprint or namespace; ``SnapshotCorrupt`` for a
         missing, damaged or replaced one (``delete_snapshot`` it; the session re-prefills);
-        ``SnapshotStoreUnavailable`` when the S3 endpoint cannot be used.
+        ``SnapshotStoreUnavailable`` when the S3 endpoint cannot be used. ``sources``, when given,
+        gets the tokens of KV each place gave: ``{"host": 64, "s3": 256, "snapshot": 20}``.
         """
         refuse_other_fingerprint(record.path, record.fingerprint, expected_fingerprint)
         load = partial(self.files.load, str(record.path),
                        expected_fingerprint=expected_fingerprint,
                        expected_checksum=record.checksum)
         if not record.block_keys:
-            return await anyio.to_thread.run_sync(load)
-        return await anyio.to_thread.run_sync(partial(load_block_snapshot, self.blocks, record, load, namespace))
+            whole = await anyio.to_thread.run_sync(load)
+            if sources is not None:
+                sources[SNAPSHOT_FILE] = whole.num_tokens
+            return whole
+        return await anyio.to_thread.run_sync(partial(load_block_snapshot, self.blocks, record, load, namespace,
+                                                      sources))
 
     async def delete_snapshot(self, record: SnapshotRecord) -> None:
         """Delete one snapshot's row and file (e.g. after ``SnapshotCorrupt``)."""

@@ -10,8 +10,8 @@ engine nor the runner). Used by ``Runtime`` when it is given a store::
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from functools import partial
 
 import anyio
@@ -224,6 +224,9 @@ class Restored:
     was last saved (0: no snapshot). Restoring fewer than this lost KV: a cache break."""
     skipped: tuple[str, ...]
     """Why snapshots were passed over."""
+    sources: Mapping[str, int] = field(default_factory=dict)
+    """Tokens of the restored KV each place gave (``Store.load_snapshot``'s ``sources``: "host",
+    "disk", "s3" for blocks, "snapshot" for a snapshot file or object), before any trim to ``tokens``."""
 
 
 async def restore_newest_snapshot(
@@ -249,8 +252,10 @@ async def restore_newest_snapshot(
             skipped.append(f"{record.path.name}: made by another model ({record.fingerprint})")
             continue
         held = held or record.num_tokens
+        sources: dict[str, int] = {}
         try:
-            snapshot = await store.load_snapshot(record, expected_fingerprint=fingerprint, namespace=namespace)
+            snapshot = await store.load_snapshot(record, expected_fingerprint=fingerprint, namespace=namespace,
+                                                 sources=sources)
         except (SnapshotCorrupt, SnapshotIncompatible) as error:
             logger.warning("skipping snapshot %s of session %s: %s", record.path, session_id, error)
             skipped.append(f"{record.path.name}: {error}")
@@ -264,7 +269,7 @@ async def restore_newest_snapshot(
                           precision=record.precision):
             await kv.restore(snapshot if shared == snapshot.num_tokens else snapshot.prefix(shared))
         SNAPSHOTS.restores += 1
-        return Restored(shared, held, tuple(skipped))
+        return Restored(shared, held, tuple(skipped), sources)
     return Restored(0, held, tuple(skipped))
 
 

@@ -166,9 +166,10 @@ class Runtime:
             found = locate(restored.tokens, prompt, rendered, self.renderer.tokenizer, cause="partial restore")
             conversation.call_checks.hold(dataclasses.replace(found, held=held, kv_excerpt=""))
         conversation.resume_report = ResumeReport(len(conversation.window), restored.tokens, restored.skipped,
-                                                  repaired)
+                                                  repaired, dict(restored.sources))
+        where = ", ".join(f"{tokens} from {source}" for source, tokens in restored.sources.items())
         conversation.call_checks.note(f"resumed: {restored.tokens} of {len(prompt)} history tokens restored "
-                                      "from a snapshot")
+                                      f"from a snapshot{f' ({where})' if where else ''}")
         return conversation
 
     def _open_as(self, conversation: Conversation, agent: Agent | None, salt: str) -> Conversation:

@@ -93,6 +93,7 @@ async def test_lost_last_blocks_restore_the_rest_and_only_those_are_prefilled(pa
         again = await resumed.resume(conversation.id, agent)
         kept = (len(record.block_keys) - 2) * 32
         assert again.resume_report.restored_tokens == kept
+        assert again.resume_report.restored_from == {"disk": kept}  # the tail file is not used past a lost block
         result = await resumed.run(again, "One more sentence, please.")
         metrics = result.call_metrics[0]
         assert metrics.reused_tokens + metrics.prefix_cache_tokens >= kept
