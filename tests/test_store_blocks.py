@@ -289,6 +289,11 @@ async def test_a_full_disk_costs_the_blocks_not_the_save(block_store: Store, mon
     assert len(record.block_keys) == 3
     usage = block_store.blocks.usage().write_behind
     assert usage is not None and usage.failed_blocks == 3
+    host = block_store.blocks.tiers[0]
+    assert host.has_many(record.block_keys) == set()  # memory never hides a block no disk holds
+    await block_store.save_snapshot(sid, log_snapshot(100), namespace=SPACE)  # the disk is still full:
+    usage = block_store.blocks.usage().write_behind  # the blocks were queued again, and failed again
+    assert usage is not None and usage.failed_blocks == 6
     for tier in block_store.blocks.tiers:  # a later process: nothing in memory
         tier.remove(record.block_keys)
     block_store.blocks.forget(record.block_keys)

@@ -101,7 +101,8 @@ class BlockStore:
         """The tiers, fastest first."""
         self._near = tuple(t for t in self.tiers if not t.persistent)
         far = [t for t in self.tiers if t.persistent]
-        self._behind = WriteBehind(far, max_pending_bytes=max_pending_bytes, workers=write_workers) if far else None
+        self._behind = (WriteBehind(far, max_pending_bytes=max_pending_bytes, workers=write_workers,
+                                    on_failure=self._not_persisted) if far else None)
         self._known: TTLCache[str, None] = TTLCache(maxsize=_KNOWN_MAX, ttl=KNOWN_TTL.total_seconds())
         self._lock = threading.Lock()
         self._corrupt = 0
@@ -146,6 +147,15 @@ class BlockStore:
             self._remember([key])
         return held
 
+    def _not_persisted(self, key: str) -> None:
+        """A persistent tier failed to write ``key``: forget it and drop it from the near tiers, so
+        the next save that needs it queues it again (host memory must not hide a block no disk or
+        bucket holds)."""
+        with self._lock:
+            self._known.pop(key, None)
+        for tier in self._near:
+            self._remove_quietly(tier, [key])
+
     def _remember(self, keys: Iterable[str]) -> None:
         with self._lock:
             for key in keys:
@@ -157,9 +167,9 @@ class BlockStore:
                 tier.put(key, data)
             except BlockTierUnavailable as error:
                 logger.warning("KV block %s not kept in the %s tier: %s", key, tier.name, error)
-        if self._behind is not None:
-            self._behind.submit(key, data)
-        self._remember([key])
+        self._remember([key])  # NOTE: before the queue: a failure reported at once must win
+        if self._behind is not None and not self._behind.submit(key, data):
+            self._not_persisted(key)
 
     # ---- reads ----------------------------------------------------------------------------
     def load(self, namespace: KVNamespace, keys: Sequence[str]) -> LoadedBlocks:

@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -59,7 +59,10 @@ class WriteBehind:
     ``max_pending_bytes`` queued; see the module docstring for a call. Thread-safe; a context
     manager (``close`` on exit)."""
 
-    def __init__(self, tiers: Sequence[BlockTier], *, max_pending_bytes: int, workers: int = 2) -> None:
+    def __init__(self, tiers: Sequence[BlockTier], *, max_pending_bytes: int, workers: int = 2,
+                 on_failure: Callable[[str], None] | None = None) -> None:
+        """``on_failure(key)`` is called (on a worker thread) for each block a tier failed to write
+        or that was dropped, so its owner stops counting it as stored."""
         if not isinstance(max_pending_bytes, int) or isinstance(max_pending_bytes, bool) or max_pending_bytes <= 0:
             raise UserError(f"max_pending_bytes must be a positive int (the write-behind queue's bound in bytes, "
                             f"e.g. 256 << 20), got {max_pending_bytes!r}")
@@ -67,6 +70,7 @@ class WriteBehind:
             raise UserError(f"workers must be a positive int (threads writing the queue, e.g. 2), got {workers!r}")
         self.tiers = tuple(tiers)
         self.max_pending_bytes = max_pending_bytes
+        self._on_failure = on_failure
         self._cond = threading.Condition()
         self._queued: OrderedDict[str, bytes] = OrderedDict()  # oldest first
         self._in_flight: dict[str, int] = {}  # key -> bytes
@@ -192,6 +196,11 @@ class WriteBehind:
                 key, data = self._queued.popitem(last=False)
                 self._in_flight[key] = len(data)
             written, failed = self._write(key, data)
+            if failed and self._on_failure is not None:  # NOTE: before the key leaves: waiters see it done
+                try:
+                    self._on_failure(key)
+                except Exception:  # never kill the worker
+                    log.exception("the write-behind failure callback raised for KV block %s", key)
             with self._cond:
                 del self._in_flight[key]
                 self._pending_bytes -= len(data)
