@@ -41,7 +41,9 @@ async def test_a_conversation_with_s3_snapshots_resumes_with_its_kv_and_answers_
     resumed = await again.resume("moved")
     history = resumed.render(AGENT, add_generation_prompt=False).token_ids
     assert resumed.resume_report.restored_tokens == newest.num_tokens
-    restored = await store.load_snapshot(newest, expected_fingerprint=paged_exact.fingerprint)
+    assert newest.block_keys  # saved as keyed blocks: read back in the namespace they were keyed in
+    restored = await store.load_snapshot(newest, expected_fingerprint=paged_exact.fingerprint,
+                                         namespace=paged_exact.kv_namespace(block_size=store.block_size))
     assert tuple(history[: newest.num_tokens]) == restored.tokens
     # NOTE: KV exists for every token fed through the model: all of the history but the last sampled
     # token (never fed) and the template's end-of-turn markup (<|im_end|>, "\n"), measured: 3 tokens
