@@ -299,3 +299,22 @@ async def test_a_full_disk_costs_the_blocks_not_the_save(block_store: Store, mon
     block_store.blocks.forget(record.block_keys)
     with pytest.raises(SnapshotCorrupt):  # what a restore skips, then the conversation re-prefills
         await block_store.load_snapshot(record, expected_fingerprint=FP, namespace=SPACE)
+
+
+async def test_a_save_of_the_span_past_the_stored_blocks_restores_the_whole_log(block_store: Store) -> None:
+    sid = await new_session(block_store)
+    await block_store.save_snapshot(sid, log_snapshot(150, cuts=(100,)), namespace=SPACE)
+    whole = log_snapshot(260, cuts=(100, 150, 151))
+    log = (whole.tokens, whole.cuts)
+    first = block_store.blocks.first_unknown(SPACE.chain(whole.tokens, cuts=whole.cuts).keys)
+    assert first == 4  # blocks 0..3 were saved with the first turn; block 4 now holds the cut at 150
+    record = await block_store.save_snapshot(sid, whole.span(128, 260), namespace=SPACE, log=log)
+    assert record.num_tokens == 260 and len(record.block_keys) == 8
+    assert_same_kv(await block_store.load_snapshot(record, expected_fingerprint=FP, namespace=SPACE), whole)
+
+
+async def test_a_span_without_its_log_or_a_namespace_is_refused(block_store: Store) -> None:
+    sid = await new_session(block_store)
+    whole = log_snapshot(96)
+    with pytest.raises(UserError, match="whole log"):
+        await block_store.save_snapshot(sid, whole.span(64, 96), log=(whole.tokens, ()))

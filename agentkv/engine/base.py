@@ -300,8 +300,9 @@ class KVSession(Protocol):
     async def fork(self) -> KVSession:
         """A new session with a copy of this KV and log; the two diverge independently."""
 
-    async def snapshot(self) -> KVSnapshot:
-        """A host copy of the KV and log (no state change)."""
+    async def snapshot(self, *, start: int = 0) -> KVSnapshot:
+        """A host copy of the KV and log (no state change); ``start``: of the tokens from ``start``
+        on only (a span, its cuts counted from ``start``): ``await kv.snapshot(start=256)``."""
 
     async def restore(self, snapshot: KVSnapshot) -> None:
         """Replace KV and log by the snapshot's. Raises ``SnapshotIncompatible`` for another

@@ -108,29 +108,37 @@ class BlockStore:
         self._corrupt = 0
 
     # ---- writes ---------------------------------------------------------------------------
-    def save(self, snapshot: KVSnapshot, chain: BlockChain) -> BlocksSaved:
+    def save(self, snapshot: KVSnapshot, chain: BlockChain, *, start: int = 0) -> BlocksSaved:
         """Store the full blocks of ``snapshot`` that ``chain`` keys (its tokens under its namespace)
         and no tier is known to hold. Blocking (near tiers written, far ones queued). The caller
-        keeps the tail (``chain.tail``): it is no block."""
+        keeps the tail (``chain.tail``): it is no block. ``start`` (a block bound): ``snapshot`` is
+        the span of the log from there (``kv.snapshot(start=)``); the blocks before it are taken as
+        stored (``first_unknown`` chose it)."""
         size = chain.namespace.block_size
         if snapshot.cuts is None:
             raise UserError("this snapshot does not say where its KV's passes were cut (an older file): save it whole")
-        if snapshot.num_tokens < chain.tokens_in(len(chain.keys)):
-            raise UserError(f"the chain keys {len(chain.keys)} blocks but the snapshot holds only "
-                            f"{snapshot.num_tokens} tokens: chain the snapshot's own tokens")
+        if start % size or start + snapshot.num_tokens < chain.tokens_in(len(chain.keys)):
+            raise UserError(f"the chain keys {len(chain.keys)} blocks but the snapshot holds tokens {start}.."
+                            f"{start + snapshot.num_tokens}: chain the snapshot's own tokens, from a block bound")
+        absolute = [c + start for c in snapshot.cuts]  # a span's cut 0 is a pass that began at ``start``
         new_keys: list[str] = []
         new_bytes = 0
         parent = chain.namespace.id
         for index, key in enumerate(chain.keys):
-            if not self._is_known(key):
-                start = index * size
-                data = encode_block(snapshot.span(start, start + size), key=key, parent=parent, start=start,
-                                    cuts=snapshot.cuts)
+            if index * size >= start and not self._is_known(key):
+                at = index * size
+                data = encode_block(snapshot.span(at - start, at - start + size), key=key, parent=parent, start=at,
+                                    cuts=absolute)
                 self._put(key, data)
                 new_keys.append(key)
                 new_bytes += len(data)
             parent = key
         return BlocksSaved(len(chain.keys), len(new_keys), new_bytes, tuple(new_keys))
+
+    def first_unknown(self, keys: Sequence[str]) -> int:
+        """The index of the first of ``keys`` no tier is known to hold (``len(keys)``: all are):
+        a save reads the KV from that block on only (``kv.snapshot(start=index * block_size)``)."""
+        return next((i for i, key in enumerate(keys) if not self._is_known(key)), len(keys))
 
     def wait_written(self, keys: Sequence[str], timeout: float | None = None) -> bool:
         """Wait until the persistent tiers have taken ``keys`` (written, or failed and counted):

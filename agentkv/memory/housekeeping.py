@@ -11,10 +11,12 @@ unreferenced, and the next prune removes them)::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime, timedelta
 
 from sqlalchemy.orm import Session
 
+from agentkv.errors import UserError
 from agentkv.kv.block_keys import KVNamespace
 from agentkv.kv.snapshot import KVSnapshot
 from agentkv.memory import queries, retention, snapshot_rows
@@ -31,22 +33,30 @@ BLOCKS_DURABLE_WAIT_S = 10.0
 
 def save_snapshot(db: Database, files: SnapshotStorage, session_id: str, snapshot: KVSnapshot, *, keep: int,
                   budget_bytes: int | None, fence: int | None, blocks: BlockStore | None = None,
-                  namespace: KVNamespace | None = None) -> SnapshotRecord:
+                  namespace: KVNamespace | None = None, log: tuple[Sequence[int], Sequence[int]] | None = None,
+                  ) -> SnapshotRecord:
     """Write the snapshot file, then its row; prune beyond the ``keep`` newest and past
     ``budget_bytes``. A failed row write removes the file again. With ``blocks`` and ``namespace``
     (and a snapshot that knows its cuts and was not shifted) the full blocks go to the block store
-    — only those no tier holds yet — and the file keeps the tail after them."""
+    — only those no tier holds yet — and the file keeps the tail after them. ``log`` (the whole
+    log's tokens and cuts): ``snapshot`` is then the span of it from a block bound whose blocks
+    before are stored (``BlockStore.first_unknown``), and the row describes the whole log."""
     db.read(lambda s: queries.session_row(s, session_id))  # no file for a missing session
     chain = stored = None
+    tokens, start = (snapshot.tokens, 0) if log is None else (tuple(log[0]), len(log[0]) - snapshot.num_tokens)
+    if log is not None and (blocks is None or namespace is None or snapshot.cuts is None or start < 0):
+        raise UserError("a span of a log is saved as keyed blocks only: pass blocks, a namespace, and the "
+                        "span's whole log (tokens and cuts)")
     if blocks is not None and namespace is not None and snapshot.cuts is not None and not snapshot.shifted:
-        chain = namespace.chain(snapshot.tokens, cuts=snapshot.cuts)
-        saved = blocks.save(snapshot, chain)
+        chain = namespace.chain(tokens, cuts=snapshot.cuts if log is None else log[1])
+        saved = blocks.save(snapshot, chain, start=start)
         blocks.wait_written(saved.new_keys, BLOCKS_DURABLE_WAIT_S)  # NOTE: bounded: a slow tier delays, never fails
-        stored = snapshot.span(chain.tail.start, snapshot.num_tokens)
+        stored = snapshot.span(chain.tail.start - start, snapshot.num_tokens)
     name = files.write(session_id, snapshot if stored is None else stored)
 
     def add(s: Session) -> tuple[SnapshotRecord, list[str]]:
-        record = snapshot_rows.add(s, files, session_id, snapshot, name, fence, blocks=chain, stored=stored)
+        record = snapshot_rows.add(s, files, session_id, snapshot, name, fence, blocks=chain, stored=stored,
+                                   tokens=tokens)
         pruned = retention.excess_snapshots(s, files, keep, session_id=session_id)
         if budget_bytes is not None:
             s.flush()

@@ -8,6 +8,7 @@ Every function takes an open SQLAlchemy ``Session`` (one transaction of ``Store`
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy import select
@@ -25,13 +26,15 @@ from agentkv.memory.snapshots import SnapshotStorage
 
 def add(s: Session, files: SnapshotStorage, session_id: str, snapshot: KVSnapshot,
                  name: str, fence: int | None = None, *, blocks: BlockChain | None = None,
-                 stored: KVSnapshot | None = None) -> SnapshotRecord:
+                 stored: KVSnapshot | None = None, tokens: Sequence[int] | None = None) -> SnapshotRecord:
     """Insert the row of a written file (retention then decides what else stays): the whole of
-    ``snapshot``, or with ``blocks`` the keyed blocks of its KV and ``stored``, the tail in the file."""
+    ``snapshot``, or with ``blocks`` the keyed blocks of its KV and ``stored``, the tail in the file;
+    ``tokens``: the whole log's, when ``snapshot`` is a span of it."""
     fenced_row(s, session_id, fence)
     in_file = snapshot if stored is None else stored
-    row = SnapshotRow(session_id=session_id, num_tokens=snapshot.num_tokens,
-                      token_hash=tokens_digest(snapshot.tokens), fingerprint=snapshot.fingerprint,
+    tokens = snapshot.tokens if tokens is None else tokens
+    row = SnapshotRow(session_id=session_id, num_tokens=len(tokens),
+                      token_hash=tokens_digest(tokens), fingerprint=snapshot.fingerprint,
                       precision=snapshot.precision, path=name, checksum=in_file.checksum(),
                       nbytes=in_file.nbytes, shifted=snapshot.shifted, created_at=utcnow())
     if blocks is not None:

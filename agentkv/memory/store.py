@@ -288,13 +288,15 @@ class Store(SessionLeases):
 
     async def save_snapshot(self, session_id: str, snapshot: KVSnapshot, *,
                             keep: int | None = None, fence: int | None = None, tenant: str = "",
-                            namespace: KVNamespace | None = None) -> SnapshotRecord:
+                            namespace: KVNamespace | None = None,
+                            log: tuple[Sequence[int], Sequence[int]] | None = None) -> SnapshotRecord:
         """Write the snapshot (a file: temp + rename; an object: one PUT), then its row; prune beyond
         ``keep`` newest (default: the store's ``keep_snapshots``) and past the store's byte
         budget. ``fence`` as for ``append_message``; ``tenant``: the conversation's tenant salt
         (S3 keys are per tenant). With ``namespace`` (``engine.kv_namespace(salt=...,
         block_size=store.block_size)``) the KV's full blocks go to the block store — each written
-        once, whoever shares it — and the file keeps the tail."""
+        once, whoever shares it — and the file keeps the tail; ``log`` (the whole log's tokens and
+        cuts) when ``snapshot`` is only its span from the first block no tier holds."""
         keep = self.keep_snapshots if keep is None else keep
         if keep < 1:
             raise UserError(f"keep must be >= 1, got {keep}")
@@ -304,7 +306,7 @@ class Store(SessionLeases):
         files = self.files.scoped(tenant)
         return await self.database.run(partial(housekeeping.save_snapshot, self.database, files, session_id,
                                                snapshot, keep=keep, budget_bytes=self.snapshot_budget_bytes,
-                                               fence=fence, blocks=self.blocks, namespace=namespace))
+                                               fence=fence, blocks=self.blocks, namespace=namespace, log=log))
 
     async def prune(self, *, older_than: timedelta | None = None, keep_snapshots: int | None = None,
                     orphans_older_than: timedelta = ORPHAN_GRACE) -> PruneReport:

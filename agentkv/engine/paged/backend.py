@@ -34,6 +34,7 @@ from agentkv.engine.session.backend import OpenSession, SlotBackend
 from agentkv.errors import KVLogCorrupt
 from agentkv.kv.log import KVLog, KVSlot, KVSource
 from agentkv.kv.snapshot import RAW_BLOCKS, KVSnapshot, PrecisionChoice
+from agentkv.kv.snapshot_cuts import span_cuts
 
 if TYPE_CHECKING:
     from anyio.lowlevel import EventLoopToken
@@ -57,29 +58,32 @@ class PagedBackend(SlotBackend):
         self._raw_snapshots = model.kv_cache_precision == "u8" and self.snapshot_precision in ("auto", "u8")
 
     # ---- KV: snapshots, holds, restores ------------------------------------------------
-    def snapshot(self, log: KVLog, slot: KVSlot) -> KVSnapshot:
+    def snapshot(self, log: KVLog, slot: KVSlot, start: int = 0) -> KVSnapshot:
         """Host snapshot of ``log``'s KV in ``slot``: a u8 cache's raw blocks (bit-exact, u8 size),
         a 16-bit cache's values as they are stored (no float32 pass, no precision probe: they are
-        lossless in it), else floats in the snapshot precision (blocking): ``backend.snapshot(log, slot)``."""
+        lossless in it), else floats in the snapshot precision (blocking): ``backend.snapshot(log, slot)``.
+        ``start`` (a multiple of the block: only those blocks are read): of the tokens from there on."""
         stored = self.paged_model.kv_cache_precision
         as_stored = stored in ("f16", "bf16") and self.snapshot_precision in ("auto", stored)
-        if not (self._raw_snapshots or as_stored):
-            return super().snapshot(log, slot)
+        if not (self._raw_snapshots or as_stored) or start % BLOCK_SIZE:
+            return super().snapshot(log, slot, start)
         assert isinstance(slot, PagedSlot)
         if slot.length() != len(log):
             raise KVLogCorrupt(f"the slot holds {slot.length()} positions but the log has {len(log)} tokens")
+        tokens = tuple(log.tokens[start:])
+        cuts = span_cuts(_cuts(log.cuts), start, len(log)) if start else _cuts(log.cuts)
+        first = start // BLOCK_SIZE
         if as_stored:
-            keys, values = read_table_stored(self.paged_model, slot.blocks, len(log))
+            keys, values = read_table_stored(self.paged_model, slot.blocks[first:], len(log) - start)
             if stored == "bf16":  # the snapshot's bf16 storage is the values' bits
-                return KVSnapshot(tokens=tuple(log.tokens), keys=keys.view(np.uint16), values=values.view(np.uint16),
+                return KVSnapshot(tokens=tokens, keys=keys.view(np.uint16), values=values.view(np.uint16),
                                   precision="bf16", fingerprint=self.fingerprint, shifted=log.shifted,
-                                  lossless=log.exact, cuts=_cuts(log.cuts))
-            return KVSnapshot(tokens=tuple(log.tokens), keys=keys.astype(np.float16, copy=False),
+                                  lossless=log.exact, cuts=cuts)
+            return KVSnapshot(tokens=tokens, keys=keys.astype(np.float16, copy=False),
                               values=values.astype(np.float16, copy=False), precision="f16",
-                              fingerprint=self.fingerprint, shifted=log.shifted, lossless=log.exact,
-                              cuts=_cuts(log.cuts))
-        blocks = slot.blocks[: blocks_for(len(log))]  # a failed feed may have grown the table already
-        return self._raw_snapshot(log.tokens, blocks, shifted=log.shifted, lossless=log.exact, cuts=log.cuts)
+                              fingerprint=self.fingerprint, shifted=log.shifted, lossless=log.exact, cuts=cuts)
+        blocks = slot.blocks[first: blocks_for(len(log))]  # a failed feed may have grown the table already
+        return self._raw_snapshot(tokens, blocks, shifted=log.shifted, lossless=log.exact, cuts=cuts)
 
     def _raw_snapshot(self, tokens: Sequence[int], blocks: Sequence[int], *, shifted: bool,
                       lossless: bool, cuts: Sequence[int] | None) -> KVSnapshot:

@@ -203,14 +203,16 @@ class SlotBackend:
         """An empty token log that cuts its prefills canonically for this backend."""
         return KVLog(boundaries=self.boundaries, chunk_size=self.prefill_chunk_size)
 
-    def snapshot(self, log: KVLog, slot: KVSlot) -> KVSnapshot:
+    def snapshot(self, log: KVLog, slot: KVSlot, start: int = 0) -> KVSnapshot:
         """Host snapshot of ``log``'s KV, read from ``slot``, in the snapshot precision
-        ("auto": lossless); an inexact log's snapshot says so (blocking)::
+        ("auto": lossless); an inexact log's snapshot says so; ``start``: of the tokens from there
+        on only, a span (here read whole and cut; the paged backend reads only those) (blocking)::
 
             snapshot = backend.snapshot(log, slot)
         """
         keys, values = log.read(slot)
-        return self.snapshot_of(log.tokens, keys, values, shifted=log.shifted, lossless=log.exact, cuts=log.cuts)
+        whole = self.snapshot_of(log.tokens, keys, values, shifted=log.shifted, lossless=log.exact, cuts=log.cuts)
+        return whole.span(start, whole.num_tokens) if start else whole
 
     def snapshot_of(self, tokens: Sequence[int], keys: np.ndarray, values: np.ndarray, *, shifted: bool,
                     lossless: bool, cuts: Sequence[int] | None) -> KVSnapshot:

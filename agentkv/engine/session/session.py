@@ -292,15 +292,15 @@ class SlotSession:
             async with self._lease() as slot:
                 await self._run(self._log.trim, slot, n)
 
-    async def snapshot(self) -> KVSnapshot:
-        """A host copy of KV and tokens."""
+    async def snapshot(self, *, start: int = 0) -> KVSnapshot:
+        """A host copy of KV and tokens (``start``: of the tokens from there on, as a span)."""
         async with self._lock:
             self._ensure_open()
             held = await self._host_snapshot()
             if held is not None:
-                return held
+                return held.span(start, held.num_tokens) if start else held
             async with self._lease() as slot:
-                return await self._run(self._backend.snapshot, self._log, slot)
+                return await self._run(self._backend.snapshot, self._log, slot, start)
 
     async def _host_snapshot(self) -> KVSnapshot | None:
         """The offloaded KV as a snapshot while the session has no slot; None when it is bound,
