@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from agentkv import Agent, GenerationConfig, Runtime
@@ -101,3 +102,18 @@ async def test_lost_last_blocks_restore_the_rest_and_only_those_are_prefilled(pa
     finally:
         await resumed.aclose()
         await later.close()
+
+
+@pytest.mark.parametrize("which", ["engine", "paged_exact"])
+async def test_a_snapshot_from_a_block_bound_is_that_span_of_the_whole_snapshot(which, request) -> None:
+    chosen = request.getfixturevalue(which)
+    session = await chosen.open_session()
+    try:
+        await session.prefill((chosen.tokenizer.encode(" ".join(TURNS)) * 4)[:150])
+        whole = await session.snapshot()
+        for start in (32, 96, 128):
+            part, ref = await session.snapshot(start=start), whole.span(start, whole.num_tokens)
+            assert part.tokens == ref.tokens and part.cuts == ref.cuts and part.precision == ref.precision
+            assert all(np.array_equal(a, b) for a, b in zip(part.to_float(), ref.to_float()))
+    finally:
+        await session.close()
