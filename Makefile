@@ -25,7 +25,7 @@ demo: model
 # and given whole files (module fixtures start servers and engines once); the files that use the
 # session's paged engines go to one worker (conftest's pytest_collection_modifyitems: each compiles
 # its graphs once, not once per worker). One process using both cores left one idle through its
-# Python and subprocess time: 17-19 min before, 12-13 min on 2 avx2 cores (734-776 s of tests); 791 s of tests for 2,133 tests (2026-11-28).
+# Python and subprocess time: 17-19 min before, 12-13 min on 2 avx2 cores (734-776 s of tests); 766 s of tests for 2,139 tests (2026-11-28).
 # mypy (~41 s of CPU cold) checks types at low priority while the suite runs, in the cores' idle
 # moments; its output comes after the suite's and its failure fails make test. langsmith's pytest
 # plugin (installed with langchain-core, unused here) is not loaded: ~1.5 s of imports per process.
