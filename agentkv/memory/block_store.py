@@ -36,10 +36,13 @@ from agentkv.kv.snapshot import KVSnapshot
 from agentkv.memory.block_tiers import BlockTier, BlockTierUnavailable, TierUsage
 from agentkv.memory.write_behind import WriteBehind, WriteBehindUsage
 
-__all__ = ["BlockStore", "BlockStoreUsage", "BlocksSaved", "KNOWN_TTL", "LoadedBlocks"]
+__all__ = ["DURABLE_WAIT_S", "BlockStore", "BlockStoreUsage", "BlocksSaved", "KNOWN_TTL", "LoadedBlocks"]
 
 logger = logging.getLogger("agentkv.store")
 
+DURABLE_WAIT_S = 10.0
+"""How long ``save_durably`` waits for new blocks to reach the persistent tiers (past it the caller
+goes on: a crash before they land costs their re-prefill)."""
 DEFAULT_PENDING_BYTES = 256 << 20
 """The most block bytes queued for the persistent tiers before a save waits (back-pressure)."""
 KNOWN_TTL = timedelta(minutes=4)
@@ -134,6 +137,15 @@ class BlockStore:
                 new_bytes += len(data)
             parent = key
         return BlocksSaved(len(chain.keys), len(new_keys), new_bytes, tuple(new_keys))
+
+    def save_durably(self, snapshot: KVSnapshot, chain: BlockChain, *, start: int = 0,
+                     timeout: float = DURABLE_WAIT_S) -> BlocksSaved:
+        """``save``, then wait (bounded: a slow tier delays, never fails) until the persistent tiers
+        took the new blocks: what a save does before a row or an index names them, so nothing that
+        names a block can outlive a queue a clean exit or a kill would lose."""
+        saved = self.save(snapshot, chain, start=start)
+        self.wait_written(saved.new_keys, timeout)
+        return saved
 
     def first_unknown(self, keys: Sequence[str]) -> int:
         """The index of the first of ``keys`` no tier is known to hold (``len(keys)``: all are):

@@ -26,11 +26,6 @@ from agentkv.memory.records import PruneReport, SnapshotRecord
 from agentkv.memory.snapshots import SnapshotStorage
 
 
-BLOCKS_DURABLE_WAIT_S = 10.0
-"""How long a save waits for its new blocks to reach the persistent tiers before writing its row
-(past it the row is written anyway: a crash before the blocks land costs their re-prefill)."""
-
-
 def save_snapshot(db: Database, files: SnapshotStorage, session_id: str, snapshot: KVSnapshot, *, keep: int,
                   budget_bytes: int | None, fence: int | None, blocks: BlockStore | None = None,
                   namespace: KVNamespace | None = None, log: tuple[Sequence[int], Sequence[int]] | None = None,
@@ -49,8 +44,7 @@ def save_snapshot(db: Database, files: SnapshotStorage, session_id: str, snapsho
                         "span's whole log (tokens and cuts)")
     if blocks is not None and namespace is not None and snapshot.cuts is not None and not snapshot.shifted:
         chain = namespace.chain(tokens, cuts=snapshot.cuts if log is None else log[1])
-        saved = blocks.save(snapshot, chain, start=start)
-        blocks.wait_written(saved.new_keys, BLOCKS_DURABLE_WAIT_S)  # NOTE: bounded: a slow tier delays, never fails
+        blocks.save_durably(snapshot, chain, start=start)
         stored = snapshot.span(chain.tail.start - start, snapshot.num_tokens)
     name = files.write(session_id, snapshot if stored is None else stored)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from datetime import datetime
+from functools import partial
 
 import anyio.to_thread
 from sqlalchemy import select, update
@@ -33,25 +34,29 @@ from sqlalchemy.orm import Session
 from agentkv.kv.block_codec import join_blocks
 from agentkv.kv.block_keys import KVNamespace
 from agentkv.kv.snapshot import KVSnapshot
-from agentkv.memory.housekeeping import BLOCKS_DURABLE_WAIT_S
 from agentkv.memory.retention import PROMPT_BLOCKS_KEPT
 from agentkv.memory.schema import AnswerTokensRow, PromptBlockRow, utcnow
 from agentkv.memory.store import Store
+from agentkv.memory.unstored_kv import LogOfSpan
 
 __all__ = ["PROMPT_BLOCKS_KEPT", "find_answer_tokens", "keep_answer_tokens", "load_prompt_kv", "save_prompt_kv"]
 
 
-async def save_prompt_kv(store: Store, namespace: KVNamespace, snapshot: KVSnapshot) -> int:
+async def save_prompt_kv(store: Store, namespace: KVNamespace, snapshot: KVSnapshot,
+                         log: LogOfSpan | None = None) -> int:
     """Save ``snapshot``'s full blocks and index them by their tokens; returns the blocks indexed
-    (0 for KV that cannot be keyed: unknown cuts, or shifted by a RoPE drop)."""
+    (0 for KV that cannot be keyed: unknown cuts, or shifted by a RoPE drop). ``log``: the whole
+    log's tokens and cuts when ``snapshot`` is its span from the first unstored block
+    (``read_unstored_kv``)."""
     if snapshot.cuts is None or snapshot.shifted:
         return 0
-    chain = namespace.chain(snapshot.tokens, cuts=snapshot.cuts)
+    tokens, cuts = (snapshot.tokens, snapshot.cuts) if log is None else log
+    chain = namespace.chain(tokens, cuts=cuts)
     if not chain.keys:
         return 0
-    saved = await anyio.to_thread.run_sync(store.blocks.save, snapshot, chain)
-    await anyio.to_thread.run_sync(store.blocks.wait_written, saved.new_keys, BLOCKS_DURABLE_WAIT_S)
-    token_keys = namespace.token_keys(snapshot.tokens)
+    start = len(tokens) - snapshot.num_tokens
+    await anyio.to_thread.run_sync(partial(store.blocks.save_durably, snapshot, chain, start=start))
+    token_keys = namespace.token_keys(tokens)
 
     def record(s: Session) -> None:
         _record(s, namespace.id, token_keys, chain.keys, utcnow())

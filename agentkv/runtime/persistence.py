@@ -22,6 +22,7 @@ from agentkv.errors import LeaseLost, SnapshotCorrupt, SnapshotIncompatible
 from agentkv.events import CacheBroken, ContextCompacted, ModelCallFinished, RunEvent
 from agentkv.kv.block_keys import KVNamespace
 from agentkv.memory import CallRecord, Store
+from agentkv.memory.unstored_kv import read_unstored_kv
 from agentkv.observe import tracing
 from agentkv.observe.cache_breaks import CacheBreak
 from agentkv.observe.metrics import SNAPSHOTS
@@ -128,10 +129,7 @@ async def save_snapshot(store: Store, conversation: Conversation) -> None:
             return
         with tracing.span("agentkv.snapshot.save", conversation.trace_span, session_id=conversation.id) as span:
             namespace = kv_namespace(store, conversation)
-            start, log = _first_new_block(store, conversation, namespace, usable)
-            snapshot = await conversation.kv.snapshot(start=start)  # NOTE: the blocks before are stored
-            if usable - start < snapshot.num_tokens:
-                snapshot = snapshot.prefix(usable - start)
+            snapshot, log = await read_unstored_kv(store.blocks, conversation.kv, namespace, usable)
             await store.save_snapshot(conversation.id, snapshot, fence=conversation.lease_token,
                                       tenant=conversation.salt, namespace=namespace, log=log)
             SNAPSHOTS.saves += 1
@@ -189,21 +187,6 @@ def kv_namespace(store: Store, conversation: Conversation) -> KVNamespace:
     """The namespace the store keys ``conversation``'s KV blocks in (its engine, tenant and the
     store's block size): ``await store.save_snapshot(..., namespace=kv_namespace(store, conversation))``."""
     return conversation.engine.kv_namespace(salt=conversation.salt, block_size=store.block_size)
-
-
-def _first_new_block(store: Store, conversation: Conversation, namespace: KVNamespace, usable: int
-                     ) -> tuple[int, tuple[tuple[int, ...], tuple[int, ...]] | None]:
-    """Where a save reads the KV from: the first block of its ``usable`` tokens no tier holds, and
-    the log's tokens and cuts it is a span of (0 and None: read it whole — a session that keeps no
-    cuts, a shifted KV, or nothing stored yet)."""
-    kv = conversation.kv
-    cuts = getattr(kv, "cuts", None)  # NOTE: a session without cuts (a test's stand-in) is saved whole
-    if cuts is None or kv.shifted:
-        return 0, None
-    tokens = tuple(kv.tokens[:usable])
-    inside = tuple(c for c in cuts if c < usable)
-    start = store.blocks.first_unknown(namespace.chain(tokens, cuts=inside).keys) * namespace.block_size
-    return (start, (tokens, inside)) if start else (0, None)
 
 
 def _snapshot_worthy_len(conversation: Conversation) -> int:

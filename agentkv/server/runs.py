@@ -27,6 +27,7 @@ from agentkv.engine.base import KVSession, common_prefix_len
 from agentkv.kv.block_keys import KVNamespace
 from agentkv.memory import Store
 from agentkv.memory.prompt_kv import find_answer_tokens, keep_answer_tokens, load_prompt_kv, save_prompt_kv
+from agentkv.memory.unstored_kv import read_unstored_kv
 from agentkv.run.conversation import Conversation, WindowEntry, render_for
 from agentkv.errors import ContextOverflowError, UserError
 from agentkv.events import RunEvent, RunFinished
@@ -232,6 +233,7 @@ class Runs:
         try:
             await keep_answer_tokens(self.store, {answer_digest(m): m.token_ids for m in answers
                                                   if m.token_ids is not None})
-            await save_prompt_kv(self.store, space, await kv.snapshot())
+            span, log = await read_unstored_kv(self.store.blocks, kv, space, len(kv.tokens))
+            await save_prompt_kv(self.store, space, span, log)
         except Exception as error:  # NOTE: never fails the turn: the next one on another replica prefills
             logger.warning("could not keep a conversation's KV in the store (%s: %s)", type(error).__name__, error)
