@@ -22,7 +22,8 @@ from agentkv.engine.paged.block_pool import BlockPool
 from agentkv.kv.log import KVLog
 from agentkv.engine.openvino.models import resolve_model
 from agentkv.engine.paged.model import PagedModel, SequenceStep
-from agentkv.engine.paged.slot import PagedSlot, blocks_for
+from agentkv.engine.paged.block_table import blocks_for
+from agentkv.engine.paged.slot import PagedSlot
 from agentkv.engine.stateful.engine import StatefulEngine
 
 IDS = np.random.default_rng(0).integers(200, 40000, 4000).tolist()

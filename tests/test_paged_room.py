@@ -173,11 +173,11 @@ async def test_room_reserved_for_a_step_that_never_ran_goes_back_when_the_slot_i
     await session.prefill(list(range(100, 140)))  # 40 positions: 2 blocks
     async with backend.pool.lease(session) as slot:
         await backend.make_room(slot, 1)  # within block 1: nothing to take, nothing reserved
-        assert pool.reserved(slot) == 0
+        assert pool.reserved(slot.table) == 0
         await backend.make_room(slot, 60)  # a step that would take 2 more blocks, then does not run
-        assert pool.reserved(slot) == 2 and pool.unreserved_blocks == 0
+        assert pool.reserved(slot.table) == 2 and pool.unreserved_blocks == 0
     await SlotSession(backend).prefill(list(range(200, 210)))  # the one slot changes hands: emptied
-    assert pool.reserved(slot) == 0 and session.held_kv is not None
+    assert pool.reserved(slot.table) == 0 and session.held_kv is not None
     await backend.close_sessions()
     assert_pool_empty(pool)
 

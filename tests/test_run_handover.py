@@ -23,6 +23,7 @@ from agentkv.engine.decode.threaded import run_steps_in_thread
 from agentkv.engine.paged.batcher import StepBatcher
 from agentkv.engine.paged.block_pool import BlockPool
 from agentkv.engine.paged.model import SequenceStep, lock_calling_first
+from agentkv.engine.paged.block_table import BlockTable
 from agentkv.engine.paged.slot import PagedSlot
 from agentkv.engine.session.session import SlotSession
 from agentkv.kv.log import KVLog
@@ -170,9 +171,9 @@ async def test_a_paged_session_hands_its_runs_a_started_that_the_first_step_call
 
 
 async def test_deltas_go_over_before_a_run_waits_for_room_on_the_event_loop(monkeypatch) -> None:
-    plain_took = PagedSlot._took_block_for
-    monkeypatch.setattr(PagedSlot, "_took_block_for", lambda slot, tokens: tokens <= len(slot.blocks) * 32 and
-                        plain_took(slot, tokens))  # no free block at a block's end: the next run makes room
+    plain_took = BlockTable.try_grow
+    monkeypatch.setattr(BlockTable, "try_grow", lambda table, tokens: tokens <= len(table.row) * 32 and
+                        plain_took(table, tokens))  # no free block at a block's end: the next run makes room
     backend, _ = run_backend(counting_table(), batched=True)
     session = SlotSession(backend)
     received: list[int] = []

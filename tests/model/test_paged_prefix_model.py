@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from agentkv.engine.paged.model import BLOCK_SIZE
-from agentkv.engine.paged.slot import blocks_for
+from agentkv.engine.paged.block_table import blocks_for
 
 pytestmark = pytest.mark.model
 

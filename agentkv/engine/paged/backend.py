@@ -25,11 +25,13 @@ from typing import TYPE_CHECKING, Any
 import anyio.from_thread
 import numpy as np
 
-from agentkv.engine.paged.block_pool import BlockPool
-from agentkv.engine.paged.model import BLOCK_SIZE, PagedModel
+from agentkv.engine.paged.block_io import read_raw_blocks, read_table, read_table_stored
+from agentkv.engine.paged.block_pool import BLOCK_SIZE, BlockPool
+from agentkv.engine.paged.block_table import BlockTable, blocks_for, table_of
+from agentkv.engine.paged.model import PagedModel
 from agentkv.engine.paged.prefix import PagedPrefixCache
 from agentkv.engine.paged.shared_blocks import SharedBlocks
-from agentkv.engine.paged.slot import PagedSlot, blocks_for, read_raw_blocks, read_table, read_table_stored
+from agentkv.engine.paged.slot import PagedSlot
 from agentkv.engine.session.backend import OpenSession, SlotBackend
 from agentkv.errors import KVLogCorrupt
 from agentkv.kv.log import KVLog, KVSlot, KVSource
@@ -67,14 +69,15 @@ class PagedBackend(SlotBackend):
         as_stored = stored in ("f16", "bf16") and self.snapshot_precision in ("auto", stored)
         if not (self._raw_snapshots or as_stored) or start % BLOCK_SIZE:
             return super().snapshot(log, slot, start)
-        assert isinstance(slot, PagedSlot)
+        table = table_of(slot)
+        assert table is not None
         if slot.length() != len(log):
             raise KVLogCorrupt(f"the slot holds {slot.length()} positions but the log has {len(log)} tokens")
         tokens = tuple(log.tokens[start:])
         cuts = span_cuts(_cuts(log.cuts), start, len(log)) if start else _cuts(log.cuts)
         first = start // BLOCK_SIZE
         if as_stored:
-            keys, values = read_table_stored(self.paged_model, slot.blocks[first:], len(log) - start)
+            keys, values = read_table_stored(self.paged_model, table.row[first:], len(log) - start)
             if stored == "bf16":  # the snapshot's bf16 storage is the values' bits
                 return KVSnapshot(tokens=tokens, keys=keys.view(np.uint16), values=values.view(np.uint16),
                                   precision="bf16", fingerprint=self.fingerprint, shifted=log.shifted,
@@ -82,7 +85,7 @@ class PagedBackend(SlotBackend):
             return KVSnapshot(tokens=tokens, keys=keys.astype(np.float16, copy=False),
                               values=values.astype(np.float16, copy=False), precision="f16",
                               fingerprint=self.fingerprint, shifted=log.shifted, lossless=log.exact, cuts=cuts)
-        blocks = slot.blocks[first: blocks_for(len(log))]  # a failed feed may have grown the table already
+        blocks = table.row[first: blocks_for(len(log))]  # a failed feed may have grown the table already
         return self._raw_snapshot(tokens, blocks, shifted=log.shifted, lossless=log.exact, cuts=cuts)
 
     def _raw_snapshot(self, tokens: Sequence[int], blocks: Sequence[int], *, shifted: bool,
@@ -97,11 +100,12 @@ class PagedBackend(SlotBackend):
             return source.lossless
         return super().restores_exactly(source)
 
-    def hold(self, log: KVLog, slot: KVSlot) -> SharedBlocks:
+    def hold(self, log: KVLog, slot: KVSlot, *, salt: str = "") -> SharedBlocks:
         """A fork's copy of ``log``'s KV: references on the same blocks (no KV copied; the
         first write into a shared block copies that block): ``held = backend.hold(log, slot)``."""
-        assert isinstance(slot, PagedSlot)
-        blocks = list(slot.blocks)
+        table = table_of(slot)
+        assert table is not None
+        blocks = list(table.row)
         self.block_pool.share(blocks)
         return SharedBlocks(self.block_pool, log.tokens, blocks, shifted=log.shifted, lossless=log.exact,
                             cuts=log.cuts, read=self.snapshot_of_shared)
@@ -167,7 +171,7 @@ class PagedBackend(SlotBackend):
             yield
             return
         try:
-            if not self._reserve(slot if isinstance(slot, PagedSlot) else None, needed):
+            if not self._reserve(table_of(slot), needed):
                 if before_wait is not None:
                     before_wait()
                 anyio.from_thread.run(self.make_room, slot, tokens, token=token)
@@ -182,8 +186,9 @@ class PagedBackend(SlotBackend):
 
     def _give_back(self, slot: KVSlot | None) -> None:
         """Return what ``slot`` reserved and no step took (thread-safe)."""
-        if isinstance(slot, PagedSlot) and self.block_pool.reserved(slot):
-            self.block_pool.unreserve(slot)
+        table = table_of(slot)
+        if table is not None and self.block_pool.reserved(table):
+            self.block_pool.unreserve(table)
 
     async def make_room(self, slot: KVSlot | None, tokens: int, *, rows: int = 1) -> None:
         """Free and reserve for ``slot`` the blocks it takes to hold ``tokens`` more positions
@@ -211,7 +216,7 @@ class PagedBackend(SlotBackend):
     async def _make_room_for(self, slot: KVSlot | None, needed: Callable[[], int], *, rewrite: bool) -> None:
         """Free and reserve ``needed()`` blocks (counted again after each eviction: one can make
         a step need fewer, the blocks it rewrites or copies being no longer shared)."""
-        holder = slot if isinstance(slot, PagedSlot) else None
+        holder = table_of(slot)
         if self._reserve(holder, needed()):
             return
         if isinstance(self.prefix_cache, PagedPrefixCache):
@@ -223,7 +228,7 @@ class PagedBackend(SlotBackend):
             if not await self.pool.offload_idle():
                 return
 
-    def _reserve(self, holder: PagedSlot | None, needed: int) -> bool:
+    def _reserve(self, holder: BlockTable | None, needed: int) -> bool:
         """Set ``needed`` blocks aside for ``holder`` (None: only check that they are free)."""
         if holder is None:
             return self.block_pool.unreserved_blocks >= needed
@@ -234,25 +239,26 @@ class PagedBackend(SlotBackend):
         the blocks it grows by, plus the copy of a shared block it writes into
         (``backend.blocks_needed(slot, 1)``). ``rewrite``: a step that replaces the KV by
         ``tokens`` positions takes their blocks less those only this slot holds (freed first)."""
-        if not isinstance(slot, PagedSlot):
+        held = table_of(slot)
+        if held is None:
             return rows * blocks_for(tokens)
         if rewrite:
-            return max(0, blocks_for(tokens) - slot.private_blocks())
-        length, table = slot.length(), slot.blocks
+            return max(0, blocks_for(tokens) - held.private_blocks())
+        length, table = held.length, held.row
         grow = max(0, blocks_for(length + tokens) - len(table))
         index = length // BLOCK_SIZE
         # NOTE: a feed on a beam's rows (or onto one of them, its end) starts each row as a share
         # of its parent's table, so each copies the block it writes into
-        beam = rows > 1 or slot.rows > 1
+        beam = rows > 1 or len(held.rows) > 1
         shared = index < len(table) and (beam or self.block_pool.holders(table[index]) > 1)
         return rows * (grow + int(shared and tokens > 0))
 
-    async def _spill_unbound_forks(self, holder: PagedSlot | None, needed: Callable[[], int], *,
+    async def _spill_unbound_forks(self, holder: BlockTable | None, needed: Callable[[], int], *,
                                    rewrite: bool) -> None:
         """Move to host the KV of sessions that hold blocks without a slot (forks that have not
         run) and are the blocks' last holders (``rewrite``: but for ``holder``, which lets go of
         its own), those freeing the most first, until ``holder``'s ``needed()`` blocks can be set aside."""
-        own = Counter(b for table in holder.tables for b in table) if rewrite and holder is not None else Counter()
+        own = Counter(b for row in holder.rows for b in row) if rewrite and holder is not None else Counter()
 
         def gain(session: OpenSession) -> int:
             held = session.held_kv

@@ -25,6 +25,9 @@ from collections.abc import Hashable, Sequence
 
 from agentkv.errors import KVPoolCorrupt, KVPoolExhausted, UserError
 
+BLOCK_SIZE = 32
+"""Tokens per KV block (the CPU plugin's PagedAttention block): what a table's block holds."""
+
 
 class BlockPool:
     """``num_blocks`` blocks, each free or held by one or more block tables."""

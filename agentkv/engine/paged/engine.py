@@ -35,8 +35,8 @@ from agentkv.engine.counters import EngineCounters
 from agentkv.engine.openvino.engine import CompiledSlots, OpenVINOEngine
 from agentkv.engine.paged.backend import PagedBackend
 from agentkv.engine.paged.batcher import DEFAULT_MAX_TOKENS, StepBatcher
-from agentkv.engine.paged.block_pool import BlockPool
-from agentkv.engine.paged.model import BLOCK_SIZE, PagedModel
+from agentkv.engine.paged.block_pool import BLOCK_SIZE, BlockPool
+from agentkv.engine.paged.model import PagedModel
 from agentkv.engine.paged.slot import PagedSlot
 from agentkv.errors import UserError
 
@@ -141,7 +141,7 @@ class PagedEngine(OpenVINOEngine):
         tokens cached prefixes supplied: ``engine.counters().kv_blocks_active``."""
         pool = self.block_pool
         running = {block for slot in self.backend.pool.leased_slots() if isinstance(slot, PagedSlot)
-                   for table in slot.tables for block in table}
+                   for row in slot.table.rows for block in row}
         used = pool.num_blocks - pool.free_blocks
         return replace(super().counters(), kv_blocks_total=pool.num_blocks, kv_blocks_used=used,
                        kv_blocks_active=len(running) + pool.reserved_blocks, kv_blocks_evictable=used - len(running))

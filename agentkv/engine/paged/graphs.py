@@ -44,11 +44,10 @@ import openvino as ov
 from agentkv.engine.openvino.compile import compile_for_device, lm_head
 from agentkv.engine.openvino.models import ModelFiles
 from agentkv.engine.openvino.numerics import precision_name
+from agentkv.engine.paged.block_pool import BLOCK_SIZE
 from agentkv.engine.paged.compiled_pool import HeldGraphs
 from agentkv.errors import PagedFormUnsupported
 
-BLOCK_SIZE = 32
-"""Tokens per KV block (the CPU plugin's PagedAttention block)."""
 SMALL_STEP_TOKENS = 4
 """The most tokens a step of one sequence feeds to run on the small graph: a small draft's verify
 (``prompt_lookup.SMALL_DRAFT`` + 1 pending token)."""

@@ -45,7 +45,8 @@ from agentkv.engine.openvino.models import ModelFiles
 from agentkv.engine.openvino.numerics import EXACT_CONFIG, PluginNumerics
 from agentkv.engine.paged.compiled_pool import COMPILED, GraphKey, HeldGraphs, keep_limit
 from agentkv.engine.paged.block_precision import block_precision
-from agentkv.engine.paged.graphs import BLOCK_SIZE, SMALL_STEP_TOKENS, compile_graphs, finished
+from agentkv.engine.paged.block_pool import BLOCK_SIZE
+from agentkv.engine.paged.graphs import SMALL_STEP_TOKENS, compile_graphs, finished
 from agentkv.engine.paged.request_inputs import OneTokenRequest, StepRequest, padded_table
 from agentkv.kv.u8_blocks import BlockLayout
 from agentkv.errors import UserError

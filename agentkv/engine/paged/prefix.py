@@ -4,7 +4,7 @@ On the paged engine a prefix's KV already sits in blocks. Once a session has rea
 prefix (system prompt + tool schemas), the cache takes a reference on the blocks that hold it;
 a later session that starts with the prefix gets a block table pointing at the same blocks and
 prefills only what follows. The last, partly filled block is shared too: whoever writes into a
-shared block first copies it (``PagedSlot``'s copy-on-write), so cached KV never changes. An
+shared block first copies it (``BlockTable``'s copy-on-write), so cached KV never changes. An
 entry keeps the cuts of the KV it shares (where the session's passes began), and a hit carries them::
 
     cache = PagedPrefixCache(pool, boundaries=engine.boundaries, max_blocks=64, block_bytes=model.block_bytes)
@@ -26,8 +26,8 @@ from collections.abc import Callable, Sequence
 from agentkv.engine.paged.block_pool import BlockPool
 from agentkv.kv.chunking import PrefixBoundaries
 from agentkv.kv.log import KVSlot
-from agentkv.engine.paged.model import BLOCK_SIZE
-from agentkv.engine.paged.slot import PagedSlot, blocks_for
+from agentkv.engine.paged.block_pool import BLOCK_SIZE
+from agentkv.engine.paged.block_table import blocks_for, table_of
 from agentkv.engine.paged.shared_blocks import SharedBlocks
 from agentkv.engine.prefix.kv_chunks import captured_cuts
 from agentkv.engine.prefix.stats import CapturableSession, PrefixCacheStats
@@ -61,7 +61,8 @@ class PagedPrefixCache:
     async def capture(self, session: CapturableSession, slot: KVSlot, *, salt: str = "") -> int:
         """Share the blocks of every registered prefix ``session`` now holds and the cache lacks
         (the caller holds the session's lease on ``slot``). Returns the tokens newly cached."""
-        if session.shifted or not session.kv_exact or not isinstance(slot, PagedSlot):
+        table = table_of(slot)
+        if session.shifted or not session.kv_exact or table is None:
             return 0
         tokens = session.tokens
         added = 0
@@ -70,7 +71,7 @@ class PagedPrefixCache:
             with self._lock:
                 if key in self._entries:
                     continue
-                blocks = tuple(slot.blocks[: blocks_for(len(mark))])
+                blocks = tuple(table.row[: blocks_for(len(mark))])
                 self.pool.share(blocks)
                 self._entries[key] = blocks
                 self._cuts[key] = captured_cuts(session, len(mark))

@@ -3,7 +3,7 @@
 It is a ``KVSource`` (``write_into`` points a paged slot's table at the blocks) and the
 ``OffloadedKV`` a forked session keeps until it gets a slot. It holds one reference on each block
 until ``write_into`` hands them to a slot or ``release`` lets go, whichever comes first; whoever
-later writes into a block others hold copies it first (``PagedSlot``'s copy-on-write)::
+later writes into a block others hold copies it first (``BlockTable``'s copy-on-write)::
 
     pool.share(slot.blocks)
     held = SharedBlocks(pool, tokens, slot.blocks, cuts=log.cuts, read=backend.snapshot_of_shared)
@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 from agentkv.engine.paged.block_pool import BlockPool
 from agentkv.kv.log import KVSlot
-from agentkv.engine.paged.slot import PagedSlot
+from agentkv.engine.paged.block_table import table_of
 from agentkv.kv.snapshot import KVSnapshot
 from agentkv.kv.snapshot_cuts import checked_cuts
 from agentkv.errors import UserError
@@ -60,13 +60,14 @@ class SharedBlocks:
 
     def write_into(self, slot: KVSlot) -> None:
         """Make ``slot``'s table these blocks (it takes over the references)."""
-        if not isinstance(slot, PagedSlot):
+        table = table_of(slot)
+        if table is None:
             raise UserError("shared blocks go into a paged slot; use a KVSnapshot for other engines")
         with self._lock:
             if not self._held:
                 raise UserError("these shared blocks were handed over or released already")
             self._held = False
-        slot.attach(list(self.blocks), len(self.tokens))
+        table.attach(list(self.blocks), len(self.tokens))
 
     def take(self) -> SharedBlocks:
         """Itself, to be loaded (``OffloadedKV``): its references go to the slot it is written into."""
