@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import anyio
+from _sized_models import model_arg, sized_model_names
 from _turns import padded_turn
 
 from agentkv import Agent, GenerationConfig, Runtime
@@ -163,7 +164,7 @@ async def moved_restore(engine, source: Store, pg: str, s3: str, conversation_id
 
 
 async def main_async(args: argparse.Namespace) -> dict:
-    engine = open_engine(args.model) if args.model else open_engine()
+    engine = open_engine(model_arg(args.model)) if args.model else open_engine()
     out: dict = {}
     with tempfile.TemporaryDirectory(prefix="agentkv-kvstore-") as tmp:
         work = Path(tmp)
@@ -178,7 +179,8 @@ async def main_async(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="a model path or name open_engine takes (default: the default model)")
+    parser.add_argument("--model", help="a model path open_engine takes, or a realistic-size model's name "
+                        f"({', '.join(sized_model_names())}: built on demand; default: the default model)")
     parser.add_argument("--turns", type=int, default=30)
     parser.add_argument("--turn-tokens", type=int, default=335)
     parser.add_argument("--agents", type=int, default=32)

@@ -313,6 +313,29 @@ def reference(model: torch.nn.Module, hf: PreTrainedTokenizerFast, spec: dict[st
     }
 
 
+def export_openvino(hf_dir: Path, out: Path, template: str, weight_args: list[str]) -> None:
+    """Export the transformers model saved in ``hf_dir`` with ``optimum-cli export openvino`` (the
+    optimum-cli beside this interpreter) into ``out``, put the family's chat template (a file of
+    tests/data/templates/) into tokenizer_config.json as the published repos have it, and keep only
+    the files of ``KEEP``::
+
+        export_openvino(work / "qwen2_5", ZOO / "qwen2_5", "qwen2_5.jinja", ["--weight-format", "fp16"])
+    """
+    cli = Path(sys.executable).with_name("optimum-cli")
+    subprocess.run([str(cli), "export", "openvino", "--model", str(hf_dir), "--task", "text-generation-with-past",
+                    *weight_args, str(out)], check=True)
+    config_path = out / "tokenizer_config.json"
+    tok_config = json.loads(config_path.read_text(encoding="utf-8"))
+    tok_config["chat_template"] = (TEMPLATES / template).read_text(encoding="utf-8")
+    config_path.write_text(json.dumps(tok_config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    for path in out.iterdir():
+        if path.name not in KEEP:
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+
+
 def build(name: str, spec: dict[str, Any], out: Path, work: Path) -> dict[str, Any]:
     random.seed(SEED)
     np.random.seed(SEED)
@@ -338,20 +361,7 @@ def build(name: str, spec: dict[str, Any], out: Path, work: Path) -> dict[str, A
 
     if out.exists():
         shutil.rmtree(out)
-    cli = Path(sys.executable).with_name("optimum-cli")
-    subprocess.run([str(cli), "export", "openvino", "--model", str(hf_dir), "--task", "text-generation-with-past",
-                    "--weight-format", "fp16", str(out)], check=True)
-    # the template into tokenizer_config.json, as the families' published repos have it
-    config_path = out / "tokenizer_config.json"
-    tok_config = json.loads(config_path.read_text(encoding="utf-8"))
-    tok_config["chat_template"] = (TEMPLATES / spec["template"]).read_text(encoding="utf-8")
-    config_path.write_text(json.dumps(tok_config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    for path in out.iterdir():
-        if path.name not in KEEP:
-            if path.is_dir():
-                shutil.rmtree(path)
-            else:
-                path.unlink()
+    export_openvino(hf_dir, out, spec["template"], ["--weight-format", "fp16"])
     ref["family"] = name
     ref["architecture"] = type(model).__name__
     ref["vocab"] = spec["vocab"]
