@@ -83,6 +83,8 @@ def test_each_layer_imports_only_what_the_design_allows():
         "agentkv.engine": ("sqlalchemy", "agentkv.memory", "agentkv.chat", "agentkv.run", "agentkv.runtime",
                            "agentkv.policies"),
         "agentkv.kv": ("sqlalchemy", "openvino", "openvino_genai", "agentkv.engine", "agentkv.chat"),
+        "agentkv.kvstore": ("sqlalchemy", "openvino", "openvino_genai", "agentkv.engine", "agentkv.chat",
+                            "agentkv.memory", "boto3"),
         "agentkv.memory": ("openvino", "openvino_genai", "agentkv.engine.stateful", "agentkv.engine.paged",
                            "agentkv.run", "agentkv.runtime", "agentkv.policies"),
         "agentkv.policies": ("agentkv.run", "agentkv.runtime", "agentkv.memory", "agentkv.engine.stateful",
@@ -118,6 +120,7 @@ FLOORS: tuple[tuple[str, int], ...] = (
     ("agentkv.errors", 0), ("agentkv.validation_text", 0),
     ("agentkv.kv", 1),                      # numpy only: token log, snapshots, RoPE, precisions
     ("agentkv.engine.counters", 2),         # what an engine holds and has done (its protocol returns it)
+    ("agentkv.kvstore", 2),                 # KV blocks in tiers (host, disk; S3 plugs in from memory)
     ("agentkv.engine.base", 3),             # the engine's protocols
     ("agentkv.engine.decode", 4), ("agentkv.engine.prefix", 4),
     ("agentkv.engine.session", 5),          # the KV session, its backend, SlotEngine
@@ -166,3 +169,27 @@ def test_no_file_passes_400_lines():
     long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
             if (n := len(p.read_text(encoding="utf-8").splitlines())) > 400}
     assert long == {}
+
+
+PAGED = "agentkv.engine.paged."
+PAGED_CACHE_SIDE = {PAGED + m for m in ("block_pool", "block_table", "prefix", "shared_blocks")}
+"""Which blocks hold which session's KV, what is shared and cached: block ids only, no tensors."""
+PAGED_RUNNER_SIDE = {PAGED + m for m in ("model", "graphs", "compiled_pool", "request_inputs", "batcher",
+                                          "draft_share", "block_precision", "block_io")}
+"""The compiled graphs, their inputs, the step batcher and the KV tensors themselves."""
+PAGED_COMPOSED = {PAGED + m for m in ("slot", "backend", "engine")}
+"""Where the two sides meet: a slot is a block table fed by the model (vLLM v1's core / worker line)."""
+
+
+def test_the_paged_engine_splits_into_a_cache_side_and_a_runner_side_composed_only_in_slot_backend_and_engine():
+    modules = {module_name(p) for p in (PACKAGE / "engine" / "paged").glob("*.py") if p.name != "__init__.py"}
+    assert modules == PAGED_CACHE_SIDE | PAGED_RUNNER_SIDE | PAGED_COMPOSED, "place a new paged module on a side"
+    edges = graph()
+    crossing = [(m, t) for m in PAGED_CACHE_SIDE for t in edges[m] if t in PAGED_RUNNER_SIDE | PAGED_COMPOSED]
+    # the runner side reads only the pool's block size (BLOCK_SIZE) of the cache side
+    crossing += [(m, t) for m in PAGED_RUNNER_SIDE for t in edges[m]
+                 if t in PAGED_COMPOSED or (t in PAGED_CACHE_SIDE and t != PAGED + "block_pool")]
+    cache_imports_openvino = [(m, t) for p in (PACKAGE / "engine" / "paged").glob("*.py")
+                              if (m := module_name(p)) in PAGED_CACHE_SIDE
+                              for t in imports_of(p) if t.startswith(("openvino", "openvino_genai"))]
+    assert crossing + cache_imports_openvino == []

@@ -10,8 +10,8 @@ import time
 import pytest
 
 from agentkv.errors import UserError
-from agentkv.memory.block_files import BLOCK_SUFFIX, DiskBlocks
-from agentkv.memory.block_tiers import BlockTier, BlockTierUnavailable
+from agentkv.kvstore.block_files import BLOCK_SUFFIX, DiskBlocks
+from agentkv.kvstore.block_tiers import BlockTier, BlockTierUnavailable
 
 HEADER = 32  # bytes before the block in every file (block_files' header)
 
@@ -153,7 +153,7 @@ def test_a_full_disk_raises_block_tier_unavailable_and_leaves_no_temp_file(tmp_p
     if where == "replace":
         monkeypatch.setattr(os, "replace", full)
     else:
-        monkeypatch.setattr("agentkv.memory.block_files.open", _open_failing_writes(full), raising=False)
+        monkeypatch.setattr("agentkv.kvstore.block_files.open", _open_failing_writes(full), raising=False)
     with pytest.raises(BlockTierUnavailable, match="free space on the disk"):
         disk.put(key(1), b"lost")
     monkeypatch.undo()
@@ -187,7 +187,7 @@ def test_a_directory_this_user_cannot_write_fails_check_with_what_to_fix(tmp_pat
     def refused(*args, **kwargs):
         raise PermissionError(errno.EACCES, "Permission denied")
 
-    monkeypatch.setattr("agentkv.memory.block_files.tempfile.mkstemp", refused)
+    monkeypatch.setattr("agentkv.kvstore.block_files.tempfile.mkstemp", refused)
     with pytest.raises(BlockTierUnavailable, match="make .* writable by this user"):
         DiskBlocks(tmp_path).check()
     with pytest.raises(BlockTierUnavailable, match="writable"):

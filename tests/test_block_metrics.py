@@ -7,10 +7,10 @@ from pathlib import Path
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agentkv.memory.block_files import DiskBlocks
+from agentkv.kvstore.block_files import DiskBlocks
 from agentkv.memory.block_metrics import BlockStoreCollector
-from agentkv.memory.block_store import BlockStore
-from agentkv.memory.block_tiers import HostBlocks
+from agentkv.kvstore.block_store import BlockStore
+from agentkv.kvstore.block_tiers import HostBlocks
 from agentkv.observe.metrics import registry_of
 
 

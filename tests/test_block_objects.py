@@ -16,7 +16,7 @@ import pytest
 
 from agentkv.errors import UserError
 from agentkv.memory.block_objects import ObjectBlocks
-from agentkv.memory.block_tiers import BlockTier, BlockTierUnavailable
+from agentkv.kvstore.block_tiers import BlockTier, BlockTierUnavailable
 
 S3_ENV = "AGENTKV_TEST_S3_URL"
 
@@ -72,10 +72,13 @@ def test_sixty_four_blocks_come_back_in_one_get_many_downloaded_on_several_threa
     for k, data in blocks.items():
         objects.put(k, data)
     threads: set[int] = set()
+    calls: list[str] = []
     objects.client.meta.events.register("before-call.s3.GetObject",
                                         lambda **kwargs: threads.add(threading.get_ident()))
+    objects.client.meta.events.register("before-call.s3", lambda model, **kwargs: calls.append(model.name))
     assert objects.get_many(list(blocks)) == blocks
     assert len(threads) > 1
+    assert calls == ["GetObject"] * 64  # one request a block: no HEAD before each GET
 
 
 def test_missing_blocks_are_absent_and_counted_as_misses_without_a_warning(objects, caplog):

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from agentkv.errors import UserError
-from agentkv.memory.block_tiers import BlockTier, HostBlocks, WarningLimiter, check_key
+from agentkv.kvstore.block_tiers import BlockTier, HostBlocks, WarningLimiter, check_key
 
 BAD_KEYS = ["../x", "A" * 32, "a" * 31, "a" * 33, "g" * 32, "0" * 31 + "\n", "", "ab/" + "0" * 29]
 

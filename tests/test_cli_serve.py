@@ -83,8 +83,8 @@ def test_the_kv_tier_options_reach_the_store(monkeypatch, tmp_path):
 
 def test_open_store_turns_the_tier_options_into_byte_bounds(tmp_path):
     from agentkv.cli.config import KVTierOptions, open_store
-    from agentkv.memory.block_files import DiskBlocks
-    from agentkv.memory.block_tiers import HostBlocks
+    from agentkv.kvstore.block_files import DiskBlocks
+    from agentkv.kvstore.block_tiers import HostBlocks
 
     store = open_store(f"sqlite:///{tmp_path / 'a.db'}", str(tmp_path / "kv"),
                        KVTierOptions(host_mib=64, disk=None, disk_gib=0.5))

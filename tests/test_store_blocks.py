@@ -18,7 +18,7 @@ from agentkv.errors import SnapshotCorrupt, SnapshotIncompatible, UserError
 from agentkv.kv.block_keys import KVNamespace
 from agentkv.kv.snapshot import KVSnapshot
 from agentkv.memory import Store
-from agentkv.memory.block_files import DiskBlocks
+from agentkv.kvstore.block_files import DiskBlocks
 
 FP = "test-model:kv=f32"
 SPACE = KVNamespace(salt="", fingerprint=FP, layout="paged", precision="f32", numerics="exact", chunk_size=64)
@@ -278,7 +278,7 @@ async def test_another_store_on_the_same_bucket_restores_the_blocks_a_replica_wr
 async def test_a_full_disk_costs_the_blocks_not_the_save(block_store: Store, monkeypatch, caplog) -> None:
     import errno
 
-    from agentkv.memory.block_tiers import BlockTierUnavailable
+    from agentkv.kvstore.block_tiers import BlockTierUnavailable
 
     def full(self, key: str, data: bytes) -> None:
         raise BlockTierUnavailable(f"no space left on the device ({errno.ENOSPC})")

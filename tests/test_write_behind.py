@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentkv.errors import UserError
-from agentkv.memory.block_files import DiskBlocks
-from agentkv.memory.block_tiers import BlockTierUnavailable, StoredBlock, TierUsage
-from agentkv.memory.write_behind import WriteBehind
+from agentkv.kvstore.block_files import DiskBlocks
+from agentkv.kvstore.block_tiers import BlockTierUnavailable, StoredBlock, TierUsage
+from agentkv.kvstore.write_behind import WriteBehind
 
 WAIT = 10.0  # upper bound for a gate or a flush: a test that needs it has failed
 
@@ -122,7 +122,7 @@ def test_a_queue_that_stays_full_past_the_timeout_drops_the_block_with_a_warning
     tier = FakeTier(gate=gate)
     with WriteBehind([tier], max_pending_bytes=100, workers=1) as behind:
         behind.submit(key(0), bytes(100))
-        with caplog.at_level(logging.WARNING, logger="agentkv.memory.write_behind"):
+        with caplog.at_level(logging.WARNING, logger="agentkv.kvstore.write_behind"):
             assert behind.submit(key(1), bytes(10), timeout=0.05) is False
         assert behind.usage().dropped_blocks == 1
         assert "raise max_pending_bytes" in caplog.records[-1].getMessage()
@@ -157,7 +157,7 @@ def test_a_key_queued_or_in_flight_is_not_queued_twice_and_is_written_once():
 
 def test_a_failing_tier_counts_its_failures_drops_the_blocks_and_the_other_tier_still_gets_them(caplog):
     down, up = FakeTier("s3", fail=True), FakeTier("disk")
-    with caplog.at_level(logging.WARNING, logger="agentkv.memory.write_behind"):
+    with caplog.at_level(logging.WARNING, logger="agentkv.kvstore.write_behind"):
         with WriteBehind([down, up], max_pending_bytes=1 << 20) as behind:
             for n in range(5):
                 behind.submit(key(n), b"kv")

@@ -7,8 +7,7 @@ types, so the real OpenVINO engine and the scripted test engine are interchangea
     result = await session.generate(prompt_ids, GenerationConfig(max_new_tokens=32))
     print(result.text, result.metrics.prefilled_tokens)
 
-The invariant every implementation keeps: the session's KV is exactly the KV of ``session.tokens``
-at positions ``0..len-1`` (unless ``session.shifted``).
+Every implementation keeps the invariant: the KV is exactly that of ``session.tokens`` (unless shifted).
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ from agentkv.engine.counters import EngineCounters
 if TYPE_CHECKING:
     from agentkv.kv.block_keys import KVNamespace
     from agentkv.kv.snapshot import KVSnapshot
+    from agentkv.kvstore.block_store import BlockStore
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -374,9 +374,12 @@ class Engine(Protocol):
         self-check tolerance) is not chosen by default."""
 
     def kv_namespace(self, *, salt: str = "", block_size: int = 32) -> KVNamespace:
-        """What makes this engine's KV of the same tokens bit-identical, for tenant ``salt``: the
-        namespace the KV store keys blocks of ``block_size`` tokens in (``kv/block_keys.py``):
-        ``engine.kv_namespace(salt="team-a").chain(snap.tokens, cuts=snap.cuts)``."""
+        """What makes this engine's KV of the same tokens bit-identical, for tenant ``salt``: the KV
+        store's namespace (``kv/block_keys.py``): ``engine.kv_namespace(salt="a").chain(snap.tokens)``."""
+
+    def keep_offloaded_kv_in(self, blocks: BlockStore, *, block_size: int) -> None:
+        """Offload idle sessions' KV into ``blocks`` (the runtime's store's: one host tier for both):
+        ``engine.keep_offloaded_kv_in(store.blocks, block_size=store.block_size)``."""
 
     async def open_session(self, *, salt: str = "") -> KVSession:
         """A new empty session; ``salt`` names its tenant (prefixes are cached per salt)."""

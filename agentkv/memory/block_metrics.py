@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from agentkv.memory.block_store import BlockStore
+from agentkv.kvstore.block_store import BlockStore
 
 __all__ = ["BlockStoreCollector"]
 

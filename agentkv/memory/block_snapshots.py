@@ -18,7 +18,7 @@ from agentkv.errors import SnapshotCorrupt, SnapshotIncompatible
 from agentkv.kv.block_codec import join_blocks
 from agentkv.kv.block_keys import KVNamespace
 from agentkv.kv.snapshot import KVSnapshot
-from agentkv.memory.block_store import BlockStore
+from agentkv.kvstore.block_store import BlockStore
 from agentkv.memory.records import SnapshotRecord
 
 __all__ = ["SNAPSHOT_FILE", "load_block_snapshot"]

@@ -20,7 +20,7 @@ from agentkv.errors import UserError
 from agentkv.kv.block_keys import KVNamespace
 from agentkv.kv.snapshot import KVSnapshot
 from agentkv.memory import queries, retention, snapshot_rows
-from agentkv.memory.block_store import BlockStore
+from agentkv.kvstore.block_store import BlockStore
 from agentkv.memory.database import Database
 from agentkv.memory.records import PruneReport, SnapshotRecord
 from agentkv.memory.snapshots import SnapshotStorage

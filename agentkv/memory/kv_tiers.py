@@ -15,8 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from agentkv.errors import UserError
-from agentkv.memory.block_files import DiskBlocks
-from agentkv.memory.block_tiers import BlockTier, HostBlocks
+from agentkv.kvstore.block_files import DiskBlocks
+from agentkv.kvstore.block_tiers import BlockTier, HostBlocks
 from agentkv.memory.snapshots import SnapshotFiles, SnapshotStorage
 
 __all__ = ["DEFAULT_HOST_BYTES", "block_tiers"]

@@ -33,7 +33,7 @@ from agentkv.kv.block_keys import BLOCK_MULTIPLE, KVNamespace
 from agentkv.kv.snapshot import KVSnapshot
 from agentkv.memory import convert, housekeeping, queries, snapshot_rows
 from agentkv.memory.block_snapshots import SNAPSHOT_FILE, load_block_snapshot
-from agentkv.memory.block_store import BlockStore
+from agentkv.kvstore.block_store import BlockStore
 from agentkv.memory.database import Database, default_snapshot_dir
 from agentkv.memory.export import conversation_jsonl
 from agentkv.memory.kv_tiers import DEFAULT_HOST_BYTES, block_tiers

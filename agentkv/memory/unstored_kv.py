@@ -15,7 +15,7 @@ from __future__ import annotations
 from agentkv.engine.base import KVSession
 from agentkv.kv.block_keys import KVNamespace
 from agentkv.kv.snapshot import KVSnapshot
-from agentkv.memory.block_store import BlockStore
+from agentkv.kvstore.block_store import BlockStore
 
 __all__ = ["LogOfSpan", "read_unstored_kv"]
 

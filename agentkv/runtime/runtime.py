@@ -63,17 +63,9 @@ from agentkv.runtime.stored_agent import agent_from_record, agent_settings
 class Runtime:
     """One engine, many concurrent conversations; one run at a time per conversation."""
 
-    def __init__(
-        self,
-        engine: Engine,
-        store: Store | None = None,
-        *,
-        agents: Sequence[Agent] = (),
-        holder: str | None = None,
-        lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
-        lease_wait_s: float = 0.0,
-        self_check: float | None = None,
-    ) -> None:
+    def __init__(self, engine: Engine, store: Store | None = None, *, agents: Sequence[Agent] = (),
+                 holder: str | None = None, lease_ttl_s: float = DEFAULT_LEASE_TTL_S, lease_wait_s: float = 0.0,
+                 self_check: float | None = None) -> None:
         """``self_check``: the fraction of model calls whose cached KV is checked against a
         fresh prefill (``agentkv.observe.self_check``; default ``$AGENTKV_SELF_CHECK``, else 0).
         ``lease_wait_s``: how long a run waits for a conversation another process is running
@@ -84,6 +76,8 @@ class Runtime:
             raise UserError(f"lease_wait_s must be >= 0 seconds, got {lease_wait_s}")
         self.engine = engine
         self.store = store
+        if store is not None:  # NOTE: an idle session's offload then writes only what no save wrote
+            engine.keep_offloaded_kv_in(store.blocks, block_size=store.block_size)
         self.renderer = ChatRenderer(engine.tokenizer, stop_token_ids=engine.eos_token_ids)
         self.holder = holder or holder_id()
         self.lease_ttl_s = lease_ttl_s

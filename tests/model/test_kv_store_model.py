@@ -11,7 +11,7 @@ import pytest
 
 from agentkv import Agent, GenerationConfig, Runtime
 from agentkv.memory import Store
-from agentkv.memory.block_files import DiskBlocks
+from agentkv.kvstore.block_files import DiskBlocks
 
 pytestmark = pytest.mark.model
 

@@ -1,4 +1,4 @@
-"""Slot offload on the real model: 8 sessions on 2 slots, the host byte budget (spill / drop), fork, snapshot errors.
+"""Slot offload on the real model: 8 sessions on 2 slots, the host byte budget (disk / drop), fork, snapshot errors.
 
 Every session plants its own "needle" word; its greedy outputs must equal its solo run and
 never show another session's needle (no KV cross-talk), and the metrics must show restores,
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from agentkv.engine.base import GenerationConfig
-from agentkv.engine.session.slot_pool import HostKVStore
+from agentkv.engine.session.offload_store import OffloadStore
 from agentkv.errors import SnapshotCorrupt, SnapshotIncompatible
 from agentkv.kv.snapshot import KVSnapshot
 
@@ -48,8 +48,14 @@ def offload_engine():
     return StatefulEngine(num_slots=2, exact=True, prefix_cache_bytes=0)
 
 
+PREAMBLE = "A game of memory: the user says one secret word, and whenever the user asks for it, the answer is that " \
+           "word, exactly as it was said, with nothing else. The word can be any word at all. " * 2
+"""~70 tokens before the needle: each session's KV fills full 32-token blocks, so offloads keep blocks, not tails."""
+
+
 def first_prompt(engine, needle: str) -> list[int]:
-    return engine.tokenizer.encode(f"Secret word: {needle}.\nQ: What is the secret word?\nA: The secret word is")
+    return engine.tokenizer.encode(f"{PREAMBLE}\nSecret word: {needle}.\nQ: What is the secret word?\n"
+                                   "A: The secret word is")
 
 
 def second_prompt(engine, session_tokens, answer) -> list[int]:
@@ -139,48 +145,57 @@ async def run_on_store(engine, needles: list[str]) -> dict[str, list]:
 async def test_over_the_host_budget_offloaded_kv_spills_to_disk_and_comes_back(
     offload_engine, solo_runs, tmp_path, monkeypatch
 ):
-    one_session = 40 * offload_engine.kv_bytes_per_token()  # f32 snapshots: ~1 session fits
-    store = HostKVStore(budget_bytes=one_session, spill_dir=tmp_path)
+    one_session = 80 * offload_engine.kv_bytes_per_token()  # f32 blocks: ~1 session fits
+    store = OffloadStore(budget_bytes=one_session, spill_dir=tmp_path, namespace_for=offload_engine.kv_namespace)
     monkeypatch.setattr(offload_engine.pool, "host", store)
     needles = NEEDLES[:5]
     out = await run_on_store(offload_engine, needles)
     for n in needles:
         assert (out[n][0], out[n][1]) == solo_runs[n]
     stats = store.stats()
-    assert stats.spills >= 2 and stats.disk_loads >= 2 and stats.drops == 0 and stats.reprefilled_tokens == 0
+    host, disk = stats.tiers
+    # what left memory came back from the disk tier, and nothing was re-prefilled
+    assert host.evicted_blocks >= 2 and disk.hits >= 2 and stats.reprefilled_tokens == 0
     assert sum(out[n][2].restored_tokens > 0 for n in needles) >= len(needles) - 2
-    assert stats.bytes == 0 and stats.on_disk == 0 and not list(tmp_path.iterdir())  # closed: files gone
+    store.blocks.flush(5.0)
+    host, disk = store.stats().tiers
+    assert stats.held == 0 and host.blocks == disk.blocks == 0  # closed: no block left behind
+    store.close()
 
 
 async def test_without_a_spill_dir_over_budget_kv_is_dropped_and_re_prefilled_correctly(
     offload_engine, solo_runs, monkeypatch
 ):
-    store = HostKVStore(budget_bytes=0)
+    store = OffloadStore(budget_bytes=0, namespace_for=offload_engine.kv_namespace)
     monkeypatch.setattr(offload_engine.pool, "host", store)
     needles = NEEDLES[5:9]
     out = await run_on_store(offload_engine, needles)
     for n in needles:
         assert (out[n][0], out[n][1]) == solo_runs[n]
-        assert out[n][2].restored_tokens == 0  # nothing was restored: honest metrics
-    # A dropped session's re-prefill counts as prefilled, never as reused.
-    recomputed = [n for n in needles if out[n][2].prefilled_tokens == out[n][2].prompt_tokens]
+    # only the tails (< 32 tokens, kept with each receipt) came back; the blocks were re-prefilled
+    # and counted as prefilled, never as reused
+    offloaded = [n for n in needles if out[n][2].restored_tokens or out[n][2].prefilled_tokens > 40]
+    assert len(offloaded) >= len(needles) - 2
+    for n in offloaded:
+        m = out[n][2]
+        assert m.restored_tokens < 32 and m.prefilled_tokens >= m.prompt_tokens - m.restored_tokens - 1
     stats = store.stats()
-    assert len(recomputed) >= 2
-    assert stats.drops >= 2 and stats.reprefilled_tokens > 0 and stats.bytes == 0
+    assert stats.reprefilled_tokens >= 64 * len(offloaded) and stats.tiers[0].nbytes == 0
 
 
-async def test_a_corrupted_spill_file_is_never_loaded_the_session_re_prefills(
+async def test_a_corrupted_block_on_disk_is_never_loaded_the_session_re_prefills(
     offload_engine, solo_runs, tmp_path, monkeypatch
 ):
     engine = offload_engine
-    store = HostKVStore(budget_bytes=0, spill_dir=tmp_path)
+    store = OffloadStore(budget_bytes=0, spill_dir=tmp_path, namespace_for=engine.kv_namespace)
     monkeypatch.setattr(engine.pool, "host", store)
     needles = NEEDLES[9:12]
     sessions = {n: await engine.open_session() for n in needles}
     first = {n: (await sessions[n].generate(first_prompt(engine, n), CFG)).token_ids for n in needles}
-    spilled = list(tmp_path.iterdir())
+    store.blocks.flush(5.0)
+    spilled = [p for p in tmp_path.rglob("*") if p.is_file()]
     assert spilled
-    for path in spilled:  # flip a byte near the end of every snapshot spilled so far
+    for path in spilled:  # flip a byte near the end of every block on disk so far
         data = bytearray(path.read_bytes())
         data[-3] ^= 0xFF
         path.write_bytes(data)
@@ -189,7 +204,8 @@ async def test_a_corrupted_spill_file_is_never_loaded_the_session_re_prefills(
         second = await s.generate(second_prompt(engine, s.tokens, first[n]), CFG)
         assert (first[n], second.token_ids) == solo_runs[n]
         await s.close()
-    assert store.stats().reprefilled_tokens >= len(spilled) * len(first_prompt(engine, 'x')) // 2
+    assert store.stats().reprefilled_tokens >= 64 and store.blocks.usage().corrupt_blocks >= 1
+    store.close()
 
 
 async def invariant_gap(engine, session) -> float:

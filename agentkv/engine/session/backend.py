@@ -31,8 +31,10 @@ from agentkv.engine.base import GenerationMetrics, Tokenizer
 from agentkv.engine.decode.alignment import Alignment
 from agentkv.engine.prefix.radix import PrefixCache
 from agentkv.engine.prefix.stats import CapturableSession, PrefixCacheStats
-from agentkv.engine.session.slot_pool import HostKVStore, OffloadedKV, SlotPool
+from agentkv.engine.session.offload_store import OffloadStore
+from agentkv.engine.session.slot_pool import OffloadedKV, SlotPool
 from agentkv.errors import AgentKVError
+from agentkv.kv.block_keys import BLOCK_MULTIPLE, KVNamespace
 from agentkv.kv.chunking import PrefixBoundaries
 from agentkv.kv.log import KVLog, KVSlot, KVSource
 from agentkv.kv.rope import FIT_TOLERANCE, RopeConvention
@@ -121,7 +123,8 @@ class SlotBackend:
         self._restores_exact = restores_exact
         self.prefill_chunk_size = prefill_chunk_size
         self.snapshot_precision: PrecisionChoice = snapshot_precision
-        self.pool = SlotPool(list(slots), host=HostKVStore(offload_bytes, spill_dir), lease_ended=self.lease_ended)
+        host = OffloadStore(offload_bytes, spill_dir, namespace_for=self._offload_namespace)
+        self.pool = SlotPool(list(slots), host=host, lease_ended=self.lease_ended)
         """The slots sessions are bound to, and the host store of offloaded KV."""
         self.boundaries = PrefixBoundaries()
         """Registered prefixes: chunk boundaries of every prefill, cached or not (canonical chunking)."""
@@ -136,6 +139,12 @@ class SlotBackend:
         self._rope: RopeConvention | None = None
         self._rope_measured = False
         self._rope_lock = anyio.Lock()
+
+    def _offload_namespace(self, *, salt: str = "", block_size: int = BLOCK_MULTIPLE) -> KVNamespace:
+        """Keys for offloaded KV until the engine gives its own ``kv_namespace`` (a backend used
+        alone, in tests): the fingerprint names model, KV precision and layout."""
+        return KVNamespace(salt=salt, fingerprint=self.fingerprint, layout="backend", precision="as fingerprinted",
+                           numerics="as fingerprinted", chunk_size=self.prefill_chunk_size, block_size=block_size)
 
     def _make_prefix_cache(self, budget_bytes: int | None, precision: PrecisionChoice) -> PrefixStore:
         """The prefix cache: host copies of cached KV in ``precision`` (the paged backend shares blocks)."""
@@ -222,10 +231,10 @@ class SlotBackend:
         return KVSnapshot.from_float(tuple(tokens), keys, values, precision=self.snapshot_precision,
                                      fingerprint=self.fingerprint, shifted=shifted, lossless=lossless, cuts=cuts)
 
-    def hold(self, log: KVLog, slot: KVSlot) -> OffloadedKV:
-        """What a fork holds of ``log``'s KV until it gets a slot: a host snapshot (blocking;
-        the paged backend shares blocks instead): ``held = backend.hold(log, slot)``."""
-        return self.pool.host.put(self.snapshot(log, slot))
+    def hold(self, log: KVLog, slot: KVSlot, *, salt: str = "") -> OffloadedKV:
+        """What a fork holds of ``log``'s KV until it gets a slot: its blocks in the offload store
+        (blocking; the paged backend shares pool blocks instead): ``held = backend.hold(log, slot)``."""
+        return self.pool.host.put(self.snapshot(log, slot), salt=salt)
 
     def restores_exactly(self, source: KVSource) -> bool:
         """True when writing ``source`` into a slot gives the KV it was read from, bit for bit:

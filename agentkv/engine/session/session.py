@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing, asynccontextmanager
+from functools import partial
 from typing import Any, TypeVar
 
 import anyio
@@ -39,15 +40,8 @@ T = TypeVar("T")
 class SlotSession:
     """A KV session bound (lazily) to a slot of a ``SlotBackend`` (stateful, paged or fake)."""
 
-    def __init__(
-        self,
-        backend: SlotBackend,
-        session_id: str | None = None,
-        *,
-        log: KVLog | None = None,
-        held: OffloadedKV | None = None,
-        salt: str = "",
-    ) -> None:
+    def __init__(self, backend: SlotBackend, session_id: str | None = None, *, log: KVLog | None = None,
+                 held: OffloadedKV | None = None, salt: str = "") -> None:
         """A session on ``backend``, open until ``close()``: ``SlotSession(backend, salt="a")``.
         ``log`` and ``held`` (its KV waiting on the host) start a session from a fork;
         ``salt``: its tenant (cached prefixes are shared within a salt only)."""
@@ -123,8 +117,8 @@ class SlotSession:
 
     # ---- slot pool callbacks (run in worker threads, under the pool's lease) ---------
     def offload(self, slot: KVSlot) -> None:
-        """Copy this session's KV to host memory before its slot is given away."""
-        self._host = self._backend.pool.host.put(self._backend.snapshot(self._log, slot))
+        """Put this session's KV in the offload store (only blocks it lacks) before its slot goes."""
+        self._host = self._backend.pool.host.put(self._backend.snapshot(self._log, slot), salt=self.salt)
         slot.reset()
 
     @property
@@ -133,10 +127,9 @@ class SlotSession:
         return self._host
 
     async def spill_held_blocks(self) -> bool:
-        """If this session is idle, has no slot and holds its KV as references on pool blocks
-        (a fork that has not run yet), move that KV to the host store and let the blocks go;
-        True if it did. Skipped while the session runs a call of its own (it may be reading
-        those blocks); the copy runs in a worker thread."""
+        """If idle, without a slot and holding its KV as references on pool blocks (a fork that has
+        not run yet), move that KV to the offload store and let the blocks go: True if it did (not
+        while the session runs a call of its own, which may read those blocks; in a worker thread)."""
         held = self._host
         if held is None or not getattr(held, "in_pool", False) or self._backend.pool.is_bound(self):
             return False
@@ -149,15 +142,15 @@ class SlotSession:
             snapshot = await anyio.to_thread.run_sync(held.load)
             if snapshot is None or self._host is not held:
                 return False
-            self._host = await anyio.to_thread.run_sync(self._backend.pool.host.put, snapshot)
+            self._host = await anyio.to_thread.run_sync(partial(self._backend.pool.host.put, snapshot, salt=self.salt))
             held.release()
             return True
         finally:
             self._lock.release()
 
     def adopt(self, slot: KVSlot) -> None:
-        """Fill a newly bound slot with this session's KV (empty if it has none on the host).
-        On any failure the slot is emptied and so is the log: never partial KV."""
+        """Fill a newly bound slot with this session's KV (what the offload store still holds, the
+        rest re-prefilled). On any failure the slot is emptied and so is the log: never partial KV."""
         try:
             self._adopt(slot)
         except BaseException:
@@ -168,19 +161,20 @@ class SlotSession:
         if slot.length():  # NOTE: a newly bound slot is empty; resetting it would drop its reserved room
             slot.reset()
         host, self._host = self._host, None
-        snapshot = None if host is None else host.take()  # None: empty, or dropped by the host budget
-        if snapshot is None or snapshot.num_tokens == 0:
-            if self._log.tokens:  # NOTE: its KV was dropped: re-prefill the log (exact again, unshifted)
-                tokens = list(self._log.tokens)
-                self._log.forget()
-                self._log.feed(slot, tokens)
-                self.recomputed_tokens_pending += len(tokens)
-            return
-        try:
-            self._log.load(slot, snapshot, exact=self._backend.restores_exactly(snapshot))
-        finally:
-            snapshot.release()  # what the slot did not take
-        self.restored_tokens_pending += snapshot.num_tokens
+        tokens, kept = list(self._log.tokens), 0
+        snapshot = None if host is None else host.take()  # all of it, a prefix (later blocks lost), or None
+        if snapshot is not None and snapshot.num_tokens and list(snapshot.tokens) == tokens[:snapshot.num_tokens]:
+            try:
+                self._log.load(slot, snapshot, exact=self._backend.restores_exactly(snapshot))
+            finally:
+                snapshot.release()  # what the slot did not take
+            kept = snapshot.num_tokens
+            self.restored_tokens_pending += kept
+        else:
+            self._log.forget()  # NOTE: re-prefilled from the start: exact again, unshifted
+        if kept < len(tokens):
+            self._log.feed(slot, tokens[kept:])
+            self.recomputed_tokens_pending += len(tokens) - kept
 
     # ---- generation ------------------------------------------------------------------
     async def _generate_events(
@@ -336,10 +330,10 @@ class SlotSession:
             snapshot = await self._host_snapshot()
             held: OffloadedKV
             if snapshot is not None:
-                held = await self._run(self._backend.pool.host.put, snapshot)
+                held = await self._run(partial(self._backend.pool.host.put, snapshot, salt=self.salt))
             else:
                 async with self._lease() as slot:
-                    held = await self._run(self._backend.hold, self._log, slot)
+                    held = await self._run(partial(self._backend.hold, self._log, slot, salt=self.salt))
             log = self._log.copy()
         return type(self)(self._backend, log=log, held=held, salt=self.salt)
 

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 from agentkv.engine.base import Tokenizer
 from agentkv.engine.counters import EngineCounters
+from agentkv.kvstore.block_store import BlockStore
 from agentkv.engine.session.backend import PrefixStore, SlotBackend
 from agentkv.engine.session.session import SlotSession
 from agentkv.engine.session.slot_pool import SlotPool
@@ -35,6 +36,7 @@ class SlotEngine:
         """Serve sessions on ``backend``: ``SlotEngine(SlotBackend(slots=..., ...))``."""
         self.backend = backend
         """The slots, KV handling, prefixes and open sessions this engine's sessions work through."""
+        backend.pool.host.use_namespaces(self.kv_namespace)
 
     # ---- Engine protocol ---------------------------------------------------------------
     @property
@@ -101,9 +103,18 @@ class SlotEngine:
         then unavailable): ``await engine.rope_convention()``. Not while holding a slot lease."""
         return await self.backend.rope_convention()
 
+    def keep_offloaded_kv_in(self, blocks: BlockStore, *, block_size: int) -> None:
+        """Offload idle sessions' KV into ``blocks`` (the runtime's store's: saved snapshots and
+        offloaded sessions then share one host tier, and an offload writes only blocks no save
+        wrote): ``engine.keep_offloaded_kv_in(store.blocks, block_size=store.block_size)``."""
+        self.backend.pool.host.use_blocks(blocks, block_size=block_size)
+
     async def aclose(self) -> None:
-        """Close every open session: ``await engine.aclose()``."""
-        await self.backend.close_sessions()
+        """Close every open session, then stop the offload store's own writers: ``await engine.aclose()``."""
+        try:
+            await self.backend.close_sessions()
+        finally:
+            self.backend.pool.host.close()
 
     def counters(self) -> EngineCounters:
         """The slots as the KV blocks (bound ones used, leased ones active, idle bound ones

@@ -9,28 +9,23 @@ calls at once::
     async with pool.lease(session) as slot:
         logits = await anyio.to_thread.run_sync(slot.feed, ids, 0)
 
-Offloaded KV is held by a ``HostKVStore`` under a host byte budget; beyond it the least
-recently offloaded snapshots are spilled to files (``spill_dir``) or dropped, and a session
-whose KV was dropped re-prefills its tokens when it next runs.
+Offloaded KV is kept as keyed blocks by an ``OffloadStore`` (``offload_store.py``: the KV
+store's tiers, host memory under a byte budget, optionally disk behind it); a session whose
+blocks left the tiers re-prefills what is missing when it next runs.
 """
 
 from __future__ import annotations
 
-import os
-import threading
-import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Literal, Protocol
+from typing import Protocol
 
 import anyio
 
+from agentkv.engine.session.offload_store import OffloadStore
 from agentkv.kv.log import KVSlot, KVSource
-from agentkv.kv.snapshot import SUFFIX, KVSnapshot
-from agentkv.errors import SnapshotCorrupt, SnapshotIncompatible, UserError
+from agentkv.kv.snapshot import KVSnapshot
 
 
 class SlotOwner(Protocol):
@@ -46,11 +41,11 @@ class SlotOwner(Protocol):
 class SlotPool:
     """Fixed set of slots shared by any number of sessions."""
 
-    def __init__(self, slots: list[KVSlot], host: HostKVStore | None = None,
+    def __init__(self, slots: list[KVSlot], host: OffloadStore | None = None,
                  lease_ended: Callable[[KVSlot], None] | None = None) -> None:
         """``lease_ended(slot)`` runs on the event loop each time a lease on ``slot`` ends."""
-        self.host = host or HostKVStore()
-        """Where offloaded sessions' KV waits (byte budget, spill or drop)."""
+        self.host = host or OffloadStore()
+        """Where offloaded sessions' KV waits (keyed blocks in tiers: host bytes, maybe disk)."""
         self._lease_ended = lease_ended
         self._free: list[KVSlot] = list(slots)
         self._bound: OrderedDict[SlotOwner, KVSlot] = OrderedDict()  # LRU first
@@ -165,29 +160,11 @@ class SlotPool:
         return [slot for owner, slot in self._bound.items() if owner in self._leased]
 
 
-@dataclass(frozen=True)
-class HostKVStats:
-    """Counters of a ``HostKVStore`` since it was made, and its size now."""
-
-    bytes: int
-    """Bytes of offloaded KV held in memory now (never above the budget)."""
-    budget_bytes: int | None
-    in_memory: int
-    """Snapshots held in memory now."""
-    on_disk: int
-    """Snapshots spilled to files now."""
-    spills: int
-    drops: int
-    disk_loads: int
-    """Spilled snapshots read back."""
-    reprefilled_tokens: int
-    """Tokens re-prefilled because their offloaded KV had been dropped (or its file was unreadable)."""
-
-
 class OffloadedKV(Protocol):
-    """KV a session holds while it has no slot: a ``HostKVReceipt`` receipt (a host copy) or the paged
-    engine's ``SharedBlocks`` (references on blocks). ``take()`` hands it over for loading
-    (None: it was dropped — re-prefill), ``load()`` reads it as a snapshot, ``release()`` lets go."""
+    """KV a session holds while it has no slot: an ``OffloadReceipt`` (blocks in the KV store's
+    tiers) or the paged engine's ``SharedBlocks`` (references on pool blocks). ``take()`` hands it
+    over for loading (a prefix of it when blocks were lost; None: none left — re-prefill),
+    ``load()`` reads it whole as a snapshot (None when it is not whole), ``release()`` lets go."""
 
     @property
     def num_tokens(self) -> int: ...
@@ -195,134 +172,3 @@ class OffloadedKV(Protocol):
     def take(self) -> KVSource | None: ...
     def load(self) -> KVSnapshot | None: ...
     def release(self) -> None: ...
-
-
-class HostKVReceipt:
-    """Receipt for one offloaded snapshot in a ``HostKVStore``: in memory, in a spill file, or dropped.
-
-    ``load()`` reads it (None once dropped), ``take()`` reads then releases, ``release()``
-    forgets it and deletes any spill file. Releasing twice is harmless.
-    """
-
-    def __init__(self, store: HostKVStore, snapshot: KVSnapshot) -> None:
-        self.num_tokens = snapshot.num_tokens
-        self.num_bytes = snapshot.nbytes
-        self.fingerprint = snapshot.fingerprint
-        self._store = store
-        self._snapshot: KVSnapshot | None = snapshot
-        self._path: Path | None = None
-        self._released = False
-
-    @property
-    def where(self) -> Literal["memory", "disk", "dropped"]:
-        """Where the KV is now."""
-        return "memory" if self._snapshot is not None else "disk" if self._path is not None else "dropped"
-
-    def load(self) -> KVSnapshot | None:
-        """The snapshot (reading a spilled file; blocking), or None if it was dropped."""
-        return self._store._load(self)
-
-    def take(self) -> KVSnapshot | None:
-        """``load()`` then ``release()``; a None for a non-empty snapshot counts as a re-prefill."""
-        snapshot = self.load()
-        self.release()
-        if snapshot is None and self.num_tokens:
-            self._store._count("reprefilled_tokens", self.num_tokens)
-        return snapshot
-
-    def release(self) -> None:
-        self._store._release(self)
-
-
-class HostKVStore:
-    """Offloaded KV under a host byte budget; beyond it, least recently offloaded first is
-    spilled to ``spill_dir`` (or dropped when there is none)::
-
-        store = HostKVStore(budget_bytes=1 << 30, spill_dir="/var/tmp/agentkv")
-        receipt = store.put(snapshot)      # may spill or drop older entries (blocking)
-        snapshot = receipt.take()          # None if it was dropped: re-prefill instead
-    """
-
-    def __init__(self, budget_bytes: int | None = None, spill_dir: str | os.PathLike[str] | None = None) -> None:
-        if budget_bytes is not None and budget_bytes < 0:
-            raise UserError(f"offload budget must be >= 0 bytes or None (unbounded), got {budget_bytes}")
-        self.budget_bytes = budget_bytes
-        self.spill_dir = None if spill_dir is None else Path(spill_dir)
-        if self.spill_dir is not None:
-            self.spill_dir.mkdir(parents=True, exist_ok=True)
-        self._lock = threading.Lock()
-        self._held: OrderedDict[HostKVReceipt, None] = OrderedDict()  # in memory, least recent first
-        self._bytes = 0
-        self._on_disk = 0
-        self._counts = dict.fromkeys(("spills", "drops", "disk_loads", "reprefilled_tokens"), 0)
-
-    def put(self, snapshot: KVSnapshot) -> HostKVReceipt:
-        """Hold ``snapshot``; spills or drops the least recent entries (maybe this one) to fit."""
-        entry = HostKVReceipt(self, snapshot)
-        with self._lock:
-            self._held[entry] = None
-            self._bytes += entry.num_bytes
-            self._fit()
-        return entry
-
-    def _fit(self) -> None:
-        # NOTE: spill files are written under the lock: every caller runs in a worker thread.
-        while self.budget_bytes is not None and self._bytes > self.budget_bytes and self._held:
-            entry, _ = self._held.popitem(last=False)
-            snapshot, entry._snapshot = entry._snapshot, None
-            assert snapshot is not None
-            self._bytes -= entry.num_bytes
-            entry._path = self._spill(snapshot)
-            self._counts["spills" if entry._path else "drops"] += 1
-            self._on_disk += entry._path is not None
-
-    def _spill(self, snapshot: KVSnapshot) -> Path | None:
-        """Write ``snapshot`` to a new file in ``spill_dir``; None (drop) without one or on failure."""
-        if self.spill_dir is None:
-            return None
-        path = self.spill_dir / f"{uuid.uuid4().hex}{SUFFIX}"
-        try:
-            snapshot.to_file(path)
-        except OSError:
-            return None
-        return path
-
-    def _load(self, entry: HostKVReceipt) -> KVSnapshot | None:
-        with self._lock:
-            if entry._snapshot is not None:
-                if entry in self._held:
-                    self._held.move_to_end(entry)
-                return entry._snapshot
-            path = entry._path
-        if path is None:
-            return None
-        try:
-            snapshot = KVSnapshot.from_file(path, expected_fingerprint=entry.fingerprint)
-        except (SnapshotCorrupt, SnapshotIncompatible):
-            return None  # our own spill file went bad: the caller re-prefills, never wrong KV
-        self._count("disk_loads", 1)
-        return snapshot
-
-    def _release(self, entry: HostKVReceipt) -> None:
-        with self._lock:
-            if entry._released:
-                return
-            entry._released = True
-            if entry in self._held:  # in memory ⟺ held, until released
-                del self._held[entry]
-                self._bytes -= entry.num_bytes
-            entry._snapshot = None
-            path, entry._path = entry._path, None
-            self._on_disk -= path is not None
-        if path is not None:
-            path.unlink(missing_ok=True)
-
-    def _count(self, name: str, n: int) -> None:
-        with self._lock:
-            self._counts[name] += n
-
-    def stats(self) -> HostKVStats:
-        """A consistent copy of the counters."""
-        with self._lock:
-            return HostKVStats(bytes=self._bytes, budget_bytes=self.budget_bytes, in_memory=len(self._held),
-                               on_disk=self._on_disk, **self._counts)

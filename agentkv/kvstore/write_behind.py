@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from types import TracebackType
 
 from agentkv.errors import UserError
-from agentkv.memory.block_tiers import BlockTier, WarningLimiter, check_data, check_key
+from agentkv.kvstore.block_tiers import BlockTier, WarningLimiter, check_data, check_key
 
 __all__ = ["WriteBehind", "WriteBehindUsage"]
 

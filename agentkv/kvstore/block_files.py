@@ -34,7 +34,7 @@ from pathlib import Path
 from cachetools import LRUCache
 
 from agentkv.errors import UserError
-from agentkv.memory.block_tiers import (
+from agentkv.kvstore.block_tiers import (
     BlockTierUnavailable,
     StoredBlock,
     TierCounters,

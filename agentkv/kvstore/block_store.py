@@ -1,6 +1,6 @@
 """The KV store's blocks: a snapshot saved as its new keyed blocks, a restore as the longest run the tiers hold.
 
-Tiers are ordered fastest first (host memory, local disk, an S3 bucket: ``memory/block_tiers.py``,
+Tiers are ordered fastest first (host memory, local disk, an S3 bucket: ``kvstore/block_tiers.py``,
 ``block_files.py``, ``block_objects.py``). A save puts each block the store has not seen into the
 tiers that live in this process at once and queues it for the persistent ones (``WriteBehind``: off
 the turn's critical path); a block already stored — the previous turn's history, a system prompt
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
@@ -33,8 +34,8 @@ from agentkv.errors import UserError
 from agentkv.kv.block_codec import BlockCorrupt, decode_block, encode_block
 from agentkv.kv.block_keys import BlockChain, KVNamespace
 from agentkv.kv.snapshot import KVSnapshot
-from agentkv.memory.block_tiers import BlockTier, BlockTierUnavailable, TierUsage
-from agentkv.memory.write_behind import WriteBehind, WriteBehindUsage
+from agentkv.kvstore.block_tiers import BlockTier, BlockTierUnavailable, TierUsage
+from agentkv.kvstore.write_behind import WriteBehind, WriteBehindUsage
 
 __all__ = ["DURABLE_WAIT_S", "BlockStore", "BlockStoreUsage", "BlocksSaved", "KNOWN_TTL", "LoadedBlocks"]
 
@@ -107,8 +108,11 @@ class BlockStore:
         self._behind = (WriteBehind(far, max_pending_bytes=max_pending_bytes, workers=write_workers,
                                     on_failure=self._not_persisted) if far else None)
         self._known: TTLCache[str, None] = TTLCache(maxsize=_KNOWN_MAX, ttl=KNOWN_TTL.total_seconds())
+        self._pinned: Counter[str] = Counter()  # blocks live sessions' offloaded KV needs: never collected
         self._lock = threading.Lock()
         self._corrupt = 0
+        self.closed = False
+        """True once ``close`` ran (its writers stopped: a user of it goes elsewhere)."""
 
     # ---- writes ---------------------------------------------------------------------------
     def save(self, snapshot: KVSnapshot, chain: BlockChain, *, start: int = 0) -> BlocksSaved:
@@ -159,6 +163,8 @@ class BlockStore:
         return True if self._behind is None or not keys else self._behind.wait_for(keys, timeout)
 
     def _is_known(self, key: str) -> bool:
+        if self._behind is None:  # NOTE: no persistent tier: only what memory still holds is stored
+            return any(key in tier.has_many([key]) for tier in self._near)
         with self._lock:
             if key in self._known:
                 return True
@@ -244,10 +250,12 @@ class BlockStore:
         ``older_than`` ago (a save writes its blocks before its row); returns the bytes freed.
         Blocks still queued are never listed, so never removed."""
         cutoff = (now or datetime.now(timezone.utc)) - older_than
+        with self._lock:
+            kept = referenced | set(self._pinned)
         freed = 0
         for tier in self.tiers:
             try:
-                stale = [b.key for b in tier.listing() if b.key not in referenced and b.modified < cutoff]
+                stale = [b.key for b in tier.listing() if b.key not in kept and b.modified < cutoff]
             except BlockTierUnavailable as error:
                 logger.warning("could not list the %s tier's KV blocks to collect them: %s", tier.name, error)
                 continue
@@ -266,6 +274,29 @@ class BlockStore:
         except BlockTierUnavailable as error:
             logger.warning("could not remove %d KV block(s) from the %s tier: %s", len(keys), tier.name, error)
             return 0
+
+    def pin(self, keys: Iterable[str]) -> None:
+        """Keep ``keys`` out of ``collect`` until as many ``unpin`` calls (an offloaded session's
+        blocks: no row names them, a live session needs them): ``store.pin(receipt.keys)``."""
+        with self._lock:
+            self._pinned.update(keys)
+
+    def unpin(self, keys: Iterable[str]) -> list[str]:
+        """Undo one ``pin`` of ``keys``; returns those of them no pin holds any more."""
+        wanted = list(keys)
+        with self._lock:
+            self._pinned.subtract(wanted)
+            free = [key for key in dict.fromkeys(wanted) if self._pinned[key] <= 0]
+            for key in free:
+                del self._pinned[key]
+        return free
+
+    def remove(self, keys: Sequence[str]) -> int:
+        """Remove ``keys`` from every tier now (blocks only one reader could ever ask for: an
+        offloaded shifted KV's); returns the bytes freed. Queued writes of them still land (the
+        collector removes those later)."""
+        self.forget(keys)
+        return sum(self._remove_quietly(tier, list(keys)) for tier in self.tiers)
 
     def forget(self, keys: Iterable[str]) -> None:
         """Stop counting ``keys`` as stored (another process removed them)."""
@@ -290,6 +321,7 @@ class BlockStore:
 
     def close(self, timeout: float | None = 30.0) -> None:
         """Write what is queued (waiting at most ``timeout`` seconds), then stop the writers."""
+        self.closed = True
         if self._behind is not None:
             self._behind.close(timeout)
         for tier in self.tiers:
