@@ -13,7 +13,7 @@ import pytest
 from agentkv.kv.block_keys import KVNamespace
 from agentkv.kv.snapshot import KVSnapshot
 from agentkv.memory import Store
-from agentkv.memory.block_files import DiskBlocks
+from agentkv.kvstore.block_files import DiskBlocks
 from agentkv.memory.prompt_kv import load_prompt_kv, save_prompt_kv
 from agentkv.memory.schema import utcnow
 
@@ -42,8 +42,10 @@ async def test_another_store_restores_the_full_blocks_of_a_prompt_it_never_saw(s
     snap = kv_of(TOKENS[:200], cuts=(120, 121, 122))
     assert await save_prompt_kv(writer, SPACE, snap) == 6
     prompt = TOKENS[:200] + (7, 8, 9)  # the next turn: the history and a new message
-    got = await load_prompt_kv(reader, SPACE, prompt)
-    assert got is not None and got.tokens == TOKENS[:192] and got.cuts == (120, 121, 122)
+    found = await load_prompt_kv(reader, SPACE, prompt)
+    assert found is not None and sum(found.restored_from.values()) == 192  # each token from one tier
+    got = found.snapshot
+    assert got.tokens == TOKENS[:192] and got.cuts == (120, 121, 122)
     assert all(np.array_equal(a, b) for a, b in zip(got.to_float(), snap.prefix(192).to_float()))
 
 
@@ -51,8 +53,8 @@ async def test_a_prompt_that_departs_midway_gets_the_blocks_before_it(stores) ->
     writer, reader = stores
     await save_prompt_kv(writer, SPACE, kv_of(TOKENS[:200]))
     edited = TOKENS[:100] + (1,) + TOKENS[101:200]
-    got = await load_prompt_kv(reader, SPACE, edited)
-    assert got is not None and got.num_tokens == 96
+    found = await load_prompt_kv(reader, SPACE, edited)
+    assert found is not None and found.snapshot.num_tokens == 96
 
 
 async def test_two_ways_of_computing_the_same_tokens_are_never_mixed(stores) -> None:
@@ -61,8 +63,9 @@ async def test_two_ways_of_computing_the_same_tokens_are_never_mixed(stores) -> 
     decoded = kv_of(TOKENS[:128], cuts=tuple(range(1, 128)), scale=0.5)  # other cuts in every block: other bits
     await save_prompt_kv(writer, SPACE, prefill)
     await save_prompt_kv(writer, SPACE, decoded)
-    got = await load_prompt_kv(reader, SPACE, TOKENS[:128])
-    assert got is not None and got.num_tokens == 128
+    found = await load_prompt_kv(reader, SPACE, TOKENS[:128])
+    assert found is not None and found.snapshot.num_tokens == 128
+    got = found.snapshot
     source = decoded if got.cuts else prefill  # one chain: the newest, whichever it is, whole
     assert all(np.array_equal(a, b) for a, b in zip(got.to_float(), source.to_float()))
 

@@ -9,9 +9,9 @@ looks its prompt's token keys up, follows one chain of blocks (each the child of
 so blocks of differently computed logs never mix), loads what the tiers hold and prefills the rest::
 
     saved = await save_prompt_kv(store, space, await session.snapshot())
-    snapshot = await load_prompt_kv(store, space, prompt_ids)     # None: nothing stored
-    if snapshot is not None:
-        await session.restore(snapshot)
+    found = await load_prompt_kv(store, space, prompt_ids)     # None: nothing stored
+    if found is not None:
+        await session.restore(found.snapshot)               # found.restored_from: tokens per tier
 
 The answers in such a conversation come back as text; the token ids the model generated are kept
 too (``keep_answer_tokens``), so another replica renders a resent answer to the tokens its KV holds.
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from functools import partial
 
@@ -39,7 +40,18 @@ from agentkv.memory.schema import AnswerTokensRow, PromptBlockRow, utcnow
 from agentkv.memory.store import Store
 from agentkv.memory.unstored_kv import LogOfSpan
 
-__all__ = ["PROMPT_BLOCKS_KEPT", "find_answer_tokens", "keep_answer_tokens", "load_prompt_kv", "save_prompt_kv"]
+__all__ = ["PROMPT_BLOCKS_KEPT", "FoundPromptKV", "find_answer_tokens", "keep_answer_tokens", "load_prompt_kv",
+           "save_prompt_kv"]
+
+
+@dataclass(frozen=True)
+class FoundPromptKV:
+    """What ``load_prompt_kv`` found: ``found.snapshot``, ``found.restored_from["s3"]``."""
+
+    snapshot: KVSnapshot
+    """The KV of the prompt's longest stored prefix (whole blocks)."""
+    restored_from: dict[str, int]
+    """Its tokens by the tier that gave them ("host", "disk", "s3")."""
 
 
 async def save_prompt_kv(store: Store, namespace: KVNamespace, snapshot: KVSnapshot,
@@ -69,7 +81,7 @@ async def save_prompt_kv(store: Store, namespace: KVNamespace, snapshot: KVSnaps
 
 
 async def load_prompt_kv(store: Store, namespace: KVNamespace, tokens: Sequence[int], *,
-                         better_than: int = 0) -> KVSnapshot | None:
+                         better_than: int = 0) -> FoundPromptKV | None:
     """The KV of the longest prefix of ``tokens`` whose blocks are indexed and still held (whole
     blocks only; None when there is none, or when the index holds no more than ``better_than``
     tokens of it: what a live session already has)."""
@@ -80,7 +92,7 @@ async def load_prompt_kv(store: Store, namespace: KVNamespace, tokens: Sequence[
     if len(keys) * namespace.block_size <= better_than:
         return None
     loaded = await anyio.to_thread.run_sync(store.blocks.load, namespace, keys)
-    return join_blocks(loaded.spans) if loaded.spans else None
+    return FoundPromptKV(join_blocks(loaded.spans), loaded.tokens_by_tier()) if loaded.spans else None
 
 
 def _record(s: Session, namespace: str, token_keys: Sequence[str], block_keys: Sequence[str], now: datetime) -> None:

@@ -1,6 +1,7 @@
 """AccessLog: one line per HTTP request on the ``agentkv.server.access`` logger — method, path,
 status, duration (to the last byte of a stream), and what the route noted: the completion or
-response id, the session, the prompt tokens whose KV was reused.
+response id, the session, the prompt tokens whose KV was reused (and, of those the store restored,
+the tokens each tier gave: ``kv_from=host:64,s3:320``).
 
 ::
 
@@ -33,6 +34,8 @@ class AccessNote:
     """The pinned chat session, or the stored conversation of a response."""
     cached_tokens: int | None = None
     """Prompt tokens whose KV was reused instead of computed."""
+    kv_from: dict[str, int] | None = None
+    """Of those, the tokens the store's tiers gave, by tier (``{"host": 64, "s3": 320}``)."""
 
     @classmethod
     def of(cls, request: Request) -> AccessNote:
@@ -41,11 +44,13 @@ class AccessNote:
         assert isinstance(note, cls)
         return note
 
-    def update(self, *, id: str | None = None, session: str | None = None, cached_tokens: int | None = None) -> None:
+    def update(self, *, id: str | None = None, session: str | None = None, cached_tokens: int | None = None,
+               kv_from: dict[str, int] | None = None) -> None:
         """Set the fields given (the others keep their value)."""
         self.id = id or self.id
         self.session = session or self.session
         self.cached_tokens = self.cached_tokens if cached_tokens is None else cached_tokens
+        self.kv_from = kv_from or self.kv_from
 
 
 class AccessLog:
@@ -79,6 +84,7 @@ class AccessLog:
         finally:
             if self.served is not None and note.cached_tokens is not None:
                 self.served.cached_prompt_tokens += note.cached_tokens
-            ACCESS_LOGGER.info("%s %s %d %.1fms id=%s session=%s cached_tokens=%s", scope["method"], scope["path"],
+            tiers = "" if not note.kv_from else " kv_from=" + ",".join(f"{t}:{n}" for t, n in note.kv_from.items())
+            ACCESS_LOGGER.info("%s %s %d %.1fms id=%s session=%s cached_tokens=%s%s", scope["method"], scope["path"],
                                status, (time.perf_counter() - started) * 1000, note.id or "-", note.session or "-",
-                               "-" if note.cached_tokens is None else note.cached_tokens)
+                               "-" if note.cached_tokens is None else note.cached_tokens, tiers)

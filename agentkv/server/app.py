@@ -47,6 +47,7 @@ from agentkv.errors import AgentKVError
 from agentkv.memory import Store
 from agentkv.memory.block_metrics import BlockStoreCollector
 from agentkv.server.kv_collector import COLLECT_INTERVAL_S, collect_blocks_every
+from agentkv.server.kv_saves import KVSavesCollector
 from agentkv.observe.metrics import ServedCounts, ServerCollector, ServerLoad, registry_of
 from agentkv.runtime.runtime import Runtime
 from agentkv.server.access_log import AccessLog, AccessNote
@@ -128,6 +129,7 @@ def create_app(
         # NOTE: runs still going were cancelled by the server's shutdown: each snapshotted its
         # conversation's KV as it ended, so closing loses nothing a restart could resume
         await responses.aclose()
+        await runs.aclose()  # NOTE: the KV saves of the last turns, before the store closes
         await live.aclose()
         await runtime.aclose()
         if store is not None:
@@ -164,6 +166,7 @@ def create_app(
     registry = registry_of(collector)
     if store is not None:
         registry.register(BlockStoreCollector(store.blocks))
+        registry.register(KVSavesCollector(runs.saves))
 
     @app.get("/metrics")
     async def metrics() -> Response:

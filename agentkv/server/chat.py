@@ -112,7 +112,7 @@ class ChatCompletions:
         counts = TokenCounts.of(result.call_metrics)
         body = completion(request_id, self.model_id, int(time.time()), _message(result), _finish(result),
                           usage(counts), cache_break_field(result.cache_breaks), entries)
-        note.update(cached_tokens=counts.cached)
+        note.update(cached_tokens=counts.cached, kv_from=prepared.restored_from)
         return body
 
     async def stream(self, request: ChatCompletionRequest, prepared: Prepared, *, session_id: str,
@@ -149,7 +149,7 @@ class ChatCompletions:
                 yield chunk(request_id, self.model_id, created, ChoiceDelta(), "length")
             return
         counts = TokenCounts.of(result.call_metrics)
-        note.update(cached_tokens=counts.cached)
+        note.update(cached_tokens=counts.cached, kv_from=prepared.restored_from)
         if result.pending_tool_calls:
             yield chunk(request_id, self.model_id, created,
                         ChoiceDelta(tool_calls=delta_tool_calls(result.pending_tool_calls)))

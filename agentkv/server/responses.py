@@ -259,7 +259,8 @@ class Responses:
                                      error={"code": "server_error", "message": SHUTTING_DOWN})
             yield output.event("response.failed", response=failed)
             return
-        note.update(cached_tokens=body["usage"]["input_tokens_details"]["cached_tokens"])
+        note.update(cached_tokens=body["usage"]["input_tokens_details"]["cached_tokens"],
+                    kv_from=plan.prepared.restored_from if plan.prepared is not None else None)
         kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
         yield output.event(kind, response=body)
 

@@ -25,15 +25,17 @@ from agentkv.agent import Agent
 from agentkv.chat.messages import Message
 from agentkv.engine.base import KVSession, common_prefix_len
 from agentkv.kv.block_keys import KVNamespace
+from agentkv.kv.snapshot import KVSnapshot
 from agentkv.memory import Store
 from agentkv.memory.prompt_kv import find_answer_tokens, keep_answer_tokens, load_prompt_kv, save_prompt_kv
-from agentkv.memory.unstored_kv import read_unstored_kv
+from agentkv.memory.unstored_kv import LogOfSpan, read_unstored_kv
 from agentkv.run.conversation import Conversation, WindowEntry, render_for
 from agentkv.errors import ContextOverflowError, UserError
 from agentkv.events import RunEvent, RunFinished
 from agentkv.run.input import checked_input
 from agentkv.runtime.runtime import Runtime
 from agentkv.server.errors import RETRY_LATER, ApiError
+from agentkv.server.kv_saves import KVSaves
 from agentkv.server.live_sessions import LiveSessions, answer_digest
 
 logger = logging.getLogger("agentkv.server")
@@ -51,6 +53,9 @@ class Prepared:
     tail: list[Message]
     """The new messages the model answers."""
     prompt_ids: tuple[int, ...]
+    restored_from: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Tokens of KV the run restored from the store, by tier ("host", "disk", "s3"): what the
+    access log says (``kv_from=``)."""
 
 
 def kv_namespace(tenant: str, cache_salt: str | None) -> str:
@@ -82,6 +87,8 @@ class Runs:
         self.live = live
         self.max_running = max_running
         self.store = store
+        self.saves = KVSaves()
+        """The store writes of finished turns, off the response path (``aclose`` waits for them)."""
         self.running = 0
         """Requests admitted (at most ``max_running``), those waiting for their KV session included."""
         self.waiting = 0
@@ -161,7 +168,7 @@ class Runs:
             space = self._kv_space(prepared.salt)
             if space is not None and self._store_may_hold_more(kv, space, prepared.prompt_ids):
                 prepared = await self._with_kept_answers(prepared)
-                await self._restore_by_prompt(kv, space, prepared.prompt_ids)
+                prepared.restored_from.update(await self._restore_by_prompt(kv, space, prepared.prompt_ids))
             conversation = Conversation(f"api-{uuid.uuid4().hex[:12]}", prepared.agent, self.runtime.engine, kv,
                                         self.runtime.renderer, window=[WindowEntry(m) for m in prepared.history])
             conversation.call_checks.self_check = self.runtime.self_check
@@ -173,8 +180,14 @@ class Runs:
                         for message in answers:
                             self.live.remember(message)
                     yield event
-            if space is not None and answers:
-                await self._save_by_prompt(kv, space, answers)
+            unstored = await self._read_unstored(kv, space) if space is not None and answers else None
+        if unstored is not None:  # NOTE: the session is free again: the write runs after the answer went
+            assert space is not None
+            await self.saves.start(self._keep(space, *unstored, answers), what="a chat conversation's KV")
+
+    async def aclose(self) -> None:
+        """Wait (bounded) for the KV saves still running: ``await runs.aclose()`` before the store closes."""
+        await self.saves.aclose()
 
     def _kv_space(self, salt: str) -> KVNamespace | None:
         """The namespace a tenant's KV blocks are kept in (None without a store)."""
@@ -190,18 +203,20 @@ class Runs:
         whole = len(prompt) // space.block_size * space.block_size
         return common_prefix_len(kv.tokens, prompt) < whole
 
-    async def _restore_by_prompt(self, kv: KVSession, space: KVNamespace, prompt: Sequence[int]) -> None:
+    async def _restore_by_prompt(self, kv: KVSession, space: KVNamespace, prompt: Sequence[int]) -> dict[str, int]:
         """Restore into ``kv`` the stored blocks of ``prompt``'s longest prefix when they hold more
-        of it than ``kv`` (another replica ran this conversation); a failure only costs the prefill."""
+        of it than ``kv`` (another replica ran this conversation); the tokens each tier gave. A
+        failure only costs the prefill."""
         assert self.store is not None
         try:
-            snapshot = await load_prompt_kv(self.store, space, prompt,
-                                            better_than=common_prefix_len(kv.tokens, prompt))
-            if snapshot is not None:
-                await kv.restore(snapshot)
+            found = await load_prompt_kv(self.store, space, prompt, better_than=common_prefix_len(kv.tokens, prompt))
+            if found is not None:
+                await kv.restore(found.snapshot)
+                return found.restored_from
         except Exception as error:  # NOTE: a store that cannot be read costs a prefill, never the turn
             logger.warning("could not restore a conversation's KV from the store (%s: %s); prefilling it",
                            type(error).__name__, error)
+        return {}
 
     async def _with_kept_answers(self, prepared: Prepared) -> Prepared:
         """``prepared`` with the token ids another replica generated for its answers put back (and
@@ -226,14 +241,21 @@ class Runs:
         return dataclasses.replace(prepared, history=history,
                                    prompt_ids=self.fitting_prompt(prepared.agent, [*history, *prepared.tail]))
 
-    async def _save_by_prompt(self, kv: KVSession, space: KVNamespace, answers: Sequence[Message]) -> None:
-        """Keep the KV's full blocks in the store, findable by their tokens from any replica, and
-        the token ids of the answers that produced it."""
+    async def _read_unstored(self, kv: KVSession, space: KVNamespace) -> tuple[KVSnapshot, LogOfSpan | None] | None:
+        """The KV of ``kv`` past the blocks the store holds, and its log (read while the run still
+        holds the session); None when it cannot be read (logged: the next turn elsewhere prefills)."""
         assert self.store is not None
         try:
-            await keep_answer_tokens(self.store, {answer_digest(m): m.token_ids for m in answers
-                                                  if m.token_ids is not None})
-            span, log = await read_unstored_kv(self.store.blocks, kv, space, len(kv.tokens))
-            await save_prompt_kv(self.store, space, span, log)
-        except Exception as error:  # NOTE: never fails the turn: the next one on another replica prefills
-            logger.warning("could not keep a conversation's KV in the store (%s: %s)", type(error).__name__, error)
+            return await read_unstored_kv(self.store.blocks, kv, space, len(kv.tokens))
+        except Exception as error:  # NOTE: never fails the turn
+            logger.warning("could not read a conversation's KV to keep it (%s: %s)", type(error).__name__, error)
+            return None
+
+    async def _keep(self, space: KVNamespace, span: KVSnapshot, log: LogOfSpan | None,
+                    answers: Sequence[Message]) -> None:
+        """Keep the KV's full blocks in the store, findable by their tokens from any replica, and
+        the token ids of the answers that produced it (in the background: ``KVSaves``)."""
+        assert self.store is not None
+        await keep_answer_tokens(self.store, {answer_digest(m): m.token_ids for m in answers
+                                              if m.token_ids is not None})
+        await save_prompt_kv(self.store, space, span, log)

@@ -321,6 +321,18 @@ def chat_turn(client: Any, messages: list[dict], session_id: str | None) -> tupl
             usage.prompt_tokens, cached or 0)
 
 
+def saves_done(url: str, timeout_s: float = 30.0) -> None:
+    """Wait until the replica at ``url`` has written the KV of the turns it answered (its
+    ``agentkv_kv_saves_pending`` is 0): a kill after that loses no answered turn's KV."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = httpx.get(url + "/metrics").text  # /metrics needs no key
+        if re.search(r"^agentkv_kv_saves_pending 0(\.0)?$", text, re.MULTILINE):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{url} still writes a turn's KV after {timeout_s} s")
+
+
 @pytest.mark.parametrize("named", [True, False], ids=["x-session-id", "no-header"])
 def test_a_chat_completion_conversation_continues_on_another_replica_from_the_store_after_kill(
         cluster, proxy, named):
@@ -336,6 +348,7 @@ def test_a_chat_completion_conversation_continues_on_another_replica_from_the_st
         messages.append({"role": "assistant", "content": answer})
         assert not named or carried == session_id
     owner = cluster.replica_of(served)
+    saves_done(cluster.replica_url(owner))  # NOTE: a turn's KV is written after its answer (server/kv_saves.py)
     cluster.kill(owner)
     try:
         messages.append({"role": "user", "content": QUESTIONS[3]})
