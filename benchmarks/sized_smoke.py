@@ -12,6 +12,13 @@ compute). ``--u8`` adds agentkv's paged engine with u8 blocks (the plugin's layo
 token LLMPipeline's default keeps). Each is warmed up on a short prompt first. One run: on a shared
 machine the figures drift; say so beside them. The last line is one JSON object.
 Run: ``python benchmarks/sized_smoke.py [--model qwen2.5-1.5b-shape] [--prompt-tokens 2048] [--u8]``.
+
+Measured (2026-11-28, AMD EPYC avx2 without avx512, 2 cores shared with other engineers' test runs,
+load average 3-7; two runs, a 2,069-token prompt, 64 tokens): agentkv f16 blocks 28,672 B/token, TTFT
+142 s / 104 s, decode 4.0 / 6.1 tok/s; LLMPipeline (the plugin's defaults here: u8 KV, f32 compute)
+179 s / 107 s, 2.3 / 3.1 tok/s; agentkv with u8 blocks (first run) 16,576 B/token (58 % of f16:
+by-channel u8 keys with their scales, per-token u8 values), 118 s, 5.1 tok/s. Prefill runs at ~15-20
+tokens/s on this CPU: a cold 16K prompt would take 15-20 min here.
 """
 
 from __future__ import annotations
