@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import create_engine, inspect, text
 
-from _old_schema import schema_at
+from _old_schema import old_agent, old_session, schema_at
 
 from agentkv.chat.messages import Message
 from agentkv.memory import Store
@@ -248,12 +248,9 @@ def schema_9_database(store_url: str) -> None:
     now = utcnow().replace(tzinfo=None)
     with engine.begin() as conn:
         schema_at(conn, 9)
-        conn.execute(text("INSERT INTO agents (name, instructions, tool_names, settings, updated_at) "
-                          "VALUES ('old', '', '[]', '{}', :now)"), {"now": now})
+        old_agent(conn, "old")
         for sid, parent, fork_seq in LEGACY_SESSIONS:
-            conn.execute(text("INSERT INTO sessions (id, agent_name, created_at, updated_at, metadata, parent_id, "
-                              "fork_seq) VALUES (:sid, 'old', :now, :now, '{}', :parent, :fork_seq)"),
-                         {"sid": sid, "now": now, "parent": parent, "fork_seq": fork_seq})
+            old_session(conn, sid, "old", parent_id=parent, fork_seq=fork_seq)
         for sid, seq, content, inside, replaced_by, since in LEGACY_MESSAGES:
             conn.execute(text("INSERT INTO messages (session_id, seq, role, content, tool_calls, token_count, "
                               "in_window, replaced_by_seq, created_at, out_since_seq) VALUES "

@@ -188,7 +188,7 @@ async def test_prune_keeps_a_conversation_whose_run_is_live(store_url: str, tmp_
 
 
 async def test_a_holder_passes_its_own_token_and_a_lost_token_changes_nothing(store: Store) -> None:
-    from test_store import new_session
+    from _stores import new_session
 
     from agentkv.chat.messages import Message
 
@@ -250,7 +250,7 @@ async def test_prune_keeps_a_conversation_whose_run_took_the_lease_while_prune_c
     """PostgreSQL only: SQLite runs one write transaction at a time, so nothing comes between."""
     if not store_url.startswith("postgresql"):
         pytest.skip("SQLite serialises write transactions: a run cannot take the lease mid-prune there")
-    from test_store import new_session
+    from _stores import new_session
 
     from agentkv.memory import queries, retention
     from agentkv.memory.schema import utcnow

@@ -17,7 +17,7 @@ from pathlib import Path
 import anyio
 import pytest
 from test_run_recovery import call
-from test_store import new_session
+from _stores import new_session
 
 from agentkv import Agent, Runtime, tool
 from agentkv.chat.messages import Message

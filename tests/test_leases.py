@@ -17,7 +17,7 @@ from pathlib import Path
 
 import anyio
 import pytest
-from test_store import REPO, new_session, race_for_lease
+from _stores import REPO, new_session, race_for_lease
 
 from agentkv.errors import LeaseLost, SessionBusy, SessionNotFound, UserError
 from agentkv.memory.leases import (

@@ -3,7 +3,8 @@ turn's cuts are its prompt's canonical chunk starts plus one per decoded token, 
 hit leaves the cuts (and block keys) a cold start does, and snapshots carry the cuts through
 files, restores, forks, spans and joins, bit for bit.
 
-The tests here run the real model; the scripted ones are in ``tests/test_kv_cuts.py``."""
+The tests here run the real model; the scripted ones are in ``tests/test_kv_cuts.py``,
+``tests/test_snapshot_cuts.py`` and ``tests/test_prefix_cuts.py``."""
 
 from __future__ import annotations
 
