@@ -1,8 +1,8 @@
 """The realistic-size model (issue 47): scripts/build_sized_model.py builds the Qwen2.5-1.5B shape, and
 benchmarks' ``--model qwen2.5-1.5b-shape`` resolves to its built directory or names the command that
 builds it. The fast tests build nothing (no torch here: the script's heavy imports are inside its build
-functions); the slow one builds the model (~10 min, ~1 GB in the user cache) or uses the built one and
-generates through agentkv."""
+functions); the slow one, in tests/model/test_sized_model_model.py, builds the model (~10 min, ~1 GB
+in the user cache) or uses the built one and generates through agentkv."""
 
 from __future__ import annotations
 
@@ -112,25 +112,3 @@ def test_a_manifest_of_another_recipe_is_not_a_built_model(resolver, builder, tm
     (target / builder.MANIFEST).write_text(json.dumps({"recipe": "an-older-recipe"}), encoding="utf-8")
     with pytest.raises(ModelNotFound, match="make sized-model"):
         resolver.sized_model_dir(NAME, build=False)
-
-
-@pytest.mark.model
-@pytest.mark.slow
-async def test_the_built_model_opens_on_the_default_engine_and_generates(monkeypatch):
-    from agentkv.chat.messages import Message
-    from agentkv.chat.render import ChatRenderer
-    from agentkv.engine.base import GenerationConfig
-    from agentkv.engine.factory import open_engine
-
-    resolver = load(ROOT / "benchmarks" / "_sized_models.py", "_sized_models_slow")
-    path = resolver.sized_model_dir(NAME)  # builds it when missing
-    engine = open_engine(path, kv_cache_bytes=64 << 20, num_slots=1)
-    try:
-        assert engine.kv_bytes_per_token() in (28_672, 57_344)  # 16-bit blocks (f32 under exact)
-        prompt = ChatRenderer(engine.tokenizer).render([Message.user("Say something.")]).token_ids
-        assert prompt[0] == 151644  # <|im_start|> at its real id
-        session = await engine.open_session()
-        result = await session.generate(prompt, GenerationConfig(max_new_tokens=4, ignore_eos=True))
-        assert len(result.token_ids) == 4 and all(0 <= t < 151936 for t in result.token_ids)
-    finally:
-        await engine.aclose()
