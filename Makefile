@@ -23,15 +23,19 @@ demo: model
 # The suite in one pytest-xdist run: one worker per core, each pinned to its core
 # (tests/conftest.py, AGENTKV_TEST_CORE_PER_WORKER: OpenVINO then computes single-threaded in each)
 # and given whole files (module fixtures start servers and engines once); the files that use the
-# session's paged engines go to one worker (conftest's pytest_collection_modifyitems: each compiles
+# session's paged engines go to one worker (conftest's pytest_xdist_make_scheduler: each compiles
 # its graphs once, not once per worker). One process using both cores left one idle through its
 # Python and subprocess time: 17-19 min before, 12-13 min on 2 avx2 cores (734-776 s of tests); 766 s of tests for 2,139 tests (2026-11-28).
 # mypy (~41 s of CPU cold) checks types at low priority while the suite runs, in the cores' idle
 # moments; its output comes after the suite's and its failure fails make test. langsmith's pytest
 # plugin (installed with langchain-core, unused here) is not loaded: ~1.5 s of imports per process.
-# Prints the ten slowest tests.
+# The package and the tests' helpers are compiled to bytecode first (compileall, ~1 s of CPU): with
+# PYTHONDONTWRITEBYTECODE set, and on a fresh clone, each worker and each of the dozens of processes
+# the tests start (servers, replicas, workers racing for a lease) compiled the package again, ~0.5 s
+# of CPU each. Prints the ten slowest tests.
 test: model
 	$(PY) -m ruff check
+	$(PY) -m compileall -q agentkv tests > /dev/null
 	types=$$(mktemp); nice -n 10 $(PY) -m mypy > $$types 2>&1 & checker=$$!; \
 	AGENTKV_TEST_CORE_PER_WORKER=1 $(PY) -m pytest -p no:langsmith_plugin -q -m "not slow" -n auto \
 		--maxprocesses=2 --dist loadfile --durations=10; suite=$$?; \
