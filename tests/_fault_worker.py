@@ -11,6 +11,7 @@ model are shared with the test, which resumes the session in its own process.
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -114,6 +115,18 @@ async def run_to(phase: str, url: str, session_id: str) -> None:
             hang()
 
         snapshot_module.KVSnapshot.to_file = half_write
+    elif phase == "blocks":  # the turn's new blocks queued for the disk tier when the process dies
+        from agentkv.kvstore.block_files import DiskBlocks
+
+        said = threading.Lock()
+
+        def stuck_write(self, key, data):  # several writer threads: one says "ready"
+            if said.acquire(blocking=False):
+                ready()
+            time.sleep(600)
+
+        DiskBlocks.put = stuck_write
+        text = LONG_TURN
     elif phase == "summary":
         from agentkv.memory import queries
 

@@ -29,7 +29,7 @@ from agentkv.run.loop import CANCELLED_RESULT
 from _fault_worker import AGENT, FIRST_TURN, LONG_TURN, lookup, scripted_engine
 
 WORKER = str(Path(__file__).with_name("_fault_worker.py"))
-PHASES = ["prefill", "decode", "tool", "snapshot", "summary"]
+PHASES = ["prefill", "decode", "tool", "snapshot", "blocks", "summary"]
 
 
 async def run_worker_until_ready(phase: str, url: str, session_id: str) -> None:
@@ -81,7 +81,8 @@ async def test_a_worker_killed_mid_turn_leaves_a_session_that_resumes_and_answer
     rows = await store.messages("victim")
     users = [r.message.content for r in rows if r.message.role == "user"]
     assert users.count(FIRST_TURN) == 1
-    second = {"tool": "please look up the tides", "summary": LONG_TURN}.get(phase, "and another question")
+    second = {"tool": "please look up the tides", "summary": LONG_TURN, "blocks": LONG_TURN}.get(
+        phase, "and another question")
     assert users.count(second) == 1  # committed before the model call, once
     assert tool_pairs_are_complete(session.messages)
     interrupted = [m for m in session.messages if m.role == "tool" and m.content == INTERRUPTED_RESULT]
@@ -91,7 +92,12 @@ async def test_a_worker_killed_mid_turn_leaves_a_session_that_resumes_and_answer
         assert not any(r.message.content.startswith(SUMMARY_PREFIX) for r in rows)
         assert not any(r.replaced_by_seq for r in rows) and all(r.in_window for r in rows)
     session.renderer.render([*session.messages], add_generation_prompt=True)  # renders
+    if phase == "blocks":  # the first turn's blocks restore; the killed turn's were never named by a row
+        first_kv = (await store.snapshots("victim"))[0].num_tokens
+        assert session.resume_report.restored_tokens == first_kv > 32
     result = await runtime.run(session, "what next?")
+    if phase == "blocks":  # only what the first turn's KV did not hold is prefilled
+        assert result.call_metrics[0].prefilled_tokens == result.call_metrics[0].prompt_tokens - first_kv
     assert result.final_text.startswith("Answer number")
     await check_store(store, "victim")
     again = Runtime(scripted_engine(), store, agents=[AGENT])

@@ -29,8 +29,8 @@ async def test_an_idle_conversation_offloads_into_the_store_blocks_its_save_wrot
         await runtime.run(conversation, "Rivers carve valleys slowly. Why?")
         session, pool = conversation.kv, engine.backend.pool
         held = len(session.tokens)
-        before = offloads.stats()
         while pool.is_bound(session):  # offload idle sessions, least recently used first, until ours goes
+            before = offloads.stats()  # NOTE: other tests' idle sessions on this engine go first
             assert await pool.offload_idle()
         after = offloads.stats()
         assert after.offloads > before.offloads and session.held_kv is not None

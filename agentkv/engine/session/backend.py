@@ -22,6 +22,7 @@ import logging
 import os
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
+from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import anyio
@@ -268,6 +269,26 @@ class SlotBackend:
                         self.prefix_hit_tokens += hit.num_tokens - reused
                     return hit
         return None
+
+    async def cached_prefix(self, prompt: Sequence[int], reused: int, *, salt: str = "") -> KVSource | None:
+        """What gives the session more of ``prompt`` than the ``reused`` tokens it holds: a cached
+        registered prefix (``prefix_hit``), or a longer run of full blocks the offload store holds
+        as a cold prefill computes them (another session's system prompt and first message, saved
+        or offloaded), whichever covers more; with the prefix cache on only:
+        ``hit = await backend.cached_prefix(prompt, reused, salt=session.salt)``."""
+        hit = self.prefix_hit(prompt, reused, salt=salt)
+        if self.prefix_cache is None:
+            return hit
+        held = reused if hit is None else hit.num_tokens
+        cuts = [len(mark) for mark in self.boundaries.prefixes_of(prompt, salt=salt)]
+        stored = await self.run_blocking(partial(self.pool.host.find_prefix, prompt, salt=salt, cuts=cuts,
+                                                 better_than=held + MIN_PREFIX_HIT_TOKENS - 1))
+        if stored is None:
+            return hit
+        if hit is not None:
+            hit.release()
+        self.prefix_hit_tokens += stored.num_tokens - held
+        return stored
 
     async def capture_prefixes(self, session: CapturableSession, slot: KVSlot, *, salt: str = "") -> None:
         """Let the prefix cache take the registered prefixes ``session`` now holds in ``slot``

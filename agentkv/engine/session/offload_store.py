@@ -27,7 +27,7 @@ import os
 import sys
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -62,6 +62,8 @@ class OffloadStats:
     """Tokens brought back from the tiers."""
     reprefilled_tokens: int
     """Tokens whose blocks had left every tier (evicted, lost, corrupt): re-prefilled instead."""
+    prefix_tokens: int
+    """Prompt tokens new sessions took from stored blocks instead of prefilling (``find_prefix``)."""
     tiers: tuple[TierUsage, ...]
     """The block store's tiers (host first): bytes, blocks, hits, misses, evictions."""
 
@@ -134,7 +136,7 @@ class OffloadStore:
         self._lock = threading.Lock()
         self._held: set[OffloadReceipt] = set()
         self._counts = dict.fromkeys(("offloads", "new_bytes", "stored_blocks", "restored_tokens",
-                                      "reprefilled_tokens"), 0)
+                                      "reprefilled_tokens", "prefix_tokens"), 0)
 
     def use_namespaces(self, namespace_for: NamespaceFor) -> None:
         """Key blocks with the engine's ``kv_namespace`` (the engine calls it once built)."""
@@ -175,6 +177,33 @@ class OffloadStore:
             self._counts["new_bytes"] += saved.new_bytes
             self._counts["stored_blocks"] += saved.blocks - saved.new_blocks
         return receipt
+
+    # ---- prefixes --------------------------------------------------------------------------
+    def find_prefix(self, tokens: Sequence[int], *, salt: str = "", cuts: Sequence[int] = (),
+                    better_than: int = 0) -> KVSnapshot | None:
+        """The KV of the longest run of ``tokens``' full blocks the store is known to hold, keyed
+        as a cold prefill of ``tokens`` cut at ``cuts`` computes them (another session's system
+        prompt and first message, a history a save wrote): None unless it covers more than
+        ``better_than`` tokens and leaves one to prefill (blocking):
+        ``hit = store.find_prefix(prompt, cuts=[len(system)], better_than=16)``."""
+        if self._namespace_for is None:
+            return None
+        with self._lock:
+            blocks, size = self.blocks, self.block_size
+        usable = (len(tokens) - 1) // size
+        if usable * size <= better_than or blocks.closed:
+            return None
+        namespace = self._namespace_for(salt=salt, block_size=size)
+        keys = namespace.chain(tokens[: usable * size], cuts=[c for c in cuts if c < usable * size]).keys
+        known = blocks.first_unknown(keys)  # NOTE: blocks this process wrote or holds: no probe of a remote tier
+        if known * size <= better_than:
+            return None
+        spans = blocks.load(namespace, keys[:known]).spans
+        if len(spans) * size <= better_than:
+            return None
+        with self._lock:
+            self._counts["prefix_tokens"] += len(spans) * size
+        return KVSnapshot.join(spans)
 
     # ---- receipts --------------------------------------------------------------------------
     def _load(self, receipt: OffloadReceipt) -> KVSnapshot | None:

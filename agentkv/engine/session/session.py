@@ -220,10 +220,12 @@ class SlotSession:
         cached = 0
         if reused < len(log):
             await self._run(log.trim, slot, reused)
-        hit = self._backend.prefix_hit(prompt, reused, salt=self.salt)
+        hit = await self._backend.cached_prefix(prompt, reused, salt=self.salt)
         if hit is not None:
+            copied = 0 if getattr(hit, "in_pool", False) else hit.num_tokens  # NOTE: a copy takes blocks, a share none
             try:
-                await self._run(self._load_blocking, slot, hit)
+                async with self._backend.room(slot, copied, rewrite=True):
+                    await self._run(self._load_blocking, slot, hit)
             finally:
                 hit.release()  # what the slot did not take (a paged hit's block references)
             cached = hit.num_tokens - reused
