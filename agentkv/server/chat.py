@@ -39,6 +39,7 @@ from agentkv.server.access_log import AccessNote
 from agentkv.server.logprobs_wire import token_logprobs
 from agentkv.server.request_agents import RequestAgents, reserving_answer
 from agentkv.server.runs import Prepared, Runs, kv_namespace, leading_system
+from agentkv.server.stream_batches import joined_deltas, ready_batches
 from agentkv.server.wire import (
     ChatCompletionRequest,
     FinishReason,
@@ -119,7 +120,8 @@ class ChatCompletions:
                      pin: str | None = None, note: AccessNote | None = None,
                      stop: anyio.Event | None = None) -> AsyncIterator[dict[str, Any]]:
         """The ``chat.completion.chunk`` objects of ``request`` (run already ``prepare``d), the first
-        once its KV session is held and the run has begun (what refuses it — a named session
+        once its KV session is held and the run has begun; the text (or thinking) generated at once
+        — a decode run's tokens, a confirmed draft's — in one chunk (what refuses it — a named session
         another request runs, a full server — is raised before any chunk). Once ``stop`` is set
         (the server is shutting down) the run is stopped at its next event and the stream ends
         with ``finish_reason="length"``: the answer was cut short (no chunk at all if it was stopped
@@ -128,22 +130,24 @@ class ChatCompletions:
         note = note or AccessNote()
         note.update(id=request_id, session=session_id)
         result, began = None, False
-        async with aclosing(self._result(prepared, session_id, pin)) as run:
-            async for event in run:
+        async with aclosing(self._result(prepared, session_id, pin)) as run, \
+                aclosing(ready_batches(run)) as batches:
+            async for batch in batches:  # NOTE: the deltas ready at once (a decode run's) go in one chunk
                 if stop is not None and stop.is_set():
                     break
                 if not began:  # NOTE: the run holds its session: the answer exists now
                     began = True
                     yield chunk(request_id, self.model_id, created, ChoiceDelta(role="assistant", content=""))
-                if isinstance(event, TextDelta):
-                    entries = token_logprobs(event.logprobs) if request.logprobs else None
-                    yield chunk(request_id, self.model_id, created, ChoiceDelta(content=event.text),
-                                logprobs=entries)
-                elif isinstance(event, ReasoningDelta):
-                    yield chunk(request_id, self.model_id, created,
-                                ChoiceDelta.model_validate({"reasoning_content": event.text}))
-                else:
-                    result = event
+                for event in joined_deltas(batch):
+                    if isinstance(event, TextDelta):
+                        entries = token_logprobs(event.logprobs) if request.logprobs else None
+                        yield chunk(request_id, self.model_id, created, ChoiceDelta(content=event.text),
+                                    logprobs=entries)
+                    elif isinstance(event, ReasoningDelta):
+                        yield chunk(request_id, self.model_id, created,
+                                    ChoiceDelta.model_validate({"reasoning_content": event.text}))
+                    else:
+                        result = event
         if result is None:  # stopped: the server is shutting down
             if began:
                 yield chunk(request_id, self.model_id, created, ChoiceDelta(), "length")
