@@ -128,19 +128,17 @@ class BlockStore:
             raise UserError(f"the chain keys {len(chain.keys)} blocks but the snapshot holds tokens {start}.."
                             f"{start + snapshot.num_tokens}: chain the snapshot's own tokens, from a block bound")
         absolute = [c + start for c in snapshot.cuts]  # a span's cut 0 is a pass that began at ``start``
-        new_keys: list[str] = []
-        new_bytes = 0
+        encoded: list[tuple[str, bytes]] = []
         parent = chain.namespace.id
         for index, key in enumerate(chain.keys):
             if index * size >= start and not self._is_known(key):
                 at = index * size
-                data = encode_block(snapshot.span(at - start, at - start + size), key=key, parent=parent, start=at,
-                                    cuts=absolute)
-                self._put(key, data)
-                new_keys.append(key)
-                new_bytes += len(data)
+                encoded.append((key, encode_block(snapshot.span(at - start, at - start + size), key=key,
+                                                  parent=parent, start=at, cuts=absolute)))
             parent = key
-        return BlocksSaved(len(chain.keys), len(new_keys), new_bytes, tuple(new_keys))
+        self._put(encoded)
+        return BlocksSaved(len(chain.keys), len(encoded), sum(len(data) for _, data in encoded),
+                           tuple(key for key, _ in encoded))
 
     def save_durably(self, snapshot: KVSnapshot, chain: BlockChain, *, start: int = 0,
                      timeout: float = DURABLE_WAIT_S) -> BlocksSaved:
@@ -187,15 +185,21 @@ class BlockStore:
             for key in keys:
                 self._known[key] = None
 
-    def _put(self, key: str, data: bytes) -> None:
-        for tier in self._near:
-            try:
-                tier.put(key, data)
-            except BlockTierUnavailable as error:
-                logger.warning("KV block %s not kept in the %s tier: %s", key, tier.name, error)
-        self._remember([key])  # NOTE: before the queue: a failure reported at once must win
-        if self._behind is not None and not self._behind.submit(key, data):
-            self._not_persisted(key)
+    def _put(self, blocks: Sequence[tuple[str, bytes]]) -> None:
+        """Keep a chain's new blocks (in log order) in the near tiers and queue them for the far ones.
+        NOTE: the near tiers get them last first, so a chain's first blocks — those other chains share,
+        a system prompt — are its most recently used and leave an LRU tier last; the queue persists
+        them first (a crash keeps the leading run a restore needs)."""
+        for key, data in reversed(blocks):
+            for tier in self._near:
+                try:
+                    tier.put(key, data)
+                except BlockTierUnavailable as error:
+                    logger.warning("KV block %s not kept in the %s tier: %s", key, tier.name, error)
+        self._remember(key for key, _ in blocks)  # NOTE: before the queue: a failure reported at once must win
+        for key, data in blocks:
+            if self._behind is not None and not self._behind.submit(key, data):
+                self._not_persisted(key)
 
     # ---- reads ----------------------------------------------------------------------------
     def load(self, namespace: KVNamespace, keys: Sequence[str]) -> LoadedBlocks:
@@ -213,6 +217,7 @@ class BlockStore:
                 found[key] = (data, tier)
         spans: list[KVSnapshot] = []
         sources: list[str] = []
+        promoted: list[tuple[str, bytes, BlockTier]] = []
         parent = namespace.id
         for index, key in enumerate(wanted):
             if key not in found:
@@ -230,6 +235,8 @@ class BlockStore:
                 break
             parent = key
             sources.append(tier.name)
+            promoted.append((key, data, tier))
+        for key, data, tier in reversed(promoted):  # NOTE: last first, as ``_put``: the shared first blocks stay
             self._promote(key, data, tier)
         self._remember(wanted[:len(spans)])
         return LoadedBlocks(spans, tuple(sources))

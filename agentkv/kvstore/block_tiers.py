@@ -247,11 +247,12 @@ class HostBlocks:
         self._lock = threading.Lock()
 
     def get_many(self, keys: Sequence[str]) -> dict[str, bytes]:
-        """The blocks held among ``keys``; each one read becomes the most recently used."""
+        """The blocks held among ``keys``; each one read becomes recently used, the first of ``keys``
+        (a chain's, in log order: the ones other chains share) the most recently."""
         wanted = [check_key(key) for key in keys]
         found: dict[str, bytes] = {}
         with self._lock:
-            for key in wanted:
+            for key in reversed(wanted):
                 held = self._cache.get(key)  # LRUCache.get refreshes recency
                 if held is not None:
                     found[key] = held.data
