@@ -48,9 +48,9 @@ def offload_engine():
     return StatefulEngine(num_slots=2, exact=True, prefix_cache_bytes=0)
 
 
-PREAMBLE = "A game of memory: the user says one secret word, and whenever the user asks for it, the answer is that " \
-           "word, exactly as it was said, with nothing else. The word can be any word at all. " * 2
-"""~70 tokens before the needle: each session's KV fills full 32-token blocks, so offloads keep blocks, not tails."""
+PREAMBLE = ("A game of memory: the user says one secret word, and whenever the user asks for it, the answer is that "
+            "word, exactly as it was said, with nothing else. The word can be any word at all. ")
+"""With it a first prompt is ~68 tokens: two full 32-token blocks, so offloads keep blocks, not tails only."""
 
 
 def first_prompt(engine, needle: str) -> list[int]:
