@@ -152,3 +152,22 @@ async def test_a_streamed_answer_ready_at_once_is_one_chunk_with_all_its_text_fi
     generated = chunks[-1]["usage"]["completion_tokens"]
     assert texts == ["The quick brown fox jumps over the lazy dog."] and generated > 1
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]].count("stop") == 1
+
+
+async def test_a_streamed_response_ready_at_once_is_one_text_delta_event_and_completes_once(monkeypatch):
+    async def instant(self, fn, *args):  # NOTE: no wait between steps: every token is ready at once
+        return fn(*args)
+
+    monkeypatch.setattr(ScriptedBackend, "run_blocking", instant)
+    engine = ScriptedEngine(["The quick brown fox jumps over the lazy dog."])
+    app = create_app(engine, model_id="scripted")
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        payload = {"model": "scripted", "input": "A pangram?", "stream": True, "store": False}
+        async with client.stream("POST", "/v1/responses", json=payload) as response:
+            lines = [line[6:] async for line in response.aiter_lines() if line.startswith("data: ")]
+    events = [json.loads(line) for line in lines]
+    kinds = [e["type"] for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds.count("response.completed") == 1
+    deltas = [e["delta"] for e in events if e["type"] == "response.output_text.delta"]
+    assert deltas == ["The quick brown fox jumps over the lazy dog."]
+    assert events[-1]["response"]["usage"]["output_tokens"] > 1

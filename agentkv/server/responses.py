@@ -56,6 +56,7 @@ from agentkv.server.response_stream import ResponseOutput
 from agentkv.server.response_wire import ResponseRequest, new_id, response_object, response_usage
 from agentkv.server.runs import Prepared, Runs, kv_namespace, leading_system
 from agentkv.server.session_ids import SESSION_HEADER, new_session_id
+from agentkv.server.stream_batches import joined_deltas, ready_batches
 from agentkv.server.wire import TokenCounts, cache_break_field
 
 RESPONSE_HEADER = "X-Response-Id"
@@ -227,8 +228,9 @@ class Responses:
             note.update(session=plan.session_id)
             try:
                 events = self._stored_events(plan, session) if session else self._unstored_events(plan)
-                async with aclosing(events) as run:
-                    async for event in run:
+                # NOTE: the deltas ready at once (a decode run's) go out as one delta event (stream_batches.py)
+                async with aclosing(events) as run, aclosing(ready_batches(run)) as batches:
+                    async for batch in batches:
                         if stop is not None and stop.is_set():
                             raise _Stopped
                         if output.sequence == 0:  # NOTE: the input was accepted: the response exists now
@@ -236,15 +238,16 @@ class Responses:
                                                       status="in_progress")
                             yield output.event("response.created", response=pending)
                             yield output.event("response.in_progress", response=pending)
-                        if isinstance(event, RunFinished):
-                            body = self._body(plan, response_id, created, output, event.result)
-                            if session is not None:  # NOTE: under the run's lease: no other replica is between
-                                assert self.store is not None
-                                await self.store.save_response(response_id, session.id, body, owner=plan.owner,
-                                                               fence=session.lease_token)
-                                saved = True
-                        for item in output.feed(event):
-                            yield item
+                        for event in joined_deltas(batch):
+                            if isinstance(event, RunFinished):
+                                body = self._body(plan, response_id, created, output, event.result)
+                                if session is not None:  # NOTE: under the run's lease: no other replica between
+                                    assert self.store is not None
+                                    await self.store.save_response(response_id, session.id, body, owner=plan.owner,
+                                                                   fence=session.lease_token)
+                                    saved = True
+                            for item in output.feed(event):
+                                yield item
                 assert body is not None
             except BaseException as error:
                 if session is not None and plan.previous is None and not saved:  # no response refers to it
