@@ -132,42 +132,40 @@ def test_joined_deltas_join_runs_of_the_same_kind_and_keep_the_order():
         [TextDelta("a"), ReasoningDelta("b"), TextDelta("c")]
 
 
-async def test_a_streamed_answer_ready_at_once_is_one_chunk_with_all_its_text_finished_once(monkeypatch):
-    async def instant(self, fn, *args):  # NOTE: no wait between steps: every token is ready at once
+PANGRAM = "The quick brown fox jumps over the lazy dog."
+
+
+async def stream_all_ready_at_once(monkeypatch, path: str, payload: dict) -> list[str]:
+    """The ``data:`` lines of a stream from ``path`` whose answer (``PANGRAM``) has every token ready
+    at once: no wait between the model's steps."""
+    async def instant(self, fn, *args):
         return fn(*args)
 
     monkeypatch.setattr(ScriptedBackend, "run_blocking", instant)
-    engine = ScriptedEngine(["The quick brown fox jumps over the lazy dog."])
-    app = create_app(engine, model_id="scripted")
+    app = create_app(ScriptedEngine([PANGRAM]), model_id="scripted")
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
-        payload = {"model": "scripted", "messages": [{"role": "user", "content": "A pangram?"}], "stream": True,
-                   "stream_options": {"include_usage": True}}
-        async with client.stream("POST", "/v1/chat/completions", json=payload) as response:
-            lines = [line[6:] async for line in response.aiter_lines() if line.startswith("data: ")]
+        async with client.stream("POST", path, json={"model": "scripted", "stream": True, **payload}) as response:
+            return [line[6:] async for line in response.aiter_lines() if line.startswith("data: ")]
+
+
+async def test_a_streamed_answer_ready_at_once_is_one_chunk_with_all_its_text_finished_once(monkeypatch):
+    lines = await stream_all_ready_at_once(monkeypatch, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "A pangram?"}], "stream_options": {"include_usage": True}})
     assert lines[-1] == "[DONE]"
     chunks = [json.loads(line) for line in lines[:-1]]
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
     assert deltas[0] == {"role": "assistant", "content": ""}
     texts = [d["content"] for d in deltas[1:] if d.get("content")]
     generated = chunks[-1]["usage"]["completion_tokens"]
-    assert texts == ["The quick brown fox jumps over the lazy dog."] and generated > 1
+    assert texts == [PANGRAM] and generated > 1
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]].count("stop") == 1
 
 
 async def test_a_streamed_response_ready_at_once_is_one_text_delta_event_and_completes_once(monkeypatch):
-    async def instant(self, fn, *args):  # NOTE: no wait between steps: every token is ready at once
-        return fn(*args)
-
-    monkeypatch.setattr(ScriptedBackend, "run_blocking", instant)
-    engine = ScriptedEngine(["The quick brown fox jumps over the lazy dog."])
-    app = create_app(engine, model_id="scripted")
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
-        payload = {"model": "scripted", "input": "A pangram?", "stream": True, "store": False}
-        async with client.stream("POST", "/v1/responses", json=payload) as response:
-            lines = [line[6:] async for line in response.aiter_lines() if line.startswith("data: ")]
+    lines = await stream_all_ready_at_once(monkeypatch, "/v1/responses", {"input": "A pangram?", "store": False})
     events = [json.loads(line) for line in lines]
     kinds = [e["type"] for e in events]
     assert kinds[:2] == ["response.created", "response.in_progress"] and kinds.count("response.completed") == 1
     deltas = [e["delta"] for e in events if e["type"] == "response.output_text.delta"]
-    assert deltas == ["The quick brown fox jumps over the lazy dog."]
+    assert deltas == [PANGRAM]
     assert events[-1]["response"]["usage"]["output_tokens"] > 1

@@ -277,12 +277,14 @@ class SlotBackend:
         or offloaded), whichever covers more; with the prefix cache on only:
         ``hit = await backend.cached_prefix(prompt, reused, salt=session.salt)``."""
         hit = self.prefix_hit(prompt, reused, salt=salt)
-        if self.prefix_cache is None:
-            return hit
         held = reused if hit is None else hit.num_tokens
+        better_than = held + MIN_PREFIX_HIT_TOKENS - 1
+        # NOTE: a turn that continues its session (nearly always) has no block to gain: no thread hop
+        if self.prefix_cache is None or self.pool.host.prefix_room(len(prompt)) <= better_than:
+            return hit
         cuts = [len(mark) for mark in self.boundaries.prefixes_of(prompt, salt=salt)]
         stored = await self.run_blocking(partial(self.pool.host.find_prefix, prompt, salt=salt, cuts=cuts,
-                                                 better_than=held + MIN_PREFIX_HIT_TOKENS - 1))
+                                                 better_than=better_than))
         if stored is None:
             return hit
         if hit is not None:

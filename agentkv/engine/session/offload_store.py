@@ -76,7 +76,6 @@ class OffloadReceipt:
         """Made by ``OffloadStore.put``: ``blocks`` holds the KV's blocks under ``keys`` (pinned
         there until ``release``), ``tail`` the tokens past the last full block."""
         self.num_tokens = snapshot.num_tokens
-        self.fingerprint = snapshot.fingerprint
         self.namespace = namespace
         self.keys = keys
         """The keys of the log's full blocks, in order."""
@@ -127,10 +126,9 @@ class OffloadStore:
         tiers: list[BlockTier] = [HostBlocks(sys.maxsize if budget_bytes is None else max(1, budget_bytes))]
         if spill_dir is not None:
             tiers.append(DiskBlocks(Path(spill_dir)))
-        self.budget_bytes = budget_bytes
         self.blocks = BlockStore(tiers)
         """Where the blocks live (the runtime's store's blocks after ``use_blocks``)."""
-        self._own_blocks: BlockStore | None = self.blocks
+        self._own_blocks = self.blocks
         self.block_size = self._own_block_size = block_size
         self._namespace_for = namespace_for
         self._lock = threading.Lock()
@@ -157,7 +155,7 @@ class OffloadStore:
             raise UserError("this offload store has no namespace yet: the engine sets it (use_namespaces)")
         private = snapshot.shifted or snapshot.cuts is None
         with self._lock:
-            if self.blocks.closed and self._own_blocks is not None:  # NOTE: the runtime's store closed before us
+            if self.blocks.closed:  # NOTE: the runtime's store closed before us: back to our own
                 self.blocks, self.block_size = self._own_blocks, self._own_block_size
             blocks, size = self.blocks, self.block_size
         # NOTE: shifted or cut-less KV matches no other log: keyed in a namespace only its receipt knows
@@ -165,8 +163,7 @@ class OffloadStore:
                                         block_size=size)
         keyed = replace(snapshot, shifted=False, cuts=()) if private else snapshot
         chain = namespace.chain(keyed.tokens, cuts=keyed.cuts or ())
-        start = blocks.first_unknown(chain.keys) * size
-        saved = blocks.save(keyed.span(start, keyed.num_tokens) if start else keyed, chain, start=start)
+        saved = blocks.save(keyed, chain)  # NOTE: writes only the blocks no tier is known to hold
         whole = len(chain.keys) * size
         receipt = OffloadReceipt(self, blocks, snapshot, namespace, tuple(chain.keys),
                                  keyed.span(whole, keyed.num_tokens), private=private)
@@ -179,6 +176,11 @@ class OffloadStore:
         return receipt
 
     # ---- prefixes --------------------------------------------------------------------------
+    def prefix_room(self, length: int) -> int:
+        """Tokens of full blocks a prompt of ``length`` tokens could take from the store, leaving one
+        to prefill: a caller skips ``find_prefix`` when that is no more than it holds already."""
+        return max(0, (length - 1) // self.block_size * self.block_size)
+
     def find_prefix(self, tokens: Sequence[int], *, salt: str = "", cuts: Sequence[int] = (),
                     better_than: int = 0) -> KVSnapshot | None:
         """The KV of the longest run of ``tokens``' full blocks the store is known to hold, keyed
@@ -186,15 +188,13 @@ class OffloadStore:
         prompt and first message, a history a save wrote): None unless it covers more than
         ``better_than`` tokens and leaves one to prefill (blocking):
         ``hit = store.find_prefix(prompt, cuts=[len(system)], better_than=16)``."""
-        if self._namespace_for is None:
-            return None
         with self._lock:
             blocks, size = self.blocks, self.block_size
-        usable = (len(tokens) - 1) // size
-        if usable * size <= better_than or blocks.closed:
+        usable = self.prefix_room(len(tokens))
+        if self._namespace_for is None or usable <= better_than or blocks.closed:
             return None
         namespace = self._namespace_for(salt=salt, block_size=size)
-        keys = namespace.chain(tokens[: usable * size], cuts=[c for c in cuts if c < usable * size]).keys
+        keys = namespace.chain(tokens[:usable], cuts=[c for c in cuts if c < usable]).keys
         known = blocks.first_unknown(keys)  # NOTE: blocks this process wrote or holds: no probe of a remote tier
         if known * size <= better_than:
             return None
@@ -247,5 +247,4 @@ class OffloadStore:
 
     def close(self) -> None:
         """Stop the engine's own block store's writers (the runtime's store closes its own)."""
-        if self._own_blocks is not None:
-            self._own_blocks.close(timeout=5.0)
+        self._own_blocks.close(timeout=5.0)
