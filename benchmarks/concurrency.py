@@ -18,7 +18,6 @@ The last line is one JSON object. Run: ``python benchmarks/concurrency.py [--ses
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import anyio
@@ -28,6 +27,7 @@ from _turns import SENTENCES, padded_turn
 from agentkv.engine.base import GenerationConfig, KVSession
 from agentkv.engine.paged.engine import PagedEngine
 from agentkv.engine.stateful.engine import StatefulEngine
+from _results import print_result
 
 ANSWER = 64
 CFG = GenerationConfig(max_new_tokens=ANSWER, ignore_eos=True)
@@ -160,7 +160,7 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     args = parser.parse_args()
     counts = sorted(set(args.sessions) | {8})
-    print(json.dumps(anyio.run(measure, counts)))
+    print_result(__file__, anyio.run(measure, counts))
 
 
 if __name__ == "__main__":

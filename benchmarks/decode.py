@@ -43,6 +43,7 @@ from _decode_workloads import CHATS, QUOTE_DOCS, Mode, quote_messages
 
 from agentkv.chat.toolcalls import tool_call_grammar
 from agentkv.engine.base import Engine, GenerationConfig, GenerationResult, TokenConstraint
+from _results import print_result
 
 CASES_PATH = Path(__file__).resolve().parents[1] / "tests" / "data" / "function_calling.json"
 
@@ -295,7 +296,7 @@ async def main(args: argparse.Namespace) -> None:
     def equal_answers(pair: tuple[Mode, Mode] | None) -> str | None:
         return f"{sum(a == b for a, b in zip(pair[0].answers, pair[1].answers))}/{pair[0].calls}" if pair else None
 
-    print(json.dumps({
+    print_result(__file__, {
         "numerics": "exact" if args.exact else "default",
         "toolcall_calls": off.calls,
         "plain_decode_tps_toolcalls": round(off.decode_tps, 2),
@@ -329,7 +330,7 @@ async def main(args: argparse.Namespace) -> None:
         **batched_figures(rounds),
         "mean_tokens_per_call_toolcalls": round(statistics.fmean(len(a) for a in on.answers), 1) if on.answers
         else None,
-    }))
+    })
 
 
 if __name__ == "__main__":

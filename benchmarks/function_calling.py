@@ -31,6 +31,7 @@ import jsonschema
 from agentkv import Agent, GenerationConfig, Runtime, tool
 from agentkv.chat.toolcalls import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, partial_open_tag
 from agentkv.engine.base import Engine
+from _results import print_result
 
 CASES_PATH = Path(__file__).resolve().parents[1] / "tests" / "data" / "function_calling.json"
 TARGET = 0.95
@@ -200,7 +201,7 @@ async def main(count: int | None, max_new_tokens: int) -> None:
     print(f"\nvalid cases: {figures['valid_cases']}/{figures['cases']} = {figures['valid_ratio']:.1%} "
           f"(target {TARGET:.0%}); valid calls {figures['valid_call_ratio']:.1%} of {figures['calls']}; "
           f"markup leaks {figures['markup_leaks']}; expected tools called {figures['expected_tools_ratio']:.1%}")
-    print(json.dumps({"benchmark": "function_calling", "target": TARGET, **figures}))
+    print_result(__file__, {"benchmark": "function_calling", "target": TARGET, **figures})
 
 
 if __name__ == "__main__":

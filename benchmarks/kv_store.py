@@ -24,7 +24,6 @@ Run: ``python benchmarks/kv_store.py [--turns 30] [--agents 32] [--model PATH]``
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -38,6 +37,7 @@ from _turns import padded_turn
 from agentkv import Agent, GenerationConfig, Runtime
 from agentkv.engine.factory import open_engine
 from agentkv.memory import Store
+from _results import print_result
 
 ANSWER = GenerationConfig(max_new_tokens=32)
 SHORT = GenerationConfig(max_new_tokens=16)
@@ -192,7 +192,7 @@ def main() -> None:
     parser.add_argument("--bytes-only", action="store_true", help="only the two byte ratios (no timings)")
     args = parser.parse_args()
     out = anyio.run(main_async, args)
-    print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}))
+    print_result(__file__, {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()})
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ Run: ``python benchmarks/multiturn.py [--turns 13] [--paged-prefill-chunk 0]``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 
 import anyio
@@ -26,6 +25,7 @@ from agentkv.chat.render import ChatRenderer
 from agentkv.engine.base import GenerationConfig, KVSession
 from agentkv.engine.paged.engine import PagedEngine
 from agentkv.engine.stateful.engine import StatefulEngine
+from _results import print_result
 
 
 def user_turn(engine: StatefulEngine, turn: int, target: int = 100) -> str:
@@ -141,7 +141,8 @@ def main() -> None:
     print(f"decode: agentkv stateful {1 / data['tpot']:.1f}, paged {1 / data['paged_tpot']:.1f} "
           f"(with drafts {1 / data['paged_drafts_tpot']:.1f}), LLMPipeline SDPA "
           f"{1 / data['genai_tpot']:.1f}, default {1 / data['genai_default_tpot']:.1f} tok/s")
-    print(json.dumps({k: round(v, 3) for k, v in ratio.items()}))
+    print_result(__file__, {k: round(v, 3) for k, v in ratio.items()}, rows=rows,
+                 tpot_s={k: v for k, v in data.items() if k != "rows"})
 
 
 if __name__ == "__main__":

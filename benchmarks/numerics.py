@@ -12,7 +12,6 @@ Run: ``.venv/bin/python benchmarks/numerics.py [--repeats 3] [--configs default/
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 
 import anyio
@@ -20,6 +19,7 @@ import numpy as np
 
 from agentkv.engine.base import GenerationConfig
 from agentkv.engine.stateful.engine import StatefulEngine
+from _results import print_result
 
 DQ_OFF = {"DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}
 F32_INFER = {"INFERENCE_PRECISION_HINT": "f32"}
@@ -101,7 +101,7 @@ def main() -> None:
                     out[f"{label}_{key}"] = round(medians[name][key] / ref[key], 3)
     out["medians"] = {name: {"prefill_1k_s": round(m["prefill_1k"], 4), "delta_ms": round(m["delta"] * 1000, 2),
                              "decode_tps": round(m["decode_tps"], 2)} for name, m in medians.items()}
-    print(json.dumps(out))
+    print_result(__file__, out)
 
 
 if __name__ == "__main__":

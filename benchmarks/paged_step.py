@@ -10,7 +10,6 @@ Run: ``.venv/bin/python benchmarks/paged_step.py [--repeats 3]``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -25,6 +24,7 @@ from agentkv.engine.paged.model import PagedModel, SequenceStep
 from agentkv.engine.paged.block_table import blocks_for
 from agentkv.engine.paged.slot import PagedSlot
 from agentkv.engine.stateful.engine import StatefulEngine
+from _results import print_result
 
 IDS = np.random.default_rng(0).integers(200, 40000, 4000).tolist()
 HISTORY, TURN, DECODE = 1700, 116, 64
@@ -107,13 +107,13 @@ async def main(repeats: int) -> None:
           f"{med['paged']['decode_tps']:.1f} tok/s |\n"
           f"| 8 sequences decoding | — | {med['batch']['batched_tps']:.0f} tok/s "
           f"together, {med['batch']['sequential_tps']:.0f} one at a time |")
-    print(json.dumps({
+    print_result(__file__, {
         "stateful_over_paged_prefill_1700": round(med["stateful"]["prefill"] / med["paged"]["prefill"], 2),
         "stateful_over_paged_turn_ttft": round(med["stateful"]["turn"] / med["paged"]["turn"], 2),
         "paged_over_stateful_decode": round(med["paged"]["decode_tps"] / med["stateful"]["decode_tps"], 2),
         "batched_over_sequential_8": round(med["batch"]["batched_tps"] / med["batch"]["sequential_tps"], 2),
         "medians": med,
-    }))
+    })
 
 
 if __name__ == "__main__":

@@ -6,13 +6,13 @@ the last line is one JSON object ``{"full_over_sliced_prefill": {length: ratio}}
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 
 import numpy as np
 
 from agentkv.engine.stateful.engine import StatefulEngine
+from _results import print_result
 
 
 def prefill_seconds(engine: StatefulEngine, length: int, repeats: int = 5) -> float:
@@ -36,7 +36,7 @@ def main() -> None:
         a, b = prefill_seconds(sliced, length), prefill_seconds(full, length)
         ratios[length] = round(b / a, 3)
         print(f"{length:7d} {a * 1000:10.1f} {b * 1000:10.1f} {b / a:12.2f}")
-    print(json.dumps({"full_over_sliced_prefill": ratios}))
+    print_result(__file__, {"full_over_sliced_prefill": ratios})
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ Run: ``python benchmarks/prefix.py [--engine both|paged|stateful]``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 
 import anyio
@@ -20,6 +19,7 @@ import anyio
 from agentkv.engine.base import GenerationConfig
 from agentkv.engine.factory import open_engine
 from agentkv.engine.stateful.engine import StatefulEngine
+from _results import print_result
 
 RULES = [
     "Always greet the customer by name when the name is known.",
@@ -99,7 +99,7 @@ def main() -> None:
     for backend in backends:
         figures = anyio.run(measure, args.system_tokens, args.sessions, backend)
         result.update({f"{k}_{backend}": v for k, v in figures.items()})
-    print(json.dumps({k: round(v, 2) for k, v in result.items()}))
+    print_result(__file__, {k: round(v, 2) for k, v in result.items()})
 
 
 if __name__ == "__main__":

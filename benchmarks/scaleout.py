@@ -38,6 +38,7 @@ from _turns import SENTENCES, padded_turn
 
 from agentkv.memory import Store
 from agentkv.testing.cluster import LocalCluster
+from _results import print_result
 
 REPO = Path(__file__).resolve().parents[1]
 SYSTEM = "You are a helpful assistant that summarises text."
@@ -207,7 +208,7 @@ def main() -> None:
         result = measure(args, db, snapshots, opening, follow)
     finally:
         print(f"removed {remove_objects(snapshots)} snapshot objects under {snapshots}")
-    print(json.dumps({k: round(v, 3) for k, v in result.items()}))
+    print_result(__file__, {k: round(v, 3) for k, v in result.items()})
 
 
 def measure(args: argparse.Namespace, db: str, snapshots: str, opening: str, follow: list[str]) -> dict[str, float]:

@@ -22,7 +22,6 @@ Run: ``python benchmarks/server.py [--turns 10] [--decode-repeats 7] [--decode-o
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import statistics
@@ -37,6 +36,7 @@ import openai
 from _turns import SENTENCES, padded_turn
 
 from agentkv import Agent, GenerationConfig, Runtime, RunFinished, TextDelta, open_engine
+from _results import print_result
 
 SYSTEM = "You are a helpful assistant that summarises text."
 ANSWER_TOKENS = 64
@@ -176,7 +176,7 @@ def main() -> None:
     if args.decode_only:
         with server() as url:
             decoded = decode_side_by_side(url, args.decode_repeats)
-        print(json.dumps(decode_figures(decoded)))
+        print_result(__file__, decode_figures(decoded), variant="decode")
         return
     from agentkv.engine.openvino.tokenizer import OVTokenizer
     from agentkv.engine.openvino.models import resolve_model
@@ -196,7 +196,7 @@ def main() -> None:
         "server_over_direct_ttft": statistics.median(runs["server"][later]) / statistics.median(runs["direct"][later]),
         "stateless_server_over_agentkv_server_ttft_turn10": runs["stateless_server"][-1] / runs["server"][-1],
     }
-    print(json.dumps({**{k: round(v, 3) for k, v in result.items()}, **decode_figures(decoded)}))
+    print_result(__file__, {**{k: round(v, 3) for k, v in result.items()}, **decode_figures(decoded)})
 
 
 def decode_figures(decoded: dict[str, list[float]]) -> dict[str, float]:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import resource
 import time
 from pathlib import Path
@@ -42,6 +41,7 @@ from agentkv.chat.messages import Message
 from agentkv.chat.render import ChatRenderer
 from agentkv.engine.base import GenerationConfig
 from agentkv.engine.factory import open_engine
+from _results import print_result
 
 SYSTEM = "You are a helpful assistant that summarises text."
 
@@ -146,7 +146,7 @@ def main() -> None:
     out["ttft_over_genai"] = agentkv["ttft_s"] / genai["ttft_s"]
     out["decode_over_genai"] = agentkv["decode_tps"] / genai["decode_tps"]
     out["peak_rss_gib"] = peak_rss_gib()
-    print(json.dumps(_rounded(out)))
+    print_result(__file__, _rounded(out))
 
 
 def _cpu_flags() -> str:

@@ -38,6 +38,7 @@ from agentkv.engine.base import GenerationConfig
 from agentkv.engine.factory import ENGINE_ENV, open_engine
 from agentkv.engine.stateful.engine import StatefulEngine
 from agentkv.kv.snapshot import KVSnapshot
+from _results import print_result
 
 PARAGRAPHS = [
     "The harbour authority reported that container traffic rose in the spring, mostly from new routes to the north.",
@@ -208,7 +209,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="agentkv-bench-") as workdir:
             tokens = 1500 if args.history_tokens == 2000 else args.history_tokens
             result = file_formats(tokens, args.repeats, Path(workdir))
-        print(json.dumps({k: round(v, 1) for k, v in result.items()}))
+        print_result(__file__, {k: round(v, 1) for k, v in result.items()}, variant="file_format")
         return
     if args.engine:
         os.environ[ENGINE_ENV] = args.engine  # NOTE: the child process inherits it
@@ -219,7 +220,7 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory(prefix="agentkv-bench-") as workdir:
         result = anyio.run(parent, args.history_tokens, Path(workdir))
-    print(json.dumps({k: round(v, 2) for k, v in result.items()}))
+    print_result(__file__, {k: round(v, 2) for k, v in result.items()})
 
 
 if __name__ == "__main__":

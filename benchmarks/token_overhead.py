@@ -19,7 +19,6 @@ Run: ``.venv/bin/python benchmarks/token_overhead.py [--tokens 160] [--repeats 5
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -30,6 +29,7 @@ from agentkv.engine.base import GenerationConfig
 from agentkv.engine.paged.engine import PagedEngine
 from agentkv.engine.paged.slot import PagedSlot
 from agentkv.kv.log import KVLog
+from _results import print_result
 
 PROMPT = "Write a long story about a cat who travels around the world and meets many friends."
 
@@ -175,7 +175,7 @@ def main() -> None:
     medians = anyio.run(measure, args.tokens, args.repeats, args.history)
     for name, m in medians.items():
         print(f"{name:10s} " + "  ".join(f"{k} {v:.3f}" for k, v in m.items()))
-    print(json.dumps({
+    print_result(__file__, {
         "overhead_ms_thread": round(medians["thread"]["overhead_ms"], 3),
         "overhead_ms_one_by_one": round(medians["one_by_one"]["overhead_ms"], 3),
         "overhead_ms_event_loop": round(medians["event_loop"]["overhead_ms"], 3),
@@ -186,7 +186,7 @@ def main() -> None:
         "event_loop_cpu_ms_per_token_thread": round(medians["thread"]["event_loop_cpu_ms"], 3),
         "event_loop_cpu_ms_per_token_event_loop": round(medians["event_loop"]["event_loop_cpu_ms"], 3),
         "tpot_event_loop_over_thread": round(medians["event_loop"]["tpot_ms"] / medians["thread"]["tpot_ms"], 3),
-    }))
+    })
 
 
 if __name__ == "__main__":

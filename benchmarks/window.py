@@ -12,7 +12,6 @@ same point. The last line is one JSON object. Run: ``python benchmarks/window.py
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from agentkv import Agent, GenerationConfig, Runtime, open_engine
 from agentkv.engine.base import Engine
 from agentkv.events import ContextCompacted, ModelCallFinished, TextDelta
 from agentkv.policies import SlidingWindow, SummarizeAndReprefill, Truncation
+from _results import print_result
 
 POLICIES = {"truncation": Truncation, "sliding_window": SlidingWindow, "summarize_and_reprefill": SummarizeAndReprefill}
 
@@ -142,7 +142,7 @@ def main() -> None:
         if both else None,
         "policies": {name: run.summary() for name, run in results.items()},
     }
-    print(json.dumps(summary))
+    print_result(__file__, summary)
 
 
 if __name__ == "__main__":
