@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test model bench clean zoo zoo-venv sized-model
+.PHONY: demo test model bench clean zoo zoo-venv sized-model docs docs-figures docs-test release-test
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,13 +37,43 @@ test: model
 	$(PY) -m ruff check
 	$(PY) -m compileall -q agentkv tests > /dev/null
 	types=$$(mktemp); nice -n 10 $(PY) -m mypy > $$types 2>&1 & checker=$$!; \
-	AGENTKV_TEST_CORE_PER_WORKER=1 $(PY) -m pytest -p no:langsmith_plugin -q -m "not slow" -n auto \
+	AGENTKV_TEST_CORE_PER_WORKER=1 $(PY) -m pytest -p no:langsmith_plugin -q -m "not slow and not docs and not release" -n auto \
 		--maxprocesses=2 --dist loadfile --durations=10; suite=$$?; \
 	wait $$checker; typed=$$?; echo "mypy:"; cat $$types; rm -f $$types; \
 	test $$suite -eq 0 && test $$typed -eq 0
 
 bench: model
 	$(PY) benchmarks/multiturn.py
+
+# The documentation site (mkdocs-material + mkdocstrings, mkdocs.yml): built strictly into site/, so a
+# broken link, anchor or API reference fails the build. The `docs` extra goes into .venv once (its
+# stamp follows pyproject.toml); make test does not need it.
+DOCS_STAMP := $(VENV)/.docs-installed
+$(DOCS_STAMP): pyproject.toml $(STAMP)
+	$(PY) -c "import tomllib; print('\\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['docs']))" > $(VENV)/docs-requirements.txt
+	$(PY) -m pip install -q -r $(VENV)/docs-requirements.txt
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet -d site
+
+# The benchmark pages' tables and plots (docs/figures/benchmarks/) from benchmarks/results/*.json,
+# which each benchmark script saves when run (benchmarks/_results.py).
+docs-figures: $(DOCS_STAMP)
+	$(PY) scripts/docs_figures.py
+
+# The built site in headless Chromium (Debian's package, installed when missing): the home page, a
+# guide and an API page render with their navigation; screenshots go to a temp directory it prints.
+# Not part of make test (pytest marker `docs`).
+docs-test: docs
+	bash scripts/install_chromium.sh > /dev/null
+	AGENTKV_DOCS_SITE=site $(PY) -m pytest -p no:langsmith_plugin -q -s -m docs tests/docs
+
+# The release: the wheel and the sdist built, the wheel installed in a fresh venv (no editable
+# install, no repository on the path), `agentkv --help` and a short script on the default model.
+# Not part of make test (pytest marker `release`).
+release-test: model
+	$(PY) -m pytest -p no:langsmith_plugin -q -m release tests/test_release_wheel.py
 
 # The model zoo (tests/data/zoo, kept in the repo): built in its own venv from the `zoo` extra.
 # torch==2.13.0 (the CPU wheel) goes in first and is held by a constraint; torchvision, which
