@@ -1,47 +1,34 @@
-"""The shipped examples work with the shipped model: the README's snippets, examples/*.py and
-``agentkv chat --tools`` (issue 23, items 19 and 21). Code is read from the README itself."""
+"""The shipped examples work with the shipped model: the README's quickstart, the guides' snippets,
+examples/*.py and ``agentkv chat --tools`` (issue 23, items 19 and 21; issue 48). Code is read from
+the README and the guides themselves (``tests/_doc_blocks.py``); every block of them also runs in
+``tests/test_docs_code.py``. The tests here run scripted; the real-model ones are in
+``tests/model/test_examples_model.py``."""
 
 from __future__ import annotations
-
-import re
-import textwrap
-from pathlib import Path
 
 import anyio
 
 import agentkv
+from _doc_blocks import ROOT, doc_block, run_snippet
 from agentkv import Runtime
 from agentkv.testing import ScriptedEngine
 
-ROOT = Path(__file__).resolve().parents[1]
+AGENTS_AND_TOOLS = ROOT / "docs" / "guides" / "agents-and-tools.md"
 
 
 def readme_block(containing: str) -> str:
     """The README's one ```python block that contains ``containing``."""
-    blocks = [b for b in re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(encoding="utf-8"), re.S)
-              if containing in b]
-    assert len(blocks) == 1, f"{len(blocks)} README blocks contain {containing!r}"
-    return blocks[0]
+    return doc_block(ROOT / "README.md", containing).code
 
 
 # -- the caller-executed tools snippet -------------------------------------------------------
 
 def run_caller_snippet(runtime: Runtime) -> dict:
-    """Run the README's caller-executed-tools snippet on ``runtime``; its namespace after."""
-    code = readme_block("pending_tool_calls")
-    head, tail = code.split("result = await runtime.run(session", 1)
-    namespace: dict = {name: getattr(agentkv, name) for name in agentkv.__all__}
-    exec(head, namespace)
-    body = "async def _snippet(runtime, session):\n" + textwrap.indent(
-        "result = await runtime.run(session" + tail, "    ") + "\n    return locals()\n"
-    exec(body, namespace)
-
-    async def run():
-        session = await runtime.open_conversation(namespace["agent"])
-        return await namespace["_snippet"](runtime, session), session
-
-    found, session = anyio.run(run)
-    return {**found, "session": session}
+    """Run the agents-and-tools guide's caller-executed-tools snippet on ``runtime``; its namespace after."""
+    namespace: dict = {name: getattr(agentkv, name) for name in agentkv.__all__ if name != "open_engine"}
+    namespace["runtime"] = runtime
+    anyio.run(run_snippet, doc_block(AGENTS_AND_TOOLS, "pending_tool_calls"), namespace)
+    return namespace
 
 
 def test_the_caller_tools_snippet_answers_every_pending_call():
@@ -50,14 +37,7 @@ def test_the_caller_tools_snippet_answers_every_pending_call():
     engine = ScriptedEngine([two_calls, "18 C in both."])
     found = run_caller_snippet(Runtime(engine))
     assert found["result"].finish_reason == "stop" and found["result"].final_text == "18 C in both."
-    results = [m for m in found["session"].messages if m.role == "tool"]
+    results = [m for m in found["conversation"].messages if m.role == "tool"]
     assert len(results) == 2 and {m.tool_call_id for m in results} == {
-        c.id for m in found["session"].messages for c in m.tool_calls}
+        c.id for m in found["conversation"].messages for c in m.tool_calls}
     engine.assert_complete()
-
-
-# -- tool calls on the default model ---------------------------------------------------------
-
-
-# -- the resume example --------------------------------------------------------------------
-

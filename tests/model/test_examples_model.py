@@ -1,5 +1,6 @@
-"""The shipped examples work with the shipped model: the README's snippets, examples/*.py and
-``agentkv chat --tools`` (issue 23, items 19 and 21). Code is read from the README itself.
+"""The shipped examples work with the shipped model: the README's quickstart, the guides' caller-tools
+snippet, examples/*.py and ``agentkv chat --tools`` (issue 23, items 19 and 21). Code is read from the
+README and the guides themselves.
 
 The tests here run the real model; the scripted ones are in ``tests/test_examples.py``."""
 
@@ -34,7 +35,7 @@ def agentkv_home(tmp_path, monkeypatch):
 
 def test_the_caller_tools_snippet_runs_on_the_default_model(engine):
     found = run_caller_snippet(Runtime(engine))
-    messages = found["session"].messages
+    messages = found["conversation"].messages
     first_calls = {c.id for c in messages[1].tool_calls}
     answered = {m.tool_call_id for m in messages if m.role == "tool"}
     assert first_calls and first_calls <= answered      # every call of the first model call got its result
@@ -63,7 +64,7 @@ def test_chat_with_tools_answers_through_the_calculator_without_looping(tmp_path
     assert "<tool" not in result.output and "17 * 23 = 17 * 23" not in result.output
 
 
-def test_the_resume_example_resumes_its_session_from_the_snapshot(tmp_path, monkeypatch, capsys):
+def test_the_resume_example_resumes_its_conversation_from_the_snapshot(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     example = load_example("resume")
     anyio.run(example.main)

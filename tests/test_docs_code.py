@@ -1,0 +1,54 @@
+"""Every ```python block of README.md and docs/**/*.md runs, so the docs cannot rot (issue 48).
+
+Each page's blocks run in order (``tests/_doc_blocks.py``) on the stand-in model of
+``tests/_doc_model.py`` (a ``ScriptedEngine`` answering the guides' questions), with the real
+runtime, store (SQLite in a temporary ``AGENTKV_HOME``) and server code. A block that needs a
+running server says so on its first line (``# needs: ...``) and is the only kind not run here; the
+README's quickstart also runs on the default model in ``tests/model/test_examples_model.py``."""
+
+from __future__ import annotations
+
+import pytest
+from _doc_blocks import NEEDS, ROOT, doc_pages, python_blocks, run_page
+from _doc_model import scripted_open_engine
+
+PAGES = [page for page in doc_pages() if any(block.needs is None for block in python_blocks(page))]
+"""The pages with a block the tests run."""
+
+
+@pytest.fixture
+def docs_home(tmp_path, monkeypatch):
+    """A fresh AGENTKV_HOME and working directory, no database or model from the environment."""
+    for name in ("AGENTKV_DB_URL", "AGENTKV_SNAPSHOT_URL", "AGENTKV_MODEL", "AGENTKV_SELF_CHECK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AGENTKV_HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path / "home"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
+def test_every_python_block_of_the_page_runs(page, docs_home, capsys):
+    blocks = python_blocks(page)
+    with scripted_open_engine() as engines:
+        ran = run_page(blocks)
+    assert len(ran) == len([b for b in blocks if b.needs is None]) > 0
+    assert engines and any(engine.calls for engine in engines) or page.name == "your-own-model.md"
+    if any("print(" in block.code for block in ran):
+        assert capsys.readouterr().out.strip()
+
+
+def test_the_readme_and_every_guide_but_scaling_out_have_code_the_tests_run():
+    run = {str(page.relative_to(ROOT)) for page in PAGES}
+    guides = {str(page.relative_to(ROOT)) for page in (ROOT / "docs" / "guides").glob("*.md")}
+    assert {"README.md", "docs/index.md", "docs/getting-started.md"} <= run
+    assert guides - run == {"docs/guides/scaling-out.md"}   # its code needs replicas
+
+
+def test_only_blocks_that_need_a_server_are_left_out_and_they_say_so():
+    left_out = [block for page in doc_pages() for block in python_blocks(page) if block.needs is not None]
+    assert all("agentkv serve" in (block.needs or "") or "replicas" in (block.needs or "") for block in left_out), \
+        [(block.where, block.needs) for block in left_out]
+    assert len(left_out) <= 6, [block.where for block in left_out]
+    marked_later = [block.where for page in doc_pages() for block in python_blocks(page)
+                    if NEEDS in block.code and block.needs is None]
+    assert marked_later == []   # the marker works on the first line only
