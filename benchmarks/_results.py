@@ -34,6 +34,7 @@ CPU_FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_b
 """The instruction sets that change the CPU plugin's numerics and speed (the docs' "Exactness" guide)."""
 
 _STARTED = time.time()
+_LOAD_AT_START = os.getloadavg()
 
 
 def _cpu() -> tuple[str, list[str]]:
@@ -84,6 +85,7 @@ def machine_record() -> dict[str, Any]:
         "cpu": cpu,
         "cpu_flags": flags,
         "cores": os.cpu_count(),
+        "load_average_at_start": [round(load, 2) for load in _LOAD_AT_START],
         "load_average_at_end": [round(load, 2) for load in os.getloadavg()],
         "duration_s": round(time.time() - _STARTED, 1),
         "git_commit": commit,

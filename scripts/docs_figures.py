@@ -17,8 +17,8 @@ this run did not write are deleted (a superseded figure leaves the docs; git kee
 from __future__ import annotations
 
 import json
+import os
 import re
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -42,10 +42,11 @@ def measured_on(record: Record) -> str:
     m = record["measured"]
     flags = ", ".join(m.get("cpu_flags") or []) or "no avx2"
     commit = (m.get("git_commit") or "?")[:10] + (" with uncommitted changes" if m.get("git_dirty") else "")
-    load = m.get("load_average_at_end") or ["?"]
+    start, end = (m.get("load_average_at_start") or [None])[0], (m.get("load_average_at_end") or ["?"])[0]
+    load = f"{start} at the start and {end} at the end" if start is not None else f"{end} at the end"
     command = " ".join([f"python benchmarks/{script_of(record)}.py", *(record.get("argv") or [])])
     return (f"Measured {m['date'].replace('T', ' ').rstrip('Z')} UTC on {m['cpu']} ({flags}; {m['cores']} cores "
-            f"shared with other jobs, load average {load[0]} at the end, so timings carry that noise), "
+            f"shared with other jobs, load average {load}, so timings carry that noise), "
             f"openvino {m.get('openvino')}, commit {commit}: `{command}`, in {m.get('duration_s', '?')} s.")
 
 
@@ -63,7 +64,9 @@ def script_named(name: str) -> str:
 def short_machine(record: Record) -> str:
     """The machine and date in a few words, for a plot's subtitle."""
     m = record["measured"]
-    return f"{m['cpu']} ({', '.join(m.get('cpu_flags') or [])}), {m['cores']} shared cores, {m['date'][:10]}"
+    load = (m.get("load_average_at_end") or ["?"])[0]
+    return (f"{m['cpu']} ({', '.join(m.get('cpu_flags') or [])}), {m['cores']} shared cores (load {load}), "
+            f"{m['date'][:10]}")
 
 
 def number(value: Any) -> str:
@@ -95,18 +98,28 @@ def figures_table(record: Record, skip: tuple[str, ...] = ()) -> str:
     return "| figure | value |\n|---|---:|\n" + "\n".join(rows)
 
 
-def save_plot(figure: Any, record: Record, stem: str, written: list[Path]) -> str:
-    """Save a matplotlib figure under docs/figures/benchmarks and return the page's image line."""
-    FIGURES.mkdir(parents=True, exist_ok=True)
-    path = FIGURES / f"{stem}.png"
-    figure.text(0.01, 0.01, f"measured on {short_machine(record)}; shared CPU: noisy", fontsize=7, color="0.35")
-    figure.savefig(path, dpi=110, metadata={"Software": None})
-    plt.close(figure)
-    written.append(path)
-    return f"![{stem.replace('-', ' ')}](../figures/benchmarks/{path.name})"
+class Plots:
+    """Where a run's plots go, relative to the pages that show them, and which plots this run wrote."""
+
+    def __init__(self, directory: Path, pages: Path) -> None:
+        self.directory = directory
+        self.link_base = Path(os.path.relpath(directory, pages)).as_posix()
+        self.written: list[Path] = []
+
+    def save(self, figure: Any, record: Record, stem: str) -> str:
+        """Save a matplotlib figure as ``<stem>.png`` and return the page's image line:
+        ``plots.save(figure, record, "multiturn-ttft")``."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.directory / f"{stem}.png"
+        figure.text(0.01, 0.01, f"measured on {short_machine(record)}; shared CPU: noisy", fontsize=7,
+                    color="0.35")
+        figure.savefig(path, dpi=110, metadata={"Software": None})
+        plt.close(figure)
+        self.written.append(path)
+        return f"![{stem.replace('-', ' ')}]({self.link_base}/{path.name})"
 
 
-def multiturn(record: Record, written: list[Path]) -> str:
+def multiturn(record: Record, plots: Plots) -> str:
     """TTFT per turn against the history's length, every path of the run, as a plot and a table."""
     rows = record["series"].get("rows") or []
     paths = {"agentkv_ttft": "agentkv, stateful engine", "paged_ttft": "agentkv, paged engine (default)",
@@ -123,7 +136,7 @@ def multiturn(record: Record, written: list[Path]) -> str:
         axes.legend(fontsize=8)
         axes.grid(alpha=0.3)
         figure.tight_layout(rect=(0, 0.04, 1, 1))
-        parts.insert(0, save_plot(figure, record, "multiturn-ttft", written))
+        parts.insert(0, plots.save(figure, record, "multiturn-ttft"))
         head = "| turn | history tokens | prefilled (stateful) | " + " | ".join(paths.values()) + " |"
         lines = [head, "|" + "---:|" * (3 + len(paths))]
         lines += [f"| {r['turn']} | {r['history_tokens']:,} | {r['agentkv_prefilled']:,} | "
@@ -132,7 +145,7 @@ def multiturn(record: Record, written: list[Path]) -> str:
     return "\n\n".join(parts)
 
 
-def concurrency(record: Record, written: list[Path]) -> str:
+def concurrency(record: Record, plots: Plots) -> str:
     """Aggregate decode tokens/s against the number of conversations answering together."""
     rates = record["figures"].get("tokens_per_s") or {}
     parts = [figures_table(record, skip=("tokens_per_s",))]
@@ -145,13 +158,13 @@ def concurrency(record: Record, written: list[Path]) -> str:
         axes.set_xticks([int(c) for c in counts], counts)
         axes.grid(alpha=0.3)
         figure.tight_layout(rect=(0, 0.04, 1, 1))
-        parts.insert(0, save_plot(figure, record, "concurrency-tokens-per-s", written))
+        parts.insert(0, plots.save(figure, record, "concurrency-tokens-per-s"))
         parts.append("| conversations | tokens/s |\n|---:|---:|\n"
                      + "\n".join(f"| {c} | {number(rates[c])} |" for c in counts))
     return "\n\n".join(parts)
 
 
-def window(record: Record, written: list[Path]) -> str:
+def window(record: Record, plots: Plots) -> str:
     """Per policy: the latency of the turn that compacts and of the others, and the total."""
     policies = record["figures"].get("policies") or {}
     parts = [figures_table(record, skip=("policies",))]
@@ -177,11 +190,11 @@ def window(record: Record, written: list[Path]) -> str:
         axes.set(ylabel="ms to the first token, as a user waits", title="Context-window policies")
         axes.legend(fontsize=8)
         figure.tight_layout(rect=(0, 0.04, 1, 1))
-        parts.insert(0, save_plot(figure, record, "window-turn-latency", written))
+        parts.insert(0, plots.save(figure, record, "window-turn-latency"))
     return "\n\n".join(parts)
 
 
-def token_overhead(record: Record, written: list[Path]) -> str:
+def token_overhead(record: Record, plots: Plots) -> str:
     """Per-token overhead of each decode loop, as bars beside the table."""
     figures = record["figures"]
     loops = {k.removeprefix("overhead_ms_"): v for k, v in figures.items() if k.startswith("overhead_ms_")}
@@ -191,16 +204,16 @@ def token_overhead(record: Record, written: list[Path]) -> str:
         axes.bar(list(loops), list(loops.values()))
         axes.set(ylabel="ms per token outside the model", title="Per-token overhead of plain decoding")
         figure.tight_layout(rect=(0, 0.05, 1, 1))
-        parts.insert(0, save_plot(figure, record, "token-overhead", written))
+        parts.insert(0, plots.save(figure, record, "token-overhead"))
     return "\n\n".join(parts)
 
 
-def generic(record: Record, written: list[Path]) -> str:
+def generic(record: Record, plots: Plots) -> str:
     """A run's figures as a table (benchmarks without a plot of their own)."""
     return figures_table(record)
 
 
-RENDERERS: dict[str, Callable[[Record, list[Path]], str]] = {
+RENDERERS: dict[str, Callable[[Record, Plots], str]] = {
     "multiturn": multiturn, "concurrency": concurrency, "window": window, "token_overhead": token_overhead}
 
 HEADLINES: dict[str, tuple[str, str]] = {
@@ -242,39 +255,40 @@ def headline(records: dict[str, Record]) -> str:
     return "\n".join(lines)
 
 
-def block_text(name: str, records: dict[str, Record], written: list[Path]) -> str:
+def block_text(name: str, records: dict[str, Record], plots: Plots) -> str:
     """What a page's generated block for ``name`` holds now."""
     if name == "headline":
         return headline(records)
     record = records.get(name)
     if record is None:
         return not_measured(name)
-    body = RENDERERS.get(name, generic)(record, written)
+    body = RENDERERS.get(name, generic)(record, plots)
     return f"{body}\n\n*{measured_on(record)}*"
 
 
-def load_records() -> dict[str, Record]:
+def load_records(results: Path) -> dict[str, Record]:
     """Every saved run, by its result name."""
-    return {path.stem: json.loads(path.read_text(encoding="utf-8")) for path in sorted(RESULTS.glob("*.json"))}
+    return {path.stem: json.loads(path.read_text(encoding="utf-8")) for path in sorted(results.glob("*.json"))}
 
 
-def main() -> int:
-    records = load_records()
-    written: list[Path] = []
-    pages = 0
-    for page in sorted(PAGES.glob("*.md")):
+def write_figures(results: Path = RESULTS, pages: Path = PAGES, figures: Path = FIGURES) -> str:
+    """Fill every page's generated blocks from the saved runs and delete the plots no block uses;
+    returns what it did in one line: ``write_figures()`` (the defaults are the repository's)."""
+    records = load_records(results)
+    plots = Plots(figures, pages)
+    changed = 0
+    for page in sorted(pages.glob("*.md")):
         text = page.read_text(encoding="utf-8")
-        new = BLOCK.sub(lambda m: f"{m.group(1)}{block_text(m.group('name'), records, written)}\n{m.group(3)}", text)
+        new = BLOCK.sub(lambda m: f"{m.group(1)}{block_text(m.group('name'), records, plots)}\n{m.group(3)}", text)
         if new != text:
             page.write_text(new, encoding="utf-8")
-            pages += 1
-    stale = [p for p in FIGURES.glob("*.png") if p not in written] if FIGURES.is_dir() else []
+            changed += 1
+    stale = [p for p in figures.glob("*.png") if p not in plots.written] if figures.is_dir() else []
     for path in stale:
         path.unlink()
-    print(f"docs_figures: {len(records)} saved runs, {len(written)} plots, {pages} pages changed, "
-          f"{len(stale)} superseded plots removed")
-    return 0
+    return (f"docs_figures: {len(records)} saved runs, {len(plots.written)} plots, {changed} pages changed, "
+            f"{len(stale)} superseded plots removed")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    print(write_figures())
