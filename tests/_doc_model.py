@@ -32,6 +32,8 @@ ANSWERS = {
     "Weather in Paris?": tool_call("get_weather", city="Paris"),
     "Delete a.txt": tool_call("delete_file", path="a.txt"),
     "Which city has the Eiffel Tower?": '{"name": "Paris", "country": "France"}',
+    "Weather in Oslo?": tool_call("get_weather", city="Oslo"),
+    "Oslo is at 3 C.": '{"city": "Oslo", "temperature_c": 3}',
     "capital of France": "The capital of France is Paris.",
     "famous landmark": "The Eiffel Tower.",
 }
