@@ -76,10 +76,14 @@ def _openvino_version() -> str | None:
         return None
 
 
+_COMMIT_AT_START = _git_commit()
+"""The code a run measures is the code it loaded when it started: its commit then, not at the end."""
+
+
 def machine_record() -> dict[str, Any]:
     """What a figure needs to say about where and when it was measured: ``machine_record()["cpu"]``."""
     cpu, flags = _cpu()
-    commit, dirty = _git_commit()
+    commit, dirty = _COMMIT_AT_START
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "cpu": cpu,

@@ -221,7 +221,7 @@ HEADLINES: dict[str, tuple[str, str]] = {
     "concurrency": ("batched_over_sequential_8", "8 conversations batched against one after another"),
     "prefix": ("cold_over_cached_ttft_paged", "a shared system prompt: cold TTFT over from the prefix cache (paged)"),
     "window": ("truncation_over_sliding_compacting_turn", "the turn that compacts: Truncation over SlidingWindow"),
-    "snapshot": ("reprefill_over_restore_f16", "a new process: re-prefill over restore from a snapshot"),
+    "snapshot": ("reprefill_over_restore", "a new process: re-prefill over restore from a snapshot"),
     "server": ("server_over_direct_ttft", "TTFT through `agentkv serve` over the Python API"),
     "token_overhead": ("overhead_ms_thread", "ms per token outside the model (default decode loop)"),
     "function_calling": ("valid_ratio", "function-calling cases whose calls validate"),
