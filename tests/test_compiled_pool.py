@@ -1,14 +1,18 @@
-"""The process's pool of idle compiled paged graphs: keyed by model files and settings, bounded by
+"""The process's pool of compiled paged graphs: live sets shared by leases on one key (opened once,
+handed on when the last lease goes) and idle sets keyed by model files and settings, bounded by
 ``AGENTKV_KEEP_COMPILED``, oldest dropped first (no OpenVINO compile here: stand-in graphs)."""
 
 from __future__ import annotations
 
 import os
+import threading
+import time
+from concurrent.futures import Future
 
 import pytest
 
 from agentkv.engine.openvino.models import ModelFiles
-from agentkv.engine.paged.compiled_pool import KEEP_ENV, CompiledPool, GraphKey, HeldGraphs, keep_limit
+from agentkv.engine.paged.compiled_pool import KEEP_ENV, CompiledPool, GraphKey, HeldGraphs, finished, keep_limit
 from agentkv.errors import UserError
 
 
@@ -115,3 +119,125 @@ def test_clear_drops_every_idle_graph(files, monkeypatch):
     pool.give_back(key(files), held())
     pool.clear()
     assert pool.idle_graphs() == 0 and pool.take(key(files)) is None
+
+
+# ---- live sets shared by leases --------------------------------------------------------------
+
+
+def opened(graphs: HeldGraphs, calls: list[int] | None = None):
+    """An ``open_graphs`` for ``share``: ``graphs``, nothing left to compile; each call counted."""
+
+    def open_graphs():
+        if calls is not None:
+            calls.append(1)
+        return graphs, finished(graphs)
+
+    return open_graphs
+
+
+def test_a_live_set_is_shared_by_every_lease_on_its_key_and_opened_once(files, monkeypatch):
+    monkeypatch.setenv(KEEP_ENV, "4")
+    pool, graphs, calls = CompiledPool(), held(), []
+    first = pool.share(key(files), opened(graphs, calls))
+    second = pool.share(key(files), opened(held(), calls))
+    assert calls == [1] and first.decode is second.decode is graphs and pool.users(key(files)) == 2
+    other = pool.share(key(files, "u8"), opened(held(), calls))
+    assert calls == [1, 1] and other.decode is not graphs and pool.users(key(files, "u8")) == 1
+    assert pool.idle_graphs() == 0
+
+
+def test_the_last_lease_released_hands_the_whole_set_on_and_releasing_twice_is_harmless(files, monkeypatch):
+    monkeypatch.setenv(KEEP_ENV, "4")
+    pool, graphs = CompiledPool(), held()
+    first, second = pool.share(key(files), opened(graphs)), pool.share(key(files), opened(held()))
+    first.release()
+    first.release()
+    assert pool.users(key(files)) == 1 and pool.idle_graphs() == 0
+    second.release()
+    assert pool.users(key(files)) == 0 and pool.idle_graphs() == 2
+    calls: list[int] = []
+    again = pool.share(key(files), opened(held(), calls))
+    assert calls == [] and again.decode is graphs and pool.idle_graphs() == 0  # the idle set, not opened
+
+
+def test_a_set_released_while_it_compiles_is_handed_on_once_whole_and_a_partial_set_never(files, monkeypatch):
+    monkeypatch.setenv(KEEP_ENV, "4")
+    pool = CompiledPool()
+    decode, whole, partial_whole = held(1), Future(), Future()
+    pool.share(key(files), lambda: (decode, whole)).release()
+    pool.share(key(files, "u8"), lambda: (decode, partial_whole)).release()
+    assert pool.users(key(files)) == 0 and pool.idle_graphs() == 0
+    graphs = held()
+    whole.set_result(graphs)
+    partial_whole.set_result(held(1))  # an extra graph failed to compile: 1 of the key's 2
+    assert pool.idle_graphs() == 2 and pool.take(key(files)) is graphs and pool.take(key(files, "u8")) is None
+
+
+def test_a_share_while_the_set_is_opening_waits_for_it_instead_of_opening_another(files):
+    pool, graphs, calls = CompiledPool(), held(), []
+    opening, go_on = threading.Event(), threading.Event()
+
+    def slow_open():
+        calls.append(1)
+        opening.set()
+        assert go_on.wait(10)
+        return graphs, finished(graphs)
+
+    leases = []
+    first = threading.Thread(target=lambda: leases.append(pool.share(key(files), slow_open)))
+    first.start()
+    assert opening.wait(10)
+    second = threading.Thread(target=lambda: leases.append(pool.share(key(files), opened(held(), calls))))
+    second.start()
+    deadline = time.monotonic() + 10
+    while pool.users(key(files)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    second.join(0.1)
+    assert second.is_alive() and pool.users(key(files)) == 2  # waiting for the first one's set
+    go_on.set()
+    first.join(10)
+    second.join(10)
+    assert calls == [1] and [lease.decode for lease in leases] == [graphs, graphs]
+
+
+def test_a_failed_open_is_raised_to_the_shares_waiting_for_it_and_leaves_no_live_set(files):
+    pool, opening, go_on = CompiledPool(), threading.Event(), threading.Event()
+
+    def failing_open():
+        opening.set()
+        assert go_on.wait(10)
+        raise RuntimeError("out of memory (a test)")
+
+    errors: list[BaseException] = []
+
+    def share(open_graphs) -> None:
+        try:
+            pool.share(key(files), open_graphs)
+        except RuntimeError as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=share, args=(failing_open,))]
+    threads[0].start()
+    assert opening.wait(10)
+    threads.append(threading.Thread(target=share, args=(opened(held()),)))
+    threads[1].start()
+    deadline = time.monotonic() + 10
+    while pool.users(key(files)) < 2 and time.monotonic() < deadline:  # the second one waits for the first
+        time.sleep(0.01)
+    go_on.set()
+    for thread in threads:
+        thread.join(10)
+    assert len(errors) == 2 and pool.users(key(files)) == 0
+    calls: list[int] = []
+    pool.share(key(files), opened(held(), calls))
+    assert calls == [1]  # opened again, not the failed set
+
+
+def test_a_lease_released_during_a_collection_while_the_pool_is_busy_is_counted_when_next_used(files, monkeypatch):
+    """A model collected in a thread that holds the pool's lock: release only queues then."""
+    monkeypatch.setenv(KEEP_ENV, "2")
+    pool, graphs = CompiledPool(), held()
+    lease = pool.share(key(files), opened(graphs))
+    with pool._lock:  # noqa: SLF001 - what a collection inside share() looks like
+        lease.release()
+    assert pool.users(key(files)) == 0 and pool.take(key(files)) is graphs

@@ -1,20 +1,33 @@
-"""Compiled paged graphs kept in this process for the next engine on the same model and settings.
+"""Compiled paged graphs shared by this process's models on the same model and settings, and kept for the next.
 
 OpenVINO's compiled-blob cache cannot hold a PagedAttention graph (its import loses the ops'
-head sizes and the plugin compiles again: ``graphs.py``), so each paged engine compiles its graphs,
-~3.6 s each for the default model on 2 cores (in parallel: its three in 5–6 s). An engine closed
-hands its graphs here; the next ``PagedModel`` asking for the same key takes them instead of
-compiling. Off unless ``AGENTKV_KEEP_COMPILED`` says how many idle graphs to keep (each holds its
-compiled weights, ~80–130 MB for the default model): a test suite, a notebook or a script that
-reopens engines::
+head sizes and the plugin compiles again: ``graphs.py``), so a paged model compiles its graphs,
+~3.6 s each for the default model on 2 cores (in parallel: its three in 5–6 s). Two ways around it:
 
-    key = GraphKey.of(files, "CPU", config, "f16", graphs=3)
-    held = COMPILED.take(key)            # None, or the graphs an engine released
-    ...
-    COMPILED.give_back(key, held)        # kept while the limit allows, the oldest dropped first
+- **Live models share**: a ``PagedModel`` on a key another live model uses runs on the same
+  compiled models (each makes its own infer requests over its own KV blocks) and compiles nothing;
+  a model opening while the first still compiles waits for that compile. The set is reference
+  counted by leases and leaves when its last user releases its lease (an engine closed, or
+  collected)::
 
-Only whole sets are kept: ``AGENTKV_KEEP_COMPILED`` below an engine's graph count (3 for the default model)
-keeps none of it.
+      lease = COMPILED.share(key, lambda: compile_now(...))  # a live set, an idle one, or compiled
+      lease.decode, lease.whole                               # the decode graph; the whole set's future
+      lease.release()                                         # twice is harmless
+
+- **Idle sets wait for the next model**: the set its last user released is kept while
+  ``AGENTKV_KEEP_COMPILED`` says how many idle graphs to keep (each holds its compiled weights,
+  ~80–130 MB for the default model): a test suite, a notebook or a script that reopens engines::
+
+      held = COMPILED.take(key)            # None, or the graphs an engine released
+      COMPILED.give_back(key, held)        # kept while the limit allows, the oldest dropped first
+
+  Only whole sets are kept: ``AGENTKV_KEEP_COMPILED`` below an engine's graph count (3 for the
+  default model) keeps none of it.
+
+NOTE: the CPU plugin runs one infer at a time on a stream's graph (a lock per graph, as for one
+engine's own requests), so two engines stepping at the same moment on a shared set take turns
+(what a test suite's engines, idle while another steps, never notice; not measured for engines
+that both decode at once in one process).
 """
 
 from __future__ import annotations
@@ -23,7 +36,10 @@ import os
 import queue
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -82,28 +98,99 @@ class HeldGraphs:
     num_layers: int
 
 
+OpenedGraphs = tuple[HeldGraphs, Future[HeldGraphs]]
+"""What opening a set gives: the decode graph (compiled), and the whole set (maybe still compiling)."""
+
+
+@dataclass(eq=False)
+class _LiveSet:
+    """A set live models run on: how many leases hold it, and its graphs once opened."""
+
+    users: int
+    opened: Future[OpenedGraphs] = field(default_factory=Future)
+    """Set by the model that opened the set (an idle set taken, or compiled), failed when it failed."""
+
+
+@dataclass(eq=False)
+class GraphLease:
+    """One model's use of a live set (``CompiledPool.share``): run steps on ``decode`` and on
+    ``whole`` once done; ``release()`` when done with them (twice is harmless, and safe in a
+    ``weakref.finalize``)."""
+
+    pool: CompiledPool
+    key: GraphKey
+    decode: HeldGraphs
+    """The decode graph alone while the others compile, or the whole set."""
+    whole: Future[HeldGraphs]
+    """Every graph that compiled, the decode graph first (``graphs.CompilingGraphs.whole``)."""
+    _live: _LiveSet
+    _once: threading.Lock = field(default_factory=threading.Lock)
+
+    def release(self) -> None:
+        """Stop using the set: the last lease's release hands it to the idle sets once whole
+        (``AGENTKV_KEEP_COMPILED``), else its graphs go once nothing else holds them::
+
+            lease.release()
+        """
+        if self._once.acquire(blocking=False):  # NOTE: never blocks: a finalizer may run this
+            self.pool._leave(self.key, self._live)  # noqa: SLF001 - the pool's half of the lease
+
+
 class CompiledPool:
-    """Idle ``HeldGraphs`` by key, the most recently given back last. Thread-safe, and
-    ``give_back`` may run in a garbage collection (a ``weakref.finalize``): it only queues."""
+    """Live sets by key with their users, and idle ``HeldGraphs`` by key, the most recently
+    given back last. Thread-safe, and ``give_back`` and ``GraphLease.release`` may run in a
+    garbage collection (a ``weakref.finalize``): they never wait for the lock."""
 
     def __init__(self) -> None:
+        self._live: dict[GraphKey, _LiveSet] = {}
         self._idle: OrderedDict[GraphKey, list[HeldGraphs]] = OrderedDict()
         self._lock = threading.Lock()
         self._returned: queue.SimpleQueue[tuple[GraphKey, HeldGraphs]] = queue.SimpleQueue()
         """Given back, not filed yet. NOTE: a collection may run a finalizer in a thread that holds
         ``_lock``, so ``give_back`` never takes it (``SimpleQueue.put`` is safe there)."""
+        self._left: queue.SimpleQueue[tuple[GraphKey, _LiveSet]] = queue.SimpleQueue()
+        """Leases released and not counted yet (as ``_returned``: filed under ``_lock``)."""
+
+    def share(self, key: GraphKey, open_graphs: Callable[[], OpenedGraphs]) -> GraphLease:
+        """A lease on the live set for ``key``: the set another model runs on (waiting for its
+        decode graph if it is still compiling), else an idle set taken, else ``open_graphs()``
+        (run without the lock; what it raises is raised here and to the models waiting for it)::
+
+            lease = COMPILED.share(key, lambda: (held, finished(held)))
+        """
+        with self._lock:
+            self._file_queued()
+            live = self._live.get(key)
+            opener, idle = live is None, None
+            if live is None:
+                live = self._live[key] = _LiveSet(users=1)
+                idle = self._take_idle(key)
+            else:
+                live.users += 1
+        if opener:
+            try:
+                live.opened.set_result(open_graphs() if idle is None else (idle, finished(idle)))
+            except BaseException as error:
+                with self._lock:
+                    if self._live.get(key) is live:
+                        del self._live[key]
+                live.opened.set_exception(error)
+                raise
+        decode, whole = live.opened.result()
+        return GraphLease(self, key, decode, whole, live)
+
+    def users(self, key: GraphKey) -> int:
+        """Leases on the live set for ``key`` now (0: none live): ``COMPILED.users(key)``."""
+        with self._lock:
+            self._file_queued()
+            live = self._live.get(key)
+            return 0 if live is None else live.users
 
     def take(self, key: GraphKey) -> HeldGraphs | None:
         """Idle graphs for ``key`` (now the caller's), or None."""
         with self._lock:
-            self._file_returned()
-            held = self._idle.get(key)
-            if not held:
-                return None
-            graphs = held.pop()
-            if not held:
-                del self._idle[key]
-            return graphs
+            self._file_queued()
+            return self._take_idle(key)
 
     def give_back(self, key: GraphKey, graphs: HeldGraphs) -> None:
         """Hand ``graphs`` on: kept for the next ``take(key)`` while ``AGENTKV_KEEP_COMPILED``
@@ -113,17 +200,44 @@ class CompiledPool:
     def idle_graphs(self) -> int:
         """Compiled graphs held idle now: ``COMPILED.idle_graphs()``."""
         with self._lock:
-            self._file_returned()
+            self._file_queued()
             return self._count()
 
     def clear(self) -> None:
-        """Drop every idle graph (their memory goes once nothing else holds them)."""
+        """Drop every idle graph (their memory goes once nothing else holds them); live sets stay."""
         with self._lock:
-            self._file_returned()
+            self._file_queued()
             self._idle.clear()
 
-    def _file_returned(self) -> None:
-        """Move what was given back into ``_idle`` and drop the oldest beyond the limit (``_lock`` held)."""
+    def _leave(self, key: GraphKey, live: _LiveSet) -> None:
+        """``GraphLease.release``: counted now when the lock is free, else when the pool is next used."""
+        self._left.put((key, live))
+        if self._lock.acquire(blocking=False):
+            try:
+                self._file_queued()
+            finally:
+                self._lock.release()
+
+    def _take_idle(self, key: GraphKey) -> HeldGraphs | None:
+        """Idle graphs for ``key``, taken out (``_lock`` held)."""
+        held = self._idle.get(key)
+        if not held:
+            return None
+        graphs = held.pop()
+        if not held:
+            del self._idle[key]
+        return graphs
+
+    def _file_queued(self) -> None:
+        """Count the released leases (a set's last one hands it on once whole), move what was
+        given back into ``_idle`` and drop the oldest beyond the limit (``_lock`` held)."""
+        while not self._left.empty():
+            key, live = self._left.get_nowait()
+            live.users -= 1
+            if live.users == 0 and self._live.get(key) is live:
+                del self._live[key]
+                _, whole = live.opened.result()
+                whole.add_done_callback(partial(self._hand_on_whole, key))
         if self._returned.empty():
             return
         keep = keep_limit(strict=False)
@@ -137,9 +251,23 @@ class CompiledPool:
             if not self._idle[oldest]:
                 del self._idle[oldest]
 
+    def _hand_on_whole(self, key: GraphKey, whole: Future[HeldGraphs]) -> None:
+        """``give_back`` a set its last lease left once it is whole; a set an extra graph failed to
+        compile is not handed on as if whole (it may run here, under ``_lock``: it only queues)."""
+        if not whole.exception() and len(whole.result().compiled) == key.graphs:
+            self.give_back(key, whole.result())
+
     def _count(self) -> int:
         """Idle graphs (``_lock`` held)."""
         return sum(len(g.compiled) for held in self._idle.values() for g in held)
+
+
+def finished(held: HeldGraphs) -> Future[HeldGraphs]:
+    """A future that already holds ``held``: graphs with nothing left to compile (no extra graph, or
+    an idle set taken): ``finished(held).result() is held``."""
+    done: Future[HeldGraphs] = Future()
+    done.set_result(held)
+    return done
 
 
 def keep_limit(*, strict: bool = True) -> int:
@@ -161,4 +289,4 @@ def keep_limit(*, strict: bool = True) -> int:
 
 
 COMPILED = CompiledPool()
-"""The process's pool of idle compiled paged graphs."""
+"""The process's pool of live and idle compiled paged graphs."""

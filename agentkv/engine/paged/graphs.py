@@ -45,7 +45,7 @@ from agentkv.engine.openvino.compile import compile_for_device, lm_head
 from agentkv.engine.openvino.models import ModelFiles
 from agentkv.engine.openvino.numerics import precision_name
 from agentkv.engine.paged.block_pool import BLOCK_SIZE
-from agentkv.engine.paged.compiled_pool import HeldGraphs
+from agentkv.engine.paged.compiled_pool import HeldGraphs, finished
 from agentkv.errors import PagedFormUnsupported
 
 SMALL_STEP_TOKENS = 4
@@ -113,14 +113,6 @@ def compile_graphs(core: ov.Core, files: ModelFiles, device: str, config: dict[s
     whole = pool.submit(collect) if extra else finished(decode)
     pool.shutdown(wait=False)
     return CompilingGraphs(decode, whole)
-
-
-def finished(held: HeldGraphs) -> Future[HeldGraphs]:
-    """A future that already holds ``held``: graphs with nothing left to compile (no extra graph, or
-    a set taken from ``COMPILED``)."""
-    done: Future[HeldGraphs] = Future()
-    done.set_result(held)
-    return done
 
 
 def compute_precision(core: ov.Core, device: str, config: dict[str, str]) -> str:

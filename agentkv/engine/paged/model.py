@@ -23,14 +23,15 @@ a graph per kind of step keeps each one's shapes. Same logits, bit for bit, on a
 steps as soon as its decode graph is compiled; the others take their steps as they come
 (``wait_for_graphs``).
 
-OpenVINO's compiled-blob cache (``CACHE_DIR``) cannot hold these graphs, so each model compiles
-them; ``release()`` (what closing an engine does) hands them to the next model on the same files
-and settings when ``AGENTKV_KEEP_COMPILED`` allows (``compiled_pool.py``).
+OpenVINO's compiled-blob cache (``CACHE_DIR``) cannot hold these graphs, so models share them
+(``compiled_pool.py``): a model on the files and settings of a live one runs on its compiled graphs
+(its own infer requests, its own KV blocks) and compiles nothing; ``release()`` (what closing an
+engine does) lets them go, to the next model on the same files and settings when the last user
+releases them and ``AGENTKV_KEEP_COMPILED`` allows.
 """
 
 from __future__ import annotations
 
-import gc
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -43,10 +44,10 @@ import openvino as ov
 
 from agentkv.engine.openvino.models import ModelFiles
 from agentkv.engine.openvino.numerics import EXACT_CONFIG, PluginNumerics
-from agentkv.engine.paged.compiled_pool import COMPILED, GraphKey, HeldGraphs, keep_limit
+from agentkv.engine.paged.compiled_pool import COMPILED, GraphKey, GraphLease, HeldGraphs, keep_limit
 from agentkv.engine.paged.block_precision import block_precision
 from agentkv.engine.paged.block_pool import BLOCK_SIZE
-from agentkv.engine.paged.graphs import SMALL_STEP_TOKENS, compile_graphs, finished
+from agentkv.engine.paged.graphs import SMALL_STEP_TOKENS, compile_graphs
 from agentkv.engine.paged.request_inputs import OneTokenRequest, StepRequest, padded_table
 from agentkv.kv.u8_blocks import BlockLayout
 from agentkv.errors import UserError
@@ -137,25 +138,35 @@ class PagedModel:
             small_graph = chunk_graph and on_cpu and size <= SMALL_GRAPH_MAX_WEIGHTS
         extra = chunk_graph + small_graph
         key = GraphKey.of(files, device, config, kv_cache_precision, graphs=1 + extra)
-        held = COMPILED.take(key)
-        if held is None and keep_limit() > 0:
-            # NOTE: an engine dropped without aclose() sits in reference cycles: it gives its graphs
-            # back only once collected (a collection costs milliseconds, a compile seconds)
-            gc.collect()
-            held = COMPILED.take(key)
-        if held is None:
+        keep_limit()  # NOTE: a bad AGENTKV_KEEP_COMPILED is refused before anything compiles
+
+        def compile_now() -> tuple[HeldGraphs, Future[HeldGraphs]]:
             compiling = compile_graphs(core, files, device, config, element, extra)
-            held, whole = compiling.decode, compiling.whole
-        else:
-            whole = finished(held)
+            return compiling.decode, compiling.whole
+
+        # NOTE: an engine dropped without aclose() holds its lease until collected: a model on its
+        # key shares its graphs meanwhile, as it would a live engine's
+        lease = COMPILED.share(key, compile_now)
+        self.graph_key = key
+        """What the compiled graphs depend on: models with the same key share them (``COMPILED.users(key)``)."""
+        self._let_go = weakref.finalize(self, lease.release)
+        """Releases the lease once: on ``release()``, or when this model is collected."""
+        self._let_go.atexit = False
+        try:
+            self._open(lease, num_blocks, kv_cache_bytes, kv_cache_precision, element)
+        except BaseException:
+            self._let_go()
+            raise
+
+    def _open(self, lease: GraphLease, num_blocks: int | None, kv_cache_bytes: int | None, kv_cache_precision: str,
+              element: ov.Type) -> None:
+        """The rest of ``__init__``: the block storage and requests over the lease's graphs."""
+        held, whole = lease.decode, lease.whole
         self._held: HeldGraphs | None = held
         """The graphs running steps: the decode graph first, the others once compiled; None once released."""
         self._whole = whole
         self._graphs_in = threading.Event()
         """Set once every graph this model will have runs steps (or it was released)."""
-        self._give_back = weakref.finalize(self, _hand_on_when_whole, key, whole)
-        """Hands the graphs to ``COMPILED`` once: on ``release()``, or when this model is collected."""
-        self._give_back.atexit = False
         self.heads, self.head_dim, self.num_layers = held.heads, held.head_dim, held.num_layers
         compiled = held.compiled[0]
         # NOTE: the plugin chooses a u8 cache's block shapes (its quantisation parameters live in
@@ -229,11 +240,11 @@ class PagedModel:
         return self.graphs
 
     def release(self) -> None:
-        """Drop the KV blocks and hand the compiled graphs on (``compiled_pool``: the next model
-        on the same files and settings takes them when ``AGENTKV_KEEP_COMPILED`` allows); a step
-        after it raises ``UserError``. What closing an engine does: ``model.release()``. Graphs
-        still compiling are waited for (seconds, only right after the model was made), so the
-        next model finds them."""
+        """Drop the KV blocks and the lease on the compiled graphs (``compiled_pool``: other live
+        models on the same files and settings keep running on them; after the last, the next model
+        takes them when ``AGENTKV_KEEP_COMPILED`` allows); a step after it raises ``UserError``.
+        What closing an engine does: ``model.release()``. Graphs still compiling are waited for
+        (seconds, only right after the model was made), so the next model finds them."""
         with self.lock:
             if self._held is None:
                 return
@@ -242,7 +253,7 @@ class PagedModel:
             del self._decode_request, self._chunk_request, self._small_request, self._alone_request
         self._graphs_in.set()
         wait([self._whole])
-        self._give_back()
+        self._let_go()
 
     def _check_held(self) -> None:
         """Raise ``UserError`` once the model is released (``lock`` held)."""
@@ -350,17 +361,6 @@ def _graphs_compiled(model: weakref.ref[PagedModel], whole: Future[HeldGraphs]) 
     alive = model()
     if alive is not None:
         alive._take_graphs(whole)
-
-
-def _hand_on_when_whole(key: GraphKey, whole: Future[HeldGraphs]) -> None:
-    """Give the graphs to ``COMPILED`` once all of them are compiled; a set an extra graph failed
-    to compile is not handed on as if whole."""
-
-    def hand_on(done: Future[HeldGraphs]) -> None:
-        if not done.exception() and len(done.result().compiled) == key.graphs:
-            COMPILED.give_back(key, done.result())
-
-    whole.add_done_callback(hand_on)
 
 
 def lock_calling_first(lock: threading.RLock, first: Callable[[], None] | None) -> Callable[[], None] | None:
