@@ -55,52 +55,53 @@ class ResponseSuperseded(AgentKVError):
     on another replica, continued it first): nothing was run or rewound. Continue from the newest
     response (``newer_response_id``), or start a new conversation."""
 
-    def __init__(self, session_id: str, newer_response_id: str) -> None:
+    def __init__(self, conversation_id: str, newer_response_id: str) -> None:
         super().__init__(
-            f"conversation {session_id!r} went on past the response this request continues: response "
+            f"conversation {conversation_id!r} went on past the response this request continues: response "
             f"{newer_response_id!r} followed it; continue from that one (or the newest), or start a new "
             "conversation with the history as input"
         )
-        self.session_id = session_id
+        self.conversation_id = conversation_id
         self.newer_response_id = newer_response_id
 
 
-class SessionClosed(UserError):
-    """An operation was attempted on a session that has been closed."""
+class KVSessionClosed(UserError):
+    """An operation was attempted on a KV session that has been closed (``KVSession.close``)."""
 
 
-class SessionExists(UserError):
-    """A new session was asked for under an id a stored session already has (perhaps created a
+class ConversationExists(UserError):
+    """A new conversation was asked for under an id a stored conversation already has (perhaps created a
     moment before by another process): pass another id, or none to get a fresh one."""
 
-    def __init__(self, session_id: str) -> None:
-        super().__init__(f"session {session_id!r} already exists; pass another id or none")
-        self.session_id = session_id
+    def __init__(self, conversation_id: str) -> None:
+        super().__init__(f"conversation {conversation_id!r} already exists; pass another id or none")
+        self.conversation_id = conversation_id
 
 
-class SessionNotFound(AgentKVError):
-    """No session with this id exists in the store."""
+class ConversationNotFound(AgentKVError):
+    """No conversation with this id exists in the store."""
 
-    def __init__(self, session_id: str) -> None:
+    def __init__(self, conversation_id: str) -> None:
         super().__init__(
-            f"no session {session_id!r} in the store; list sessions with `agentkv sessions list`"
+            f"no conversation {conversation_id!r} in the store; list them with `agentkv conversations list`"
         )
-        self.session_id = session_id
+        self.conversation_id = conversation_id
 
 
-class SessionBusy(AgentKVError):
-    """The session is being run by another task or process; retry when it finishes."""
+class ConversationBusy(AgentKVError):
+    """The conversation is being run by another task or process; retry when it finishes."""
 
-    def __init__(self, session_id: str, holder: str | None = None, *, action: str | None = None) -> None:
+    def __init__(self, conversation_id: str, holder: str | None = None, *, action: str | None = None) -> None:
         who = f" (held by {holder})" if holder else ""
         if action is None:
-            message = (f"session {session_id!r} is already running{who}; wait for that run to end, "
-                       "or open a new session")
+            message = (f"conversation {conversation_id!r} is already running{who}; wait for that run to end, "
+                       "or open a new conversation")
         else:  # a change of the history (rewind, fork, delete) refused while a run is live
-            message = (f"cannot {action} session {session_id!r}: a run is live in it{who}; retry once that run "
-                       "ends, or stop it first (a holder on a host that crashed: `agentkv sessions unlock`)")
+            message = (f"cannot {action} conversation {conversation_id!r}: a run is live in it{who}; retry once "
+                       "that run ends, or stop it first (a holder on a host that crashed: "
+                       "`agentkv conversations unlock`)")
         super().__init__(message)
-        self.session_id = session_id
+        self.conversation_id = conversation_id
         self.holder = holder
         self.action = action
         """What was refused (``"rewind"``, ``"fork"``, ``"delete"``), None for a run."""
@@ -230,16 +231,16 @@ def _store_hint(reason: str) -> str:
 
 
 class LeaseLost(AgentKVError):
-    """This run's lease of a session was taken by another holder (an operator's ``sessions unlock
+    """This run's lease of a conversation was taken by another holder (an operator's ``conversations unlock
     --force``, or a stall past the lease's ttl): it stopped before writing, so the new holder's
-    history stays valid. Resume the session to continue from what is stored."""
+    history stays valid. Resume the conversation to continue from what is stored."""
 
-    def __init__(self, session_id: str, holder: str | None) -> None:
+    def __init__(self, conversation_id: str, holder: str | None) -> None:
         who = f" by {holder}" if holder else ""
         super().__init__(
-            f"this run lost the lease of session {session_id!r} (taken{who}); it stopped without "
-            "writing more; resume the session to continue from what is stored"
+            f"this run lost the lease of conversation {conversation_id!r} (taken{who}); it stopped without "
+            "writing more; resume the conversation to continue from what is stored"
         )
-        self.session_id = session_id
+        self.conversation_id = conversation_id
         self.holder = holder
         """Who holds the lease now (None: nobody, it was released)."""

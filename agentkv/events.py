@@ -77,7 +77,7 @@ class SelfCheckFailed:
     """A checked call's cached KV gave logits a fresh prefill does not (``agentkv.observe.self_check``):
     the conversation, the figures, and the operations on it since the last check, to reproduce it."""
 
-    session_id: str
+    conversation_id: str
     result: SelfCheckResult
     operations: tuple[str, ...]
     type: Literal["self_check_failed"] = "self_check_failed"

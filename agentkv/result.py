@@ -26,7 +26,7 @@ person's decision: ``RunResult.pending_approvals``)."""
 class RunResult:
     """The outcome of one run (one user input, any number of model calls)."""
 
-    session_id: str
+    conversation_id: str
     final_text: str
     """The last assistant message's text (a reasoning model's thinking left out: ``reasoning``)."""
     new_messages: tuple[Message, ...]

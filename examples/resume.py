@@ -24,7 +24,7 @@ async def main() -> None:
     HOME.mkdir(exist_ok=True)
     store = Store(f"sqlite:///{HOME / 'agentkv.db'}")
     runtime = Runtime(open_engine(), store, agents=[AGENT])
-    ids = {s.id for s in await store.list_sessions()}
+    ids = {s.id for s in await store.list_conversations()}
     if SESSION in ids:
         conversation = await runtime.resume(SESSION)
         report = conversation.resume_report
@@ -32,7 +32,7 @@ async def main() -> None:
               "restored from the snapshot instead of re-prefilled")
         question = "Tell me one famous landmark there."
     else:
-        conversation = await runtime.open_conversation(AGENT, session_id=SESSION)
+        conversation = await runtime.open_conversation(AGENT, conversation_id=SESSION)
         print(f"new session {SESSION} (run me again to resume it)")
         question = "What is the capital of France?"
     result = await runtime.run(conversation, question)

@@ -1,6 +1,6 @@
 """The approval-across-a-restart test's agent, and the new process's side of it on the real model; reports JSON.
 
-    python tests/_approval_worker.py approve <db_url> <session_id> <call_id>   # a new process: resume, approve
+    python tests/_approval_worker.py approve <db_url> <conversation_id> <call_id>   # a new process: resume, approve
 
 The test asks in its own process (``ask`` on the suite's engine) until the call waits for approval,
 then runs this file: the second process, which resumes the session from the store and its KV snapshot.
@@ -46,7 +46,7 @@ async def ask(engine: Any, url: str) -> dict[str, Any]:
     return asked
 
 
-async def approve(url: str, session_id: str, call_id: str) -> None:
+async def approve(url: str, conversation_id: str, call_id: str) -> None:
     from agentkv.engine.factory import open_engine
 
     # NOTE: the default backend, on one graph: what is checked here (the KV restored and reused, the
@@ -55,7 +55,7 @@ async def approve(url: str, session_id: str, call_id: str) -> None:
     engine = open_engine(num_slots=1, backend=os.environ.get("AGENTKV_TEST_ENGINE", "paged"), chunk_graph=False)
     store = Store(url)
     runtime = Runtime(engine, store, agents=[AGENT])
-    session = await runtime.resume(session_id)
+    session = await runtime.resume(conversation_id)
     waiting = [c.id for c in runtime.pending_approvals(session)]
     result = await runtime.approve(session, call_id)
     m = result.call_metrics[0]

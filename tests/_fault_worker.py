@@ -1,7 +1,7 @@
-"""Subprocess side of the fault-injection tests: run a stored session to one phase of a turn,
+"""Subprocess side of the fault-injection tests: run a stored conversation to one phase of a turn,
 print "ready", and wait there to be killed with SIGKILL.
 
-    python tests/_fault_worker.py <phase> <db_url> <session_id>
+    python tests/_fault_worker.py <phase> <db_url> <conversation_id>
 
 Phases: prefill, decode, tool, snapshot (a snapshot file half written), summary (inside the
 transaction that appends a summary and marks what it replaces). The agent and the scripted
@@ -93,10 +93,10 @@ def scripted_engine(**delays: float) -> ScriptedEngine:
     return ScriptedEngine([respond] * 64, **delays)
 
 
-async def run_to(phase: str, url: str, session_id: str) -> None:
+async def run_to(phase: str, url: str, conversation_id: str) -> None:
     engine = scripted_engine()
     runtime = Runtime(engine, Store(url), agents=[AGENT])
-    session = await runtime.open_conversation(AGENT, session_id=session_id)
+    session = await runtime.open_conversation(AGENT, conversation_id=conversation_id)
     await runtime.run(session, FIRST_TURN)
     text = "please look up the tides" if phase == "tool" else "and another question"
     if phase == "prefill":

@@ -1,7 +1,7 @@
 """Subprocess side of the persistence tests: runs one turn against a store and reports as JSON.
 
-    python tests/_persistence_worker.py slow-turn <db_url> <session_id>
-    python tests/_persistence_worker.py resume-turn <db_url> <session_id> <text> [max_new_tokens]
+    python tests/_persistence_worker.py slow-turn <db_url> <conversation_id>
+    python tests/_persistence_worker.py resume-turn <db_url> <conversation_id> <text> [max_new_tokens]
 
 ``slow-turn``: a scripted, slow turn, to be killed or to hold the lease; ``resume-turn``: the real
 model resumes the session, runs ``text`` and prints the call's metrics.
@@ -24,18 +24,18 @@ from agentkv.memory import Store
 AGENT = Agent(name="persist", instructions="You are a terse assistant.")
 
 
-async def slow_turn(url: str, session_id: str) -> None:
+async def slow_turn(url: str, conversation_id: str) -> None:
     from agentkv.testing import ScriptedEngine
 
     engine = ScriptedEngine(["word " * 400], decode_s_per_token=0.02)
     store = Store(url)
     runtime = Runtime(engine, store, agents=[AGENT], lease_ttl_s=1.0)
-    session = await runtime.open_conversation(AGENT, session_id=session_id)
+    session = await runtime.open_conversation(AGENT, conversation_id=conversation_id)
     print("started", flush=True)
     await runtime.run(session, "tell me everything")
 
 
-async def resume_turn(url: str, session_id: str, text: str, max_new_tokens: str | None = None) -> None:
+async def resume_turn(url: str, conversation_id: str, text: str, max_new_tokens: str | None = None) -> None:
     from agentkv.engine.factory import open_engine
 
     agent = AGENT if max_new_tokens is None else dataclasses.replace(
@@ -45,7 +45,7 @@ async def resume_turn(url: str, session_id: str, text: str, max_new_tokens: str 
     engine = open_engine(num_slots=1, backend=os.environ.get("AGENTKV_TEST_ENGINE", "paged"))
     store = Store(url)
     runtime = Runtime(engine, store, agents=[agent])
-    session = await runtime.resume(session_id)
+    session = await runtime.resume(conversation_id)
     result = await runtime.run(session, text)
     m = result.call_metrics[0]
     print(json.dumps({

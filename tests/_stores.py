@@ -19,10 +19,10 @@ REPO = Path(__file__).resolve().parents[1]
 FP = "test-model|kv:u8"
 
 
-async def new_session(store: Store, session_id: str | None = None) -> str:
+async def new_session(store: Store, conversation_id: str | None = None) -> str:
     """A new session of the stored agent "helper" (stored or updated first): ``sid = await new_session(store)``."""
     await store.upsert_agent("helper", "Be brief.", ["calc"], {"temperature": 0})
-    return (await store.create_session("helper", session_id=session_id)).id
+    return (await store.create_conversation("helper", conversation_id=conversation_id)).id
 
 
 def make_snapshot(num_tokens: int, seed: int = 0, fingerprint: str = FP) -> KVSnapshot:
@@ -35,21 +35,21 @@ def make_snapshot(num_tokens: int, seed: int = 0, fingerprint: str = FP) -> KVSn
 
 RACE_WORKER = """
 import os, sys, time, anyio
-from agentkv.errors import SessionBusy
+from agentkv.errors import ConversationBusy
 from agentkv.memory import Store
 
-url, snapshot_dir, session_id, holder, go_file = sys.argv[1:6]
+url, snapshot_dir, conversation_id, holder, go_file = sys.argv[1:6]
 store = Store(url, snapshot_dir=snapshot_dir)
 
 async def main():
-    await store.get_session(session_id)  # connect and check the schema before the start line
+    await store.get_conversation(conversation_id)  # connect and check the schema before the start line
     print("ready", flush=True)
     while not os.path.exists(go_file):
         time.sleep(0.001)
     try:
-        await store.acquire_lease(session_id, holder, ttl_s=60)
+        await store.acquire_lease(conversation_id, holder, ttl_s=60)
         print("won", flush=True)
-    except SessionBusy:
+    except ConversationBusy:
         print("busy", flush=True)
 
 anyio.run(main)

@@ -153,7 +153,7 @@ def test_cli_lists_the_calls_waiting_in_stored_sessions(db):
         return (await runtime.run(session, "Delete a.txt")).pending_approvals[0]
 
     waiting = anyio.run(stop_on_approval)
-    result = CliRunner().invoke(app, ["sessions", "pending", "--db", db], env={"COLUMNS": "200"})
+    result = CliRunner().invoke(app, ["conversations", "pending", "--db", db], env={"COLUMNS": "200"})
     assert result.exit_code == 0 and waiting.id in result.output and "delete_file" in result.output
-    empty = CliRunner().invoke(app, ["sessions", "pending", "--db", f"{db}-other"])
+    empty = CliRunner().invoke(app, ["conversations", "pending", "--db", f"{db}-other"])
     assert "no tool call is waiting" in empty.output

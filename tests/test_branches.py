@@ -35,7 +35,7 @@ def message(index: int) -> Message:
 
 async def stored_conversation(store: Store, count: int) -> str:
     await store.upsert_agent("api", None, [], {})
-    session = await store.create_session("api")
+    session = await store.create_conversation("api")
     for index in range(1, count + 1):
         await store.append_message(session.id, message(index), token_count=2)
     return session.id
@@ -56,30 +56,30 @@ def row_count(db: str) -> int:
 async def test_a_fork_shares_its_parents_messages_without_copying_and_both_go_on(db):
     store = Store(db)
     parent = await stored_conversation(store, 4)
-    fork = await store.fork_session(parent, at=2)
+    fork = await store.fork_conversation(parent, at=2)
     assert (fork.parent_id, fork.fork_seq) == (parent, 2) and row_count(db) == 4
     assert contents(await store.messages(fork.id)) == ["u1", "a2"]
     own = await store.append_message(fork.id, Message.user("fork says"), token_count=2)
-    assert own.seq == 3 and own.session_id == fork.id
+    assert own.seq == 3 and own.conversation_id == fork.id
     await store.append_message(parent, Message.user("parent says"), token_count=2)
     assert contents(await store.messages(fork.id)) == ["u1", "a2", "fork says"]
     assert contents(await store.messages(parent)) == ["u1", "a2", "u3", "a4", "parent says"]
-    grandchild = await store.fork_session(fork.id)  # a fork of a fork, at its end
+    grandchild = await store.fork_conversation(fork.id)  # a fork of a fork, at its end
     await store.append_message(grandchild.id, Message.assistant("deeper"), token_count=2)
     assert contents(await store.messages(grandchild.id)) == ["u1", "a2", "fork says", "deeper"]
-    listed = {s.id: (s.parent_id, s.fork_seq) for s in await store.list_sessions()}
+    listed = {s.id: (s.parent_id, s.fork_seq) for s in await store.list_conversations()}
     assert listed[fork.id] == (parent, 2) and listed[grandchild.id] == (fork.id, 3) and listed[parent] == (None, None)
     with pytest.raises(UserError, match="has forks"):
-        await store.delete_session(parent)
+        await store.delete_conversation(parent)
     assert len(await store.messages(parent)) == 5  # nothing lost
     with pytest.raises(UserError, match="fork at a seq in 0..5"):
-        await store.fork_session(parent, at=9)
+        await store.fork_conversation(parent, at=9)
 
 
 async def test_each_branch_keeps_its_own_window_of_the_shared_messages(db):
     store = Store(db)
     parent = await stored_conversation(store, 4)
-    fork = await store.fork_session(parent, at=4)
+    fork = await store.fork_conversation(parent, at=4)
     # the parent summarises 1-2 after the fork: the fork still has them
     await store.replace_in_window(parent, [1, 2], Message.user("summary"), token_count=2)
     assert contents(await store.messages(parent, in_window_only=True)) == ["u3", "a4", "summary"]
@@ -89,7 +89,7 @@ async def test_each_branch_keeps_its_own_window_of_the_shared_messages(db):
     assert contents(await store.messages(fork.id, in_window_only=True)) == ["u3", "a4", "fork summary"]
     assert contents(await store.messages(parent, in_window_only=True)) == ["u3", "a4", "summary"]
     # a fork of the parent made after the summary sees it
-    later = await store.fork_session(parent)
+    later = await store.fork_conversation(parent)
     assert contents(await store.messages(later.id, in_window_only=True)) == ["u3", "a4", "summary"]
     # rewinding the fork before its summary puts back what it replaced, for the fork only
     assert await store.rewind(fork.id, 4) == 1
@@ -111,7 +111,7 @@ def test_a_forks_view_is_its_parents_prefix_then_its_own(total, data):
     async def check() -> None:
         store = Store("sqlite://")
         parent = await stored_conversation(store, total)
-        fork = await store.fork_session(parent, at=at)
+        fork = await store.fork_conversation(parent, at=at)
         for index in range(own):
             await store.append_message(fork.id, Message.user(f"f{index}"), token_count=1)
         for index in range(later):
@@ -190,15 +190,15 @@ async def test_edit_forks_before_the_message_and_keeps_the_original(db):
 
 def test_cli_forks_rewinds_and_lists_the_fork_point(db):
     sid = anyio.run(lambda: stored_conversation(Store(db), 4))
-    forked = CliRunner().invoke(app, ["sessions", "fork", sid, "--at", "2", "--db", db])
+    forked = CliRunner().invoke(app, ["conversations", "fork", sid, "--at", "2", "--db", db])
     assert forked.exit_code == 0, forked.output
     fork_id = forked.output.split()[-1]
-    listed = CliRunner().invoke(app, ["sessions", "list", "--db", db], env={"COLUMNS": "250"})
+    listed = CliRunner().invoke(app, ["conversations", "list", "--db", db], env={"COLUMNS": "250"})
     assert f"{sid[:8]}@2" in listed.output
-    rewound = CliRunner().invoke(app, ["sessions", "rewind", sid, "--before", "3", "--db", db])
+    rewound = CliRunner().invoke(app, ["conversations", "rewind", sid, "--before", "3", "--db", db])
     assert rewound.exit_code == 0 and "2 messages" in rewound.output
     window = anyio.run(lambda: Store(db).messages(sid, in_window_only=True))
     assert contents(window) == ["u1", "a2"]
-    refused = CliRunner().invoke(app, ["sessions", "rm", sid, "--db", db])
+    refused = CliRunner().invoke(app, ["conversations", "rm", sid, "--db", db])
     assert refused.exit_code == 1 and "has forks" in refused.output
     assert fork_id

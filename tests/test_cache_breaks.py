@@ -13,7 +13,7 @@ from agentkv import Agent, CacheBroken, GenerationConfig, Runtime, TextDelta, to
 from agentkv.cli.display import TurnPrinter
 from agentkv.memory import Store
 from agentkv.policies import Truncation
-from agentkv.memory.session_stats import session_stats
+from agentkv.memory.conversation_stats import conversation_stats
 from agentkv.testing import ScriptedEngine
 
 
@@ -155,7 +155,7 @@ async def test_a_resume_after_an_answer_cut_by_max_new_tokens_reports_no_break(d
     result = await later.run(resumed, "Second?")
     assert result.call_metrics[0].reused_tokens == held  # every token of KV the snapshot held was reused
     assert result.cache_breaks == (None,)
-    assert (await session_stats(store, session.id)).cache_breaks == ()  # `sessions show --kv` counts none
+    assert (await conversation_stats(store, session.id)).cache_breaks == ()  # `conversations show --kv` counts none
 
 
 async def test_a_restore_of_an_older_snapshot_than_the_newest_is_a_break(db):
@@ -182,4 +182,4 @@ async def test_a_resume_after_a_rewind_reports_no_break_for_the_kv_the_rewind_le
     resumed = await later.resume(session.id)
     assert resumed.resume_report.restored_tokens > 0
     assert (await later.run(resumed, "Another question?")).cache_breaks == (None,)
-    assert (await session_stats(store, session.id)).cache_breaks == ()
+    assert (await conversation_stats(store, session.id)).cache_breaks == ()

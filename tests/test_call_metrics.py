@@ -1,6 +1,6 @@
 """A model call's decode figures — tokens a grammar forced, tokens drafts proposed and the model
 accepted, model steps saved — reach its OpenTelemetry span, its stored call record (schema 9),
-the session's totals and ``agentkv sessions show ID --kv``; a database from before schema 9
+the session's totals and ``agentkv conversations show ID --kv``; a database from before schema 9
 upgrades keeping its calls (their figures NULL: not recorded), and older code refuses a schema 9
 database."""
 
@@ -28,7 +28,7 @@ from agentkv.memory import Store
 from agentkv.memory import migrations
 from agentkv.memory.migrations import MIGRATIONS
 from agentkv.memory.schema import utcnow
-from agentkv.memory.session_stats import CallDecode, SessionStats, session_stats
+from agentkv.memory.conversation_stats import CallDecode, ConversationStats, conversation_stats
 from agentkv.testing import ScriptedEngine
 from agentkv.testing.session import ScriptedSession
 
@@ -66,11 +66,11 @@ async def two_measured_calls(db: str) -> str:
 
 async def test_decode_figures_of_each_call_are_stored_and_summed(tmp_path: Path):
     db = f"sqlite:///{tmp_path / 'a.db'}"
-    session_id = await two_measured_calls(db)
+    conversation_id = await two_measured_calls(db)
     store = Store(db)
-    calls = await store.calls(session_id)
+    calls = await store.calls(conversation_id)
     assert [(c.forced_tokens, c.drafted_tokens, c.accepted_tokens, c.steps_saved) for c in calls] == FIGURES
-    stats = await session_stats(store, session_id)
+    stats = await conversation_stats(store, conversation_id)
     assert (stats.forced_tokens, stats.drafted_tokens, stats.accepted_tokens, stats.steps_saved) == (24, 16, 12, 30)
     assert [d.number for d in stats.decode] == [1, 2]
     await store.close()
@@ -78,9 +78,10 @@ async def test_decode_figures_of_each_call_are_stored_and_summed(tmp_path: Path)
 
 def test_sessions_show_kv_prints_decode_totals_and_each_calls_figures(tmp_path: Path):
     db = f"sqlite:///{tmp_path / 'a.db'}"
-    session_id = anyio.run(two_measured_calls, db)
-    first, second = (c.generated_tokens for c in anyio.run(Store(db).calls, session_id))
-    result = CliRunner().invoke(app, ["sessions", "show", session_id, "--kv", "--db", db], env={"COLUMNS": "250"})
+    conversation_id = anyio.run(two_measured_calls, db)
+    first, second = (c.generated_tokens for c in anyio.run(Store(db).calls, conversation_id))
+    result = CliRunner().invoke(app, ["conversations", "show", conversation_id, "--kv", "--db", db],
+                                env={"COLUMNS": "250"})
     assert result.exit_code == 0, result.output
     assert (f"decode: 24 of {first + second} generated tokens forced, 16 drafted, 12 accepted (75%); "
             "30 model steps saved\n") in result.output
@@ -110,7 +111,7 @@ async def test_a_model_calls_span_carries_its_decode_figures():
 
 
 def test_session_totals_count_only_calls_that_recorded_figures_and_say_how_many_did():
-    stats = SessionStats(session_id="s", window_tokens=0, kv_tokens=0, kv_bytes=0, snapshots=(), calls=4,
+    stats = ConversationStats(conversation_id="s", window_tokens=0, kv_tokens=0, kv_bytes=0, snapshots=(), calls=4,
                          reused_tokens=0, prefilled_tokens=0, generated_tokens=97, prefill_s_per_token=0.0,
                          compactions=0, cache_breaks=(),
                          decode=(CallDecode(2, generated=40, forced=24, steps_saved=20),
@@ -124,7 +125,7 @@ def test_session_totals_count_only_calls_that_recorded_figures_and_say_how_many_
 
 
 def test_a_session_without_recorded_figures_prints_no_decode_line():
-    stats = SessionStats(session_id="s", window_tokens=0, kv_tokens=0, kv_bytes=0, snapshots=(), calls=2,
+    stats = ConversationStats(conversation_id="s", window_tokens=0, kv_tokens=0, kv_bytes=0, snapshots=(), calls=2,
                          reused_tokens=0, prefilled_tokens=0, generated_tokens=9, prefill_s_per_token=0.0,
                          compactions=0, cache_breaks=())
     assert stats.steps_saved == 0 and not any(line.startswith("decode") for line in stats.lines())
@@ -173,7 +174,7 @@ async def test_calls_stored_before_schema_9_keep_every_figure_and_read_as_not_re
     assert (old.forced_tokens, old.drafted_tokens, old.accepted_tokens, old.steps_saved) == (None,) * 4
     await store.record_call(dataclasses.replace(old, id=0, created_at=None, forced_tokens=5, drafted_tokens=4,
                                                 accepted_tokens=3, steps_saved=6))
-    stats = await session_stats(store, "s1")
+    stats = await conversation_stats(store, "s1")
     assert stats.calls == 2 and [d.number for d in stats.decode] == [2]
     assert (stats.forced_tokens, stats.drafted_tokens, stats.accepted_tokens, stats.steps_saved) == (5, 4, 3, 6)
     await store.close()
@@ -186,5 +187,5 @@ async def test_code_that_knows_only_schema_8_refuses_a_schema_9_database(store_u
     monkeypatch.setattr(migrations, "LATEST_VERSION", 8)
     older = Store(store_url, snapshot_dir=tmp_path / "s")
     with pytest.raises(SchemaVersionError, match="schema version 9, newer than 8 .* upgrade agentkv"):
-        await older.list_sessions()
+        await older.list_conversations()
     await older.close()

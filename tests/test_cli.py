@@ -60,8 +60,8 @@ def cli(*args: str, input: str | None = None):
     return CliRunner().invoke(app, list(args), input=input)
 
 
-def session_id_in(output: str) -> str:
-    return next(line.split()[1] for line in output.splitlines() if line.startswith("session "))
+def conversation_id_in(output: str) -> str:
+    return next(line.split()[1] for line in output.splitlines() if line.startswith("conversation "))
 
 
 def stored(db: str, action):
@@ -100,7 +100,7 @@ async def test_agent_from_record_names_a_tool_or_policy_it_cannot_rebuild(db):
     async with Store(db) as store:
         await store.upsert_agent("custom", "Add.", ["add"], {})
         await store.upsert_agent("odd", "Hi.", [], {"policy": "MyPolicy"})
-        with pytest.raises(UserError, match=r"'add'.*resume\(session_id, agent\)"):
+        with pytest.raises(UserError, match=r"'add'.*resume\(conversation_id, agent\)"):
             agent_from_record(await store.get_agent("custom"))
         with pytest.raises(UserError, match="'MyPolicy'"):
             agent_from_record(await store.get_agent("odd"))
@@ -109,7 +109,7 @@ async def test_agent_from_record_names_a_tool_or_policy_it_cannot_rebuild(db):
 async def test_resume_without_the_agent_rebuilds_its_tools_and_restores_the_kv(db):
     async with Store(db) as store:
         first = Runtime(ScriptedEngine(["Four."]), store, agents=[OPS])
-        session = await first.open_conversation(OPS, session_id="s")
+        session = await first.open_conversation(OPS, conversation_id="s")
         await first.run(session, "What is 2 + 2?")
         await first.aclose()
         second = Runtime(ScriptedEngine(["Again."]), store)
@@ -122,12 +122,12 @@ async def test_resume_without_the_agent_rebuilds_its_tools_and_restores_the_kv(d
 def test_cli_resume_and_chat_session_use_the_stored_agent(db, engines):
     async def create(store):
         runtime = Runtime(ScriptedEngine(["Four."]), store, agents=[OPS])
-        await runtime.run(await runtime.open_conversation(OPS, session_id="s"), "What is 2 + 2?")
+        await runtime.run(await runtime.open_conversation(OPS, conversation_id="s"), "What is 2 + 2?")
         await runtime.aclose()
 
     stored(db, create)
     engines.replies = [["Sure."], ["Again."]]
-    for args in (["resume", "s", "--db", db], ["chat", "--session", "s", "--db", db]):
+    for args in (["resume", "s", "--db", db], ["chat", "--conversation", "s", "--db", db]):
         result = cli(*args, input="And 3 + 3?\n")
         assert result.exit_code == 0, result.output
         restored = int(result.output.split("messages, ")[1].split()[0])
@@ -152,7 +152,7 @@ def test_chat_refuses_to_redefine_a_stored_agent(db, monkeypatch, options):
     assert result.exit_code == 2, result.output
     assert "'helper'" in result.output and "nothing was changed" in result.output
     assert stored(db, lambda s: s.get_agent("helper")).instructions == "Answer in French."
-    assert stored(db, lambda s: s.list_sessions()) == []
+    assert stored(db, lambda s: s.list_conversations()) == []
 
 
 def test_chat_without_agent_options_uses_the_stored_agent(db, engines):
@@ -175,7 +175,7 @@ def test_chat_without_agent_options_uses_the_stored_agent(db, engines):
 def test_leaving_chat_without_a_message_stores_no_session(db, engines, typed):
     result = cli("chat", "--db", db, input=typed)
     assert result.exit_code == 0, result.output
-    assert stored(db, lambda s: s.list_sessions()) == []
+    assert stored(db, lambda s: s.list_conversations()) == []
 
 
 # -- D: chat options -----------------------------------------------------------------------
@@ -190,7 +190,7 @@ def test_leaving_chat_without_a_message_stores_no_session(db, engines, typed):
 def test_bad_chat_options_exit_2_and_store_nothing(db, engines, options):
     result = cli("chat", "--db", db, *options, input="hi\n")
     assert result.exit_code == 2, result.output
-    assert stored(db, lambda s: s.list_sessions()) == []
+    assert stored(db, lambda s: s.list_conversations()) == []
 
 
 def test_chat_options_shape_the_agent(db, engines):
@@ -198,7 +198,7 @@ def test_chat_options_shape_the_agent(db, engines):
                  "--max-prompt-len", "2048", "--max-new-tokens", "64", "--temperature", "0.5",
                  input="hi\n")
     assert result.exit_code == 0, result.output
-    (summary,) = stored(db, lambda s: s.list_sessions())
+    (summary,) = stored(db, lambda s: s.list_conversations())
     assert summary.agent_name.startswith("assistant+system-") and summary.agent_name.endswith("+tools")
     agent = agent_from_record(stored(db, lambda s: s.get_agent(summary.agent_name)))
     assert agent.instructions == "Be terse."
@@ -216,14 +216,14 @@ def test_sessions_show_prints_tool_calls_and_results(db):
 
     async def create(store):
         await store.upsert_agent("a", "Hi.", ["calculator"], {})
-        await store.create_session("a", session_id="s")
+        await store.create_conversation("a", conversation_id="s")
         for message in (Message.user("2+2?"), Message.assistant("", tool_calls=[call]),
                         Message.tool("4", tool_call_id="c1", name="calculator"),
                         Message.assistant("It is 4.")):
             await store.append_message("s", message, token_count=1)
 
     stored(db, create)
-    result = cli("sessions", "show", "s", "--db", db)
+    result = cli("conversations", "show", "s", "--db", db)
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     assert 'assistant: → calculator({"expression": "2 + 2"})' in lines
@@ -253,8 +253,8 @@ def test_agentkv_home_holds_the_default_database_and_snapshots(tmp_path, monkeyp
     result = cli("chat", input="hi\n")
     assert result.exit_code == 0, result.output
     assert (home / "agentkv.db").is_file()
-    sid = session_id_in(result.output)
-    assert sid in cli("sessions", "list").output
+    sid = conversation_id_in(result.output)
+    assert sid in cli("conversations", "list").output
     (snapshot,) = stored(f"sqlite:///{home / 'agentkv.db'}", lambda s: s.snapshots(sid))
     assert snapshot.path.is_relative_to(home / "snapshots") and snapshot.path.is_file()
 
@@ -274,22 +274,22 @@ def test_model_conversion_names_the_final_directory(fake_gguf_conversion, capsys
     assert ".convert-" not in message
 
 
-# -- G: sessions unlock --------------------------------------------------------------------
+# -- G: conversations unlock --------------------------------------------------------------------
 
 @pytest.mark.skipif("force" not in inspect.signature(Store.release_lease).parameters,
-                    reason="Store.release_lease(session_id, force=True) has not landed yet")
+                    reason="Store.release_lease(conversation_id, force=True) has not landed yet")
 def test_sessions_unlock_releases_a_stuck_lease(db):
     async def create(store):
         await store.upsert_agent("a", "Hi.", [], {})
-        await store.create_session("a", session_id="s")
+        await store.create_conversation("a", conversation_id="s")
         await store.acquire_lease("s", "crashed-host:4242", 600)
 
     stored(db, create)
-    result = cli("sessions", "unlock", "s", "--db", db)
+    result = cli("conversations", "unlock", "s", "--db", db)
     assert result.exit_code == 0, result.output
     assert "crashed-host:4242" in result.output
-    stored(db, lambda store: store.acquire_lease("s", "me", 60))  # no SessionBusy
-    assert cli("sessions", "unlock", "nope", "--db", db).exit_code == 1
+    stored(db, lambda store: store.acquire_lease("s", "me", 60))  # no ConversationBusy
+    assert cli("conversations", "unlock", "nope", "--db", db).exit_code == 1
 
 
 # -- J: export (issue 23, item 21) --------------------------------------------------------------
@@ -299,14 +299,14 @@ def test_sessions_export_starts_with_the_system_prompt_and_marks_rewound_message
 
     engines.replies = [["One.", "Two."]]
     first = cli("chat", "--db", db, "--agent", "e", input="first\nsecond\n")
-    sid = session_id_in(first.output)
-    assert cli("sessions", "rewind", sid, "--before", "3", "--db", db).exit_code == 0
-    exported = cli("sessions", "export", sid, "--db", db)
+    sid = conversation_id_in(first.output)
+    assert cli("conversations", "rewind", sid, "--before", "3", "--db", db).exit_code == 0
+    exported = cli("conversations", "export", sid, "--db", db)
     assert exported.exit_code == 0, exported.output
     lines = [json.loads(line) for line in exported.output.splitlines()]
     assert lines[0] == {"role": "system", "content": "You are a helpful assistant. Answer briefly."}
     assert [m["content"] for m in lines[1:]] == ["first", "One.", "second", "Two."]
     assert [m.get("agentkv", {}).get("in_window", True) for m in lines[1:]] == [True, True, False, False]
-    window = cli("sessions", "export", sid, "--window", "--db", db)
+    window = cli("conversations", "export", sid, "--window", "--db", db)
     assert [json.loads(line)["content"] for line in window.output.splitlines()] == [lines[0]["content"],
                                                                                      "first", "One."]

@@ -36,7 +36,8 @@ ALL = list(commands(typer.main.get_command(app)))
 
 def test_the_walk_finds_every_command():
     names = {" ".join(path) for path, _ in ALL}
-    assert {"chat", "resume", "serve", "sessions list", "sessions unlock", "models info", "models prune"} <= names
+    assert {"chat", "resume", "serve", "conversations list", "conversations unlock", "models info",
+            "models prune"} <= names
 
 
 @pytest.mark.parametrize(("path", "command"), ALL, ids=[" ".join(p) or "agentkv" for p, _ in ALL])

@@ -32,9 +32,9 @@ WORKER = str(Path(__file__).with_name("_fault_worker.py"))
 PHASES = ["prefill", "decode", "tool", "snapshot", "blocks", "summary"]
 
 
-async def run_worker_until_ready(phase: str, url: str, session_id: str) -> None:
+async def run_worker_until_ready(phase: str, url: str, conversation_id: str) -> None:
     """Start the worker, wait (≤60 s) for its "ready", kill -9 it."""
-    process = await anyio.open_process([sys.executable, WORKER, phase, url, session_id], cwd=Path(__file__).parent,
+    process = await anyio.open_process([sys.executable, WORKER, phase, url, conversation_id], cwd=Path(__file__).parent,
                                        stderr=subprocess.STDOUT)
     try:
         with anyio.fail_after(60):
@@ -61,11 +61,11 @@ def tool_pairs_are_complete(messages) -> bool:
     return sorted(results) == sorted(calls) and len(set(results)) == len(results)
 
 
-async def check_store(store: Store, session_id: str) -> None:
-    rows = await store.messages(session_id)
+async def check_store(store: Store, conversation_id: str) -> None:
+    rows = await store.messages(conversation_id)
     seqs = [r.seq for r in rows]
     assert seqs == sorted(set(seqs)), seqs  # each message once, in order
-    listed = next(s for s in await store.list_sessions() if s.id == session_id)
+    listed = next(s for s in await store.list_conversations() if s.id == conversation_id)
     assert listed.message_count == len(rows)
     assert listed.total_tokens == sum(r.token_count for r in rows) and all(r.token_count > 0 for r in rows)
     assert listed.in_window_tokens == sum(r.token_count for r in rows if r.in_window)
@@ -116,7 +116,7 @@ async def test_random_cancel_points_over_a_tool_loop_keep_store_and_kv_consisten
     store = Store(f"sqlite:///{tmp_path / 'agentkv.db'}")
     engine = scripted_engine(prefill_s_per_token=0.0002, decode_s_per_token=0.002)
     runtime = Runtime(engine, store, agents=[LOOPER])
-    session = await runtime.open_conversation(LOOPER, session_id="cancelled")
+    session = await runtime.open_conversation(LOOPER, conversation_id="cancelled")
     started = time.perf_counter()
     await runtime.run(session, "please look up the tides first")  # tool call, result, answer
     full = time.perf_counter() - started

@@ -28,13 +28,13 @@ def contents(stored) -> list[str]:
     return [m.message.content for m in stored]
 
 
-async def window(store: Store, session_id: str) -> list[str]:
-    return contents(await store.messages(session_id, in_window_only=True))
+async def window(store: Store, conversation_id: str) -> list[str]:
+    return contents(await store.messages(conversation_id, in_window_only=True))
 
 
 async def conversation(store: Store, count: int) -> str:
     await store.upsert_agent("api", None, [], {})
-    session = await store.create_session("api")
+    session = await store.create_conversation("api")
     for index in range(1, count + 1):
         await store.append_message(session.id, Message.user(f"m{index}"), token_count=1)
     return session.id
@@ -45,7 +45,7 @@ async def conversation(store: Store, count: int) -> str:
 async def test_a_parents_rewind_leaves_its_forks_window_as_it_was(store: Store):
     parent = await conversation(store, 4)
     await store.replace_in_window(parent, [1, 2], Message.user("summary"), token_count=1)
-    fork = await store.fork_session(parent)
+    fork = await store.fork_conversation(parent)
     assert await window(store, fork.id) == ["m3", "m4", "summary"]
     assert await store.rewind(parent, 4) == 1
     assert await window(store, parent) == ["m1", "m2", "m3", "m4"]
@@ -56,20 +56,20 @@ async def test_a_parents_rewind_leaves_its_forks_window_as_it_was(store: Store):
 
 async def test_a_move_after_a_fork_is_not_the_forks_even_before_the_parents_next_message(store: Store):
     parent = await conversation(store, 4)
-    fork = await store.fork_session(parent)  # at 4, the parent's newest
+    fork = await store.fork_conversation(parent)  # at 4, the parent's newest
     await store.mark_out_of_window(parent, [1])  # a move the parent makes before its next message
     assert await window(store, fork.id) == ["m1", "m2", "m3", "m4"]
     await store.append_message(parent, Message.user("m5"), token_count=1)
-    later = await store.fork_session(parent, at=4)  # at 4 again, now as it was just before m5 came
+    later = await store.fork_conversation(parent, at=4)  # at 4 again, now as it was just before m5 came
     assert await window(store, later.id) == ["m2", "m3", "m4"]
-    earlier = await store.fork_session(parent, at=3)
+    earlier = await store.fork_conversation(parent, at=3)
     assert await window(store, earlier.id) == ["m1", "m2", "m3"]
 
 
 async def test_a_fork_rewinding_before_its_parents_summary_gets_the_summarised_messages_back(store: Store):
     parent = await conversation(store, 4)
     await store.replace_in_window(parent, [1, 2], Message.user("summary"), token_count=1)
-    fork = await store.fork_session(parent)
+    fork = await store.fork_conversation(parent)
     assert await store.rewind(fork.id, 4) == 1
     assert await window(store, fork.id) == ["m1", "m2", "m3", "m4"]
     assert await window(store, parent) == ["m3", "m4", "summary"]
@@ -87,9 +87,9 @@ async def test_rewind_leaves_every_message_after_its_point_out_even_one_a_later_
 async def test_a_message_appended_out_of_the_window_is_out_for_the_forks_after_it(store: Store):
     session = await conversation(store, 2)
     await store.append_message(session, Message.user("aside"), token_count=1, in_window=False)
-    fork = await store.fork_session(session)
+    fork = await store.fork_conversation(session)
     assert await window(store, fork.id) == ["m1", "m2"]
-    before = await store.fork_session(session, at=2)
+    before = await store.fork_conversation(session, at=2)
     assert await window(store, before.id) == ["m1", "m2"]
 
 
@@ -140,15 +140,15 @@ OPERATIONS = st.tuples(st.integers(0, 6), st.lists(
 """How many messages the first session starts with, then (kind, which session, x, y) per operation."""
 
 
-async def seen(store: Store, session_id: str) -> list[tuple[str, bool, int | None]]:
-    return [(m.message.content, m.in_window, m.replaced_by_seq) for m in await store.messages(session_id)]
+async def seen(store: Store, conversation_id: str) -> list[tuple[str, bool, int | None]]:
+    return [(m.message.content, m.in_window, m.replaced_by_seq) for m in await store.messages(conversation_id)]
 
 
 async def check_against_copies(store: Store, operations) -> None:
     """Run the operations on the store and on copies: a fork's copy is its parent's window at the
     fork point, and no copy changes another, so a parent's window is what it would be without forks."""
     await store.upsert_agent("api", None, [], {})
-    root = (await store.create_session("api", session_id=uuid.uuid4().hex)).id
+    root = (await store.create_conversation("api", conversation_id=uuid.uuid4().hex)).id
     model = {root: Copy([], [])}
     start, steps = operations
     for index in range(start):
@@ -179,12 +179,12 @@ async def check_against_copies(store: Store, operations) -> None:
             assert await store.rewind(sid, after) == mine.rewind(after)
         else:
             at = x % (len(mine.states) + 1)
-            fork = await store.fork_session(sid, at=at, new_id=f"{root}-{count}")
+            fork = await store.fork_conversation(sid, at=at, new_id=f"{root}-{count}")
             model[fork.id] = mine.fork(at)
         assert await seen(store, sid) == mine.seen(), sid
     for sid, expected in model.items():
         assert await seen(store, sid) == expected.seen(), sid
-    listed = {s.id: s.in_window_tokens for s in await store.list_sessions()}
+    listed = {s.id: s.in_window_tokens for s in await store.list_conversations()}
     for sid, expected in model.items():  # the rows' own flags: each session's window of its own messages
         assert listed[sid] == sum(1 for inside, _ in expected.states[expected.fork_seq:] if inside)
 
@@ -279,7 +279,7 @@ async def test_a_schema_9_database_reads_the_same_windows_and_its_forks_keep_the
     assert await window(store, "p") == ["m1", "m2", "m3", "m4", "m5", "m6"]
     assert await store.rewind("a", 7) == 1
     assert await window(store, "a") == ["m3", "m4", "m6", "s7"]
-    fork = await store.fork_session("a", at=8)  # as a was just before its a9
+    fork = await store.fork_conversation("a", at=8)  # as a was just before its a9
     assert await window(store, fork.id) == ["m3", "m4", "m6", "s7", "a8"]
     await store.replace_in_window("q", [5], Message.user("s6"), token_count=1)
     assert await window(store, "q") == ["s3", "s6"]

@@ -19,7 +19,7 @@ from test_run_recovery import call
 from typer.testing import CliRunner
 
 from agentkv import Agent, Runtime, tool
-from agentkv.errors import LeaseLost, SessionBusy, SessionNotFound, UserError
+from agentkv.errors import LeaseLost, ConversationBusy, ConversationNotFound, UserError
 from agentkv.memory import CallRecord, Store
 from agentkv.run.conversation import Conversation
 from agentkv.testing import ScriptedEngine
@@ -85,8 +85,8 @@ async def other(store_url: str, tmp_path: Path) -> AsyncIterator[Store]:
         yield opened
 
 
-async def roles(store: Store, session_id: str, *, in_window_only: bool = False) -> list[str]:
-    return [m.message.role for m in await store.messages(session_id, in_window_only=in_window_only)]
+async def roles(store: Store, conversation_id: str, *, in_window_only: bool = False) -> list[str]:
+    return [m.message.role for m in await store.messages(conversation_id, in_window_only=in_window_only)]
 
 
 async def finish_soon(run: LiveRun, delay_s: float = 0.3) -> None:
@@ -116,7 +116,8 @@ async def test_a_rewind_that_cannot_wait_is_refused_saying_a_run_is_live_and_cha
         store_url: str, tmp_path: Path, other: Store) -> None:
     async with live_run(store_url, tmp_path) as live:
         sid = live.conversation.id
-        with pytest.raises(SessionBusy, match="cannot rewind .* a run is live in it .*host-a:1:run001.*retry") as busy:
+        with pytest.raises(ConversationBusy,
+                           match="cannot rewind .* a run is live in it .*host-a:1:run001.*retry") as busy:
             await other.rewind(sid, 0)
         assert busy.value.action == "rewind" and busy.value.holder == "host-a:1:run001"
         assert await roles(other, sid, in_window_only=True) == ["user", "assistant"]
@@ -129,12 +130,12 @@ async def test_a_rewind_that_cannot_wait_is_refused_saying_a_run_is_live_and_cha
 async def test_a_fork_during_a_live_run_never_takes_half_a_turn(store_url: str, tmp_path: Path, other: Store) -> None:
     async with live_run(store_url, tmp_path) as live, anyio.create_task_group() as tasks:
         sid = live.conversation.id
-        with pytest.raises(SessionBusy, match="cannot fork"):
-            await other.fork_session(sid)
-        assert [s.id for s in await other.list_sessions()] == [sid]  # no fork was made
+        with pytest.raises(ConversationBusy, match="cannot fork"):
+            await other.fork_conversation(sid)
+        assert [s.id for s in await other.list_conversations()] == [sid]  # no fork was made
         other.lease_wait_s = 10
         tasks.start_soon(finish_soon, live)
-        fork = await other.fork_session(sid)  # waits for the run's end
+        fork = await other.fork_conversation(sid)  # waits for the run's end
     assert fork.fork_seq == 4 and await roles(other, fork.id) == RUN_ROLES
 
 
@@ -157,9 +158,9 @@ async def test_an_edit_from_another_runtime_during_a_live_run_is_refused_and_mak
     async with live_run(store_url, tmp_path) as live:
         editor = Runtime(ScriptedEngine(["unused"]), store, agents=[live.conversation.agent], holder="host-b:2:edit01")
         resumed = await editor.resume(live.conversation.id)
-        with pytest.raises(SessionBusy, match="cannot fork"):
+        with pytest.raises(ConversationBusy, match="cannot fork"):
             await editor.edit(resumed, 1, "Weather in Bergen?")
-        assert len(await store.list_sessions()) == 1
+        assert len(await store.list_conversations()) == 1
     await store.close()
 
 
@@ -167,24 +168,24 @@ async def test_a_delete_during_a_live_run_is_refused_and_the_run_finishes(
         store_url: str, tmp_path: Path, other: Store) -> None:
     async with live_run(store_url, tmp_path) as live:
         sid = live.conversation.id
-        with pytest.raises(SessionBusy, match="cannot delete"):
-            await other.delete_session(sid)
+        with pytest.raises(ConversationBusy, match="cannot delete"):
+            await other.delete_conversation(sid)
         await run_ends(live)
     assert live.failures == [] and await roles(other, sid) == RUN_ROLES
-    await other.delete_session(sid)  # free now
-    with pytest.raises(SessionNotFound):
-        await other.get_session(sid)
-    with pytest.raises(SessionNotFound):
-        await other.delete_session(sid)  # still the error it always was
+    await other.delete_conversation(sid)  # free now
+    with pytest.raises(ConversationNotFound):
+        await other.get_conversation(sid)
+    with pytest.raises(ConversationNotFound):
+        await other.delete_conversation(sid)  # still the error it always was
 
 
 async def test_prune_keeps_a_conversation_whose_run_is_live(store_url: str, tmp_path: Path, other: Store) -> None:
     async with live_run(store_url, tmp_path) as live:
         sid = live.conversation.id
-        assert (await other.prune(older_than=timedelta(0))).sessions == ()
+        assert (await other.prune(older_than=timedelta(0))).conversations == ()
         await run_ends(live)
     assert await roles(other, sid) == RUN_ROLES and live.failures == []
-    assert (await other.prune(older_than=timedelta(0))).sessions == (sid,)
+    assert (await other.prune(older_than=timedelta(0))).conversations == (sid,)
 
 
 async def test_a_holder_passes_its_own_token_and_a_lost_token_changes_nothing(store: Store) -> None:
@@ -197,22 +198,23 @@ async def test_a_holder_passes_its_own_token_and_a_lost_token_changes_nothing(st
     for text in ["q1", "a1", "q2"]:
         await store.append_message(sid, Message.user(text), token_count=2, fence=token)
     assert await store.rewind(sid, 2, fence=token) == 1  # the holder rewinds under its own lease
-    fork = await store.fork_session(sid, at=2, fence=token)
+    fork = await store.fork_conversation(sid, at=2, fence=token)
     assert await store.lease_holder(sid) == "host-a:1:run001"  # neither touched the holder's lease
     await store.release_lease(sid, force=True)
     with pytest.raises(LeaseLost):
         await store.rewind(sid, 0, fence=token)
     with pytest.raises(LeaseLost):
-        await store.fork_session(sid, fence=token)
+        await store.fork_conversation(sid, fence=token)
     with pytest.raises(LeaseLost):
-        await store.delete_session(fork.id, fence=token + 1)  # the fork's lease was never that token
-    figures = CallRecord(session_id=sid, prompt_tokens=9, reused_tokens=0, prefix_cache_tokens=0, prefilled_tokens=9,
+        await store.delete_conversation(fork.id, fence=token + 1)  # the fork's lease was never that token
+    figures = CallRecord(conversation_id=sid, prompt_tokens=9, reused_tokens=0, prefix_cache_tokens=0,
+                         prefilled_tokens=9,
                          generated_tokens=1, ttft_s=0.1, tpot_s=0.0, kv_tokens=10, kv_bytes=0)
     with pytest.raises(LeaseLost):
         await store.record_call(figures, fence=token)  # nor a lost run's call figures
     assert await store.calls(sid) == []
     assert [m.in_window for m in await store.messages(sid)] == [True, True, False]
-    assert len(await store.list_sessions()) == 2
+    assert len(await store.list_conversations()) == 2
     with pytest.raises(UserError, match="lease_wait_s"):
         Store(store.url, lease_wait_s=-1)
 
@@ -231,13 +233,13 @@ def test_cli_rewind_during_a_live_run_says_a_run_is_live_and_leaves_the_history(
             tasks.start_soon(runtime.run, conversation, "Weather in Oslo?")
             await started.wait()
             refused = await anyio.to_thread.run_sync(
-                CliRunner().invoke, app, ["sessions", "rewind", conversation.id, "--before", "1", "--db", url])
+                CliRunner().invoke, app, ["conversations", "rewind", conversation.id, "--before", "1", "--db", url])
             assert refused.exit_code == 1, refused.output
             assert "a run is live in it" in refused.output and "retry" in refused.output
             assert await roles(store, conversation.id, in_window_only=True) == ["user", "assistant"]
             finish.set()
         done = await anyio.to_thread.run_sync(
-            CliRunner().invoke, app, ["sessions", "rewind", conversation.id, "--before", "3", "--db", url])
+            CliRunner().invoke, app, ["conversations", "rewind", conversation.id, "--before", "3", "--db", url])
         assert done.exit_code == 0 and "2 messages left" in done.output, done.output
         await store.close()
 
@@ -259,11 +261,11 @@ async def test_prune_keeps_a_conversation_whose_run_took_the_lease_while_prune_c
         sid = await new_session(pruner)
         forks_of = retention.branches.forks_of
 
-        def run_takes_the_lease(s, session_id):  # after prune read its candidates, before it deletes
+        def run_takes_the_lease(s, conversation_id):  # after prune read its candidates, before it deletes
             runner.database.write(lambda t: queries.acquire_lease(t, sid, "host-a:1:run001", 60, utcnow()))
             monkeypatch.setattr(retention.branches, "forks_of", forks_of)
-            return forks_of(s, session_id)
+            return forks_of(s, conversation_id)
 
         monkeypatch.setattr(retention.branches, "forks_of", run_takes_the_lease)
-        assert (await pruner.prune(older_than=timedelta(0))).sessions == ()
+        assert (await pruner.prune(older_than=timedelta(0))).conversations == ()
         assert await runner.lease_holder(sid) == "host-a:1:run001"

@@ -21,7 +21,7 @@ from _stores import new_session
 
 from agentkv import Agent, Runtime, tool
 from agentkv.chat.messages import Message
-from agentkv.errors import LeaseLost, SessionBusy, StoreUnavailable
+from agentkv.errors import LeaseLost, ConversationBusy, StoreUnavailable
 from agentkv.memory import Store
 from agentkv.memory.leases import (
     CROSS_HOST_TAKEOVER_S,
@@ -68,7 +68,7 @@ async def test_another_hosts_lease_is_taken_over_once_its_default_ttl_has_passed
     sid = await new_session(host_a)
     old = await host_a.acquire_lease(sid, HOST_A, DEFAULT_LEASE_TTL_S)  # then host a dies: no renewal
     clock.advance(DEFAULT_LEASE_TTL_S - 0.5)
-    with pytest.raises(SessionBusy, match="host-a"):
+    with pytest.raises(ConversationBusy, match="host-a"):
         await host_b.acquire_lease(sid, HOST_B, DEFAULT_LEASE_TTL_S)
     clock.advance(0.6)
     new = await host_b.acquire_lease(sid, HOST_B, DEFAULT_LEASE_TTL_S)
@@ -154,7 +154,7 @@ async def test_a_stalled_holder_that_lost_its_lease_to_another_host_writes_nothi
             await anyio.sleep(0)
             while conversation.running:
                 await anyio.sleep(0.01)
-    assert len(outcome) == 1 and "resume the session" in str(outcome[0])
+    assert len(outcome) == 1 and "resume the conversation" in str(outcome[0])
     stored = [m.message for m in await host_b.messages(conversation.id)]
     assert [(m.role, m.content) for m in stored if m.role == "tool"] == [("tool", INTERRUPTED_RESULT)]
     assert len(await host_b.calls(conversation.id)) == calls_before  # nor its call figures

@@ -19,7 +19,7 @@ import anyio
 import pytest
 from _stores import REPO, new_session, race_for_lease
 
-from agentkv.errors import LeaseLost, SessionBusy, SessionNotFound, UserError
+from agentkv.errors import LeaseLost, ConversationBusy, ConversationNotFound, UserError
 from agentkv.memory.leases import (
     LeaseKeeper,
     holder_id,
@@ -83,14 +83,14 @@ async def test_a_dead_local_holder_is_taken_over_at_once(store: Store) -> None:
 async def test_a_live_local_holder_keeps_its_lease_until_it_dies(store: Store) -> None:
     sid = await new_session(store)
     await store.acquire_lease(sid, f"{HOST}:{os.getpid()}:other1", ttl_s=600)
-    with pytest.raises(SessionBusy, match="other1"):
+    with pytest.raises(ConversationBusy, match="other1"):
         await store.acquire_lease(sid, f"{HOST}:{os.getpid()}:mine01")
 
     child = sleeping_child()
     try:
         await store.release_lease(sid, force=True)
         await store.acquire_lease(sid, f"{HOST}:{child.pid}:child1", ttl_s=600)
-        with pytest.raises(SessionBusy, match="child1"):
+        with pytest.raises(ConversationBusy, match="child1"):
             await store.acquire_lease(sid, "worker-b")
     finally:
         child.kill()
@@ -121,7 +121,7 @@ async def test_a_holder_on_another_host_is_taken_over_only_after_expiry(
     store = clocked_store
     sid = await new_session(store)
     await store.acquire_lease(sid, f"elsewhere.invalid:{dead_pid()}:far001", ttl_s=0.3)
-    with pytest.raises(SessionBusy, match="elsewhere.invalid"):
+    with pytest.raises(ConversationBusy, match="elsewhere.invalid"):
         await store.acquire_lease(sid, "worker-b")
     clock.advance(0.4)
     assert await store.lease_holder(sid) is None  # expired: nobody holds it now
@@ -153,9 +153,9 @@ async def test_force_release_frees_the_lease_and_names_the_previous_holder(store
 
 
 async def test_force_release_of_an_unknown_session_is_not_found(store: Store) -> None:
-    with pytest.raises(SessionNotFound):
+    with pytest.raises(ConversationNotFound):
         await store.release_lease("absent", force=True)
-    with pytest.raises(SessionNotFound):
+    with pytest.raises(ConversationNotFound):
         await store.lease_holder("absent")
     with pytest.raises(UserError, match="force=True"):
         await store.release_lease("absent")
@@ -170,7 +170,7 @@ async def test_lease_keeper_renews_while_the_block_runs(store: Store) -> None:
     async with LeaseKeeper(store, sid, "keeper", ttl_s=0.6) as lease:
         for _ in range(3):
             await anyio.sleep(0.5)
-            with pytest.raises(SessionBusy, match="keeper"):
+            with pytest.raises(ConversationBusy, match="keeper"):
                 await store.acquire_lease(sid, "intruder")
         assert lease.held and not lease.lost
         assert await store.lease_holder(sid) == "keeper"
@@ -205,7 +205,7 @@ async def test_lease_keeper_that_loses_its_lease_says_so_without_crashing(
         store: Store, caplog: pytest.LogCaptureFixture) -> None:
     sid = await new_session(store)
     await store.acquire_lease(sid, "other", ttl_s=600)
-    with pytest.raises(SessionBusy, match="other"):
+    with pytest.raises(ConversationBusy, match="other"):
         async with LeaseKeeper(store, sid, "keeper", ttl_s=0.3):
             pytest.fail("entered the block without the lease")
 
@@ -225,11 +225,11 @@ import sys, anyio
 from agentkv.memory.leases import LeaseKeeper, holder_id
 from agentkv.memory import Store
 
-url, snapshot_dir, session_id = sys.argv[1:4]
+url, snapshot_dir, conversation_id = sys.argv[1:4]
 
 async def main():
     store = Store(url, snapshot_dir=snapshot_dir)
-    async with LeaseKeeper(store, session_id, holder_id(), ttl_s=600):
+    async with LeaseKeeper(store, conversation_id, holder_id(), ttl_s=600):
         print("held", flush=True)
         await anyio.sleep(600)
 
@@ -248,7 +248,7 @@ async def test_a_sigkilled_keeper_does_not_block_the_next_process(store: Store, 
         assert worker.stdout is not None
         line = await anyio.to_thread.run_sync(worker.stdout.readline)
         assert line == "held\n", worker.stderr.read() if worker.stderr else ""
-        with pytest.raises(SessionBusy, match=f":{worker.pid}:"):
+        with pytest.raises(ConversationBusy, match=f":{worker.pid}:"):
             await store.acquire_lease(sid, holder_id())
     finally:
         worker.send_signal(signal.SIGKILL)
@@ -269,7 +269,7 @@ async def test_a_write_fenced_by_a_lost_lease_is_refused_and_leaves_nothing(stor
     old = await store.acquire_lease(sid, "old-holder", ttl_s=600)
     await store.append_message(sid, Message.user("hi"), token_count=2, fence=old)
     assert await store.release_lease(sid, force=True) == "old-holder"  # an operator's unlock
-    with pytest.raises(LeaseLost, match="resume the session"):
+    with pytest.raises(LeaseLost, match="resume the conversation"):
         await store.renew_lease(sid, "old-holder", old, ttl_s=600)  # released: not renewed back
     new = await store.acquire_lease(sid, "new-holder", ttl_s=600)
     assert new != old
@@ -321,7 +321,7 @@ async def test_a_run_whose_lease_was_taken_mid_tool_never_records_a_second_resul
         resumed = await second.resume(session.id)
         assert resumed.resume_report.interrupted_calls == 1
         finish.set()
-    assert len(outcome) == 1 and "resume the session" in str(outcome[0])
+    assert len(outcome) == 1 and "resume the conversation" in str(outcome[0])
     results = [m.message for m in await store.messages(session.id) if m.message.role == "tool"]
     assert [r.content for r in results] == [INTERRUPTED_RESULT]  # one call id, one result
     await store.close()
@@ -339,7 +339,8 @@ def test_cli_unlock_refuses_a_holder_still_running_here_unless_forced(tmp_path: 
 
     async def lease_to(holder: str) -> str:
         async with Store(url) as store:
-            sid = await new_session(store) if not await store.list_sessions() else (await store.list_sessions())[0].id
+            stored = await store.list_conversations()
+            sid = stored[0].id if stored else await new_session(store)
             await store.release_lease(sid, force=True)
             await store.acquire_lease(sid, holder, ttl_s=600)
             return sid
@@ -349,14 +350,14 @@ def test_cli_unlock_refuses_a_holder_still_running_here_unless_forced(tmp_path: 
             return await store.lease_holder(sid)
 
     sid = anyio.run(lease_to, live)
-    refused = CliRunner().invoke(app, ["sessions", "unlock", sid, "--db", url])
+    refused = CliRunner().invoke(app, ["conversations", "unlock", sid, "--db", url])
     assert refused.exit_code == 1 and f"process {os.getpid()} still running on this host" in refused.output
     assert "--force" in refused.output and anyio.run(holder_of, sid) == live  # untouched
-    forced = CliRunner().invoke(app, ["sessions", "unlock", sid, "--force", "--db", url])
-    assert forced.exit_code == 0 and "next write to the session will be refused" in forced.output
+    forced = CliRunner().invoke(app, ["conversations", "unlock", sid, "--force", "--db", url])
+    assert forced.exit_code == 0 and "next write to the conversation will be refused" in forced.output
     assert anyio.run(holder_of, sid) is None
     anyio.run(lease_to, gone)
-    released = CliRunner().invoke(app, ["sessions", "unlock", sid, "--db", url])  # a dead holder needs no --force
+    released = CliRunner().invoke(app, ["conversations", "unlock", sid, "--db", url])  # a dead holder needs no --force
     assert released.exit_code == 0 and gone in released.output and anyio.run(holder_of, sid) is None
 
 
@@ -384,7 +385,7 @@ async def test_a_lease_keeper_gives_up_with_session_busy_after_its_wait(store: S
     sid = await new_session(store)
     await store.acquire_lease(sid, "other-replica", 30)
     started = time.monotonic()
-    with pytest.raises(SessionBusy, match="other-replica"):
+    with pytest.raises(ConversationBusy, match="other-replica"):
         async with LeaseKeeper(store, sid, "keeper", ttl_s=5, wait_s=0.4):
             pytest.fail("the lease was held by another replica all along")
     assert time.monotonic() - started >= 0.4

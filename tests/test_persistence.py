@@ -14,7 +14,7 @@ import anyio
 import pytest
 
 from agentkv import Agent, Runtime
-from agentkv.errors import SessionBusy, SessionNotFound, UserError
+from agentkv.errors import ConversationBusy, ConversationNotFound, UserError
 from agentkv.kv.snapshot import KVSnapshot
 from agentkv.memory import Store
 from agentkv.testing import ScriptedEngine
@@ -29,12 +29,12 @@ def spawn(*args: str) -> subprocess.Popen:
                             text=True, cwd=ROOT)
 
 
-def wait_for_user_message(url: str, session_id: str, timeout: float = 60.0) -> None:
+def wait_for_user_message(url: str, conversation_id: str, timeout: float = 60.0) -> None:
     async def poll() -> bool:
         async with Store(url) as store:
             try:
-                return bool(await store.messages(session_id))
-            except SessionNotFound:
+                return bool(await store.messages(conversation_id))
+            except ConversationNotFound:
                 return False
 
     deadline = time.monotonic() + timeout
@@ -74,7 +74,7 @@ async def test_a_second_process_on_a_running_session_gets_session_busy(tmp_path)
         async with Store(url) as store:
             runtime = Runtime(ScriptedEngine(["never"]), store, agents=[AGENT])
             session = await runtime.resume("busy")
-            with pytest.raises(SessionBusy):
+            with pytest.raises(ConversationBusy):
                 await runtime.run(session, "me too")
     finally:
         worker.kill()
@@ -84,7 +84,7 @@ async def test_a_second_process_on_a_running_session_gets_session_busy(tmp_path)
 async def test_resume_unknown_session_raises_session_not_found(tmp_path):
     async with Store(f"sqlite:///{tmp_path / 'db.sqlite'}") as store:
         runtime = Runtime(ScriptedEngine([]), store, agents=[AGENT])
-        with pytest.raises(SessionNotFound):
+        with pytest.raises(ConversationNotFound):
             await runtime.resume("nope")
 
 
@@ -93,14 +93,14 @@ async def test_a_second_run_in_the_same_process_does_not_release_the_first_runs_
     async with Store(url) as store:
         engine = ScriptedEngine(["one " * 30, "two"], decode_s_per_token=0.01)
         runtime = Runtime(engine, store, agents=[AGENT])
-        session = await runtime.open_conversation(AGENT, session_id="lease")
+        session = await runtime.open_conversation(AGENT, conversation_id="lease")
         async with anyio.create_task_group() as tg:
             tg.start_soon(runtime.run, session, "first")
             await anyio.sleep(0.05)
-            with pytest.raises(SessionBusy):
+            with pytest.raises(ConversationBusy):
                 await runtime.run(session, "second")
             # the first run still holds the lease: another process is refused
-            with pytest.raises(SessionBusy):
+            with pytest.raises(ConversationBusy):
                 await store.acquire_lease("lease", "another-process", 60)
 
 
@@ -109,7 +109,7 @@ async def test_a_cancelled_run_saves_a_snapshot_that_resume_can_use(tmp_path):
     async with Store(url) as store:
         engine = ScriptedEngine(["short answer", "word " * 200], decode_s_per_token=0.01)
         runtime = Runtime(engine, store, agents=[AGENT])
-        session = await runtime.open_conversation(AGENT, session_id="cut")
+        session = await runtime.open_conversation(AGENT, conversation_id="cut")
         await runtime.run(session, "hello")
         with anyio.move_on_after(0.3):
             await runtime.run(session, "tell me a lot")
@@ -126,7 +126,7 @@ async def test_a_session_open_in_two_runtimes_sees_the_turns_the_other_ran(tmp_p
     async with Store(url) as store:
         first = Runtime(ScriptedEngine(["from one", "one again"]), store, agents=[AGENT])
         second = Runtime(ScriptedEngine(["from two"]), store, agents=[AGENT])
-        a = await first.open_conversation(AGENT, session_id="shared")
+        a = await first.open_conversation(AGENT, conversation_id="shared")
         await first.run(a, "hello one")
         b = await second.resume("shared")
         await second.run(b, "hello two")

@@ -197,7 +197,7 @@ async def test_reasoning_cut_by_the_token_limit_is_all_reasoning_and_the_answer_
 async def test_the_stored_message_keeps_its_reasoning(tmp_path):
     async with Store(f"sqlite:///{tmp_path / 'db.sqlite'}") as store:
         runtime = await reasoning_runtime(["<think>\nplan\n</think>\n\nThe answer."], store)
-        conversation = await runtime.open_conversation(Agent(name="thinker"), session_id="s1")
+        conversation = await runtime.open_conversation(Agent(name="thinker"), conversation_id="s1")
         await runtime.run(conversation, "Question?")
         stored = await store.messages("s1")
     assert [(m.message.role, m.message.content, m.message.reasoning) for m in stored] == [

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from agentkv.chat.messages import Message
 from agentkv.cli.app import app
 from agentkv.kv.snapshot import KVSnapshot
-from agentkv.errors import SessionNotFound, UserError
+from agentkv.errors import ConversationNotFound, UserError
 from agentkv.memory import Store
 
 FP = "test-model|kv:u8"
@@ -29,7 +29,7 @@ def snapshot(num_tokens: int, seed: int = 0) -> KVSnapshot:
 
 async def session(store: Store) -> str:
     await store.upsert_agent("helper", None, [], {})
-    sid = (await store.create_session("helper")).id
+    sid = (await store.create_conversation("helper")).id
     await store.append_message(sid, Message.user("hi"), token_count=2)
     return sid
 
@@ -53,13 +53,13 @@ def files_in(store: Store) -> set[str]:
     return {p.name for p in store.files.directory.glob("*.agkv")} if store.files.directory.is_dir() else set()
 
 
-def age(store: Store, session_id: str, days: int) -> None:
+def age(store: Store, conversation_id: str, days: int) -> None:
     """Make a session look ``days`` old (its updated_at), as the clock would."""
     from sqlalchemy import update
 
-    from agentkv.memory.schema import SessionRow, utcnow
+    from agentkv.memory.schema import ConversationRow, utcnow
 
-    store.database.write(lambda s: s.execute(update(SessionRow).where(SessionRow.id == session_id)
+    store.database.write(lambda s: s.execute(update(ConversationRow).where(ConversationRow.id == conversation_id)
                                      .values(updated_at=utcnow() - timedelta(days=days))))
 
 
@@ -100,10 +100,10 @@ async def test_prune_deletes_old_sessions_surplus_snapshots_and_orphans_but_no_f
     fresh.write_bytes(b"a save in progress")
     os.utime(orphan, (time.time() - 3600, time.time() - 3600))
     report = await store.prune(older_than=timedelta(days=30), keep_snapshots=1)
-    assert report.sessions == (old,) and report.orphan_files == 1 and report.snapshots == 4
+    assert report.conversations == (old,) and report.orphan_files == 1 and report.snapshots == 4
     assert report.bytes_freed > 0
-    with pytest.raises(SessionNotFound):
-        await store.get_session(old)
+    with pytest.raises(ConversationNotFound):
+        await store.get_conversation(old)
     [left] = await store.snapshots(kept)
     assert left.path.exists() and left.num_tokens == 6
     assert files_in(store) == {left.path.name, fresh.name}  # the young unreferenced file may be a save
@@ -113,11 +113,11 @@ async def test_prune_deletes_old_sessions_surplus_snapshots_and_orphans_but_no_f
 async def test_prune_keeps_a_parent_whose_forks_stay(make_store):
     store = make_store()
     parent = await session(store)
-    fork = (await store.fork_session(parent)).id
+    fork = (await store.fork_conversation(parent)).id
     age(store, parent, days=40)
-    assert (await store.prune(older_than=timedelta(days=30))).sessions == ()
+    assert (await store.prune(older_than=timedelta(days=30))).conversations == ()
     age(store, fork, days=40)
-    assert set((await store.prune(older_than=timedelta(days=30))).sessions) == {parent, fork}
+    assert set((await store.prune(older_than=timedelta(days=30))).conversations) == {parent, fork}
 
 
 async def test_a_crash_during_prune_loses_nothing_that_was_kept(make_store, monkeypatch):
@@ -130,7 +130,7 @@ async def test_a_crash_during_prune_loses_nothing_that_was_kept(make_store, monk
     monkeypatch.setattr("agentkv.memory.retention.excess_snapshots", lambda *args, **kwargs: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         await store.prune(older_than=timedelta(days=30), keep_snapshots=1)
-    await store.get_session(old)
+    await store.get_conversation(old)
     assert len(files_in(store)) == 2
     monkeypatch.undo()
     # a crash after the commit, before the files go: kept rows and files intact, the rest orphaned
@@ -145,9 +145,10 @@ async def test_a_crash_during_prune_loses_nothing_that_was_kept(make_store, monk
 
 def test_cli_prune_reports_what_it_deleted(tmp_path: Path):
     db = f"sqlite:///{tmp_path / 'a.db'}"
-    result = CliRunner().invoke(app, ["sessions", "prune", "--older-than", "30d", "--keep-snapshots", "1", "--db", db])
-    assert result.exit_code == 0 and "deleted 0 sessions" in result.output
-    bad = CliRunner().invoke(app, ["sessions", "prune", "--older-than", "soon", "--db", db])
+    result = CliRunner().invoke(app, ["conversations", "prune", "--older-than", "30d", "--keep-snapshots", "1",
+                                      "--db", db])
+    assert result.exit_code == 0 and "deleted 0 conversations" in result.output
+    bad = CliRunner().invoke(app, ["conversations", "prune", "--older-than", "soon", "--db", db])
     assert bad.exit_code == 2 and "30d" in bad.output
 
 

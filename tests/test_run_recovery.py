@@ -139,7 +139,7 @@ async def test_after_a_refused_input_a_new_process_resumes_and_answers(tmp_path)
     url = f"sqlite:///{tmp_path / 'agentkv.db'}"
     agent = Agent(name="a", max_prompt_len=300, min_response_len=32)
     first = Runtime(ScriptedEngine(["fine"]), Store(url), agents=[agent])
-    session = await first.open_conversation(agent, session_id="big")
+    session = await first.open_conversation(agent, conversation_id="big")
     await first.run(session, "hello")
     with pytest.raises(ContextOverflowError):
         await first.run(session, "word " * 400)

@@ -11,7 +11,7 @@ import pytest
 from agentkv import Agent, Runtime, tool
 from agentkv.chat.messages import Message
 from agentkv.chat.render import ChatRenderer
-from agentkv.errors import MaxModelCallsExceeded, SessionBusy
+from agentkv.errors import MaxModelCallsExceeded, ConversationBusy
 from agentkv.events import (
     ContextCompacted,
     ModelCallFinished,
@@ -215,7 +215,7 @@ async def test_a_second_concurrent_run_on_one_session_raises_session_busy():
     async with anyio.create_task_group() as tg:
         tg.start_soon(runtime.run, session, "first")
         await anyio.sleep(0.02)
-        with pytest.raises(SessionBusy):
+        with pytest.raises(ConversationBusy):
             await runtime.run(session, "second")
 
 

@@ -9,7 +9,7 @@ from agentkv.engine.base import GenerationConfig
 from agentkv.kv.snapshot import KVSnapshot
 from agentkv.errors import (
     ContextOverflowError,
-    SessionClosed,
+    KVSessionClosed,
     SnapshotIncompatible,
     UserError,
 )
@@ -172,7 +172,7 @@ async def test_a_closed_session_refuses_every_operation_and_closing_twice_is_har
         session.snapshot,
         lambda: session.restore(snap),
     ):
-        with pytest.raises(SessionClosed, match="open_session"):
+        with pytest.raises(KVSessionClosed, match="open_session"):
             await operation()
 
 
@@ -183,5 +183,5 @@ async def test_aclose_closes_every_open_session_and_prefixes_are_recorded():
     assert engine.registered_prefixes == [(1, 2, 3)]
     await engine.aclose()
     for session in sessions:
-        with pytest.raises(SessionClosed):
+        with pytest.raises(KVSessionClosed):
             await session.prefill([1])

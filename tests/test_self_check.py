@@ -44,7 +44,7 @@ async def test_a_corrupted_kv_is_caught_with_the_operations_since_the_last_check
     await session.kv.restore(dataclasses.replace(snapshot, keys=keys, values=values))
     events = [event async for event in runtime.run_stream(session, "B?")]
     [failed] = [e for e in events if isinstance(e, SelfCheckFailed)]
-    assert failed.session_id == session.id and not failed.result.passed
+    assert failed.conversation_id == session.id and not failed.result.passed
     assert any(op.startswith("call 0") for op in failed.operations)
     assert events[-1].result.self_checks == (failed.result,)
 

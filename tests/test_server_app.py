@@ -147,7 +147,7 @@ async def test_a_request_pinned_to_a_session_that_is_running_gets_409_and_loses_
         slow, busy = await while_one_request_runs(client, lambda: client.post(
             "/v1/chat/completions", json=body([{"role": "user", "content": "hi"}]), headers={"X-Session-Id": "pinned"}),
             pin="pinned")
-        assert busy.status_code == 409 and busy.json()["error"]["code"] == "session_busy"
+        assert busy.status_code == 409 and busy.json()["error"]["code"] == "conversation_busy"
         assert slow.status_code == 200
         again = await client.post("/v1/chat/completions", json=body([{"role": "user", "content": "hi"}]),
                                   headers={"X-Session-Id": "pinned"})

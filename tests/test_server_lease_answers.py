@@ -18,7 +18,7 @@ import pytest
 from sse_starlette.sse import AppStatus
 from test_server_replicas import gated
 
-from agentkv.errors import SessionBusy
+from agentkv.errors import ConversationBusy
 from agentkv.memory import Store
 from agentkv.server import create_app
 from agentkv.server.app import STOPPED_BEFORE_START
@@ -53,15 +53,15 @@ def respond(**body) -> dict:
     return {"model": "scripted", "temperature": 0, **body}
 
 
-async def held_elsewhere(url: str, session_id: str) -> None:
+async def held_elsewhere(url: str, conversation_id: str) -> None:
     """Another replica takes the conversation's lease (as its run would)."""
     async with Store(url) as store:
-        await store.acquire_lease(session_id, ELSEWHERE, ttl_s=60)
+        await store.acquire_lease(conversation_id, ELSEWHERE, ttl_s=60)
 
 
-async def window_of(url: str, session_id: str) -> list[str]:
+async def window_of(url: str, conversation_id: str) -> list[str]:
     async with Store(url) as store:
-        return [m.message.content for m in await store.messages(session_id, in_window_only=True)]
+        return [m.message.content for m in await store.messages(conversation_id, in_window_only=True)]
 
 
 def assert_refused(answer: httpx.Response, status: int, code: str) -> None:
@@ -89,7 +89,7 @@ async def test_a_streamed_chat_completion_whose_named_session_is_running_is_409_
             await started.wait()
             answers["busy"] = await client.post("/v1/chat/completions", json=chat("hi", stream=True), headers=pinned)
             gate.set()
-        assert_refused(answers["busy"], 409, "session_busy")
+        assert_refused(answers["busy"], 409, "conversation_busy")
         assert answers["busy"].headers["Retry-After"] == "1"
         assert answers["first"].status_code == 200 and answers["first"].headers["X-Session-Id"] == "pinned"
         again = await client.post("/v1/chat/completions", json=chat("hi", stream=True), headers=pinned)
@@ -105,7 +105,7 @@ async def test_a_response_whose_conversation_another_replica_holds_is_409_with_r
         await held_elsewhere(url, session)
         busy = await client.post("/v1/responses", json=respond(input="More", stream=stream,
                                                                previous_response_id=first.json()["id"]))
-        assert_refused(busy, 409, "session_busy")
+        assert_refused(busy, 409, "conversation_busy")
         assert busy.headers["Retry-After"] == "1"
     assert await window_of(url, session) == ["Hi", "Hello!"]  # the refused request ran nothing
 
@@ -285,11 +285,11 @@ async def test_a_client_that_hangs_up_while_waiting_for_a_lease_is_not_waited_fo
 
 async def test_a_failed_first_request_whose_conversation_cannot_be_deleted_still_answers_its_own_error(
         url, monkeypatch, caplog):
-    async def busy(self, session_id, **kwargs):
-        raise SessionBusy(session_id, ELSEWHERE, action="delete")
+    async def busy(self, conversation_id, **kwargs):
+        raise ConversationBusy(conversation_id, ELSEWHERE, action="delete")
 
-    monkeypatch.setattr(Store, "delete_session", busy)
+    monkeypatch.setattr(Store, "delete_conversation", busy)
     async with served(ScriptedEngine([RuntimeError("the model failed")]), url) as (client, _):
         with pytest.raises(RuntimeError, match="the model failed"):  # the run's own failure (a 500), not a 409
             await client.post("/v1/responses", json=respond(input="Hi"))
-    assert "could not delete session" in caplog.text
+    assert "could not delete conversation" in caplog.text

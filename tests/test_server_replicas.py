@@ -3,7 +3,7 @@ same SQLite file, as two processes would be): a conversation moves between them 
 (and back: the replica it left restores the newer snapshot rather than re-read what it missed);
 two requests for a conversation a replica has not opened yet run it once;
 a request for a conversation the other replica is running waits for its lease, then answers 409
-(``response_superseded`` once that run went past the response it continues, ``session_busy`` when
+(``response_superseded`` once that run went past the response it continues, ``conversation_busy`` when
 the run outlasts the wait); the history keeps each turn once; every answer names its response in
 ``X-Response-Id``; a draining server still serves while ``/ready`` says 503."""
 
@@ -73,9 +73,9 @@ async def while_a_runs(a: httpx.AsyncClient, first: dict, gate: anyio.Event, sta
     return ran[0], answer
 
 
-async def window_of(url: str, session_id: str) -> list[str]:
+async def window_of(url: str, conversation_id: str) -> list[str]:
     async with Store(url) as store:
-        return [m.message.content for m in await store.messages(session_id, in_window_only=True)]
+        return [m.message.content for m in await store.messages(conversation_id, in_window_only=True)]
 
 
 @pytest.fixture
@@ -134,7 +134,7 @@ async def test_a_request_whose_wait_for_the_other_replica_runs_out_is_session_bu
         first = (await respond(a, input="Hi")).json()
         ran, busy = await while_a_runs(a, first, gate, started,
                                        lambda: respond(b, input="Turn on b", previous_response_id=first["id"]))
-        assert busy.status_code == 409 and busy.json()["error"]["code"] == "session_busy", busy.text
+        assert busy.status_code == 409 and busy.json()["error"]["code"] == "conversation_busy", busy.text
         assert ran.status_code == 200
     assert await window_of(url, ran.headers["X-Session-Id"]) == ["Hi", "Hello!", "Turn on a", "A's answer."]
 
@@ -224,7 +224,7 @@ async def test_deleting_a_response_whose_conversation_the_other_replica_is_runni
             replica(url, ScriptedEngine([])) as b:
         first = (await respond(a, input="Hi")).json()
         ran, refused = await while_a_runs(a, first, gate, started, lambda: b.delete(f"/v1/responses/{first['id']}"))
-        assert refused.status_code == 409 and refused.json()["error"]["code"] == "session_busy", refused.text
+        assert refused.status_code == 409 and refused.json()["error"]["code"] == "conversation_busy", refused.text
         assert ran.status_code == 200  # the run went on, its conversation intact
         deleted = await b.delete(f"/v1/responses/{first['id']}")  # once it is over: not the last response
         assert deleted.status_code == 200

@@ -114,9 +114,9 @@ async def test_deleting_the_last_response_of_a_conversation_deletes_the_conversa
         deleted = await client.delete(f"/v1/responses/{first['id']}")
         assert deleted.json() == {"id": first["id"], "object": "response.deleted", "deleted": True}
         assert (await client.get(f"/v1/responses/{first['id']}")).status_code == 404
-        assert len(await store.list_sessions()) == 1  # the second response still needs it
+        assert len(await store.list_conversations()) == 1  # the second response still needs it
         await client.delete(f"/v1/responses/{second['id']}")
-        assert await store.list_sessions() == []
+        assert await store.list_conversations() == []
         assert (await client.delete(f"/v1/responses/{second['id']}")).status_code == 404
 
 
@@ -189,7 +189,7 @@ async def test_refused_input_is_an_http_error_even_when_streaming_and_stores_not
                               ({"text": {"format": {"type": "yaml"}}}, "text.format")):
             answer = await client.post("/v1/responses", json={"model": "m", "input": "x", **bad})
             assert answer.status_code == 400 and fragment in answer.json()["error"]["message"], answer.text
-        assert len(await store.list_sessions()) == 1
+        assert len(await store.list_conversations()) == 1
 
 
 async def test_a_run_that_fails_leaves_no_response_and_the_chain_continues_without_its_input(store):
@@ -204,7 +204,7 @@ async def test_a_run_that_fails_leaves_no_response_and_the_chain_continues_witho
         new_failed = ScriptedEngine([RuntimeError("crash on the first turn")])
     async with client_for(new_failed, store) as client:
         assert (await client.post("/v1/responses", json={"model": "m", "input": "Hi"})).status_code == 500
-    assert len(await store.list_sessions()) == 1  # the failed first turn left no conversation
+    assert len(await store.list_conversations()) == 1  # the failed first turn left no conversation
 
 
 async def test_without_a_store_only_store_false_is_served():

@@ -1,6 +1,6 @@
 """The routing surface a session-affine proxy needs, on the scripted engine in process: the
 ``X-Session-Id`` header accepted, checked and echoed on both APIs (streams too) and derived when
-missing, ``GET /ready`` (starting, ready, draining), ``GET /v1/sessions/{id}/locality`` (live,
+missing, ``GET /ready`` (starting, ready, draining), ``GET /v1/conversations/{id}/locality`` (live,
 snapshot, none, unknown) and the snapshot counters on ``/metrics``."""
 
 from __future__ import annotations
@@ -77,13 +77,13 @@ async def test_without_the_header_a_chat_completion_gets_the_id_of_the_session_i
     async with serving(engine) as (_, client):
         messages = [{"role": "user", "content": "Hi"}]
         first = await client.post("/v1/chat/completions", json=chat(messages))
-        session_id = first.headers[HEADER]
-        assert session_id.startswith("sess_")
+        conversation_id = first.headers[HEADER]
+        assert conversation_id.startswith("sess_")
         messages += [{"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "And you?"}]
         second = await client.post("/v1/chat/completions", json=chat(messages))
-        assert second.headers[HEADER] == session_id  # the live session its history continues
+        assert second.headers[HEADER] == conversation_id  # the live session its history continues
         other = await client.post("/v1/chat/completions", json=chat([{"role": "user", "content": "Unrelated"}]))
-        assert other.headers[HEADER] not in (session_id, "")
+        assert other.headers[HEADER] not in (conversation_id, "")
     engine.assert_complete()
 
 
@@ -107,7 +107,7 @@ async def test_a_bad_session_header_is_a_400_saying_what_an_id_looks_like(bad):
             response = await client.post(path, json=payload, headers={HEADER: bad.encode("utf-8")})
             assert response.status_code == 400, response.text
             error = response.json()["error"]
-            assert error["code"] == "invalid_session_id" and "letters, digits" in error["message"]
+            assert error["code"] == "invalid_conversation_id" and "letters, digits" in error["message"]
 
 
 # ---- X-Session-Id on responses ---------------------------------------------------------------
@@ -116,7 +116,7 @@ async def test_a_response_chain_carries_its_conversation_id_derived_from_previou
     async with serving(engine, store) as (_, client):
         first = await client.post("/v1/responses", json={"model": "scripted", "input": "Hi"})
         conversation = first.headers[HEADER]
-        assert conversation.startswith("sess_") and await store.get_session(conversation)
+        assert conversation.startswith("sess_") and await store.get_conversation(conversation)
         second = await client.post("/v1/responses", json={"model": "scripted", "input": "How are you?",
                                                           "previous_response_id": first.json()["id"]})
         assert second.status_code == 200 and second.headers[HEADER] == conversation
@@ -134,7 +134,7 @@ async def test_the_header_names_a_new_conversation_and_then_continues_it_without
     async with serving(engine, store) as (_, client):
         first = await client.post("/v1/responses", json={"model": "scripted", "input": "Hi"},
                                   headers={HEADER: "conv-9"})
-        assert first.headers[HEADER] == "conv-9" and (await store.get_session("conv-9")).id == "conv-9"
+        assert first.headers[HEADER] == "conv-9" and (await store.get_conversation("conv-9")).id == "conv-9"
         second = await client.post("/v1/responses", json={"model": "scripted", "input": "Do you remember?"},
                                    headers={HEADER: "conv-9"})
         assert second.status_code == 200 and second.headers[HEADER] == "conv-9"
@@ -169,7 +169,7 @@ async def test_a_named_chat_session_running_another_request_answers_409():
             await anyio.sleep(0.1)
             busy = await client.post("/v1/chat/completions", json=chat([{"role": "user", "content": "Hi"}]),
                                      headers={HEADER: "conv-busy"})
-        assert busy.status_code == 409 and busy.json()["error"]["code"] == "session_busy"
+        assert busy.status_code == 409 and busy.json()["error"]["code"] == "conversation_busy"
 
 
 async def test_a_header_naming_another_conversation_than_previous_response_id_is_a_400(store):
@@ -178,7 +178,7 @@ async def test_a_header_naming_another_conversation_than_previous_response_id_is
         first = await client.post("/v1/responses", json={"model": "scripted", "input": "Hi"})
         mismatch = await client.post("/v1/responses", headers={HEADER: "conv-other"}, json={
             "model": "scripted", "input": "Again", "previous_response_id": first.json()["id"]})
-        assert mismatch.status_code == 400 and mismatch.json()["error"]["code"] == "session_mismatch"
+        assert mismatch.status_code == 400 and mismatch.json()["error"]["code"] == "conversation_mismatch"
         assert first.headers[HEADER] in mismatch.json()["error"]["message"]
     engine.assert_complete()
 
@@ -190,8 +190,8 @@ async def test_another_tenants_conversation_cannot_be_continued_by_naming_it(sto
     async with serving(ScriptedEngine([]), store, api_key=None) as (_, client):
         taken = await client.post("/v1/responses", json={"model": "scripted", "input": "Hi"},
                                   headers={HEADER: "conv-a", "Authorization": "Bearer other"})
-        assert taken.status_code == 409 and taken.json()["error"]["code"] == "session_conflict"
-        assert (await client.get("/v1/sessions/conv-a/locality",
+        assert taken.status_code == 409 and taken.json()["error"]["code"] == "conversation_conflict"
+        assert (await client.get("/v1/conversations/conv-a/locality",
                                  headers={"Authorization": "Bearer other"})).status_code == 404
 
 
@@ -213,27 +213,28 @@ async def test_ready_is_503_before_start_200_once_started_and_503_while_draining
 
 
 async def test_ready_is_503_when_the_store_cannot_be_reached(store, monkeypatch):
-    async def unreachable(session_id: str) -> None:  # what a store whose database went away raises
+    async def unreachable(conversation_id: str) -> None:  # what a store whose database went away raises
         raise StoreUnavailable(store.database.url, ConnectionRefusedError("connection refused"))
 
     async with serving(ScriptedEngine([]), store) as (_, client):
         assert (await client.get("/ready")).status_code == 200
-        monkeypatch.setattr(store, "get_session", unreachable)
+        monkeypatch.setattr(store, "get_conversation", unreachable)
         response = await client.get("/ready")
     assert response.status_code == 503 and "store cannot be reached" in response.json()["reason"]
 
 
-# ---- /v1/sessions/{id}/locality --------------------------------------------------------------
+# ---- /v1/conversations/{id}/locality --------------------------------------------------------------
 async def test_locality_says_live_here_for_a_chat_session_and_404_for_an_unknown_one():
     engine = ScriptedEngine(["Hello!"])
     async with serving(engine) as (_, client):
         await client.post("/v1/chat/completions", json=chat([{"role": "user", "content": "Hi"}]),
                           headers={HEADER: "conv-live"})
-        live = (await client.get("/v1/sessions/conv-live/locality")).json()
-        assert live["session_id"] == "conv-live" and live["locality"] == "live" and live["tokens"] > 0
-        unknown = await client.get("/v1/sessions/conv-none/locality")
-        assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "session_not_found"
-        assert (await client.get("/v1/sessions/conv-live/locality", headers={"Authorization": ""})).status_code == 401
+        live = (await client.get("/v1/conversations/conv-live/locality")).json()
+        assert live["conversation_id"] == "conv-live" and live["locality"] == "live" and live["tokens"] > 0
+        unknown = await client.get("/v1/conversations/conv-none/locality")
+        assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "conversation_not_found"
+        unauthorised = await client.get("/v1/conversations/conv-live/locality", headers={"Authorization": ""})
+        assert unauthorised.status_code == 401
 
 
 async def test_locality_of_a_stored_conversation_is_live_then_snapshot_after_a_restart_then_none(store):
@@ -241,16 +242,16 @@ async def test_locality_of_a_stored_conversation_is_live_then_snapshot_after_a_r
     async with serving(engine, store) as (_, client):
         first = await client.post("/v1/responses", json={"model": "scripted", "input": "Hi"})
         conversation = first.headers[HEADER]
-        live = (await client.get(f"/v1/sessions/{conversation}/locality")).json()
+        live = (await client.get(f"/v1/conversations/{conversation}/locality")).json()
         assert live["locality"] == "live" and live["tokens"] > 0
     async with serving(ScriptedEngine([]), store) as (_, client):
-        stored = (await client.get(f"/v1/sessions/{conversation}/locality")).json()
-        assert stored == {"session_id": conversation, "locality": "snapshot", "tokens": stored["tokens"]}
+        stored = (await client.get(f"/v1/conversations/{conversation}/locality")).json()
+        assert stored == {"conversation_id": conversation, "locality": "snapshot", "tokens": stored["tokens"]}
         assert 0 < stored["tokens"] <= live["tokens"]
         for record in await store.snapshots(conversation):
             await store.delete_snapshot(record)
-        none = (await client.get(f"/v1/sessions/{conversation}/locality")).json()
-        assert none == {"session_id": conversation, "locality": "none", "tokens": 0}
+        none = (await client.get(f"/v1/conversations/{conversation}/locality")).json()
+        assert none == {"conversation_id": conversation, "locality": "none", "tokens": 0}
 
 
 # ---- /metrics --------------------------------------------------------------------------------

@@ -50,9 +50,9 @@ def make_snapshot(n_tokens: int, seed: int = 0, fingerprint: str = "model-a:kv=f
     return KVSnapshot.from_float(range(100, 100 + n_tokens), keys, values, precision="f32", fingerprint=fingerprint)
 
 
-async def stored_session(store: Store, session_id: str = "conv-1") -> str:
+async def stored_session(store: Store, conversation_id: str = "conv-1") -> str:
     await store.upsert_agent("s3", None, [], {})
-    return (await store.create_session("s3", session_id=session_id)).id
+    return (await store.create_conversation("s3", conversation_id=conversation_id)).id
 
 
 def bucket_and_key(record_path: Path) -> tuple[str, str]:
@@ -79,7 +79,7 @@ async def test_a_snapshot_saved_to_s3_loads_back_bit_exact_under_a_tenant_model_
 async def test_a_conversation_resumed_in_a_new_runtime_restores_its_kv_from_s3(tmp_path, s3_url):
     url = f"sqlite:///{tmp_path / 'a.db'}"
     first = Runtime(ScriptedEngine(["Blue, red, green."]), Store(url, snapshots=s3_url), agents=[AGENT])
-    session = await first.open_conversation(AGENT, session_id="resume-me")
+    session = await first.open_conversation(AGENT, conversation_id="resume-me")
     await first.run(session, "Name three colours.")
     await first.aclose()
     store = Store(url, snapshots=s3_url)  # a new process would open the same two
@@ -94,7 +94,7 @@ async def test_a_corrupted_object_is_skipped_with_a_warning_and_the_conversation
         tmp_path, s3_url, s3_client, caplog):
     url = f"sqlite:///{tmp_path / 'a.db'}"
     first = Runtime(ScriptedEngine(["One."]), Store(url, snapshots=s3_url), agents=[AGENT])
-    session = await first.open_conversation(AGENT, session_id="flipped")
+    session = await first.open_conversation(AGENT, conversation_id="flipped")
     await first.run(session, "Say one word.")
     await first.aclose()
     store = Store(url, snapshots=s3_url)

@@ -14,7 +14,7 @@ import pytest
 from _stores import CONVERSATION, append_all, make_snapshot, new_session
 
 from agentkv.chat.messages import Message
-from agentkv.errors import AgentNotFound, SessionNotFound, UserError
+from agentkv.errors import AgentNotFound, ConversationNotFound, UserError
 from agentkv.memory import Store
 
 
@@ -51,29 +51,29 @@ async def test_list_sessions_counts_messages_and_tokens(store: Store) -> None:
     await append_all(store, busy, CONVERSATION[:3])  # token counts 10, 11, 12
     await store.mark_out_of_window(busy, [1])
 
-    summaries = {s.id: s for s in await store.list_sessions()}
+    summaries = {s.id: s for s in await store.list_conversations()}
     assert (summaries["busy"].message_count, summaries["busy"].total_tokens,
             summaries["busy"].in_window_tokens) == (3, 33, 23)
     assert (summaries["empty"].message_count, summaries["empty"].total_tokens) == (0, 0)
-    assert [s.id for s in await store.list_sessions()] == ["busy", "empty"]  # newest update first
+    assert [s.id for s in await store.list_conversations()] == ["busy", "empty"]  # newest update first
 
 
 async def test_agents_upsert_and_sessions_need_a_stored_agent(store: Store) -> None:
     with pytest.raises(AgentNotFound, match="upsert_agent"):
-        await store.create_session("nobody")
+        await store.create_conversation("nobody")
     await store.upsert_agent("helper", "v1", ["a"], {})
     await store.upsert_agent("helper", "v2", ["a", "b"], {"top_k": 4})
     agent = await store.get_agent("helper")
     assert (agent.instructions, agent.tool_names, agent.settings) == ("v2", ("a", "b"), {"top_k": 4})
 
-    session = await store.create_session("helper", session_id="s1", metadata={"user": "ann"})
-    assert (await store.get_session("s1")).metadata == {"user": "ann"} == session.metadata
+    session = await store.create_conversation("helper", conversation_id="s1", metadata={"user": "ann"})
+    assert (await store.get_conversation("s1")).metadata == {"user": "ann"} == session.metadata
     with pytest.raises(UserError, match="already exists"):
-        await store.create_session("helper", session_id="s1")
+        await store.create_conversation("helper", conversation_id="s1")
     with pytest.raises(UserError, match="JSON"):
-        await store.create_session("helper", metadata={"when": object()})
-    with pytest.raises(SessionNotFound):
-        await store.get_session("absent")
+        await store.create_conversation("helper", metadata={"when": object()})
+    with pytest.raises(ConversationNotFound):
+        await store.get_conversation("absent")
 
 
 async def test_history_survives_reopening_the_store(store_url: str, tmp_path: Path) -> None:
@@ -93,14 +93,14 @@ async def test_delete_session_removes_rows_and_snapshot_files(store: Store) -> N
     doomed_files = [(await store.save_snapshot(doomed, make_snapshot(4, s))).path for s in (1, 2)]
     kept_file = (await store.save_snapshot(kept, make_snapshot(4, 3))).path
 
-    await store.delete_session(doomed)
+    await store.delete_conversation(doomed)
     assert not any(path.exists() for path in doomed_files) and kept_file.exists()
-    with pytest.raises(SessionNotFound):
+    with pytest.raises(ConversationNotFound):
         await store.messages(doomed)
-    with pytest.raises(SessionNotFound):
-        await store.delete_session(doomed)
+    with pytest.raises(ConversationNotFound):
+        await store.delete_conversation(doomed)
     assert len(await store.messages(kept)) == 2
-    assert [s.id for s in await store.list_sessions()] == ["kept"]
+    assert [s.id for s in await store.list_conversations()] == ["kept"]
 
 
 async def test_export_jsonl_writes_openai_chat_messages_one_per_line(store: Store) -> None:

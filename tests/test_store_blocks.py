@@ -37,7 +37,7 @@ def log_snapshot(n: int, *, cuts: tuple[int, ...] = (), tokens: tuple[int, ...] 
 
 async def new_session(store: Store) -> str:
     await store.upsert_agent("helper", "Be brief.", [], {})
-    return (await store.create_session("helper")).id
+    return (await store.create_conversation("helper")).id
 
 
 def disk_blocks(store: Store) -> DiskBlocks:
@@ -194,7 +194,7 @@ async def test_prune_collects_the_blocks_no_row_names_and_keeps_shared_ones(bloc
     dropped = await block_store.save_snapshot(drop, log_snapshot(128, tokens=other), namespace=SPACE)
     assert block_store.blocks.flush(10)
     assert set(kept.block_keys[:2]) == set(dropped.block_keys[:2])
-    await block_store.delete_session(drop)
+    await block_store.delete_conversation(drop)
     await block_store.prune(orphans_older_than=timedelta(0))
     held = {b.key for b in disk_blocks(block_store).listing()}
     assert held == set(kept.block_keys)

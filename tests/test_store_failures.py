@@ -48,7 +48,7 @@ def read_only(path: Path) -> Iterator[None]:
 async def stored_session(url: str) -> str:
     store = Store(url)
     await store.upsert_agent(AGENT.name, AGENT.instructions, [], {})
-    sid = (await store.create_session(AGENT.name)).id
+    sid = (await store.create_conversation(AGENT.name)).id
     await store.append_message(sid, Message.user("hi"), token_count=2)
     await store.close()
     return sid
@@ -85,7 +85,7 @@ class FailingRelease(Store):
 
     releases = 0
 
-    async def release_lease(self, session_id, holder=None, *, force=False):  # type: ignore[override]
+    async def release_lease(self, conversation_id, holder=None, *, force=False):  # type: ignore[override]
         self.releases += 1
         raise StoreUnavailable(self.url, OSError("the release failed too"))
 
@@ -123,7 +123,7 @@ def test_the_cli_prints_one_line_naming_the_database_for_a_read_only_one(tmp_pat
     url = f"sqlite:///{tmp_path / 'a.db'}"
     sid = anyio.run(stored_session, url)
     with read_only(tmp_path / "a.db"):
-        result = CliRunner().invoke(app, ["sessions", "rewind", sid, "--before", "1", "--db", url])
+        result = CliRunner().invoke(app, ["conversations", "rewind", sid, "--before", "1", "--db", url])
     assert result.exit_code == 1 and not isinstance(result.exception, StoreUnavailable | AssertionError)
     [line] = result.output.strip().splitlines()
     assert line.startswith("error: the database") and str(tmp_path / "a.db") in line and "writable" in line
@@ -136,7 +136,7 @@ def test_cli_chat_on_a_read_only_database_is_one_error_line_and_a_failing_exit(t
     url = f"sqlite:///{tmp_path / 'a.db'}"
     sid = anyio.run(stored_session, url)
     with read_only(tmp_path / "a.db"):
-        result = CliRunner().invoke(app, ["chat", "--session", sid, "--db", url], input="Hello?\n")
+        result = CliRunner().invoke(app, ["chat", "--conversation", sid, "--db", url], input="Hello?\n")
     errors = [line for line in result.output.splitlines() if "error" in line.lower()]
     assert result.exit_code != 0 and isinstance(result.exception, SystemExit | None)
     assert len(errors) == 1 and str(tmp_path / "a.db") in errors[0] and "readonly" in errors[0], result.output
@@ -149,7 +149,7 @@ def test_cli_chat_on_a_read_only_database_is_one_error_line_and_a_failing_exit(t
     ("mysql://user@host/db", "install the driver"),
 ])
 def test_a_database_url_that_cannot_be_used_is_one_line_naming_it(url, says):
-    result = CliRunner().invoke(app, ["sessions", "list", "--db", url])
+    result = CliRunner().invoke(app, ["conversations", "list", "--db", url])
     assert result.exit_code == 1
     assert says in result.output and "Traceback" not in result.output
     assert len(result.output.strip().splitlines()) == 1

@@ -8,13 +8,20 @@ from __future__ import annotations
 import pytest
 
 from agentkv.chat.messages import Message
-from agentkv.errors import LeaseLost, ResponseNotFound, ResponseSuperseded, SessionExists, SessionNotFound, UserError
+from agentkv.errors import (
+    ConversationExists,
+    ConversationNotFound,
+    LeaseLost,
+    ResponseNotFound,
+    ResponseSuperseded,
+    UserError,
+)
 from agentkv.memory import Store
 
 
 async def conversation(store: Store, *texts: str) -> str:
     await store.upsert_agent("api", None, [], {})
-    session = await store.create_session("api")
+    session = await store.create_conversation("api")
     for index, text in enumerate(texts):
         message = Message.user(text) if index % 2 == 0 else Message.assistant(text)
         await store.append_message(session.id, message, token_count=3)
@@ -24,14 +31,14 @@ async def conversation(store: Store, *texts: str) -> str:
 async def test_a_response_covers_the_messages_so_far_and_only_its_owner_reads_it(store: Store):
     sid = await conversation(store, "Hi", "Hello!")
     saved = await store.save_response("resp_1", sid, {"id": "resp_1", "output": []}, owner="tenant-a")
-    assert saved.last_seq == 2 and saved.session_id == sid
+    assert saved.last_seq == 2 and saved.conversation_id == sid
     assert (await store.get_response("resp_1", owner="tenant-a")).body == {"id": "resp_1", "output": []}
     for owner in ("tenant-b", ""):
         with pytest.raises(ResponseNotFound, match="another API key"):
             await store.get_response("resp_1", owner=owner)
     with pytest.raises(UserError, match="already stored"):
         await store.save_response("resp_1", sid, {}, owner="tenant-a")
-    with pytest.raises(SessionNotFound):
+    with pytest.raises(ConversationNotFound):
         await store.save_response("resp_2", "no-such-session", {})
 
 
@@ -47,14 +54,14 @@ async def test_responses_are_listed_newest_first_and_the_last_one_takes_its_sess
     assert await store.delete_response("resp_1") is False
     assert len(await store.messages(sid)) == 4
     assert await store.delete_response("resp_2") is True
-    with pytest.raises(SessionNotFound):
-        await store.get_session(sid)
+    with pytest.raises(ConversationNotFound):
+        await store.get_conversation(sid)
 
 
 async def test_deleting_a_session_deletes_its_responses(store: Store):
     sid = await conversation(store, "Hi", "Hello!")
     await store.save_response("resp_1", sid, {})
-    await store.delete_session(sid)
+    await store.delete_conversation(sid)
     with pytest.raises(ResponseNotFound):
         await store.get_response("resp_1")
 
@@ -100,6 +107,6 @@ async def test_a_response_saved_with_a_lease_another_holder_took_is_refused(stor
 
 async def test_a_second_session_under_a_taken_id_is_a_session_exists_error(store: Store):
     await store.upsert_agent("api", None, [], {})
-    await store.create_session("api", session_id="conv-1")
-    with pytest.raises(SessionExists, match="conv-1"):
-        await store.create_session("api", session_id="conv-1")
+    await store.create_conversation("api", conversation_id="conv-1")
+    with pytest.raises(ConversationExists, match="conv-1"):
+        await store.create_conversation("api", conversation_id="conv-1")

@@ -29,7 +29,7 @@ async def test_a_database_from_a_newer_schema_is_refused(store: Store, store_url
     engine.dispose()
     newer = Store(store_url, snapshot_dir=tmp_path / "s")
     with pytest.raises(SchemaVersionError, match="upgrade agentkv"):
-        await newer.list_sessions()
+        await newer.list_conversations()
     await newer.close()
 
 
@@ -38,7 +38,7 @@ async def test_stores_opening_one_fresh_database_at_once_all_succeed(store_url: 
     stores = [Store(store_url, snapshot_dir=tmp_path / "s") for _ in range(3)]
     async with anyio.create_task_group() as tg:
         for opened in stores:
-            tg.start_soon(opened.list_sessions)
+            tg.start_soon(opened.list_conversations)
     engine = create_engine(store_url)
     with engine.connect() as conn:
         applied = conn.execute(text("SELECT version FROM schema_version ORDER BY version")).all()
@@ -49,7 +49,7 @@ async def test_stores_opening_one_fresh_database_at_once_all_succeed(store_url: 
 
 
 async def test_migrations_build_the_tables_the_orm_declares(store: Store, store_url: str) -> None:
-    await store.list_sessions()  # runs the migrations
+    await store.list_conversations()  # runs the migrations
     assert [m.version for m in MIGRATIONS] == list(range(1, LATEST_VERSION + 1))
     engine = create_engine(store_url)
     inspector = inspect(engine)

@@ -10,7 +10,7 @@ import pytest
 
 from _stores import CONVERSATION, FP, append_all, make_snapshot, new_session
 
-from agentkv.errors import SessionNotFound, SnapshotCorrupt, SnapshotIncompatible
+from agentkv.errors import ConversationNotFound, SnapshotCorrupt, SnapshotIncompatible
 from agentkv.memory import Store
 
 
@@ -70,7 +70,7 @@ async def test_a_missing_or_swapped_snapshot_file_is_corrupt(store: Store) -> No
 
 
 async def test_a_snapshot_for_a_missing_session_writes_no_file(store: Store, tmp_path: Path) -> None:
-    with pytest.raises(SessionNotFound):
+    with pytest.raises(ConversationNotFound):
         await store.save_snapshot("absent", make_snapshot(2))
     snapshot_dir = tmp_path / "snapshots"
     assert not snapshot_dir.exists() or not any(snapshot_dir.iterdir())

@@ -62,7 +62,7 @@ async def test_a_run_its_model_and_tool_calls_a_compaction_and_snapshots_are_spa
                 "ttft_s", "tpot_s", "kv_bytes"):
         assert key in first
     assert finished["agentkv.tool_call"].attributes["tool"] == "add"
-    assert all(s.attributes.get("session_id") == session.id for s in spans.get_finished_spans()
+    assert all(s.attributes.get("conversation_id") == session.id for s in spans.get_finished_spans()
                if s.name != "agentkv.tool_call" and s.name != "agentkv.compaction")
     assert any("cache_break_cause" in s.attributes for s in model)  # the compaction broke the cache
     later = Runtime(ScriptedEngine(["Again."]), Store(db), agents=[agent])

@@ -22,7 +22,7 @@ async def test_resume_after_compaction_rebuilds_the_same_window(tmp_path, policy
     agent = Agent(name="w", instructions="Be brief.", policy=policy, max_prompt_len=700, min_response_len=100)
     async with Store(url) as store:
         runtime = Runtime(engine_with_replies(200), store, agents=[agent])
-        session = await runtime.open_conversation(agent, session_id="w")
+        session = await runtime.open_conversation(agent, conversation_id="w")
         for turn in range(12):
             await runtime.run(session, f"turn {turn}: " + "tell me more " * 20)
         window = [(e.message.role, e.message.content) for e in session.window]

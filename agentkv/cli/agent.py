@@ -113,7 +113,7 @@ class AgentOptions:
 def default_agent_name(options: AgentOptions) -> str:
     """The CLI's default agent for these options: ``assistant``; with ``--tools``
     ``assistant+tools``; with ``--system`` a suffix from a hash of the instructions
-    (``assistant+system-1a2b3c4d``). Each variant is stored as itself and its sessions resume
+    (``assistant+system-1a2b3c4d``). Each variant is stored as itself and its conversations resume
     with it; ``--no-tools`` and no ``--system`` are the plain default."""
     name = DEFAULT_AGENT
     if options.system is not None and options.system != DEFAULT_INSTRUCTIONS:

@@ -1,13 +1,13 @@
-"""The ``agentkv`` command: chat with a local model, list/show/export/remove/unlock stored sessions, resume.
+"""The ``agentkv`` command: chat with a local model, list/show/export/remove/unlock stored conversations, resume.
 
 ::
 
-    agentkv chat                      # new session on the default model, history in SQLite
+    agentkv chat                      # new conversation on the default model, history in SQLite
     agentkv chat --system "Be terse." --policy sliding --max-prompt-len 2048
-    agentkv chat --session ID         # continue a stored session (same as `agentkv resume ID`)
-    agentkv sessions list
-    agentkv sessions export ID > chat.jsonl
-    agentkv sessions unlock ID        # release the lease a crashed process left behind
+    agentkv chat --conversation ID         # continue a stored conversation (same as `agentkv resume ID`)
+    agentkv conversations list
+    agentkv conversations export ID > chat.jsonl
+    agentkv conversations unlock ID        # release the lease a crashed process left behind
     agentkv serve --port 8000         # an OpenAI-compatible server (``cli.serve``)
 
 Configuration is read here, at the edge (``cli.config``): ``--db``, ``$AGENTKV_DB_URL`` or
@@ -33,7 +33,7 @@ from agentkv.cli.agent import AgentOptions, PolicyName
 from agentkv.cli.chat import EXIT_INTERRUPTED, ChatRequest, run_chat
 from agentkv.cli.config import ENVIRONMENT_HELP, KVTierOptions, open_store, parse_age
 from agentkv.chat.messages import pending_tool_calls
-from agentkv.cli.display import format_call, sessions_table, show_message
+from agentkv.cli.display import format_call, conversations_table, show_message
 from agentkv.cli.help_text import (AGENT_HELP, CHAT_POLICY_HELP, CHAT_TOOLS_HELP, DB_HELP, DRAIN_HELP, ENGINE_HELP,
                                    EXACT_HELP, KV_DISK_GB_HELP, KV_DISK_HELP, KV_HOST_HELP, KV_REUSE_HELP,
                                    LEASE_WAIT_HELP, MAX_SESSIONS_HELP, MODEL_HELP, SERVE_POLICY_HELP, SESSION_HELP,
@@ -41,7 +41,7 @@ from agentkv.cli.help_text import (AGENT_HELP, CHAT_POLICY_HELP, CHAT_TOOLS_HELP
 from agentkv.cli.models import models_app
 from agentkv.errors import AgentKVError, UserError
 from agentkv.memory.leases import DEFAULT_LEASE_WAIT_S, live_pid_here
-from agentkv.memory.session_stats import session_stats
+from agentkv.memory.conversation_stats import conversation_stats
 
 if TYPE_CHECKING:
     from agentkv.engine.factory import Backend
@@ -50,10 +50,10 @@ if TYPE_CHECKING:
 app = typer.Typer(help="agentkv: chat with a local model whose conversations keep their KV cache between "
                   "turns, store and resume them, or serve the model over the OpenAI API.",
                   epilog=ENVIRONMENT_HELP, no_args_is_help=True, rich_markup_mode=None)
-sessions_app = typer.Typer(help="Stored sessions: list, show, fork, rewind, export or delete them, prune old "
+conversations_app = typer.Typer(help="Stored conversations: list, show, fork, rewind, export or delete them, prune old "
                            "ones, unlock one a crashed process left leased.", no_args_is_help=True,
                            rich_markup_mode=None)
-app.add_typer(sessions_app, name="sessions")
+app.add_typer(conversations_app, name="conversations")
 app.add_typer(models_app, name="models")
 out = Console()
 err = Console(stderr=True)
@@ -64,7 +64,8 @@ ENGINES: dict[str, Backend] = {"paged": "paged", "stateful": "stateful"}
 
 @app.command(epilog=ENVIRONMENT_HELP)
 def chat(
-    session: Optional[str] = typer.Option(None, "--session", "-s", metavar="ID", help="Continue this stored session."),
+    conversation: Optional[str] = typer.Option(None, "--conversation", "-c", metavar="ID",
+                                               help="Continue this stored conversation."),
     agent: Optional[str] = typer.Option(None, "--agent", "-a", metavar="NAME", help=AGENT_HELP),
     model: Optional[str] = typer.Option(None, "--model", "-m", metavar="PATH", help=MODEL_HELP),
     db: Optional[str] = typer.Option(None, "--db", metavar="URL", help=DB_HELP),
@@ -87,18 +88,18 @@ def chat(
     leaves; Ctrl-C stops an answer, a second Ctrl-C exits."""
     options = AgentOptions(system=system, tools=tools, policy=policy, max_prompt_len=max_prompt_len,
                            max_new_tokens=max_new_tokens, temperature=temperature)
-    _run_chat(ChatRequest(session, agent, options, model, db, metrics))
+    _run_chat(ChatRequest(conversation, agent, options, model, db, metrics))
 
 
 @app.command()
 def resume(
-    session_id: str = typer.Argument(..., metavar="SESSION_ID", help=SESSION_HELP),
+    conversation_id: str = typer.Argument(..., metavar="SESSION_ID", help=SESSION_HELP),
     model: Optional[str] = typer.Option(None, "--model", "-m", metavar="PATH", help=MODEL_HELP),
     db: Optional[str] = typer.Option(None, "--db", metavar="URL", help=DB_HELP),
     metrics: bool = typer.Option(False, "--metrics", help="Print token and timing metrics after each model call."),
 ) -> None:
-    """Continue a stored session with its stored agent, from its KV snapshot."""
-    _run_chat(ChatRequest(session_id, None, AgentOptions(), model, db, metrics))
+    """Continue a stored conversation with its stored agent, from its KV snapshot."""
+    _run_chat(ChatRequest(conversation_id, None, AgentOptions(), model, db, metrics))
 
 
 def _run_chat(request: ChatRequest) -> None:
@@ -107,59 +108,59 @@ def _run_chat(request: ChatRequest) -> None:
         raise typer.Exit(code)
 
 
-@sessions_app.command("list")
-def sessions_list(db: Optional[str] = typer.Option(None, "--db", metavar="URL", help=DB_HELP)) -> None:
-    """Every stored session, newest first.
+@conversations_app.command("list")
+def conversations_list(db: Optional[str] = typer.Option(None, "--db", metavar="URL", help=DB_HELP)) -> None:
+    """Every stored conversation, newest first.
 
     Columns: id; agent; updated (UTC); messages: every stored message, in the window or out of
     it (a fork counts only its own); window tokens: the tokens of the messages still in the
     context window, as rendered into the prompt (what a resume's KV holds besides the system
-    prompt and tool schemas; `sessions show ID --kv` gives the KV size in bytes); fork of: the
-    parent and the fork point (parent@seq), shown when some session is a fork."""
+    prompt and tool schemas; `conversations show ID --kv` gives the KV size in bytes); fork of: the
+    parent and the fork point (parent@seq), shown when some conversation is a fork."""
 
     async def run() -> None:
         async with open_store(db) as store:
-            out.print(sessions_table(await store.list_sessions()))
+            out.print(conversations_table(await store.list_conversations()))
 
     _guard(lambda: anyio.run(run))
 
 
-@sessions_app.command("show")
-def sessions_show(
-    session_id: str = typer.Argument(..., metavar="SESSION_ID", help=SESSION_HELP),
+@conversations_app.command("show")
+def conversations_show(
+    conversation_id: str = typer.Argument(..., metavar="SESSION_ID", help=SESSION_HELP),
     kv: bool = typer.Option(False, "--kv", help="Also its KV: tokens, bytes, snapshots, reuse and what it "
                             "saved, compactions and cache breaks (with their causes); per model call, the tokens a "
                             "grammar forced, drafts proposed and the model accepted, and the steps that saved."),
     db: Optional[str] = typer.Option(None, "--db", metavar="URL", help=DB_HELP),
 ) -> None:
-    """A session's history: tool calls as name(arguments), messages out of the window marked."""
+    """A conversation's history: tool calls as name(arguments), messages out of the window marked."""
 
     async def run() -> None:
         async with open_store(db) as store:
-            await store.get_session(session_id)
-            for m in await store.messages(session_id):
+            await store.get_conversation(conversation_id)
+            for m in await store.messages(conversation_id):
                 show_message(out, m.message, in_window=m.in_window)
             if kv:
                 out.print()
-                for line in (await session_stats(store, session_id)).lines():
+                for line in (await conversation_stats(store, conversation_id)).lines():
                     out.print(line, markup=False, highlight=False)
 
     _guard(lambda: anyio.run(run))
 
 
-@sessions_app.command("pending")
-def sessions_pending(
-    session_id: Optional[str] = typer.Argument(None, metavar="SESSION_ID",
-                                               help="Only this session (default: every one)."),
+@conversations_app.command("pending")
+def conversations_pending(
+    conversation_id: Optional[str] = typer.Argument(None, metavar="SESSION_ID",
+                                               help="Only this conversation (default: every one)."),
     db: Optional[str] = typer.Option(None, "--db", metavar="URL", help=DB_HELP),
 ) -> None:
-    """Tool calls waiting in stored sessions: for a person's approval (given from Python:
+    """Tool calls waiting in stored conversations: for a person's approval (given from Python:
     Runtime.approve or Runtime.reject) or for results the calling program runs and sends back."""
 
     async def run() -> None:
         async with open_store(db) as store:
-            ids = [session_id] if session_id else [s.id for s in await store.list_sessions()]
-            table = Table("session", "call id", "tool call")
+            ids = [conversation_id] if conversation_id else [s.id for s in await store.list_conversations()]
+            table = Table("conversation", "call id", "tool call")
             for sid in ids:
                 window = [m.message for m in await store.messages(sid, in_window_only=True)]
                 for call in pending_tool_calls(window).values():
@@ -169,64 +170,64 @@ def sessions_pending(
     _guard(lambda: anyio.run(run))
 
 
-@sessions_app.command("fork")
-def sessions_fork(
-    session_id: str = typer.Argument(..., metavar="SESSION_ID", help=SESSION_HELP),
+@conversations_app.command("fork")
+def conversations_fork(
+    conversation_id: str = typer.Argument(..., metavar="SESSION_ID", help=SESSION_HELP),
     at: Optional[int] = typer.Option(None, "--at", min=0, metavar="SEQ", help="Share messages 1..AT (default: all)."),
     db: Optional[str] = typer.Option(None, "--db", metavar="URL", help=DB_HELP),
 ) -> None:
-    """A new session sharing this one's messages up to --at (not copied); prints its id. Its KV
+    """A new conversation sharing this one's messages up to --at (not copied); prints its id. Its KV
     comes from the parent's snapshot when it is resumed."""
 
     async def run() -> None:
         async with open_store(db) as store:
-            fork = await store.fork_session(session_id, at=at)
-            out.print(f"forked {session_id} at {fork.fork_seq}: {fork.id}", highlight=False)
+            fork = await store.fork_conversation(conversation_id, at=at)
+            out.print(f"forked {conversation_id} at {fork.fork_seq}: {fork.id}", highlight=False)
 
     _guard(lambda: anyio.run(run))
 
 
-@sessions_app.command("rewind")
-def sessions_rewind(
-    session_id: str = typer.Argument(..., metavar="SESSION_ID", help=SESSION_HELP),
+@conversations_app.command("rewind")
+def conversations_rewind(
+    conversation_id: str = typer.Argument(..., metavar="SESSION_ID", help=SESSION_HELP),
     before: int = typer.Option(..., "--before", min=1, metavar="SEQ",
                                help="The first message (seq) to take out of the window."),
     db: Optional[str] = typer.Option(None, "--db", metavar="URL", help=DB_HELP),
 ) -> None:
-    """Take message --before and every later one out of the session's window (they stay stored)."""
+    """Take message --before and every later one out of the conversation's window (they stay stored)."""
 
     async def run() -> None:
         async with open_store(db) as store:
-            left = await store.rewind(session_id, before - 1)
-            out.print(f"{left} messages left the window of {session_id}", highlight=False)
+            left = await store.rewind(conversation_id, before - 1)
+            out.print(f"{left} messages left the window of {conversation_id}", highlight=False)
 
     _guard(lambda: anyio.run(run))
 
 
-@sessions_app.command("prune")
-def sessions_prune(
+@conversations_app.command("prune")
+def conversations_prune(
     older_than: Optional[str] = typer.Option(
-        None, "--older-than", metavar="AGE", help="Delete sessions not updated for this long: 30d, 12h, 90m, 2w."),
+        None, "--older-than", metavar="AGE", help="Delete conversations not updated for this long: 30d, 12h, 90m, 2w."),
     keep_snapshots: Optional[int] = typer.Option(
         None, "--keep-snapshots", min=1, metavar="N", help="Keep only this many newest snapshots of each session."),
     db: Optional[str] = typer.Option(None, "--db", metavar="URL", help=DB_HELP),
 ) -> None:
-    """Delete old sessions and surplus snapshots, and snapshot files no row points to (left by a
-    crash). A parent whose forks stay is kept; a leased (running) session is never deleted."""
+    """Delete old conversations and surplus snapshots, and snapshot files no row points to (left by a
+    crash). A parent whose forks stay is kept; a leased (running) conversation is never deleted."""
 
     async def run() -> None:
         age = parse_age(older_than) if older_than is not None else None
         async with open_store(db) as store:
             report = await store.prune(older_than=age, keep_snapshots=keep_snapshots)
-        out.print(f"deleted {len(report.sessions)} sessions and {report.snapshots} snapshot files "
+        out.print(f"deleted {len(report.conversations)} conversations and {report.snapshots} snapshot files "
                   f"({report.orphan_files} orphaned), freed {report.bytes_freed / 1e6:.1f} MB", highlight=False)
 
     _guard(lambda: anyio.run(run))
 
 
-@sessions_app.command("export")
-def sessions_export(
-    session_id: str = typer.Argument(..., metavar="SESSION_ID", help=SESSION_HELP),
+@conversations_app.command("export")
+def conversations_export(
+    conversation_id: str = typer.Argument(..., metavar="SESSION_ID", help=SESSION_HELP),
     window: bool = typer.Option(False, "--window", help="Only the messages in the context window: the "
                                 "conversation as the model reads it, a valid OpenAI messages list."),
     db: Optional[str] = typer.Option(None, "--db", metavar="URL", help=DB_HELP),
@@ -237,36 +238,36 @@ def sessions_export(
 
     async def run() -> None:
         async with open_store(db) as store:
-            sys.stdout.write(await store.export_jsonl(session_id, in_window_only=window))
+            sys.stdout.write(await store.export_jsonl(conversation_id, in_window_only=window))
 
     _guard(lambda: anyio.run(run))
 
 
-@sessions_app.command("rm")
-def sessions_rm(
-    session_id: str = typer.Argument(..., metavar="SESSION_ID", help=SESSION_HELP),
+@conversations_app.command("rm")
+def conversations_rm(
+    conversation_id: str = typer.Argument(..., metavar="SESSION_ID", help=SESSION_HELP),
     db: Optional[str] = typer.Option(None, "--db", metavar="URL", help=DB_HELP),
 ) -> None:
-    """Delete a session: its rows and its snapshot files."""
+    """Delete a conversation: its rows and its snapshot files."""
 
     async def run() -> None:
         async with open_store(db) as store:
-            await store.get_session(session_id)
-            await store.delete_session(session_id)
-            err.print(f"deleted {session_id}")
+            await store.get_conversation(conversation_id)
+            await store.delete_conversation(conversation_id)
+            err.print(f"deleted {conversation_id}")
 
     _guard(lambda: anyio.run(run))
 
 
-@sessions_app.command("unlock")
-def sessions_unlock(
-    session_id: str = typer.Argument(..., metavar="SESSION_ID", help=SESSION_HELP),
+@conversations_app.command("unlock")
+def conversations_unlock(
+    conversation_id: str = typer.Argument(..., metavar="SESSION_ID", help=SESSION_HELP),
     force: bool = typer.Option(False, "--force", help="Release it even from a process still running on this "
                                "host: that run then stops at its next write, and a tool it is running "
                                "gets its result recorded by no one."),
     db: Optional[str] = typer.Option(None, "--db", metavar="URL", help=DB_HELP),
 ) -> None:
-    """Release a session's lease left by a crashed or stuck process, so it can run again now.
+    """Release a conversation's lease left by a crashed or stuck process, so it can run again now.
 
     Refused while the holder is a process still running on this host (unless --force): stop
     it first. A holder on another host cannot be checked from here: make sure it is gone.
@@ -274,19 +275,19 @@ def sessions_unlock(
 
     async def run() -> None:
         async with open_store(db) as store:
-            current = (await store.get_session(session_id)).lease_holder
+            current = (await store.get_conversation(conversation_id)).lease_holder
             pid = live_pid_here(current) if current is not None else None
             if pid is not None and not force:
                 raise UserError(
-                    f"session {session_id} is held by {current}, process {pid} still running on this host; "
+                    f"conversation {conversation_id} is held by {current}, process {pid} still running on this host; "
                     f"stop it first (kill {pid}), or pass --force: its run then stops at its next write "
                     "and a tool call it is running gets no result from it")
-            holder = await store.release_lease(session_id, force=True)
+            holder = await store.release_lease(conversation_id, force=True)
             if holder is None:
-                err.print(f"session {session_id} was not leased; nothing to release", soft_wrap=True)
+                err.print(f"conversation {conversation_id} was not leased; nothing to release", soft_wrap=True)
             else:
-                err.print(f"released the lease of session {session_id}, held by {escape(str(holder))}"
-                          + (f" (process {pid} still runs: its next write to the session will be refused)"
+                err.print(f"released the lease of conversation {conversation_id}, held by {escape(str(holder))}"
+                          + (f" (process {pid} still runs: its next write to the conversation will be refused)"
                              if pid is not None else ""), soft_wrap=True, highlight=False)
 
     _guard(lambda: anyio.run(run))

@@ -2,13 +2,13 @@
 
 ::
 
-    code = anyio.run(run_chat, ChatRequest(session_id=None, agent_name=None, options=AgentOptions(),
+    code = anyio.run(run_chat, ChatRequest(conversation_id=None, agent_name=None, options=AgentOptions(),
                                            model=None, db=None, metrics=False), out, err)
 
 SIGINT arrives through ``anyio.open_signal_receiver`` in a task of the loop's task group, so a
 Ctrl-C is an anyio cancellation of the running turn (the engine finishes its current step, the
 KV stays consistent, the lease is released), never a ``KeyboardInterrupt`` inside the loop. The
-session is created at the first message, so opening and leaving a chat stores nothing.
+conversation is created at the first message, so opening and leaving a chat stores nothing.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from agentkv.run.conversation import Conversation
 from agentkv.engine.base import Engine
 from agentkv.errors import AgentKVError
 from agentkv.memory import Store
-from agentkv.memory.records import SessionRecord
+from agentkv.memory.records import ConversationRecord
 from agentkv.runtime.runtime import Runtime
 
 EXIT_INTERRUPTED = 130
@@ -49,8 +49,8 @@ START_NOTE = "Type a message and press Enter; /help lists the commands, /quit le
 HELP = """Commands (a line holding only the command):
   /help          this list
   /quit, /exit   leave the chat (as Ctrl-D at the start of a line does)
-Ctrl-C stops the answer being written (the session stays usable); a second Ctrl-C leaves.
-The session is stored from its first message on: `agentkv resume ID` continues it."""
+Ctrl-C stops the answer being written (the conversation stays usable); a second Ctrl-C leaves.
+The conversation is stored from its first message on: `agentkv resume ID` continues it."""
 """What ``/help`` prints."""
 INVALID_INPUT_NOTE = ("that line was not valid UTF-8: the bytes that could not be read were "
                       "replaced by \ufffd (U+FFFD) before it was sent")
@@ -86,9 +86,9 @@ def load_engine(model: str | None) -> Engine:
 class ChatRequest:
     """What ``agentkv chat`` / ``agentkv resume`` were asked to do."""
 
-    session_id: str | None
+    conversation_id: str | None
     agent_name: str | None
-    """``--agent``; None: the session's agent, or ``assistant`` for a new session."""
+    """``--agent``; None: the conversation's agent, or ``assistant`` for a new session."""
     options: AgentOptions
     model: str | None
     db: str | None
@@ -210,7 +210,7 @@ async def _chat(request: ChatRequest, interrupts: Interrupts, out: Console, err:
             session = await runtime.resume(record.id, agent)
             report = session.resume_report
             assert report is not None
-            err.print(f"resumed session {record.id}: {report.messages} messages, "
+            err.print(f"resumed conversation {record.id}: {report.messages} messages, "
                       f"{report.restored_tokens} tokens of KV restored from a snapshot")
         chat = _Chat(runtime, agent, session, request.metrics, out, err)
         return await chat.loop(interrupts)
@@ -223,15 +223,15 @@ async def _chat(request: ChatRequest, interrupts: Interrupts, out: Console, err:
             await store.close()
 
 
-async def _prepare(store: Store, request: ChatRequest, err: Console) -> tuple[Agent, SessionRecord | None]:
-    """The agent (clashes refused before the model loads) and the session to resume, if any."""
+async def _prepare(store: Store, request: ChatRequest, err: Console) -> tuple[Agent, ConversationRecord | None]:
+    """The agent (clashes refused before the model loads) and the conversation to resume, if any."""
     record = None
     name = request.agent_name or default_agent_name(request.options)
-    if request.session_id is not None:
-        record = await store.get_session(request.session_id)
+    if request.conversation_id is not None:
+        record = await store.get_conversation(request.conversation_id)
         if request.agent_name is not None and request.agent_name != record.agent_name:
             raise CLIUsageError(
-                f"session {record.id!r} runs the agent {record.agent_name!r}, not "
+                f"conversation {record.id!r} runs the agent {record.agent_name!r}, not "
                 f"{request.agent_name!r}; leave out --agent to continue it")
         name = record.agent_name
     agent, changes = await resolve_agent(store, name, request.options)
@@ -242,7 +242,7 @@ async def _prepare(store: Store, request: ChatRequest, err: Console) -> tuple[Ag
 
 @dataclass
 class _Chat:
-    """One chat's state: the runtime, the agent, and the session once the first line came."""
+    """One chat's state: the runtime, the agent, and the conversation once the first line came."""
 
     runtime: Runtime
     agent: Agent
@@ -279,7 +279,7 @@ class _Chat:
             text = message_text(text)
             if self.session is None:
                 self.session = await self.runtime.open_conversation(self.agent)
-                self.err.print(f"session {self.session.id}")
+                self.err.print(f"conversation {self.session.id}")
             try:
                 await self.turn(self.session, text, interrupts)
             finally:
@@ -290,15 +290,15 @@ class _Chat:
         return 1 if self.failed else 0
 
     async def _forget_if_empty(self) -> None:
-        """Delete the session opened for this chat if its first turn stored nothing (a session
+        """Delete the conversation opened for this chat if its first turn stored nothing (a conversation
         row exists only once a message is stored), so the next line opens a new one."""
         session, store = self.session, self.runtime.store
         if session is None or store is None or session.window or await store.messages(session.id):
             return
         await self.runtime.close_conversation(session)
-        await store.delete_session(session.id)
+        await store.delete_conversation(session.id)
         self.session = None
-        self.err.print(f"[dim]session {session.id} removed: its first turn stored nothing[/dim]",
+        self.err.print(f"[dim]conversation {session.id} removed: its first turn stored nothing[/dim]",
                        highlight=False)
 
     async def turn(self, session: Conversation, text: str, interrupts: Interrupts) -> None:

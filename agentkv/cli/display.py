@@ -19,7 +19,7 @@ from rich.table import Table
 from agentkv.chat.messages import Message, ToolCall
 from agentkv.engine.base import GenerationMetrics
 from agentkv.events import RunEvent
-from agentkv.memory.records import SessionSummary
+from agentkv.memory.records import ConversationSummary
 from agentkv.result import RunResult
 
 FINISH_MARKERS = {
@@ -47,9 +47,9 @@ def show_message(console: Console, message: Message, *, in_window: bool) -> None
     console.print("\n  ".join(lines), markup=False, highlight=False)
 
 
-def sessions_table(sessions: list[SessionSummary]) -> Table:
-    """``sessions list``'s table, readable at 80 columns: ids whole (other commands take them),
-    the agent name wraps, "fork of" only when some session is a fork."""
+def conversations_table(sessions: list[ConversationSummary]) -> Table:
+    """``conversations list``'s table, readable at 80 columns: ids whole (other commands take them),
+    the agent name wraps, "fork of" only when some conversation is a fork."""
     forks = [f"{s.parent_id[:8]}@{s.fork_seq}" if s.parent_id else "" for s in sessions]
     table = Table(box=None, padding=(0, 1, 0, 0), pad_edge=False, header_style="bold underline")
     table.add_column("id", no_wrap=True, min_width=32)

@@ -254,7 +254,7 @@ class TokenConstraint(Protocol):
 @runtime_checkable
 class KVSession(Protocol):
     """One conversation's KV cache. Operations on one session are serialised by its own lock;
-    callers need hold nothing. Every method may raise ``SessionClosed`` after ``close()``."""
+    callers need hold nothing. Every method may raise ``KVSessionClosed`` after ``close()``."""
 
     @property
     def id(self) -> str:

@@ -7,7 +7,7 @@ bytes, never sessions or messages::
     host = HostBlocks(max_bytes=2 << 30)
     host.put(chain.keys[0], data)
     found = host.get_many(chain.keys)       # {key: bytes} for the blocks it holds
-    host.usage().hits                       # counters for /metrics and `sessions show --kv`
+    host.usage().hits                       # counters for /metrics and `conversations show --kv`
 
 The disk tier is ``block_files.DiskBlocks``, the object store ``block_objects.ObjectBlocks``; the
 persistent ones are written off the turn by ``write_behind.WriteBehind``.
@@ -55,7 +55,7 @@ class StoredBlock:
 
 @dataclass(frozen=True)
 class TierUsage:
-    """A tier's counters, for /metrics and ``sessions show --kv``: ``disk.usage().nbytes``."""
+    """A tier's counters, for /metrics and ``conversations show --kv``: ``disk.usage().nbytes``."""
 
     tier: str
     """"host", "disk" or "s3"."""

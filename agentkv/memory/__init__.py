@@ -1,4 +1,4 @@
-"""Persistence: agents, sessions, append-only messages, leases and KV snapshot files (SQLAlchemy).
+"""Persistence: agents, conversations, append-only messages, leases and KV snapshot files (SQLAlchemy).
 
 ``from agentkv.memory import Store``; the store never sees OpenVINO objects, only
 ``KVSnapshot`` arrays and chat ``Message`` models.
@@ -9,8 +9,8 @@ from agentkv.memory.records import (
     CallRecord,
     PruneReport,
     ResponseRecord,
-    SessionRecord,
-    SessionSummary,
+    ConversationRecord,
+    ConversationSummary,
     SnapshotRecord,
     StoredMessage,
 )
@@ -22,8 +22,8 @@ __all__ = [
     "CallRecord",
     "PruneReport",
     "ResponseRecord",
-    "SessionRecord",
-    "SessionSummary",
+    "ConversationRecord",
+    "ConversationSummary",
     "SnapshotRecord",
     "StoredMessage",
     "Store",

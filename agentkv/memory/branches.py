@@ -1,14 +1,14 @@
 """Branches in SQL: a fork shares its parent's messages up to ``fork_seq`` without copying a row,
-and each session sees the window of what it shares as it was at its fork point, plus its own moves.
+and each conversation sees the window of what it shares as it was at its fork point, plus its own moves.
 
-Every change of a session's window (a compaction, a truncation, a rewind) is one *window version*
-of that session, stored as append-only ``window_moves`` rows (one per message moved in or out).
+Every change of a conversation's window (a compaction, a truncation, a rewind) is one *window version*
+of that conversation, stored as append-only ``window_moves`` rows (one per message moved in or out).
 A fork records its parent's version at the fork point (``fork_version``) and reads the parent's
 moves up to it, then its own; a move the parent makes later — a rewind putting messages back
-included — is the parent's alone. A message's row records the version its session had when it
+included — is the parent's alone. A message's row records the version its conversation had when it
 was appended, which is what a fork at the seq before it reads up to::
 
-    rows = view(s, session_id)          # [Seen(row, in_window, replaced_by_seq)] in seq order
+    rows = view(s, conversation_id)          # [Seen(row, in_window, replaced_by_seq)] in seq order
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from dataclasses import dataclass
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from agentkv.errors import SessionExists, UserError
-from agentkv.memory.schema import MessageRow, SessionRow, WindowMoveRow, utcnow
+from agentkv.errors import ConversationExists, UserError
+from agentkv.memory.schema import MessageRow, ConversationRow, WindowMoveRow, utcnow
 
 
 @dataclass(frozen=True)
 class Seen:
-    """A message as one session sees it."""
+    """A message as one conversation sees it."""
 
     row: MessageRow
     in_window: bool
@@ -34,17 +34,17 @@ class Seen:
 
 @dataclass(frozen=True)
 class Shared:
-    """A session of the reader's lineage and how much of it the reader sees."""
+    """A conversation of the reader's lineage and how much of it the reader sees."""
 
-    node: SessionRow
+    node: ConversationRow
     upto_seq: int | None
     """The newest of its messages the reader sees (None: the reader itself, all of them)."""
     upto_version: int | None
     """The newest of its window versions the reader sees (None: all)."""
 
 
-def lineage(s: Session, session: SessionRow) -> list[Shared]:
-    """The session and its ancestors, each with the newest seq and window version the branch
+def lineage(s: Session, session: ConversationRow) -> list[Shared]:
+    """The conversation and its ancestors, each with the newest seq and window version the branch
     below shares of it. NOTE: where a branch further down forked at an earlier seq than the
     one above it, it sees an ancestor as it was just before that seq's next message."""
     chain = [Shared(session, None, None)]
@@ -53,7 +53,7 @@ def lineage(s: Session, session: SessionRow) -> list[Shared]:
     child = session
     while child.parent_id is not None:
         assert child.fork_seq is not None and child.fork_version is not None
-        parent = s.get(SessionRow, child.parent_id)
+        parent = s.get(ConversationRow, child.parent_id)
         if parent is None:  # NOTE: a parent is never deleted while it has forks (delete refuses)
             break
         if upto_seq is None or child.fork_seq <= upto_seq:
@@ -65,23 +65,23 @@ def lineage(s: Session, session: SessionRow) -> list[Shared]:
     return chain
 
 
-def version_before(s: Session, session: SessionRow, seq: int) -> int:
-    """The session's window version when it appended message ``seq``: the moves up to it came
+def version_before(s: Session, session: ConversationRow, seq: int) -> int:
+    """The conversation's window version when it appended message ``seq``: the moves up to it came
     before. 0 (none of its moves) when ``seq`` is a row it shares: it was appended before the
-    session existed."""
+    conversation existed."""
     stamp = s.execute(select(MessageRow.window_version)
-                      .where(MessageRow.session_id == session.id, MessageRow.seq == seq)).scalar()
+                      .where(MessageRow.conversation_id == session.id, MessageRow.seq == seq)).scalar()
     return 0 if stamp is None else int(stamp)
 
 
-def view(s: Session, session: SessionRow) -> list[Seen]:
+def view(s: Session, session: ConversationRow) -> list[Seen]:
     """Every message ``session`` sees, in seq order, with its window state for that session."""
     rows: dict[int, MessageRow] = {}
     state: dict[int, tuple[bool, int | None]] = {}
     for shared in reversed(lineage(s, session)):  # the oldest ancestor first: later moves override
         node, upto_seq, upto_version = shared.node, shared.upto_seq, shared.upto_version
-        query = select(MessageRow).where(MessageRow.session_id == node.id)
-        moves = select(WindowMoveRow).where(WindowMoveRow.session_id == node.id)
+        query = select(MessageRow).where(MessageRow.conversation_id == node.id)
+        moves = select(WindowMoveRow).where(WindowMoveRow.conversation_id == node.id)
         if upto_seq is not None:
             query = query.where(MessageRow.seq <= upto_seq)
             moves = moves.where(WindowMoveRow.seq <= upto_seq)
@@ -94,39 +94,39 @@ def view(s: Session, session: SessionRow) -> list[Seen]:
     return [Seen(rows[seq], *state.get(seq, (True, None))) for seq in sorted(rows)]
 
 
-def last_seq(s: Session, session: SessionRow) -> int:
-    """The newest seq the session sees (its own rows continue after its fork point)."""
-    own = s.execute(select(func.max(MessageRow.seq)).where(MessageRow.session_id == session.id)).scalar()
+def last_seq(s: Session, session: ConversationRow) -> int:
+    """The newest seq the conversation sees (its own rows continue after its fork point)."""
+    own = s.execute(select(func.max(MessageRow.seq)).where(MessageRow.conversation_id == session.id)).scalar()
     return max(int(own or 0), session.fork_seq or 0)
 
 
-def move(s: Session, session: SessionRow, changes: dict[int, tuple[bool, int | None]]) -> None:
-    """Record one window version of the session: each seq moves in or out (``(in_window,
-    replaced_by_seq)``). Its own rows' flags follow; the rows it shares are left as their session
+def move(s: Session, session: ConversationRow, changes: dict[int, tuple[bool, int | None]]) -> None:
+    """Record one window version of the conversation: each seq moves in or out (``(in_window,
+    replaced_by_seq)``). Its own rows' flags follow; the rows it shares are left as their conversation
     has them. The seqs are checked by the caller against ``view``."""
     if not changes:
         return
     session.window_version += 1
     version = session.window_version
-    s.add_all(WindowMoveRow(session_id=session.id, version=version, seq=seq, in_window=inside,
+    s.add_all(WindowMoveRow(conversation_id=session.id, version=version, seq=seq, in_window=inside,
                             replaced_by_seq=replaced_by)
               for seq, (inside, replaced_by) in changes.items())
-    for row in s.scalars(select(MessageRow).where(MessageRow.session_id == session.id,
+    for row in s.scalars(select(MessageRow).where(MessageRow.conversation_id == session.id,
                                                   MessageRow.seq.in_(list(changes)))):
         row.in_window, row.replaced_by_seq = changes[row.seq]
     session.updated_at = utcnow()
 
 
-def move_out(s: Session, session: SessionRow, seqs: Iterable[int], replaced_by_seq: int | None) -> None:
-    """Move messages out of the session's window, replaced by ``replaced_by_seq`` (a summary) or
+def move_out(s: Session, session: ConversationRow, seqs: Iterable[int], replaced_by_seq: int | None) -> None:
+    """Move messages out of the conversation's window, replaced by ``replaced_by_seq`` (a summary) or
     by nothing (a truncation); one window version."""
     move(s, session, {seq: (False, replaced_by_seq) for seq in seqs})
 
 
-def rewind(s: Session, session: SessionRow, after_seq: int) -> int:
-    """Take the messages after ``after_seq`` out of the session's window and put back the ones up
+def rewind(s: Session, session: ConversationRow, after_seq: int) -> int:
+    """Take the messages after ``after_seq`` out of the conversation's window and put back the ones up
     to it that a later message had replaced; returns how many left. One window version of this
-    session: rows stay stored, and no other session's window changes."""
+    conversation: rows stay stored, and no other conversation's window changes."""
     changes: dict[int, tuple[bool, int | None]] = {}
     for item in view(s, session):
         seq = item.row.seq
@@ -138,18 +138,19 @@ def rewind(s: Session, session: SessionRow, after_seq: int) -> int:
     return sum(1 for inside, _ in changes.values() if not inside)
 
 
-def fork(s: Session, parent: SessionRow, new_id: str, at: int | None, metadata: dict[str, object]) -> SessionRow:
-    """A new session sharing ``parent``'s messages up to ``at`` (default: all of them), with the
+def fork(s: Session, parent: ConversationRow, new_id: str, at: int | None,
+         metadata: dict[str, object]) -> ConversationRow:
+    """A new conversation sharing ``parent``'s messages up to ``at`` (default: all of them), with the
     parent's window as it is now (``at`` its newest seq) or as it was when message ``at + 1`` came."""
     newest = last_seq(s, parent)
     point = newest if at is None else at
     if not 0 <= point <= newest:
-        raise UserError(f"session {parent.id!r} has messages 1..{newest}; fork at a seq in 0..{newest}")
-    if s.get(SessionRow, new_id) is not None:
-        raise SessionExists(new_id)
+        raise UserError(f"conversation {parent.id!r} has messages 1..{newest}; fork at a seq in 0..{newest}")
+    if s.get(ConversationRow, new_id) is not None:
+        raise ConversationExists(new_id)
     version = parent.window_version if point == newest else version_before(s, parent, point + 1)
     now = utcnow()
-    row = SessionRow(id=new_id, agent_name=parent.agent_name, created_at=now, updated_at=now, lease_holder=None,
+    row = ConversationRow(id=new_id, agent_name=parent.agent_name, created_at=now, updated_at=now, lease_holder=None,
                      lease_expires_at=None, lease_epoch=0, metadata_=metadata, parent_id=parent.id, fork_seq=point,
                      window_version=0, fork_version=version)
     s.add(row)
@@ -157,6 +158,7 @@ def fork(s: Session, parent: SessionRow, new_id: str, at: int | None, metadata: 
     return row
 
 
-def forks_of(s: Session, session_id: str) -> list[str]:
-    """Ids of the sessions forked from this one."""
-    return list(s.scalars(select(SessionRow.id).where(SessionRow.parent_id == session_id).order_by(SessionRow.id)))
+def forks_of(s: Session, conversation_id: str) -> list[str]:
+    """Ids of the conversations forked from this one."""
+    return list(s.scalars(select(ConversationRow.id).where(ConversationRow.parent_id == conversation_id)
+                          .order_by(ConversationRow.id)))

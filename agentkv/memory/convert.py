@@ -11,11 +11,11 @@ from agentkv.memory.records import (
     AgentRecord,
     CallRecord,
     ResponseRecord,
-    SessionRecord,
+    ConversationRecord,
     SnapshotRecord,
     StoredMessage,
 )
-from agentkv.memory.schema import AgentRow, CallRow, MessageRow, ResponseRow, SessionRow, SnapshotRow
+from agentkv.memory.schema import AgentRow, CallRow, MessageRow, ResponseRow, ConversationRow, SnapshotRow
 from agentkv.memory.snapshots import SnapshotStorage
 
 
@@ -35,8 +35,8 @@ def agent_record(row: AgentRow) -> AgentRecord:
                        updated_at=row.updated_at)
 
 
-def session_record(row: SessionRow) -> SessionRecord:
-    return SessionRecord(id=row.id, agent_name=row.agent_name, created_at=row.created_at,
+def conversation_record(row: ConversationRow) -> ConversationRecord:
+    return ConversationRecord(id=row.id, agent_name=row.agent_name, created_at=row.created_at,
                          updated_at=row.updated_at, lease_holder=row.lease_holder,
                          lease_expires_at=row.lease_expires_at, metadata=dict(row.metadata_),
                          parent_id=row.parent_id, fork_seq=row.fork_seq)
@@ -57,7 +57,7 @@ def message_fields(message: Message) -> dict[str, Any]:
 
 def stored_message(row: MessageRow, *, in_window: bool | None = None, replaced_by_seq: int | None = None
                    ) -> StoredMessage:
-    """The row as a record; ``in_window`` / ``replaced_by_seq`` as the reading session sees them
+    """The row as a record; ``in_window`` / ``replaced_by_seq`` as the reading conversation sees them
     (a fork's view of a shared message), else the row's own."""
     message = Message.model_validate({
         "role": row.role,
@@ -69,13 +69,13 @@ def stored_message(row: MessageRow, *, in_window: bool | None = None, replaced_b
         "reasoning": row.reasoning,
     })
     own = in_window is None
-    return StoredMessage(session_id=row.session_id, seq=row.seq, message=message,
+    return StoredMessage(conversation_id=row.conversation_id, seq=row.seq, message=message,
                          token_count=row.token_count, in_window=bool(row.in_window if own else in_window),
                          replaced_by_seq=row.replaced_by_seq if own else replaced_by_seq, created_at=row.created_at)
 
 
 def snapshot_record(row: SnapshotRow, files: SnapshotStorage) -> SnapshotRecord:
-    return SnapshotRecord(id=row.id, session_id=row.session_id, num_tokens=row.num_tokens,
+    return SnapshotRecord(id=row.id, conversation_id=row.conversation_id, num_tokens=row.num_tokens,
                           token_hash=row.token_hash, fingerprint=row.fingerprint,
                           precision=row.precision, path=files.resolve(row.path),
                           checksum=row.checksum, nbytes=row.nbytes, shifted=bool(row.shifted),
@@ -84,7 +84,7 @@ def snapshot_record(row: SnapshotRow, files: SnapshotStorage) -> SnapshotRecord:
 
 
 def response_record(row: ResponseRow) -> ResponseRecord:
-    return ResponseRecord(id=row.id, session_id=row.session_id, owner=row.owner, last_seq=row.last_seq,
+    return ResponseRecord(id=row.id, conversation_id=row.conversation_id, owner=row.owner, last_seq=row.last_seq,
                           body=dict(row.body), created_at=row.created_at)
 
 
@@ -94,9 +94,9 @@ CALL_FIELDS = ("prompt_tokens", "reused_tokens", "prefix_cache_tokens", "prefill
 
 
 def call_row(record: CallRecord) -> CallRow:
-    return CallRow(session_id=record.session_id, **{name: getattr(record, name) for name in CALL_FIELDS})
+    return CallRow(conversation_id=record.conversation_id, **{name: getattr(record, name) for name in CALL_FIELDS})
 
 
 def call_record(row: CallRow) -> CallRecord:
-    return CallRecord(session_id=row.session_id, id=row.id, created_at=row.created_at,
+    return CallRecord(conversation_id=row.conversation_id, id=row.id, created_at=row.created_at,
                       **{name: getattr(row, name) for name in CALL_FIELDS})

@@ -221,7 +221,7 @@ class Database:
         return retry_locked(attempt)
 
     def read(self, work: Callable[[Session], T]) -> T:
-        """Run ``work`` in one read transaction (retried on lock errors): ``db.read(queries.list_sessions)``."""
+        """Run ``work`` in one read transaction (retried on lock errors): ``db.read(queries.list_conversations)``."""
         def attempt() -> T:
             with _locked(self._reader_lock), Session(self.engine) as s, s.begin():
                 return work(s)

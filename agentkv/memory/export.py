@@ -1,4 +1,4 @@
-"""A stored conversation as JSONL in OpenAI chat-message format (``agentkv sessions export``).
+"""A stored conversation as JSONL in OpenAI chat-message format (``agentkv conversations export``).
 
 The agent's system prompt comes first (it is an agent setting, not a stored message), then
 every message; one out of the window (rewound, or compacted away by a policy) carries

@@ -26,7 +26,7 @@ from agentkv.memory.records import PruneReport, SnapshotRecord
 from agentkv.memory.snapshots import SnapshotStorage
 
 
-def save_snapshot(db: Database, files: SnapshotStorage, session_id: str, snapshot: KVSnapshot, *, keep: int,
+def save_snapshot(db: Database, files: SnapshotStorage, conversation_id: str, snapshot: KVSnapshot, *, keep: int,
                   budget_bytes: int | None, fence: int | None, blocks: BlockStore | None = None,
                   namespace: KVNamespace | None = None, log: tuple[Sequence[int], Sequence[int]] | None = None,
                   ) -> SnapshotRecord:
@@ -36,7 +36,7 @@ def save_snapshot(db: Database, files: SnapshotStorage, session_id: str, snapsho
     — only those no tier holds yet — and the file keeps the tail after them. ``log`` (the whole
     log's tokens and cuts): ``snapshot`` is then the span of it from a block bound whose blocks
     before are stored (``BlockStore.first_unknown``), and the row describes the whole log."""
-    db.read(lambda s: queries.session_row(s, session_id))  # no file for a missing session
+    db.read(lambda s: queries.conversation_row(s, conversation_id))  # no file for a missing conversation
     chain = stored = None
     tokens, start = (snapshot.tokens, 0) if log is None else (tuple(log[0]), len(log[0]) - snapshot.num_tokens)
     if log is not None and (blocks is None or namespace is None or snapshot.cuts is None or start < 0):
@@ -46,15 +46,15 @@ def save_snapshot(db: Database, files: SnapshotStorage, session_id: str, snapsho
         chain = namespace.chain(tokens, cuts=snapshot.cuts if log is None else log[1])
         blocks.save_durably(snapshot, chain, start=start)
         stored = snapshot.span(chain.tail.start - start, snapshot.num_tokens)
-    name = files.write(session_id, snapshot if stored is None else stored)
+    name = files.write(conversation_id, snapshot if stored is None else stored)
 
     def add(s: Session) -> tuple[SnapshotRecord, list[str]]:
-        record = snapshot_rows.add(s, files, session_id, snapshot, name, fence, blocks=chain, stored=stored,
+        record = snapshot_rows.add(s, files, conversation_id, snapshot, name, fence, blocks=chain, stored=stored,
                                    tokens=tokens)
-        pruned = retention.excess_snapshots(s, files, keep, session_id=session_id)
+        pruned = retention.excess_snapshots(s, files, keep, conversation_id=conversation_id)
         if budget_bytes is not None:
             s.flush()
-            pruned += retention.over_budget(s, budget_bytes, keep_session=session_id)
+            pruned += retention.over_budget(s, budget_bytes, keep_session=conversation_id)
         return record, pruned
 
     try:
@@ -68,12 +68,12 @@ def save_snapshot(db: Database, files: SnapshotStorage, session_id: str, snapsho
 
 def prune(db: Database, files: SnapshotStorage, *, cutoff: datetime | None, keep_snapshots: int | None,
           orphans_older_than: timedelta, now: datetime, blocks: BlockStore | None = None) -> PruneReport:
-    """Delete sessions not updated since ``cutoff`` (and not leased at ``now``), snapshots beyond
-    the newest ``keep_snapshots`` of each session (rows in one transaction, then their files), then
+    """Delete conversations not updated since ``cutoff`` (and not leased at ``now``), snapshots beyond
+    the newest ``keep_snapshots`` of each conversation (rows in one transaction, then their files), then
     unreferenced files — and, with ``blocks``, keyed blocks no row names — older than
     ``orphans_older_than``."""
     def rows(s: Session) -> tuple[list[str], list[str]]:
-        deleted, names = retention.old_sessions(s, cutoff, now) if cutoff is not None else ([], [])
+        deleted, names = retention.old_conversations(s, cutoff, now) if cutoff is not None else ([], [])
         if keep_snapshots is not None:
             names += retention.excess_snapshots(s, files, keep_snapshots)
         retention.expire_prompt_blocks(s, now)

@@ -314,6 +314,26 @@ def _m013_prompt_blocks(conn: Connection) -> None:
     md.tables["kv_answer_tokens"].create(conn)
 
 
+CONVERSATION_TABLES = ("messages", "window_moves", "kv_snapshots", "responses", "calls")
+"""The tables whose ``session_id`` column migration 14 renames ``conversation_id``."""
+
+
+def _m014_conversations(conn: Connection) -> None:
+    """14: the stored thing a user opens, runs and resumes is a conversation (issue 48): table
+    ``sessions`` becomes ``conversations`` and every ``session_id`` column ``conversation_id``, with
+    their indexes renamed to the names the ORM declares. Rows, keys and foreign keys stay (SQLite
+    >= 3.26 and PostgreSQL carry references across a rename)."""
+    conn.execute(text("ALTER TABLE sessions RENAME TO conversations"))
+    for old in ("agent_name", "parent_id", "updated_at"):
+        conn.execute(text(f"DROP INDEX ix_sessions_{old}"))
+        conn.execute(text(f"CREATE INDEX ix_conversations_{old} ON conversations ({old})"))
+    for table in CONVERSATION_TABLES:
+        conn.execute(text(f"ALTER TABLE {table} RENAME COLUMN session_id TO conversation_id"))
+    for table in ("kv_snapshots", "responses", "calls"):
+        conn.execute(text(f"DROP INDEX ix_{table}_session_id"))
+        conn.execute(text(f"CREATE INDEX ix_{table}_conversation_id ON {table} (conversation_id)"))
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "initial", _m001_initial),
     Migration(2, "sessions_by_recency", _m002_sessions_by_recency),
@@ -328,6 +348,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(11, "past_reasoning_auto", _m011_past_reasoning_auto),
     Migration(12, "snapshot_blocks", _m012_snapshot_blocks),
     Migration(13, "prompt_blocks", _m013_prompt_blocks),
+    Migration(14, "conversations", _m014_conversations),
 )
 LATEST_VERSION = MIGRATIONS[-1].version
 

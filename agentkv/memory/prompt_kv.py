@@ -4,7 +4,7 @@ A stored conversation finds its KV through its snapshot rows; a conversation a c
 each turn has no row, and before this its KV lived only in the process that ran it. After each of
 its turns the server saves the KV's full blocks (``BlockStore``: each written once, whoever shares
 it) and indexes them by ``KVNamespace.token_keys`` — digests of the tokens alone — beside their
-block keys and parents (``kv_prompt_blocks``). A replica that has no live session for a request
+block keys and parents (``kv_prompt_blocks``). A replica that has no live conversation for a request
 looks its prompt's token keys up, follows one chain of blocks (each the child of the one before,
 so blocks of differently computed logs never mix), loads what the tiers hold and prefills the rest::
 
@@ -84,7 +84,7 @@ async def load_prompt_kv(store: Store, namespace: KVNamespace, tokens: Sequence[
                          better_than: int = 0) -> FoundPromptKV | None:
     """The KV of the longest prefix of ``tokens`` whose blocks are indexed and still held (whole
     blocks only; None when there is none, or when the index holds no more than ``better_than``
-    tokens of it: what a live session already has)."""
+    tokens of it: what a live conversation already has)."""
     token_keys = namespace.token_keys(tokens)
     if len(token_keys) * namespace.block_size <= better_than:
         return None

@@ -1,6 +1,6 @@
 """What the store hands back: frozen records, never ORM rows.
 
-``record = await store.get_session(sid); print(record.agent_name, record.lease_holder)``
+``record = await store.get_conversation(sid); print(record.agent_name, record.lease_holder)``
 """
 
 from __future__ import annotations
@@ -30,32 +30,32 @@ class AgentRecord:
 
 
 @dataclass(frozen=True)
-class SessionRecord:
+class ConversationRecord:
     """One conversation's row."""
 
     id: str
-    """The session id (given to ``create_session`` or a fresh uuid hex)."""
+    """The conversation id (given to ``create_conversation`` or a fresh uuid hex)."""
     agent_name: str
-    """The agent the session runs."""
+    """The agent the conversation runs."""
     created_at: datetime
-    """When the session was created (UTC)."""
+    """When the conversation was created (UTC)."""
     updated_at: datetime
     """When a message was last appended or marked (UTC)."""
     lease_holder: str | None
-    """Who runs the session now (may be expired: compare ``lease_expires_at``)."""
+    """Who runs the conversation now (may be expired: compare ``lease_expires_at``)."""
     lease_expires_at: datetime | None
     """When the current lease lapses (UTC); a lapsed lease can be taken over."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """Free-form JSON the caller attached at creation."""
     parent_id: str | None = None
-    """The session this one was forked from (None: not a fork)."""
+    """The conversation this one was forked from (None: not a fork)."""
     fork_seq: int | None = None
     """A fork shares its parent's messages 1..fork_seq; its own continue after."""
 
 
 @dataclass(frozen=True)
-class SessionSummary:
-    """A line of ``list_sessions``: the session and what its history holds."""
+class ConversationSummary:
+    """A line of ``list_conversations``: the conversation and what its history holds."""
 
     id: str
     agent_name: str
@@ -68,18 +68,18 @@ class SessionSummary:
     in_window_tokens: int
     """Sum of ``token_count`` over the messages still in the context window."""
     parent_id: str | None = None
-    """The session this one was forked from (its messages up to ``fork_seq`` are shared, not counted here)."""
+    """The conversation this one was forked from (its messages up to ``fork_seq`` are shared, not counted here)."""
     fork_seq: int | None = None
 
 
 @dataclass(frozen=True)
 class StoredMessage:
-    """A message as stored: its position in the session and its window state."""
+    """A message as stored: its position in the conversation and its window state."""
 
-    session_id: str
-    """The session the row belongs to (a fork's parent, for a message the fork shares)."""
+    conversation_id: str
+    """The conversation the row belongs to (a fork's parent, for a message the fork shares)."""
     seq: int
-    """1..n within the session, in append order (a fork's own continue after its fork point)."""
+    """1..n within the conversation, in append order (a fork's own continue after its fork point)."""
     message: Message
     token_count: int
     """Tokens the message took when rendered into the prompt."""
@@ -95,7 +95,7 @@ class SnapshotRecord:
     """A KV snapshot's row; the tensors live in the file at ``path``."""
 
     id: int
-    session_id: str
+    conversation_id: str
     num_tokens: int
     token_hash: str
     """``tokens_digest`` of the snapshot's token log."""
@@ -124,12 +124,12 @@ class ResponseRecord:
     """A stored API response: the body as it was returned, and where it sits in its session."""
 
     id: str
-    session_id: str
+    conversation_id: str
     owner: str
     """The namespace that may read it ("" for an open server)."""
     last_seq: int
-    """The seq of the session's newest message when it was saved: a response continues its
-    session only while this is still the newest (otherwise it would branch)."""
+    """The seq of the conversation's newest message when it was saved: a response continues its
+    conversation only while this is still the newest (otherwise it would branch)."""
     body: dict[str, Any]
     created_at: datetime
 
@@ -138,10 +138,10 @@ class ResponseRecord:
 class PruneReport:
     """What ``Store.prune`` deleted."""
 
-    sessions: tuple[str, ...]
-    """Ids of the sessions deleted (rows, messages, responses, snapshots)."""
+    conversations: tuple[str, ...]
+    """Ids of the conversations deleted (rows, messages, responses, snapshots)."""
     snapshots: int
-    """Snapshot files removed: of deleted sessions, beyond the kept newest, and orphans."""
+    """Snapshot files removed: of deleted conversations, beyond the kept newest, and orphans."""
     orphan_files: int
     """Files in the snapshot directory no row pointed to (left by a crash), removed."""
     bytes_freed: int
@@ -149,12 +149,12 @@ class PruneReport:
 
 @dataclass(frozen=True)
 class CallRecord:
-    """One model call of a stored session (``Store.record_call`` / ``Store.calls``)."""
+    """One model call of a stored conversation (``Store.record_call`` / ``Store.calls``)."""
 
-    session_id: str
+    conversation_id: str
     prompt_tokens: int
     reused_tokens: int
-    """Held by the session's KV (or restored), not computed."""
+    """Held by the conversation's KV (or restored), not computed."""
     prefix_cache_tokens: int
     """Shared from the prefix cache, not computed."""
     prefilled_tokens: int
@@ -164,7 +164,7 @@ class CallRecord:
     kv_tokens: int
     kv_bytes: int
     cache_break: dict[str, Any] | None = None
-    """Where and why the call reused less than its session held (``CacheBreak`` as JSON)."""
+    """Where and why the call reused less than its conversation held (``CacheBreak`` as JSON)."""
     compaction: dict[str, Any] | None = None
     """The context compaction just before the call (policy, tokens before and after)."""
     forced_tokens: int | None = None

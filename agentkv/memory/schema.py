@@ -70,8 +70,8 @@ class AgentRow(Base):
     updated_at: Mapped[datetime]
 
 
-class SessionRow(Base):
-    __tablename__ = "sessions"
+class ConversationRow(Base):
+    __tablename__ = "conversations"
 
     id: Mapped[str] = mapped_column(String(255), primary_key=True)
     agent_name: Mapped[str] = mapped_column(String(255), ForeignKey("agents.name"), index=True)
@@ -83,11 +83,11 @@ class SessionRow(Base):
     """The lease's fencing token: counted up each time the lease passes to another holder."""
     # NOTE: "metadata" is reserved on declarative classes, so the attribute has another name.
     metadata_: Mapped[dict[str, Any]] = mapped_column("metadata", JSON)
-    parent_id: Mapped[str | None] = mapped_column(String(255), ForeignKey("sessions.id"), index=True)
-    """The session this one was forked from; it shares the parent's messages up to ``fork_seq``."""
+    parent_id: Mapped[str | None] = mapped_column(String(255), ForeignKey("conversations.id"), index=True)
+    """The conversation this one was forked from; it shares the parent's messages up to ``fork_seq``."""
     fork_seq: Mapped[int | None] = mapped_column(Integer)
     window_version: Mapped[int] = mapped_column(Integer, server_default="0")
-    """How many window moves the session has made (schema 10): each move (a compaction, a truncation,
+    """How many window moves the conversation has made (schema 10): each move (a compaction, a truncation,
     a rewind) counts it up and is stored as ``window_moves`` rows of that version."""
     fork_version: Mapped[int | None] = mapped_column(Integer)
     """The parent's ``window_version`` at the fork point (schema 10): the fork sees the parent's
@@ -95,13 +95,13 @@ class SessionRow(Base):
 
 
 class MessageRow(Base):
-    """Append-only: content never changes. The window flags are the owning session's window now,
+    """Append-only: content never changes. The window flags are the owning conversation's window now,
     kept in step with its ``window_moves`` (a fork reads those, never these)."""
 
     __tablename__ = "messages"
 
-    session_id: Mapped[str] = mapped_column(
-        String(255), ForeignKey("sessions.id", ondelete="CASCADE"), primary_key=True
+    conversation_id: Mapped[str] = mapped_column(
+        String(255), ForeignKey("conversations.id", ondelete="CASCADE"), primary_key=True
     )
     seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
     role: Mapped[str] = mapped_column(String(16))
@@ -117,26 +117,26 @@ class MessageRow(Base):
     replaced_by_seq: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[datetime]
     out_since_seq: Mapped[int | None] = mapped_column(Integer)
-    """Schemas 5-9 only: the session's newest seq when the message left the window. Migration 10
+    """Schemas 5-9 only: the conversation's newest seq when the message left the window. Migration 10
     turned it into ``window_moves``; nothing writes or reads it since (NULL on newer rows)."""
     window_version: Mapped[int] = mapped_column(Integer, server_default="0")
-    """The session's ``window_version`` when the message was appended (schema 10): a fork at the
+    """The conversation's ``window_version`` when the message was appended (schema 10): a fork at the
     seq before this one sees the window as it was then."""
 
 
 class WindowMoveRow(Base):
-    """One message's move into or out of one session's window (append-only, schema 10): a fork
-    reads its ancestors' moves up to its fork point and its own, so no session's move changes
+    """One message's move into or out of one conversation's window (append-only, schema 10): a fork
+    reads its ancestors' moves up to its fork point and its own, so no conversation's move changes
     another's window."""
 
     __tablename__ = "window_moves"
 
-    session_id: Mapped[str] = mapped_column(
-        String(255), ForeignKey("sessions.id", ondelete="CASCADE"), primary_key=True
+    conversation_id: Mapped[str] = mapped_column(
+        String(255), ForeignKey("conversations.id", ondelete="CASCADE"), primary_key=True
     )
-    """The session whose window changed (the message may be an ancestor's row it shares)."""
+    """The conversation whose window changed (the message may be an ancestor's row it shares)."""
     version: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
-    """That session's ``window_version`` after the move (one version per compaction or rewind)."""
+    """That conversation's ``window_version`` after the move (one version per compaction or rewind)."""
     seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
     in_window: Mapped[bool] = mapped_column(Boolean)
     replaced_by_seq: Mapped[int | None] = mapped_column(Integer)
@@ -147,8 +147,8 @@ class SnapshotRow(Base):
     __tablename__ = "kv_snapshots"
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    session_id: Mapped[str] = mapped_column(
-        String(255), ForeignKey("sessions.id", ondelete="CASCADE"), index=True
+    conversation_id: Mapped[str] = mapped_column(
+        String(255), ForeignKey("conversations.id", ondelete="CASCADE"), index=True
     )
     num_tokens: Mapped[int] = mapped_column(Integer)
     token_hash: Mapped[str] = mapped_column(String(64))
@@ -170,7 +170,7 @@ class SnapshotRow(Base):
 
 class PromptBlockRow(Base):
     """A keyed block found by the tokens it holds: a conversation sent whole (chat completions)
-    has no session row, so another replica finds its KV by its prompt's ``token_keys``."""
+    has no conversation row, so another replica finds its KV by its prompt's ``token_keys``."""
 
     __tablename__ = "kv_prompt_blocks"
 
@@ -200,30 +200,30 @@ class AnswerTokensRow(Base):
 
 
 class ResponseRow(Base):
-    """An API response kept for retrieval and chaining; its messages are the session's."""
+    """An API response kept for retrieval and chaining; its messages are the conversation's."""
 
     __tablename__ = "responses"
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
-    session_id: Mapped[str] = mapped_column(
-        String(255), ForeignKey("sessions.id", ondelete="CASCADE"), index=True
+    conversation_id: Mapped[str] = mapped_column(
+        String(255), ForeignKey("conversations.id", ondelete="CASCADE"), index=True
     )
     owner: Mapped[str] = mapped_column(String(64))
     """Who may read it (the server's tenant namespace; "" when the server has no key)."""
     last_seq: Mapped[int] = mapped_column(Integer)
-    """The session's newest message when the response was saved."""
+    """The conversation's newest message when the response was saved."""
     body: Mapped[dict[str, Any]] = mapped_column(JSON)
     created_at: Mapped[datetime]
 
 
 class CallRow(Base):
-    """One model call of a stored session: what it reused, computed and cost."""
+    """One model call of a stored conversation: what it reused, computed and cost."""
 
     __tablename__ = "calls"
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    session_id: Mapped[str] = mapped_column(
-        String(255), ForeignKey("sessions.id", ondelete="CASCADE"), index=True
+    conversation_id: Mapped[str] = mapped_column(
+        String(255), ForeignKey("conversations.id", ondelete="CASCADE"), index=True
     )
     prompt_tokens: Mapped[int] = mapped_column(Integer)
     reused_tokens: Mapped[int] = mapped_column(Integer)

@@ -3,7 +3,7 @@
 The same ``SnapshotStorage`` as the snapshot directory, for processes on several machines that
 share one database. Object keys (the row keeps the part after the prefix)::
 
-    <prefix>/<tenant>/<fingerprint>/<session>/<tokens>-<unique>-<checksum>.safetensors
+    <prefix>/<tenant>/<fingerprint>/<conversation>/<tokens>-<unique>-<checksum>.safetensors
 
 ``tenant`` is "default" or ``t-`` + a hash of the tenant's salt (the salt itself is not
 published); ``fingerprint`` the model + KV layout identity (readable part + hash); ``unique`` a
@@ -76,7 +76,7 @@ class SnapshotObjects:
                 bucket, _, key = name[len(scheme):].partition("/")
                 if bucket != self.bucket:
                     raise SnapshotCorrupt(f"KV snapshot {name} is in bucket {bucket!r}, not this store's "
-                                          f"{self.bucket!r}; delete its row, the session will re-prefill")
+                                          f"{self.bucket!r}; delete its row, the conversation will re-prefill")
                 return key
         return f"{self.prefix}/{name}" if self.prefix else name
 
@@ -88,18 +88,18 @@ class SnapshotObjects:
         """This bucket and prefix, writing under ``tenant``'s keys (same client)."""
         return SnapshotObjects(self.bucket, self.prefix, tenant=tenant, client=self.client)
 
-    def object_name(self, session_id: str, snapshot: KVSnapshot) -> str:
-        """A new name (key below the prefix) for ``snapshot`` of ``session_id`` under this tenant."""
+    def object_name(self, conversation_id: str, snapshot: KVSnapshot) -> str:
+        """A new name (key below the prefix) for ``snapshot`` of ``conversation_id`` under this tenant."""
         tenant = f"t-{_digest(self.tenant)[:16]}" if self.tenant else "default"
         checksum = snapshot.checksum().rpartition(":")[2][:32]
         leaf = f"{snapshot.num_tokens}-{uuid.uuid4().hex[:8]}-{checksum}{OBJECT_SUFFIX}"
-        return "/".join((tenant, _segment(snapshot.fingerprint), _segment(session_id), leaf))
+        return "/".join((tenant, _segment(snapshot.fingerprint), _segment(conversation_id), leaf))
 
     # -- SnapshotStorage ------------------------------------------------------------------------
 
-    def write(self, session_id: str, snapshot: KVSnapshot) -> str:
+    def write(self, conversation_id: str, snapshot: KVSnapshot) -> str:
         """Upload ``snapshot`` as a new object (a PUT is atomic: readers see all of it or none)."""
-        name = self.object_name(session_id, snapshot)
+        name = self.object_name(conversation_id, snapshot)
         with tempfile.TemporaryDirectory(prefix="agentkv-s3-") as tmp:
             path = Path(tmp) / "snapshot.safetensors"
             snapshot.to_file(path)
@@ -118,13 +118,13 @@ class SnapshotObjects:
         if len(parts) == 4 and parts[1] != _segment(expected_fingerprint):
             raise SnapshotIncompatible(f"snapshot {where} was made for another model or KV layout "
                                        f"({parts[1]}), not {expected_fingerprint!r}; restore it with that "
-                                       "model, or delete it and let the session re-prefill")
+                                       "model, or delete it and let the conversation re-prefill")
         with tempfile.TemporaryDirectory(prefix="agentkv-s3-") as tmp:
             path = Path(tmp) / "snapshot.safetensors"
             try:
                 self._call("download", name, lambda: self.client.download_file(self.bucket, key, str(path)))
             except _Missing as e:
-                raise SnapshotCorrupt(f"KV snapshot {where} is missing; delete its row, the session "
+                raise SnapshotCorrupt(f"KV snapshot {where} is missing; delete its row, the conversation "
                                       "will re-prefill from its history") from e
             try:
                 snapshot = KVSnapshot.from_file(path, expected_fingerprint=expected_fingerprint)
@@ -132,7 +132,7 @@ class SnapshotObjects:
                 raise type(e)(str(e).replace(str(path), where)) from e
         if snapshot.checksum() != expected_checksum:
             raise SnapshotCorrupt(f"KV snapshot {where} is not the object its database row was saved with "
-                                  "(checksum differs); delete the snapshot, the session will re-prefill")
+                                  "(checksum differs); delete the snapshot, the conversation will re-prefill")
         return snapshot
 
     def looks_whole(self, name: str, nbytes: int) -> bool:

@@ -50,7 +50,7 @@ class SnapshotStorage(Protocol):
         tenant): ``storage.scoped("team-a").write(sid, snap)``. Reads and removals are by name."""
         ...
 
-    def write(self, session_id: str, snapshot: KVSnapshot) -> str:
+    def write(self, conversation_id: str, snapshot: KVSnapshot) -> str:
         """Store ``snapshot`` whole under a new name and return the name (a reader never sees
         half of it): ``name = storage.write("sess-1", snap)``."""
         ...
@@ -127,10 +127,10 @@ class SnapshotFiles:
     def check(self) -> None:
         """Nothing to check before the first write (which creates the directory)."""
 
-    def write(self, session_id: str, snapshot: KVSnapshot) -> str:
+    def write(self, conversation_id: str, snapshot: KVSnapshot) -> str:
         """Write ``snapshot`` to a new file (temp + rename) and return its stored name."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        slug = _UNSAFE.sub("_", session_id)[:40] or "session"
+        slug = _UNSAFE.sub("_", conversation_id)[:40] or "conversation"
         name = f"{slug}-{snapshot.num_tokens}-{uuid.uuid4().hex[:12]}{SUFFIX}"
         snapshot.to_file(self.directory / name)
         return name
@@ -146,7 +146,7 @@ class SnapshotFiles:
         if snapshot.checksum() != expected_checksum:
             raise SnapshotCorrupt(
                 f"KV snapshot {path} is not the file its database row was saved with (checksum "
-                "differs); delete the snapshot, the session will re-prefill from its history"
+                "differs); delete the snapshot, the conversation will re-prefill from its history"
             )
         return snapshot
 
@@ -186,5 +186,5 @@ def refuse_other_fingerprint(path: Path, found: str, expected: str) -> None:
     if found != expected:
         raise SnapshotIncompatible(
             f"snapshot {path} was made for {found!r}, not {expected!r}; restore it with that "
-            "model and KV precision, or delete it and let the session re-prefill"
+            "model and KV precision, or delete it and let the conversation re-prefill"
         )

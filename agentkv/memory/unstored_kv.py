@@ -2,11 +2,11 @@
 
 Both places that keep a conversation's KV — a stored conversation's snapshot at a turn's end
 (``runtime/persistence.py``) and a chat completion's prompt blocks (``memory/prompt_kv.py``) — key
-the session's log from its tokens and cuts, ask the store for the first block no tier holds, and
+the conversation's log from its tokens and cuts, ask the store for the first block no tier holds, and
 read the KV from there only (``KVSession.snapshot(start=)``): a turn reads its new KV, not the
 whole history::
 
-    span, log = await read_unstored_kv(store.blocks, session, space, usable=len(session.tokens))
+    span, log = await read_unstored_kv(store.blocks, conversation, space, usable=len(session.tokens))
     await store.save_snapshot(sid, span, namespace=space, log=log)     # log None: span is the whole KV
 """
 
@@ -26,10 +26,10 @@ LogOfSpan = tuple[tuple[int, ...], tuple[int, ...]]
 async def read_unstored_kv(blocks: BlockStore, kv: KVSession, namespace: KVNamespace,
                            usable: int) -> tuple[KVSnapshot, LogOfSpan | None]:
     """The KV of ``kv``'s first ``usable`` tokens from the first block ``blocks`` does not hold, and
-    the log it is a span of (None: the span is the whole KV — a session that keeps no cuts, a
+    the log it is a span of (None: the span is the whole KV — a conversation that keeps no cuts, a
     shifted KV, or nothing stored yet)."""
     start, log = 0, None
-    cuts = getattr(kv, "cuts", None)  # NOTE: a session without cuts (a test's stand-in) is read whole
+    cuts = getattr(kv, "cuts", None)  # NOTE: a conversation without cuts (a test's stand-in) is read whole
     if cuts is not None and not kv.shifted:
         tokens = tuple(kv.tokens[:usable])
         inside = tuple(c for c in cuts if c < usable)

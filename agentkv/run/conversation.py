@@ -6,7 +6,7 @@ Opened by ``Runtime.open_conversation(agent)`` (or ``Runtime.resume(id)``) and r
     result = await runtime.run(conversation, "What is 2+2?")
     print([m.role for m in conversation.window])
 
-Only one run may use a conversation at a time: a second concurrent run raises ``SessionBusy``
+Only one run may use a conversation at a time: a second concurrent run raises ``ConversationBusy``
 rather than queueing behind the first (a queued run would answer a stale history).
 
 ``Conversation`` is the ``ConversationView`` that context policies work on
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from agentkv.chat.messages import Message
 from agentkv.engine.base import Engine, KVSession
-from agentkv.errors import SessionBusy, UserError
+from agentkv.errors import ConversationBusy, UserError
 from agentkv.observe.cache_breaks import CacheBreak, Cause, find_break
 from agentkv.observe.tracing import Span
 from agentkv.result import ResumeReport
@@ -73,7 +73,7 @@ class Conversation:
 
     def __init__(
         self,
-        session_id: str,
+        conversation_id: str,
         agent: Agent,
         engine: Engine,
         kv: KVSession,
@@ -89,7 +89,7 @@ class Conversation:
         runtime passes the store's; both None keeps the conversation in memory only); ``salt``:
         the tenant whose cached prefixes its KV session shares; ``self_check``: the fraction of
         its model calls that self-check mode checks."""
-        self.id = session_id
+        self.id = conversation_id
         self.agent = agent
         self.engine = engine
         self.kv = kv
@@ -248,9 +248,9 @@ class Conversation:
 
     @asynccontextmanager
     async def run_guard(self) -> AsyncIterator[None]:
-        """Mark the conversation as running for the block; a concurrent run raises ``SessionBusy``."""
+        """Mark the conversation as running for the block; a concurrent run raises ``ConversationBusy``."""
         if self._running:
-            raise SessionBusy(self.id, "another run in this process")
+            raise ConversationBusy(self.id, "another run in this process")
         self._running = True
         try:
             yield

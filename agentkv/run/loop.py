@@ -97,7 +97,7 @@ class _RunState:
                pending: tuple[ToolCall, ...] = (), output: Any = None, *,
                approvals: tuple[ToolCall, ...] = (), reasoning: str | None = None) -> RunResult:
         return RunResult(
-            session_id=self.conversation.id,
+            conversation_id=self.conversation.id,
             final_text=final_text,
             new_messages=tuple(self.new_messages),
             tool_calls=tuple(self.tool_calls),
@@ -331,7 +331,7 @@ async def _generate(state: _RunState, call_index: int, prompt: RenderedPrompt, *
         yield CacheBroken(call_index, found)
     constraint = call_constraint(agent, conversation.engine, call_index, tool_format=tool_format, reasoning_tags=tags,
                                  reasoning_ids=reasoning_ids_of(conversation.renderer))
-    with tracing.span("agentkv.model_call", conversation.trace_span, session_id=conversation.id,
+    with tracing.span("agentkv.model_call", conversation.trace_span, conversation_id=conversation.id,
                       call_index=call_index) as call_span:
         async with conversation.kv.stream(prompt.token_ids, config, constraint) as stream:
             async for delta in stream:

@@ -47,22 +47,22 @@ async def seed_branch_kv(store: Store, branch: Conversation, *, parent_id: str, 
                             f"{'from its live KV' if forked else 'from a snapshot'}")
 
 
-async def restore_from_lineage(store: Store, session_id: str | None, kv: KVSession, prompt: tuple[int, ...],
+async def restore_from_lineage(store: Store, conversation_id: str | None, kv: KVSession, prompt: tuple[int, ...],
                                fingerprint: str,
                                reusable: Callable[[Sequence[int], Sequence[int]], int] = common_prefix_len,
                                *, namespace: KVNamespace | None = None) -> tuple[int, tuple[str, ...]]:
     """Restore into ``kv`` the newest snapshot of the nearest conversation up from
-    ``session_id`` (itself, its parent, ...) that has one sharing a prefix with ``prompt``;
+    ``conversation_id`` (itself, its parent, ...) that has one sharing a prefix with ``prompt``;
     returns the tokens restored and why snapshots were passed over:
     ``restored, skipped = await restore_from_lineage(store, "abc", kv, prompt, engine.fingerprint)``."""
     skipped: list[str] = []
-    while session_id is not None:
-        restored = await restore_newest_snapshot(store, session_id, kv, prompt, fingerprint, reusable,
+    while conversation_id is not None:
+        restored = await restore_newest_snapshot(store, conversation_id, kv, prompt, fingerprint, reusable,
                                                  namespace=namespace)
         skipped += restored.skipped
         if restored.tokens:
             return restored.tokens, tuple(skipped)
-        session_id = (await store.get_session(session_id)).parent_id
+        conversation_id = (await store.get_conversation(conversation_id)).parent_id
     return 0, tuple(skipped)
 
 
@@ -91,4 +91,5 @@ async def check_user_message(store: Store, conversation_id: str, seq: int) -> No
     stored = {m.seq: m for m in await store.messages(conversation_id)}
     if seq not in stored or stored[seq].message.role != "user":
         users = sorted(n for n, m in stored.items() if m.message.role == "user")
-        raise UserError(f"message {seq} of session {conversation_id!r} is not a user message; user messages: {users}")
+        raise UserError(f"message {seq} of conversation {conversation_id!r} is not a user message; "
+                        f"user messages: {users}")

@@ -4,7 +4,7 @@ Runtime-level glue (it knows Conversation and Store; the store itself knows neit
 engine nor the runner). Used by ``Runtime`` when it is given a store::
 
     runtime = Runtime(engine, store=Store.from_env(), agents=[agent])
-    conversation = await runtime.resume(session_id)
+    conversation = await runtime.resume(conversation_id)
 """
 
 from __future__ import annotations
@@ -72,10 +72,10 @@ class StoreWindowHook:
             await self.store.mark_out_of_window(conversation.id, seqs, fence=conversation.lease_token)
 
 
-async def load_window(store: Store, session_id: str) -> list[WindowEntry]:
+async def load_window(store: Store, conversation_id: str) -> list[WindowEntry]:
     """The messages still in the window, in window order: a summary stands where the first
     message it replaced stood (it was appended later, so seq order alone would misplace it)."""
-    stored = await store.messages(session_id)
+    stored = await store.messages(conversation_id)
     replaced: dict[int, list[int]] = {}
     for item in stored:
         if item.replaced_by_seq is not None:
@@ -110,7 +110,7 @@ async def record_interrupted_calls(conversation: Conversation) -> int:
     for call in orphans:
         await conversation.record(Message.tool(INTERRUPTED_RESULT, tool_call_id=call.id, name=call.name))
     if orphans:
-        logger.warning("session %s: %d tool call(s) had no result (interrupted); recorded one each",
+        logger.warning("conversation %s: %d tool call(s) had no result (interrupted); recorded one each",
                        conversation.id, len(orphans))
     return len(orphans)
 
@@ -127,7 +127,7 @@ async def save_snapshot(store: Store, conversation: Conversation) -> None:
         usable = _snapshot_worthy_len(conversation)
         if usable == 0:
             return
-        with tracing.span("agentkv.snapshot.save", conversation.trace_span, session_id=conversation.id) as span:
+        with tracing.span("agentkv.snapshot.save", conversation.trace_span, conversation_id=conversation.id) as span:
             namespace = kv_namespace(store, conversation)
             snapshot, log = await read_unstored_kv(store.blocks, conversation.kv, namespace, usable)
             await store.save_snapshot(conversation.id, snapshot, fence=conversation.lease_token,
@@ -135,7 +135,7 @@ async def save_snapshot(store: Store, conversation: Conversation) -> None:
             SNAPSHOTS.saves += 1
             span.set(tokens=snapshot.num_tokens, bytes=snapshot.nbytes, precision=snapshot.precision)
     except Exception as error:  # NOTE: no traceback: a full disk would print one every turn
-        logger.warning("could not save a KV snapshot of session %s (%s: %s); %s", conversation.id,
+        logger.warning("could not save a KV snapshot of conversation %s (%s: %s); %s", conversation.id,
                        type(error).__name__, error, await _what_resume_uses(store, conversation))
 
 
@@ -150,7 +150,7 @@ async def save_snapshot_unless_stored(store: Store, conversation: Conversation) 
         usable = _snapshot_worthy_len(conversation)
         stored = [r for r in await store.snapshots(conversation.id) if r.fingerprint == conversation.engine.fingerprint]
     except Exception as error:
-        logger.warning("could not tell whether session %s has a snapshot (%s: %s); saving one",
+        logger.warning("could not tell whether conversation %s has a snapshot (%s: %s); saving one",
                        conversation.id, type(error).__name__, error)
     else:
         if usable == 0 or (stored and stored[0].num_tokens >= usable):
@@ -178,7 +178,7 @@ async def catch_up_from_snapshot(store: Store, conversation: Conversation) -> in
         partial(reusable_kv_len, conversation.renderer, conversation.agent, conversation.engine),
         better_than=held, namespace=kv_namespace(store, conversation))
     if restored.tokens:
-        logger.info("session %s: another process ran it; restored its newest snapshot (%d tokens, %d held here)",
+        logger.info("conversation %s: another process ran it; restored its newest snapshot (%d tokens, %d held here)",
                     conversation.id, restored.tokens, held)
     return restored.tokens
 
@@ -230,7 +230,7 @@ class Restored:
 
 
 async def restore_newest_snapshot(
-    store: Store, session_id: str, kv: KVSession, prompt: tuple[int, ...], fingerprint: str,
+    store: Store, conversation_id: str, kv: KVSession, prompt: tuple[int, ...], fingerprint: str,
     reusable: Callable[[Sequence[int], Sequence[int]], int] = common_prefix_len, *, better_than: int = 0,
     namespace: KVNamespace | None = None,
 ) -> Restored:
@@ -242,12 +242,12 @@ async def restore_newest_snapshot(
     A corrupt or missing file, or one from another model, is skipped and logged: the conversation
     then re-prefills, losing nothing. ``better_than``: the tokens ``kv`` already holds of the prompt;
     a snapshot that would not restore more is passed over (and ``kv`` kept). ``namespace``: the one
-    the session's KV blocks are keyed in (``kv_namespace``); without it a snapshot saved as blocks
+    the conversation's KV blocks are keyed in (``kv_namespace``); without it a snapshot saved as blocks
     is passed over.
     """
     skipped: list[str] = []
     held = 0
-    for record in await store.snapshots(session_id):
+    for record in await store.snapshots(conversation_id):
         if record.fingerprint != fingerprint:
             skipped.append(f"{record.path.name}: made by another model ({record.fingerprint})")
             continue
@@ -257,7 +257,7 @@ async def restore_newest_snapshot(
             snapshot = await store.load_snapshot(record, expected_fingerprint=fingerprint, namespace=namespace,
                                                  sources=sources)
         except (SnapshotCorrupt, SnapshotIncompatible) as error:
-            logger.warning("skipping snapshot %s of session %s: %s", record.path, session_id, error)
+            logger.warning("skipping snapshot %s of conversation %s: %s", record.path, conversation_id, error)
             skipped.append(f"{record.path.name}: {error}")
             continue
         shared = reusable(snapshot.tokens, prompt)
@@ -265,8 +265,8 @@ async def restore_newest_snapshot(
             skipped.append(f"{record.path.name}: it shares {shared} tokens with the rendered history"
                            + (f", not more than the {better_than} held" if better_than else ""))
             continue
-        with tracing.span("agentkv.snapshot.restore", session_id=session_id, tokens=shared, bytes=record.nbytes,
-                          precision=record.precision):
+        with tracing.span("agentkv.snapshot.restore", conversation_id=conversation_id, tokens=shared,
+                          bytes=record.nbytes, precision=record.precision):
             await kv.restore(snapshot if shared == snapshot.num_tokens else snapshot.prefix(shared))
         SNAPSHOTS.restores += 1
         return Restored(shared, held, tuple(skipped), sources)
@@ -283,9 +283,9 @@ class CallLog:
             await log.see(event)
     """
 
-    def __init__(self, store: Store, session_id: str, *, fence: int | None = None) -> None:
+    def __init__(self, store: Store, conversation_id: str, *, fence: int | None = None) -> None:
         """``fence``: the run's lease token (a run that lost its lease records no more calls)."""
-        self.store, self.session_id, self.fence = store, session_id, fence
+        self.store, self.conversation_id, self.fence = store, conversation_id, fence
         self._break: CacheBreak | None = None
         self._compaction: dict[str, object] | None = None
 
@@ -301,7 +301,7 @@ class CallLog:
             found, self._break = self._break, None
             compaction, self._compaction = self._compaction, None
             record = CallRecord(
-                session_id=self.session_id, prompt_tokens=m.prompt_tokens, reused_tokens=m.reused_tokens,
+                conversation_id=self.conversation_id, prompt_tokens=m.prompt_tokens, reused_tokens=m.reused_tokens,
                 prefix_cache_tokens=m.prefix_cache_tokens, prefilled_tokens=m.prefilled_tokens,
                 generated_tokens=m.generated_tokens, ttft_s=m.ttft_s, tpot_s=m.tpot_s, kv_tokens=m.kv_tokens,
                 kv_bytes=m.kv_bytes, compaction=compaction,
@@ -310,6 +310,6 @@ class CallLog:
             try:
                 await self.store.record_call(record, fence=self.fence)
             except LeaseLost as error:
-                logger.warning("did not record a model call of session %s: %s", self.session_id, error)
+                logger.warning("did not record a model call of conversation %s: %s", self.conversation_id, error)
             except Exception:
-                logger.warning("could not record a model call of session %s", self.session_id, exc_info=True)
+                logger.warning("could not record a model call of conversation %s", self.conversation_id, exc_info=True)

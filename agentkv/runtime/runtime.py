@@ -7,11 +7,11 @@
     conversation = await runtime.open_conversation(agent)
     result = await runtime.run(conversation, "hello")
     ...                                   # next day, another process:
-    conversation = await runtime.resume(session_id)
+    conversation = await runtime.resume(conversation_id)
 
 Each agent's system prompt + tool schemas is registered with the engine as a shared prefix.
 With a store, every message is committed as it is recorded, a run holds the conversation's lease
-(a second process gets ``SessionBusy``; a heartbeat renews it, and a holder whose process died
+(a second process gets ``ConversationBusy``; a heartbeat renews it, and a holder whose process died
 on this host is taken over at once), and the KV is snapshotted to a file after each run. A tool
 call left without a result by a crash gets an "interrupted" result when the conversation is resumed.
 """
@@ -30,7 +30,7 @@ from agentkv.agent import Agent
 from agentkv.chat.messages import Message, ToolCall
 from agentkv.chat.render import ChatRenderer
 from agentkv.engine.base import Engine, KVSession
-from agentkv.errors import SessionBusy, UserError
+from agentkv.errors import ConversationBusy, UserError
 from agentkv.events import RunEvent, RunFinished
 from agentkv.memory import Store
 from agentkv.memory.leases import DEFAULT_LEASE_TTL_S, LeaseKeeper, holder_id
@@ -69,7 +69,7 @@ class Runtime:
         """``self_check``: the fraction of model calls whose cached KV is checked against a
         fresh prefill (``agentkv.observe.self_check``; default ``$AGENTKV_SELF_CHECK``, else 0).
         ``lease_wait_s``: how long a run waits for a conversation another process is running
-        (e.g. another replica of a server) before ``SessionBusy``; 0 does not wait."""
+        (e.g. another replica of a server) before ``ConversationBusy``; 0 does not wait."""
         if lease_ttl_s <= 0:
             raise UserError(f"lease_ttl_s must be > 0 seconds, got {lease_ttl_s}")
         if lease_wait_s < 0:
@@ -83,7 +83,7 @@ class Runtime:
         self.lease_ttl_s = lease_ttl_s
         """How long a run's lease lasts without renewal (renewed every third of it while it runs)."""
         self.lease_wait_s = lease_wait_s
-        """How long a run waits for the lease another process holds before ``SessionBusy``."""
+        """How long a run waits for the lease another process holds before ``ConversationBusy``."""
         self.self_check = fraction_from(self_check)
         self._agents: dict[str, Agent] = {}
         self._conversations: dict[str, Conversation] = {}
@@ -118,37 +118,39 @@ class Runtime:
         if prefix.prefix_len:
             self.engine.register_prefix(prefix.token_ids[: prefix.prefix_len], salt=salt)
 
-    async def open_conversation(self, agent: Agent, *, session_id: str | None = None, salt: str = "") -> Conversation:
+    async def open_conversation(self, agent: Agent, *, conversation_id: str | None = None,
+                                salt: str = "") -> Conversation:
         """A new conversation for ``agent`` (stored, if the runtime has a store). ``salt``: the
         tenant whose cached prefixes the conversation may share (``open_conversation(agent, salt="team-a")``)."""
         self._know(agent, salt)
-        sid = session_id or uuid.uuid4().hex
+        sid = conversation_id or uuid.uuid4().hex
         if sid in self._conversations:
-            raise UserError(f"session {sid!r} is already open in this runtime")
+            raise UserError(f"conversation {sid!r} is already open in this runtime")
         if self.store is not None:
             await self.store.upsert_agent(
                 agent.name, agent.instructions, [t.name for t in agent.tools], agent_settings(agent)
             )
-            await self.store.create_session(agent.name, session_id=sid)
+            await self.store.create_conversation(agent.name, conversation_id=sid)
         return await self._attach(sid, agent, [], salt)
 
-    async def resume(self, session_id: str, agent: Agent | None = None, *, salt: str = "") -> Conversation:
+    async def resume(self, conversation_id: str, agent: Agent | None = None, *, salt: str = "") -> Conversation:
         """Reopen a stored conversation: its window of messages and, from the newest valid snapshot,
-        its KV; ``conversation.resume_report`` says what came back. Raises ``SessionNotFound`` for an
+        its KV; ``conversation.resume_report`` says what came back. Raises ``ConversationNotFound`` for an
         unknown id. ``salt``: the tenant, as for ``open_conversation``. A conversation already open in this
         runtime is returned as it is; asking for it with another agent or salt raises ``UserError``."""
         store = self._require_store("resume")
-        if session_id in self._conversations:
-            return self._open_as(self._conversations[session_id], agent, salt)
-        record = await store.get_session(session_id)
+        if conversation_id in self._conversations:
+            return self._open_as(self._conversations[conversation_id], agent, salt)
+        record = await store.get_conversation(conversation_id)
         if agent is not None:
             self._know(agent, salt)  # its shared prefix is registered like any other agent's
         agent = agent or await self._agent_for(record.agent_name)
-        conversation = await self._attach(session_id, agent, await load_window(store, session_id), salt)
+        conversation = await self._attach(conversation_id, agent, await load_window(store, conversation_id), salt)
         repaired = await self._repair_if_free(conversation)
         rendered = conversation.render(agent, add_generation_prompt=False)
         prompt = rendered.token_ids
-        restored = await restore_newest_snapshot(store, session_id, conversation.kv, prompt, self.engine.fingerprint,
+        restored = await restore_newest_snapshot(store, conversation_id, conversation.kv, prompt,
+                                                 self.engine.fingerprint,
                                                  partial(reusable_kv_len, self.renderer, agent, self.engine),
                                                  namespace=kv_namespace(store, conversation))
         # NOTE: a break is KV lost: less restored than the newest snapshot held (without one,
@@ -172,7 +174,7 @@ class Runtime:
         ``UserError`` for another salt, whose tenant the open KV cannot move to."""
         if salt != conversation.salt:
             raise UserError(
-                f"session {conversation.id!r} is already open in this runtime for tenant salt "
+                f"conversation {conversation.id!r} is already open in this runtime for tenant salt "
                 f"{conversation.salt!r}, not {salt!r}; its KV cannot change tenant: close_conversation it and "
                 "resume it with the salt you want")
         if agent is not None:
@@ -187,10 +189,10 @@ class Runtime:
                                    ttl_s=self.lease_ttl_s) as lease:
                 conversation.lease_token = lease.token
                 return await record_interrupted_calls(conversation)
-        except SessionBusy:
+        except ConversationBusy:
             return 0
 
-    async def release_lease(self, session_id: str, *, force: bool = False) -> str | None:
+    async def release_lease(self, conversation_id: str, *, force: bool = False) -> str | None:
         """Release a conversation's run lease. Without ``force`` only this runtime's own; with
         ``force=True`` whoever holds it (an operator's unlock, e.g. after a crash on another
         host): ``await runtime.release_lease("abc", force=True)``. Returns the previous holder
@@ -198,11 +200,11 @@ class Runtime:
         (nothing of it is recorded after that), and a tool call it was running gets no result from it."""
         store = self._require_store("release_lease")
         if force:
-            return await store.release_lease(session_id, force=True)
-        await store.release_lease(session_id, self.holder)
+            return await store.release_lease(conversation_id, force=True)
+        await store.release_lease(conversation_id, self.holder)
         return None
 
-    async def fork(self, conversation: Conversation | str, *, at: int | None = None, session_id: str | None = None,
+    async def fork(self, conversation: Conversation | str, *, at: int | None = None, conversation_id: str | None = None,
                    agent: Agent | None = None, salt: str = "", edit: bool = False) -> Conversation:
         """A new stored conversation sharing ``conversation``'s messages 1..``at`` (default: all) —
         rows are shared, not copied — with their KV: the parent's live KV forked and trimmed when
@@ -213,7 +215,7 @@ class Runtime:
         A conversation running here (a tool forking its own conversation) forks under its run's
         lease, at a message ``at`` of a turn already stored; without ``at`` it is a ``UserError``
         at once (the turn under way is half stored). Elsewhere the fork takes the lease for its
-        read: a run in another process makes it wait, then ``SessionBusy``."""
+        read: a run in another process makes it wait, then ``ConversationBusy``."""
         store = self._require_store("fork")
         parent_id = conversation if isinstance(conversation, str) else conversation.id
         parent = self._conversations.get(parent_id)
@@ -223,7 +225,7 @@ class Runtime:
                 raise UserError(f"conversation {parent_id!r} is running here: fork it once its run ends, or pass "
                                 f"at=N to fork at a message of a turn already stored")
             fence = parent.lease_token
-        record = await store.fork_session(parent_id, at=at, new_id=session_id, fence=fence)
+        record = await store.fork_conversation(parent_id, at=at, new_id=conversation_id, fence=fence)
         agent = agent or (parent.agent if parent is not None else await self._agent_for(record.agent_name))
         self._know(agent, salt)
         live = parent is not None and not parent.running
@@ -253,7 +255,7 @@ class Runtime:
         kv = kv if kv is not None else await self.engine.open_session(salt=salt)
         if sid in self._conversations:  # NOTE: two of one conversation would each pass the other's run guard
             await kv.close()
-            raise SessionBusy(sid, "another task of this process opened it meanwhile; use that one")
+            raise ConversationBusy(sid, "another task of this process opened it meanwhile; use that one")
         conversation = Conversation(
             sid, agent, self.engine, kv, self.renderer, window=window,
             sink=StoreSink(self.store) if self.store is not None else None,
@@ -325,13 +327,13 @@ class Runtime:
         the input of a run that never finished — leave the window first (``Store.rewind``); when a
         stored response covers a later one (another process continued first) the run raises
         ``ResponseSuperseded`` and changes nothing. A conversation another process runs is
-        waited for up to ``lease_wait_s``, then ``SessionBusy``."""
+        waited for up to ``lease_wait_s``, then ``ConversationBusy``."""
         if continue_from is not None and self.store is None:
             raise UserError("continue_from needs a store: Runtime(engine, store=Store.from_env())")
         # NOTE: the in-process guard comes first: a second run here must not touch (and then
         # release) the lease the first run holds.
         async with conversation.run_guard():
-            run_span = conversation.trace_span = tracing.start("agentkv.run", session_id=conversation.id,
+            run_span = conversation.trace_span = tracing.start("agentkv.run", conversation_id=conversation.id,
                                                                agent=conversation.agent.name)
             try:
                 async with self._stored_run(conversation, continue_from):

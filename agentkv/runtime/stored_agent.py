@@ -76,7 +76,7 @@ _RENAMED_FIELDS = {"max_turns": "max_model_calls"}
 _KNOWN_KEYS = frozenset({*_PLAIN_FIELDS, *_RENAMED_FIELDS, "generation", "policy", "output_schema"})
 
 _HOW_TO_PASS = ("pass the Agent itself: Runtime(engine, store, agents=[agent]) or "
-                "runtime.resume(session_id, agent)")
+                "runtime.resume(conversation_id, agent)")
 
 
 def agent_from_record(record: AgentRecord) -> Agent:

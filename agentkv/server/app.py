@@ -8,11 +8,11 @@
     app = create_app(engine, store=Store("sqlite:///responses.db"))   # /v1/responses kept and chained
 
 Routes: ``GET /v1/models``, ``POST /v1/chat/completions`` and ``POST /v1/responses`` (``stream`` as
-server-sent events), ``GET`` / ``DELETE /v1/responses/{id}``, ``GET /v1/sessions/{id}/locality``
+server-sent events), ``GET`` / ``DELETE /v1/responses/{id}``, ``GET /v1/conversations/{id}/locality``
 (``agentkv.server.locality``), ``GET /health``, ``GET /ready`` (``agentkv.server.readiness``),
 ``GET /metrics`` (Prometheus text: queued and running requests, KV-cache use…, ``agentkv.observe.metrics``).
 ``X-Session-Id`` names a request's conversation and every answer that ran it (a 2xx) carries it
-back (``agentkv.server.session_ids``): on chat completions it pins the request to that live KV
+back (``agentkv.server.conversation_ids``): on chat completions it pins the request to that live KV
 session (else the body's ``user`` does, else the session continuing its history is used); on
 responses it names the stored conversation. An error answer never carries it (nor
 ``X-Response-Id``): a streamed request refused as its run begins — the conversation another
@@ -71,7 +71,7 @@ from agentkv.server.request_agents import AgentDefaults, RequestAgents
 from agentkv.server.response_wire import ResponseRequest
 from agentkv.server.responses import Responses
 from agentkv.server.runs import Runs
-from agentkv.server.session_ids import SESSION_HEADER, check_session_id, requested_session_id
+from agentkv.server.conversation_ids import SESSION_HEADER, check_conversation_id, requested_conversation_id
 from agentkv.server.wire import ChatCompletionRequest, as_wire
 
 SHUTDOWN_GRACE_S = 5.0
@@ -177,36 +177,37 @@ def create_app(
         model = Model(id=model_id, object="model", created=created, owned_by="agentkv")
         return {"object": "list", "data": [as_wire(model)]}
 
-    @app.get("/v1/sessions/{session_id}/locality")
-    async def session_locality(session_id: str, request: Request) -> dict[str, Any]:
-        return await locality.of(check_session_id(session_id), tenant=_tenant(request))
+    @app.get("/v1/conversations/{conversation_id}/locality")
+    async def session_locality(conversation_id: str, request: Request) -> dict[str, Any]:
+        return await locality.of(check_conversation_id(conversation_id), tenant=_tenant(request))
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-        named = requested_session_id(request.headers)
+        named = requested_conversation_id(request.headers)
         pin = named or body.user
         tenant, note = _tenant(request), AccessNote.of(request)
         prepared = chat.prepare(body, tenant=tenant)  # bad input is an HTTP error, before the stream starts
-        session_id = chat.route(prepared, session_id=named, pin=pin)
+        conversation_id = chat.route(prepared, conversation_id=named, pin=pin)
         if not body.stream:
-            answer = await unless_hung_up(request.receive, chat.complete(body, prepared, session_id=session_id,
-                                                                         pin=pin, note=note))
+            answer = await unless_hung_up(request.receive, chat.complete(
+                body, prepared, conversation_id=conversation_id, pin=pin, note=note))
             if answer is None:
                 return Response(status_code=CLIENT_CLOSED_REQUEST)
-            return JSONResponse(answer, headers={SESSION_HEADER: session_id})
+            return JSONResponse(answer, headers={SESSION_HEADER: conversation_id})
         stop = anyio.Event()
 
         async def events() -> AsyncGenerator[dict[str, str], None]:
-            async for item in chat.stream(body, prepared, session_id=session_id, pin=pin, note=note, stop=stop):
+            async for item in chat.stream(body, prepared, conversation_id=conversation_id, pin=pin, note=note,
+                                          stop=stop):
                 yield {"data": json.dumps(item)}
             yield {"data": "[DONE]"}
 
-        return _event_stream(events(), stop, {SESSION_HEADER: session_id}, _chat_error_event)
+        return _event_stream(events(), stop, {SESSION_HEADER: conversation_id}, _chat_error_event)
 
     @app.post("/v1/responses", response_model=None)
     async def create_response(body: ResponseRequest, request: Request) -> Any:
-        named = requested_session_id(request.headers)
-        plan = await responses.plan(body, tenant=_tenant(request), session_id=named)
+        named = requested_conversation_id(request.headers)
+        plan = await responses.plan(body, tenant=_tenant(request), conversation_id=named)
         note = AccessNote.of(request)
         if not body.stream:
             answer = await unless_hung_up(request.receive, responses.create(plan, note=note))

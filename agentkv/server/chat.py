@@ -14,8 +14,8 @@ with ``finish_reason="tool_calls"`` and the client sends the results in its next
     service = ChatCompletions(Runs(runtime, LiveSessions(engine)), RequestAgents([runtime]), model_id="SmolLM2")
     request = ChatCompletionRequest.model_validate(payload)
     prepared = service.prepare(request)
-    session_id = service.route(prepared, session_id=None)     # echoed as X-Session-Id
-    body = await service.complete(request, prepared, session_id=session_id)
+    conversation_id = service.route(prepared, conversation_id=None)     # echoed as X-Session-Id
+    body = await service.complete(request, prepared, conversation_id=conversation_id)
 """
 
 from __future__ import annotations
@@ -78,32 +78,32 @@ class ChatCompletions:
                                  param="max_completion_tokens" if request.max_completion_tokens else "max_tokens")
         return self.runs.prepare(agent, messages, salt=salt)
 
-    def route(self, prepared: Prepared, *, session_id: str | None, pin: str | None = None) -> str:
-        """The id of the live KV session the request will run on: ``session_id`` (its
+    def route(self, prepared: Prepared, *, conversation_id: str | None, pin: str | None = None) -> str:
+        """The id of the live KV session the request will run on: ``conversation_id`` (its
         ``X-Session-Id``) when it sent one, else the session of ``pin`` (its ``user``) or the one
         continuing its history, else a new id (``Runs.route``)."""
-        return self.runs.route(prepared, session_id=session_id, pin=pin)
+        return self.runs.route(prepared, conversation_id=conversation_id, pin=pin)
 
-    async def _result(self, prepared: Prepared, session_id: str,
+    async def _result(self, prepared: Prepared, conversation_id: str,
                       pin: str | None) -> AsyncGenerator[TextDelta | ReasoningDelta | RunResult, None]:
         """Text (and thinking) as it is generated, then the run's result (the KV session is held
         throughout)."""
         async with self.runs.admitted():
-            async for event in self.runs.on_live_session(prepared, session_id, pin):
+            async for event in self.runs.on_live_session(prepared, conversation_id, pin):
                 if isinstance(event, (TextDelta, ReasoningDelta)):
                     yield event
                 elif isinstance(event, RunFinished):
                     yield event.result
 
-    async def complete(self, request: ChatCompletionRequest, prepared: Prepared, *, session_id: str,
+    async def complete(self, request: ChatCompletionRequest, prepared: Prepared, *, conversation_id: str,
                        pin: str | None = None, note: AccessNote | None = None) -> dict[str, Any]:
         """The ``chat.completion`` object for ``request`` (already ``prepare``d, on the live
-        session ``session_id`` from ``route``; ``note``: what the access log says)."""
+        session ``conversation_id`` from ``route``; ``note``: what the access log says)."""
         request_id, note = _request_id(), note or AccessNote()
-        note.update(id=request_id, session=session_id)
+        note.update(id=request_id, session=conversation_id)
         result = None
         logprobs: list[TokenLogprob] = []
-        async for event in self._result(prepared, session_id, pin):
+        async for event in self._result(prepared, conversation_id, pin):
             if isinstance(event, RunResult):
                 result = event
             elif isinstance(event, TextDelta):
@@ -116,7 +116,7 @@ class ChatCompletions:
         note.update(cached_tokens=counts.cached, kv_from=prepared.restored_from)
         return body
 
-    async def stream(self, request: ChatCompletionRequest, prepared: Prepared, *, session_id: str,
+    async def stream(self, request: ChatCompletionRequest, prepared: Prepared, *, conversation_id: str,
                      pin: str | None = None, note: AccessNote | None = None,
                      stop: anyio.Event | None = None) -> AsyncIterator[dict[str, Any]]:
         """The ``chat.completion.chunk`` objects of ``request`` (run already ``prepare``d), the first
@@ -128,9 +128,9 @@ class ChatCompletions:
         before its first)."""
         request_id, created = _request_id(), int(time.time())
         note = note or AccessNote()
-        note.update(id=request_id, session=session_id)
+        note.update(id=request_id, session=conversation_id)
         result, began = None, False
-        async with aclosing(self._result(prepared, session_id, pin)) as run, \
+        async with aclosing(self._result(prepared, conversation_id, pin)) as run, \
                 aclosing(ready_batches(run)) as batches:
             async for batch in batches:  # NOTE: the deltas ready at once (a decode run's) go in one chunk
                 if stop is not None and stop.is_set():

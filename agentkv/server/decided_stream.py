@@ -12,7 +12,7 @@ cancels it and answers ``empty`` (503, ``Retry-After``).
 Once the first event is out, an error travels as a last event. The price: the status line of a
 run that does begin waits for its first event (a lease wait, then the prompt's prefill)::
 
-    stream = DecidedStream(chat_events(), headers={SESSION_HEADER: session_id}, stop=stop, grace_s=5.0,
+    stream = DecidedStream(chat_events(), headers={SESSION_HEADER: conversation_id}, stop=stop, grace_s=5.0,
                            error_event=lambda api: {"data": json.dumps(error_body(api.status, api.message))},
                            empty=ApiError(503, "the server is shutting down: send the request again"))
     return stream          # a route's answer (a Starlette Response)

@@ -26,8 +26,8 @@ from agentkv.errors import (
     LeaseLost,
     ResponseNotFound,
     ResponseSuperseded,
-    SessionBusy,
-    SessionExists,
+    ConversationBusy,
+    ConversationExists,
     UserError,
 )
 from agentkv.validation_text import describe_problems
@@ -73,14 +73,14 @@ def as_api_error(error: BaseException) -> ApiError:
         return ApiError(413, str(error), "context_length_exceeded", "messages")
     if isinstance(error, ResponseNotFound):
         return ApiError(404, str(error), "response_not_found")
-    if isinstance(error, SessionBusy):
-        return ApiError(409, str(error), "session_busy", headers=RETRY_LATER)
-    if isinstance(error, SessionExists):
-        return ApiError(409, str(error), "session_conflict")
+    if isinstance(error, ConversationBusy):
+        return ApiError(409, str(error), "conversation_busy", headers=RETRY_LATER)
+    if isinstance(error, ConversationExists):
+        return ApiError(409, str(error), "conversation_conflict")
     if isinstance(error, ResponseSuperseded):
         return ApiError(409, str(error), "response_superseded", "previous_response_id")
     if isinstance(error, LeaseLost):
-        return ApiError(409, str(error), "session_lease_lost", headers=RETRY_LATER)
+        return ApiError(409, str(error), "conversation_lease_lost", headers=RETRY_LATER)
     if isinstance(error, (UserError, ConstraintError, ValueError)):
         return ApiError(400, str(error), "invalid_request")
     return ApiError(500, f"internal error: {type(error).__name__}: {error}", "internal_error")
@@ -94,7 +94,7 @@ def error_answer(api: ApiError) -> JSONResponse:
     """The answer to a refused request: ``api``'s status, error object and headers only (never
     the ``X-Session-Id`` / ``X-Response-Id`` of a run: none ran)::
 
-        error_answer(ApiError(409, "conversation 'c1' is running", "session_busy", headers=RETRY_LATER))
+        error_answer(ApiError(409, "conversation 'c1' is running", "conversation_busy", headers=RETRY_LATER))
     """
     return JSONResponse(error_body(api.status, api.message, api.code, api.param), status_code=api.status,
                         headers=api.headers)
@@ -127,7 +127,7 @@ async def http_error_handler(request: Request, error: Exception) -> JSONResponse
     route = f"{request.method} {request.url.path}"
     if error.status_code == 404:
         return _answer(404, f"no route {route}: the routes are /v1/models, /v1/chat/completions, /v1/responses, "
-                            "/v1/sessions/{id}/locality, /health, /ready and /metrics", "not_found")
+                            "/v1/conversations/{id}/locality, /health, /ready and /metrics", "not_found")
     if error.status_code == 405:
         return _answer(405, f"{route} is not allowed: see the Allow header for the methods this route takes",
                        "method_not_allowed", headers=error.headers)

@@ -10,8 +10,8 @@ to the very tokens the KV holds (a re-tokenised answer could differ)::
 
     live = LiveSessions(engine, max_sessions=64)
     history = live.with_token_ids(history)
-    session_id = live.route(prompt_ids, session_id=None)    # echoed as X-Session-Id
-    async with live.checkout(session_id=session_id) as kv:
+    conversation_id = live.route(prompt_ids, conversation_id=None)    # echoed as X-Session-Id
+    async with live.checkout(conversation_id=conversation_id) as kv:
         ...                                   # run on kv
     live.remember(answer_message)
 """
@@ -29,8 +29,8 @@ from cachetools import FIFOCache
 
 from agentkv.chat.messages import Message
 from agentkv.engine.base import Engine, KVSession, common_prefix_len
-from agentkv.errors import SessionBusy
-from agentkv.server.session_ids import new_session_id
+from agentkv.errors import ConversationBusy
+from agentkv.server.conversation_ids import new_conversation_id
 
 REMEMBERED_ANSWERS = 4096
 """Generated answers whose token ids are kept for re-rendering resent histories."""
@@ -63,32 +63,32 @@ class LiveSessions:
         self._answers: FIFOCache[tuple[object, ...], tuple[int, ...]] = FIFOCache(maxsize=REMEMBERED_ANSWERS)
         self._lock = anyio.Lock()
 
-    def route(self, prompt_ids: Sequence[int], *, session_id: str | None, pin: str | None = None,
+    def route(self, prompt_ids: Sequence[int], *, conversation_id: str | None, pin: str | None = None,
               salt: str = "") -> str:
         """The id of the session a request will run on, known before it runs (so a streamed answer's
-        headers carry it): ``session_id`` when the request named one, else the session of ``pin``,
+        headers carry it): ``conversation_id`` when the request named one, else the session of ``pin``,
         else the idle session continuing ``prompt_ids`` (reserved for the request for ``CLAIM_S``),
         else a new id. Pass it to ``checkout``."""
-        if session_id is not None:
-            return session_id
+        if conversation_id is not None:
+            return conversation_id
         if pin is not None:
             pinned = self._named(pin, salt)
-            return pinned.id if pinned is not None else new_session_id()
+            return pinned.id if pinned is not None else new_conversation_id()
         best = self._best_continued(prompt_ids, salt) if self.reuse else None
         if best is None:
-            return new_session_id()
+            return new_conversation_id()
         best.claimed_until = time.monotonic() + CLAIM_S
         return best.id
 
     @asynccontextmanager
-    async def checkout(self, *, session_id: str, pin: str | None = None,
+    async def checkout(self, *, conversation_id: str, pin: str | None = None,
                        salt: str = "") -> AsyncIterator[KVSession]:
-        """The KV session ``session_id`` (from ``route``) of tenant ``salt`` — a new one under that
+        """The KV session ``conversation_id`` (from ``route``) of tenant ``salt`` — a new one under that
         id if there is none — held busy until the block exits (a tenant never gets another's
         session, nor its cached prefixes). ``pin`` (the request's ``X-Session-Id``, else its
-        ``user``) keeps the session out of other requests' prefix matching. ``SessionBusy`` when
+        ``user``) keeps the session out of other requests' prefix matching. ``ConversationBusy`` when
         the session a request named (by id or ``pin``) is running another request."""
-        live = await self._take(session_id, pin, salt)
+        live = await self._take(conversation_id, pin, salt)
         try:
             yield live.kv
         finally:
@@ -101,17 +101,17 @@ class LiveSessions:
         """The tenant's session with id (or pin) ``name``."""
         return next((live for live in self._live if live.salt == salt and name in (live.id, live.pin)), None)
 
-    async def _take(self, session_id: str, pin: str | None, salt: str) -> _Live:
+    async def _take(self, conversation_id: str, pin: str | None, salt: str) -> _Live:
         async with self._lock:
-            named = self._named(session_id, salt) or (self._named(pin, salt) if pin is not None else None)
+            named = self._named(conversation_id, salt) or (self._named(pin, salt) if pin is not None else None)
             if named is not None and not named.busy:
                 named.busy, named.claimed_until = True, 0.0
                 return named
-            if named is not None and (named.pin is not None or pin == session_id):
-                raise SessionBusy(session_id)  # the request named it: another one runs on it
+            if named is not None and (named.pin is not None or pin == conversation_id):
+                raise ConversationBusy(conversation_id)  # the request named it: another one runs on it
             # NOTE: a session matched by prefix and already taken again (its reservation ran out):
             # the request runs on a new one, with an id of its own
-            fresh = session_id if named is None else new_session_id()
+            fresh = conversation_id if named is None else new_conversation_id()
             await self._make_room()
             live = _Live(await self.engine.open_session(salt=salt), fresh, salt=salt, pin=pin, busy=True)
             self._live.append(live)
@@ -151,14 +151,14 @@ class LiveSessions:
     def __len__(self) -> int:
         return len(self._live)
 
-    def tokens_of(self, session_id: str, salt_prefix: str) -> int | None:
-        """Tokens of KV the live session ``session_id`` holds, of a tenant whose KV namespace
+    def tokens_of(self, conversation_id: str, salt_prefix: str) -> int | None:
+        """Tokens of KV the live session ``conversation_id`` holds, of a tenant whose KV namespace
         starts with ``salt_prefix`` (None: no such session here)::
 
             live.tokens_of("conv-42", tenant)
         """
         for live in self._live:
-            if session_id in (live.id, live.pin) and (live.salt == salt_prefix
+            if conversation_id in (live.id, live.pin) and (live.salt == salt_prefix
                                                       or live.salt.startswith(salt_prefix + "/")):
                 return len(live.kv.tokens)
         return None

@@ -7,7 +7,7 @@ the next response resumes it from them).
 
     conversations = OpenConversations(Runtime(engine, store), max_open=64)
     session = await conversations.new(agent, salt="")
-    session = await conversations.get(session_id, agent, salt="")   # open, or resumed
+    session = await conversations.get(conversation_id, agent, salt="")   # open, or resumed
 """
 
 from __future__ import annotations
@@ -37,40 +37,40 @@ class OpenConversations:
         """One lock per conversation being resumed: requests that ask for it meanwhile wait and
         get the same conversation (two would each run it: its run guard is per conversation)."""
 
-    async def new(self, agent: Agent, *, salt: str, session_id: str | None = None) -> Conversation:
-        """A new stored conversation of tenant ``salt`` (with id ``session_id``, else a new one)."""
+    async def new(self, agent: Agent, *, salt: str, conversation_id: str | None = None) -> Conversation:
+        """A new stored conversation of tenant ``salt`` (with id ``conversation_id``, else a new one)."""
         await self._make_room()
-        session = await self.runtime.open_conversation(agent, salt=salt, session_id=session_id)
+        session = await self.runtime.open_conversation(agent, salt=salt, conversation_id=conversation_id)
         self._open[session.id] = session
         return session
 
-    async def get(self, session_id: str, agent: Agent, *, salt: str) -> Conversation:
+    async def get(self, conversation_id: str, agent: Agent, *, salt: str) -> Conversation:
         """The open conversation, or the stored one resumed (its KV from the newest snapshot)."""
-        session = self._open.get(session_id)
+        session = self._open.get(conversation_id)
         if session is None:
-            lock = self._opening.setdefault(session_id, anyio.Lock())
+            lock = self._opening.setdefault(conversation_id, anyio.Lock())
             try:
                 async with lock:
-                    session = self._open.get(session_id)  # NOTE: opened while this request waited
+                    session = self._open.get(conversation_id)  # NOTE: opened while this request waited
                     if session is None:
                         await self._make_room()
-                        session = await self.runtime.resume(session_id, agent, salt=salt)
-                        self._open[session_id] = session
+                        session = await self.runtime.resume(conversation_id, agent, salt=salt)
+                        self._open[conversation_id] = session
             finally:
-                if not lock.statistics().tasks_waiting and self._opening.get(session_id) is lock:
-                    del self._opening[session_id]
-        self._open.move_to_end(session_id)
+                if not lock.statistics().tasks_waiting and self._opening.get(conversation_id) is lock:
+                    del self._opening[conversation_id]
+        self._open.move_to_end(conversation_id)
         return session
 
-    def is_running(self, session_id: str) -> bool:
+    def is_running(self, conversation_id: str) -> bool:
         """True while a run holds the conversation in this process."""
-        session = self._open.get(session_id)
+        session = self._open.get(conversation_id)
         return session is not None and session.running
 
-    async def close(self, session_id: str, *, snapshot: bool = False) -> None:
+    async def close(self, conversation_id: str, *, snapshot: bool = False) -> None:
         """Release the conversation's KV (what is stored stays); ``snapshot=True`` first saves it
         unless a stored snapshot holds it already (its turn-end snapshot normally does)."""
-        session = self._open.pop(session_id, None)
+        session = self._open.pop(conversation_id, None)
         if session is not None:
             await self.runtime.close_conversation(session, snapshot=snapshot)
 
@@ -88,17 +88,17 @@ class OpenConversations:
         with anyio.move_on_after(UNWIND_S):
             while any(session.running for session in self._open.values()):
                 await anyio.sleep(0.05)
-        for session_id in list(self._open):
-            session = self._open.pop(session_id)
+        for conversation_id in list(self._open):
+            session = self._open.pop(conversation_id)
             await self.runtime.close_conversation(session, snapshot=True)
 
     def __len__(self) -> int:
         return len(self._open)
 
-    def tokens_of(self, session_id: str) -> int | None:
-        """Tokens of KV the open conversation ``session_id`` holds (None: not open here)::
+    def tokens_of(self, conversation_id: str) -> int | None:
+        """Tokens of KV the open conversation ``conversation_id`` holds (None: not open here)::
 
-            conversations.tokens_of(session_id)
+            conversations.tokens_of(conversation_id)
         """
-        session = self._open.get(session_id)
+        session = self._open.get(conversation_id)
         return None if session is None else len(session.kv.tokens)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import anyio
 
-from agentkv.errors import SessionNotFound
+from agentkv.errors import ConversationNotFound
 from agentkv.memory import Store
 
 STORE_PROBE_TIMEOUT_S = 2.0
@@ -59,8 +59,8 @@ class Readiness:
         assert self.store is not None
         try:
             with anyio.fail_after(STORE_PROBE_TIMEOUT_S):
-                await self.store.get_session(_PROBE_ID)
-        except SessionNotFound:
+                await self.store.get_conversation(_PROBE_ID)
+        except ConversationNotFound:
             return None
         except TimeoutError:
             return f"no answer in {STORE_PROBE_TIMEOUT_S:g} s"

@@ -41,7 +41,7 @@ from agentkv.agent import Agent
 from agentkv.chat.messages import Message
 from agentkv.chat.openai_messages import messages_from_openai
 from agentkv.run.conversation import Conversation
-from agentkv.errors import ContextOverflowError, ResponseSuperseded, SessionBusy, SessionNotFound, UserError
+from agentkv.errors import ContextOverflowError, ResponseSuperseded, ConversationBusy, ConversationNotFound, UserError
 from agentkv.events import RunEvent, RunFinished
 from agentkv.memory import ResponseRecord, Store
 from agentkv.runtime.persistence import load_window
@@ -55,7 +55,7 @@ from agentkv.server.request_agents import RequestAgents, reserving_answer
 from agentkv.server.response_stream import ResponseOutput
 from agentkv.server.response_wire import ResponseRequest, new_id, response_object, response_usage
 from agentkv.server.runs import Prepared, Runs, kv_namespace, leading_system
-from agentkv.server.session_ids import SESSION_HEADER, new_session_id
+from agentkv.server.conversation_ids import SESSION_HEADER, new_conversation_id
 from agentkv.server.stream_batches import joined_deltas, ready_batches
 from agentkv.server.wire import TokenCounts, cache_break_field
 
@@ -87,7 +87,7 @@ class ResponsePlan:
     """``base`` with this request's sampling and truncation."""
     input: list[Message]
     previous: ResponseRecord | None
-    session_id: str
+    conversation_id: str
     """The conversation's id, sent back as ``X-Session-Id`` (``store=false``: that of the
     previous response's conversation, else the live KV session's)."""
     live_id: str | None = None
@@ -103,7 +103,7 @@ class ResponsePlan:
     @property
     def headers(self) -> dict[str, str]:
         """The headers the answer carries: ``X-Session-Id`` and ``X-Response-Id``."""
-        return {SESSION_HEADER: self.session_id, RESPONSE_HEADER: self.response_id}
+        return {SESSION_HEADER: self.conversation_id, RESPONSE_HEADER: self.response_id}
 
 
 class Responses:
@@ -120,10 +120,10 @@ class Responses:
 
     # ---- the request, read --------------------------------------------------------------
     async def plan(self, request: ResponseRequest, *, tenant: str = "",
-                   session_id: str | None = None) -> ResponsePlan:
+                   conversation_id: str | None = None) -> ResponsePlan:
         """``request`` checked for ``tenant``: 400 for what cannot run, 404 for an unknown
         ``previous_response_id``, 409 when it is not the newest of its conversation; what the
-        input breaks names ``input`` as its ``param``. ``session_id``: the request's
+        input breaks names ``input`` as its ``param``. ``conversation_id``: the request's
         ``X-Session-Id`` (checked against ``previous_response_id``; without that, it names the
         stored conversation to continue, or the new one's id)."""
         salt = kv_namespace(tenant, request.cache_salt)
@@ -145,45 +145,45 @@ class Responses:
             if request.previous_response_id is not None:
                 previous = await store.get_response(request.previous_response_id, owner=tenant)
                 await self._refuse_superseded(store, previous)
-                _check_named(session_id, previous)
-            elif request.store and session_id is not None:
-                previous = await self._newest_of(store, session_id, tenant)
+                _check_named(conversation_id, previous)
+            elif request.store and conversation_id is not None:
+                previous = await self._newest_of(store, conversation_id, tenant)
                 if previous is not None:
                     request = request.model_copy(update={"previous_response_id": previous.id})
         history = await self._history(previous)
         if not request.store:
             with _about_input():
                 prepared = self.runs.prepare(agent, [*history, *messages], salt=salt)
-            pin = session_id or request.user
-            live_id = self.runs.route(prepared, session_id=session_id, pin=pin)
-            echoed = session_id or (previous.session_id if previous is not None else live_id)
+            pin = conversation_id or request.user
+            live_id = self.runs.route(prepared, conversation_id=conversation_id, pin=pin)
+            echoed = conversation_id or (previous.conversation_id if previous is not None else live_id)
             return ResponsePlan(request, tenant, salt, base, agent, messages, previous, echoed, live_id, pin,
                                 prepared)
         # NOTE: what the run would refuse is refused here, so a stream never starts on it
         self.runs.refuse_if_full()
         assert self.conversations is not None
-        if previous is not None and self.conversations.is_running(previous.session_id):
-            raise SessionBusy(previous.session_id, "another response is being generated in it")
+        if previous is not None and self.conversations.is_running(previous.conversation_id):
+            raise ConversationBusy(previous.conversation_id, "another response is being generated in it")
         with _about_input():
             checked_input(agent, history, messages)
             if agent.policy is None:
                 self.runs.fitting_prompt(agent, [*history, *messages])
-        conversation_id = previous.session_id if previous is not None else session_id or new_session_id()
+        conversation_id = previous.conversation_id if previous is not None else conversation_id or new_conversation_id()
         return ResponsePlan(request, tenant, salt, base, agent, messages, previous, conversation_id)
 
-    async def _newest_of(self, store: Store, session_id: str, tenant: str) -> ResponseRecord | None:
-        """The newest response of the stored conversation ``session_id`` (None: no such
+    async def _newest_of(self, store: Store, conversation_id: str, tenant: str) -> ResponseRecord | None:
+        """The newest response of the stored conversation ``conversation_id`` (None: no such
         conversation, the request starts it); 409 when it exists but holds no response of
         ``tenant``'s to continue."""
         try:
-            await store.get_session(session_id)
-        except SessionNotFound:
+            await store.get_conversation(conversation_id)
+        except ConversationNotFound:
             return None
-        newest = await store.responses(session_id)
+        newest = await store.responses(conversation_id)
         if not newest or newest[0].owner != tenant:
-            raise ApiError(409, f"conversation {session_id!r} exists and has no response of yours to continue: "
+            raise ApiError(409, f"conversation {conversation_id!r} exists and has no response of yours to continue: "
                                 f"send another {SESSION_HEADER} (or none, to get a new one)",
-                           "session_conflict", SESSION_HEADER)
+                           "conversation_conflict", SESSION_HEADER)
         return newest[0]
 
     async def _history(self, previous: ResponseRecord | None) -> list[Message]:
@@ -191,7 +191,7 @@ class Responses:
         if previous is None:
             return []
         assert self.store is not None
-        window = await load_window(self.store, previous.session_id)
+        window = await load_window(self.store, previous.conversation_id)
         return [e.message for e in window if e.seq is None or e.seq <= previous.last_seq]
 
     def _require_store(self, request: ResponseRequest) -> Store:
@@ -202,9 +202,9 @@ class Responses:
         return self.store
 
     async def _refuse_superseded(self, store: Store, previous: ResponseRecord) -> None:
-        newest = (await store.responses(previous.session_id))[0]
+        newest = (await store.responses(previous.conversation_id))[0]
         if newest.id != previous.id:
-            raise ResponseSuperseded(previous.session_id, newest.id)
+            raise ResponseSuperseded(previous.conversation_id, newest.id)
 
     # ---- running ------------------------------------------------------------------------
     async def stream(self, plan: ResponsePlan, *, note: AccessNote | None = None,
@@ -225,7 +225,7 @@ class Responses:
         async with self.runs.admitted():
             with self.runs.waiting_for_kv():
                 session = await self._conversation(plan) if plan.request.store else None
-            note.update(session=plan.session_id)
+            note.update(session=plan.conversation_id)
             try:
                 events = self._stored_events(plan, session) if session else self._unstored_events(plan)
                 # NOTE: the deltas ready at once (a decode run's) go out as one delta event (stream_batches.py)
@@ -279,9 +279,9 @@ class Responses:
         """The stored conversation the response continues (open, or resumed), or a new one."""
         assert self.conversations is not None
         if plan.previous is None:
-            session = await self.conversations.new(plan.base, salt=plan.salt, session_id=plan.session_id)
+            session = await self.conversations.new(plan.base, salt=plan.salt, conversation_id=plan.conversation_id)
         else:
-            session = await self.conversations.get(plan.previous.session_id, plan.base, salt=plan.salt)
+            session = await self.conversations.get(plan.previous.conversation_id, plan.base, salt=plan.salt)
         session.agent = plan.agent
         return session
 
@@ -303,17 +303,17 @@ class Responses:
             async for event in run:
                 yield event
 
-    async def _drop(self, session_id: str) -> None:
+    async def _drop(self, conversation_id: str) -> None:
         """Delete the conversation a failed first request made (no response refers to it); never
         raises over the error that failed the request: a conversation still leased (the run's
-        release failed) or a store error leaves it stored, with a warning (``sessions prune``)."""
+        release failed) or a store error leaves it stored, with a warning (``conversations prune``)."""
         assert self.conversations is not None and self.store is not None
-        await self.conversations.close(session_id)
+        await self.conversations.close(conversation_id)
         try:
-            await self.store.delete_session(session_id)
+            await self.store.delete_conversation(conversation_id)
         except Exception as error:
-            logger.warning("could not delete session %s that a failed request made (%s); it stays stored",
-                           session_id, error)
+            logger.warning("could not delete conversation %s that a failed request made (%s); it stays stored",
+                           conversation_id, error)
 
     def _body(self, plan: ResponsePlan, response_id: str, created: int, output: ResponseOutput,
               result: RunResult) -> dict[str, Any]:
@@ -337,10 +337,10 @@ class Responses:
         store = self._store_or_404(response_id)
         record = await store.get_response(response_id, owner=tenant)
         assert self.conversations is not None
-        if self.conversations.is_running(record.session_id):
-            raise SessionBusy(record.session_id, "a response is being generated in it")
+        if self.conversations.is_running(record.conversation_id):
+            raise ConversationBusy(record.conversation_id, "a response is being generated in it")
         if await store.delete_response(response_id, owner=tenant):
-            await self.conversations.close(record.session_id)
+            await self.conversations.close(record.conversation_id)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     def _store_or_404(self, response_id: str) -> Store:
@@ -354,13 +354,13 @@ class Responses:
             await self.conversations.aclose()
 
 
-def _check_named(session_id: str | None, previous: ResponseRecord) -> None:
+def _check_named(conversation_id: str | None, previous: ResponseRecord) -> None:
     """400 when the request's ``X-Session-Id`` names another conversation than its
     ``previous_response_id`` continues."""
-    if session_id is not None and session_id != previous.session_id:
-        raise ApiError(400, f"{SESSION_HEADER} {session_id!r} names another conversation than previous_response_id "
-                            f"{previous.id!r} continues ({previous.session_id!r}): send that one, or leave the "
-                            "header out", "session_mismatch", SESSION_HEADER)
+    if conversation_id is not None and conversation_id != previous.conversation_id:
+        raise ApiError(400, f"{SESSION_HEADER} {conversation_id!r} names another conversation than "
+                            f"previous_response_id {previous.id!r} continues ({previous.conversation_id!r}): send "
+                            "that one, or leave the header out", "conversation_mismatch", SESSION_HEADER)
 
 
 @contextmanager

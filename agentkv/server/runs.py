@@ -6,9 +6,9 @@ session that shares the longest prefix with it.
 
     runs = Runs(Runtime(engine), LiveSessions(engine), max_running=64)
     prepared = runs.prepare(agent, messages, salt="")
-    session_id = runs.route(prepared, session_id=None)      # the X-Session-Id the answer carries
+    conversation_id = runs.route(prepared, conversation_id=None)      # the X-Session-Id the answer carries
     async with runs.admitted():
-        async for event in runs.on_live_session(prepared, session_id):
+        async for event in runs.on_live_session(prepared, conversation_id):
             ...
 """
 
@@ -116,7 +116,7 @@ class Runs:
         """Count an admitted request as waiting while the block gets its KV session::
 
             with runs.waiting_for_kv():
-                session = await conversations.get(session_id, agent)
+                session = await conversations.get(conversation_id, agent)
         """
         self.waiting += 1
         try:
@@ -150,20 +150,20 @@ class Runs:
                 prompt_tokens=len(prompt), limit=limit)
         return tuple(prompt)
 
-    def route(self, prepared: Prepared, *, session_id: str | None, pin: str | None = None) -> str:
-        """The id of the live KV session ``prepared`` will run on: ``session_id`` (the request's
+    def route(self, prepared: Prepared, *, conversation_id: str | None, pin: str | None = None) -> str:
+        """The id of the live KV session ``prepared`` will run on: ``conversation_id`` (the request's
         ``X-Session-Id``) if given, else the session of ``pin`` (its ``user``), else the one
         sharing the longest prefix with it, else a new id (``LiveSessions.route``)."""
-        return self.live.route(prepared.prompt_ids, session_id=session_id, pin=pin, salt=prepared.salt)
+        return self.live.route(prepared.prompt_ids, conversation_id=conversation_id, pin=pin, salt=prepared.salt)
 
-    async def on_live_session(self, prepared: Prepared, session_id: str,
+    async def on_live_session(self, prepared: Prepared, conversation_id: str,
                               pin: str | None = None) -> AsyncGenerator[RunEvent, None]:
-        """The run's events on the live KV session ``session_id`` (from ``route``; ``pin``: the
+        """The run's events on the live KV session ``conversation_id`` (from ``route``; ``pin``: the
         request's ``X-Session-Id``, else its ``user``), held for the run; the answers it generates
         are remembered."""
         async with AsyncExitStack() as held:
             with self.waiting_for_kv():
-                kv = await held.enter_async_context(self.live.checkout(session_id=session_id, pin=pin,
+                kv = await held.enter_async_context(self.live.checkout(conversation_id=conversation_id, pin=pin,
                                                                        salt=prepared.salt))
             space = self._kv_space(prepared.salt)
             if space is not None and self._store_may_hold_more(kv, space, prepared.prompt_ids):

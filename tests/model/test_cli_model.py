@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_cli import cli, session_id_in, stored
+from test_cli import cli, conversation_id_in, stored
 from test_cli import db, isolated_env  # noqa: F401  (fixtures; isolated_env is autouse)
 from zoo_helpers import ZOO
 
@@ -27,25 +27,26 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_cli_chat_with_tools_and_a_system_prompt_lists_resumes_on_its_kv_exports_and_removes(db):
     """One CLI session through every stored-session command: ``chat`` with tools and a system
     prompt (an arithmetic question, so the tool call is a short one: a question the tools do not
-    fit makes this model write a 228-token call), ``sessions list``, ``resume`` on the restored
-    KV, ``sessions export`` (the agent's system prompt first), ``sessions rm``, ``sessions show``."""
+    fit makes this model write a 228-token call), ``conversations list``, ``resume`` on the restored
+    KV, ``conversations export`` (the agent's system prompt first), ``conversations rm``, ``conversations show``."""
     first = cli("chat", "--db", db, "--tools", "--system", "Use tools.", "--max-new-tokens", "24", "--metrics",
                 input="What is 2 + 3?\n")
     assert first.exit_code == 0, first.output
-    session_id = session_id_in(first.output)
-    assert session_id in cli("sessions", "list", "--db", db).output
-    again = cli("resume", session_id, "--db", db, input="Thanks.\n")
+    conversation_id = conversation_id_in(first.output)
+    assert conversation_id in cli("conversations", "list", "--db", db).output
+    again = cli("resume", conversation_id, "--db", db, input="Thanks.\n")
     assert again.exit_code == 0, again.output
-    assert "resumed session" in again.output
+    assert "resumed conversation" in again.output
     assert int(again.output.split("messages, ")[1].split()[0]) > 0, again.output  # tokens of KV restored
-    exported = [json.loads(line) for line in cli("sessions", "export", session_id, "--db", db).output.splitlines()
+    exported = [json.loads(line)
+                for line in cli("conversations", "export", conversation_id, "--db", db).output.splitlines()
                 if line.strip()]
     roles = [m["role"] for m in exported]
     assert roles[:3] == ["system", "user", "assistant"] and roles.count("user") == 2, roles
     assert exported[0]["content"] == "Use tools.", exported[0]
-    assert cli("sessions", "rm", session_id, "--db", db).exit_code == 0
-    missing = cli("sessions", "show", session_id, "--db", db)
-    assert missing.exit_code == 1 and "no session" in missing.output
+    assert cli("conversations", "rm", conversation_id, "--db", db).exit_code == 0
+    missing = cli("conversations", "show", conversation_id, "--db", db)
+    assert missing.exit_code == 1 and "no conversation" in missing.output
 
 
 class Child:
@@ -79,7 +80,7 @@ class Child:
 
 
 def test_ctrl_c_cancels_the_answer_keeps_the_session_and_twice_exits_130(db):
-    """Signals, the stored session and the exit code are mechanics: the child runs the zoo's tiny
+    """Signals, the stored conversation and the exit code are mechanics: the child runs the zoo's tiny
     random-weight Qwen2.5 (ChatML as the default model; it compiles in ~1 s where the default
     model's three graphs take ~13 CPU-s in a fresh process), which streams until it is stopped."""
     child = Child("--db", db, "--model", str(ZOO / "qwen2_5"), "--max-new-tokens", "400", "--metrics")
@@ -102,7 +103,7 @@ def test_ctrl_c_cancels_the_answer_keeps_the_session_and_twice_exits_130(db):
     time.sleep(0.1)
     err = "".join(child.err)
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
-    (summary,) = stored(db, lambda s: s.list_sessions())
+    (summary,) = stored(db, lambda s: s.list_conversations())
     messages = stored(db, lambda s: s.messages(summary.id))
     assert [m.message.role for m in messages] == ["user", "assistant", "user", "assistant"]
     partial = messages[1].message.content

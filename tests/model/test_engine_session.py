@@ -8,7 +8,7 @@ import pydantic
 import pytest
 
 from agentkv.engine.base import GenerationConfig
-from agentkv.errors import ContextOverflowError, SessionClosed, UserError
+from agentkv.errors import ContextOverflowError, KVSessionClosed, UserError
 
 pytestmark = pytest.mark.model
 
@@ -180,5 +180,5 @@ async def test_empty_prompt_and_closed_session_raise_named_errors(any_engine):
         await session.generate([], GREEDY)
     await session.close()
     await session.close()  # idempotent
-    with pytest.raises(SessionClosed):
+    with pytest.raises(KVSessionClosed):
         await session.generate([1, 2, 3], GREEDY)

@@ -34,7 +34,7 @@ async def test_resume_in_a_new_process_restores_the_kv_and_answers_as_the_origin
     url_a = f"sqlite:///{original / 'agentkv.db'}"
     store = Store(url_a)
     runtime = Runtime(engine, store, agents=[RESUME_AGENT])
-    session = await runtime.open_conversation(RESUME_AGENT, session_id="resume-me")
+    session = await runtime.open_conversation(RESUME_AGENT, conversation_id="resume-me")
     await runtime.run(session, "Name three colours.")
     await runtime.aclose()
     await store.close()
@@ -70,7 +70,7 @@ async def test_corrupt_snapshot_falls_back_to_reprefill_and_loses_nothing(backen
     url = f"sqlite:///{tmp_path / 'agentkv.db'}"
     async with Store(url) as store:
         runtime = Runtime(engine, store, agents=[AGENT])
-        session = await runtime.open_conversation(AGENT, session_id="c")
+        session = await runtime.open_conversation(AGENT, conversation_id="c")
         await runtime.run(session, "Say hi.")
         reference = await (session.kv.fork() if backend == "stateful" else engine.open_session())
         await runtime.aclose()

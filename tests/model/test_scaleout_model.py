@@ -65,7 +65,7 @@ class Turn:
 
     id: str
     served_by: str
-    session_id: str
+    conversation_id: str
     input_tokens: int
     output_tokens: int
     cached_tokens: int
@@ -111,12 +111,12 @@ def openai_client(url: str, cluster: LocalCluster) -> Any:
     return openai.OpenAI(base_url=url + "/v1", api_key=cluster.api_key, max_retries=0, timeout=180)
 
 
-def stored_exchanges(cluster: LocalCluster, session_id: str) -> list[tuple[str, str]]:
+def stored_exchanges(cluster: LocalCluster, conversation_id: str) -> list[tuple[str, str]]:
     """The conversation's (role, content) of user and assistant messages, as PostgreSQL holds them."""
     async def read() -> list[tuple[str, str]]:
         store = Store(cluster.db, snapshots=cluster.snapshots)
         try:
-            return [(m.message.role, m.message.content) for m in await store.messages(session_id)
+            return [(m.message.role, m.message.content) for m in await store.messages(conversation_id)
                     if m.message.role in ("user", "assistant")]
         finally:
             await store.close()
@@ -132,18 +132,19 @@ def restores(cluster: LocalCluster, replicas: list[int]) -> float:
     return total
 
 
-def wait_for_snapshot(cluster: LocalCluster, session_id: str, tokens: int, via: int, timeout_s: float = 30,
+def wait_for_snapshot(cluster: LocalCluster, conversation_id: str, tokens: int, via: int, timeout_s: float = 30,
                       why: str = "") -> dict:
     """Poll replica ``via``'s locality answer until the newest stored snapshot covers ``tokens``."""
     deadline = time.monotonic() + timeout_s
     answer: dict = {}
     while time.monotonic() < deadline:
-        answer = httpx.get(f"{cluster.replica_url(via)}/v1/sessions/{session_id}/locality", timeout=10,
+        answer = httpx.get(f"{cluster.replica_url(via)}/v1/conversations/{conversation_id}/locality", timeout=10,
                            headers={"Authorization": f"Bearer {cluster.api_key}"}).json()
         if answer.get("locality") == "snapshot" and answer.get("tokens", 0) >= tokens:
             return answer
         time.sleep(0.2)
-    raise AssertionError(f"no snapshot of {session_id} covering {tokens} tokens after {timeout_s} s: {answer} {why}")
+    raise AssertionError(f"no snapshot of {conversation_id} covering {tokens} tokens after {timeout_s} s: "
+                         f"{answer} {why}")
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +177,7 @@ def first_chain(proxy: Any) -> list[Turn]:
 
 def test_a_chain_without_session_header_stays_on_one_replica_and_reuses_its_kv(first_chain):
     assert {t.served_by for t in first_chain} == {first_chain[0].served_by}
-    assert {t.session_id for t in first_chain} == {first_chain[0].session_id}
+    assert {t.conversation_id for t in first_chain} == {first_chain[0].conversation_id}
     for previous, turn in zip(first_chain, first_chain[1:]):
         assert turn.cached_tokens >= previous.input_tokens, (previous, turn)
         assert turn.input_tokens - turn.cached_tokens <= NEW_TOKENS_MAX, turn
@@ -189,11 +190,11 @@ def test_a_killed_replicas_conversation_continues_on_another_replica_from_its_s3
     assert [t.text for t in reference[:5]] == [t.text for t in first_chain]  # --exact: greedy is reproducible
     owner = cluster.replica_of(first_chain[-1].served_by)
     others = [i for i in range(3) if i != owner]
-    wait_for_snapshot(cluster, first_chain[-1].session_id, first_chain[-1].history, via=others[0])
+    wait_for_snapshot(cluster, first_chain[-1].conversation_id, first_chain[-1].history, via=others[0])
     restored_before = restores(cluster, others)
     cluster.kill(owner)  # kill -9: the proxy learns it from the refused connection, then the health check
     moved = ask(proxy, QUESTIONS[5], first_chain[-1])
-    assert moved.served_by != cluster.replicas[owner].name and moved.session_id == first_chain[0].session_id
+    assert moved.served_by != cluster.replicas[owner].name and moved.conversation_id == first_chain[0].conversation_id
     assert restores(cluster, others) >= restored_before + 1  # its KV came from S3, not a re-prefill
     # the restored KV covers the whole history: prompt and answer of turn five but its last sampled token
     assert moved.cached_tokens >= first_chain[-1].history, moved
@@ -225,9 +226,9 @@ def test_concurrent_conversations_through_the_proxy_each_stay_on_one_replica_and
     assert len(conversations) == 6
     for turns in conversations.values():
         assert {t.served_by for t in turns} == {turns[0].served_by}, [t.served_by for t in turns]
-        assert {t.session_id for t in turns} == {turns[0].session_id}
+        assert {t.conversation_id for t in turns} == {turns[0].conversation_id}
         expected = [m for t in turns for m in (("user", t.question), ("assistant", t.text))]
-        assert stored_exchanges(cluster, turns[0].session_id) == expected
+        assert stored_exchanges(cluster, turns[0].conversation_id) == expected
 
 
 def test_two_replicas_asked_to_continue_one_conversation_at_once_run_it_once(cluster):
@@ -253,13 +254,13 @@ def test_two_replicas_asked_to_continue_one_conversation_at_once_run_it_once(clu
     assert len(answered) == 1 and len(refused) == 1, outcomes
     [refusal] = refused
     assert isinstance(refusal, openai.ConflictError), refusal
-    assert refusal.code in ("response_superseded", "session_busy"), refusal.body
+    assert refusal.code in ("response_superseded", "conversation_busy"), refusal.body
     [winner] = answered
-    assert stored_exchanges(cluster, first.session_id) == [
+    assert stored_exchanges(cluster, first.conversation_id) == [
         ("user", first.question), ("assistant", first.text), ("user", winner.question), ("assistant", winner.text)]
     # the refused request changed nothing: the newest snapshot is the winner's, not an older KV
     # restored for the refused request and saved again on its way out
-    wait_for_snapshot(cluster, first.session_id, winner.history, via=2, timeout_s=10,
+    wait_for_snapshot(cluster, first.conversation_id, winner.history, via=2, timeout_s=10,
                       why="(the newest snapshot is older than the winner's turn: did the refused request save one?)")
     [won] = [i for i, o in outcomes.items() if isinstance(o, Turn)]
     again = ask(clients[won], "Name a planet.", winner)  # the winner's replica goes on from its live KV
@@ -294,7 +295,7 @@ def test_a_drained_replica_hands_its_conversations_over_through_s3_and_serves_ag
     assert exit_code == [0]
     assert background and all(isinstance(b, Turn) for b in background), background
     for turns, turn in zip(held, moved):
-        assert turn.served_by != cluster.replicas[drained].name and turn.session_id == turns[-1].session_id
+        assert turn.served_by != cluster.replicas[drained].name and turn.conversation_id == turns[-1].conversation_id
         assert turn.cached_tokens >= turns[-1].history, turn  # from the snapshot written on the way out
         assert turn.input_tokens - turn.cached_tokens <= NEW_TOKENS_MAX, turn
     began = time.monotonic()
@@ -308,10 +309,10 @@ CONTEXT = ("Here is some context for the question: rivers carve valleys slowly, 
            "mountains down to the sea, and engineers measure bridges under different wind speeds.")
 
 
-def chat_turn(client: Any, messages: list[dict], session_id: str | None) -> tuple[str, str, str, int, int]:
+def chat_turn(client: Any, messages: list[dict], conversation_id: str | None) -> tuple[str, str, str, int, int]:
     """One chat completion of the whole ``messages`` (greedy, short), with ``X-Session-Id`` when given:
     the answer, the replica, the session id it carried, prompt tokens and cached prompt tokens."""
-    headers = {"X-Session-Id": session_id} if session_id else {}
+    headers = {"X-Session-Id": conversation_id} if conversation_id else {}
     raw = client.chat.completions.with_raw_response.create(
         model="any", messages=messages, temperature=0, max_tokens=MAX_TOKENS, extra_headers=headers)
     body = raw.parse()
@@ -340,19 +341,19 @@ def test_a_chat_completion_conversation_continues_on_another_replica_from_the_st
     the store, findable by their tokens. Its replica killed, the next turn on another replica
     prefills at most the new message and one block (the partial block the store does not keep)."""
     messages: list[dict] = [{"role": "system", "content": INSTRUCTIONS}]
-    session_id = f"chat-{uuid.uuid4().hex[:8]}" if named else None
+    conversation_id = f"chat-{uuid.uuid4().hex[:8]}" if named else None
     served = ""
     for question in QUESTIONS[:3]:  # long turns: a history a re-prefill would not fit in the bound below
         messages.append({"role": "user", "content": f"{CONTEXT} {question}"})
-        answer, served, carried, _, _ = chat_turn(proxy, messages, session_id)
+        answer, served, carried, _, _ = chat_turn(proxy, messages, conversation_id)
         messages.append({"role": "assistant", "content": answer})
-        assert not named or carried == session_id
+        assert not named or carried == conversation_id
     owner = cluster.replica_of(served)
     saves_done(cluster.replica_url(owner))  # NOTE: a turn's KV is written after its answer (server/kv_saves.py)
     cluster.kill(owner)
     try:
         messages.append({"role": "user", "content": QUESTIONS[3]})
-        _, moved_to, _, prompt, cached = chat_turn(proxy, messages, session_id)
+        _, moved_to, _, prompt, cached = chat_turn(proxy, messages, conversation_id)
         assert moved_to != cluster.replicas[owner].name
         assert prompt - cached <= NEW_TOKENS_MAX + 32, (prompt, cached)
     finally:

@@ -27,11 +27,11 @@ async def test_a_conversation_with_s3_snapshots_resumes_with_its_kv_and_answers_
     url = f"sqlite:///{tmp_path / 'a.db'}"
     # the uninterrupted run: two turns in one runtime
     with_kv = Runtime(paged_exact, Store(url, snapshots=snapshots), agents=[AGENT])
-    straight = await with_kv.open_conversation(AGENT, session_id="straight")
+    straight = await with_kv.open_conversation(AGENT, conversation_id="straight")
     await with_kv.run(straight, "Name three colours.")
     expected = await with_kv.run(straight, "Now name three animals.")
     # the interrupted one: turn one, the runtime closes, a new runtime and store resume it from S3
-    moved = await with_kv.open_conversation(AGENT, session_id="moved")
+    moved = await with_kv.open_conversation(AGENT, conversation_id="moved")
     await with_kv.run(moved, "Name three colours.")
     await with_kv.aclose()
     store = Store(url, snapshots=snapshots)

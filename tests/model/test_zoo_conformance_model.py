@@ -95,13 +95,14 @@ async def _restore_case(family: str, directory: Path) -> dict[str, Any]:
     async with Store(url) as store:
         runtime = Runtime(_engine(family), store, agents=[agent])
         try:
-            stored = await _turns(runtime, await runtime.open_conversation(agent, session_id=family), RESTORE_TURNS[:2])
+            opened = await runtime.open_conversation(agent, conversation_id=family)
+            stored = await _turns(runtime, opened, RESTORE_TURNS[:2])
         finally:
             await runtime.aclose()
     answers = [list(r.new_messages[-1].token_ids or ()) for r in [*first_two, third]]
     return {"answers": answers, "stored": [list(r.new_messages[-1].token_ids or ()) for r in stored],
             "held": held, "third": third.call_metrics[0],
-            "job": {"family": family, "url": url, "session_id": family, "text": RESTORE_TURNS[2]}}
+            "job": {"family": family, "url": url, "conversation_id": family, "text": RESTORE_TURNS[2]}}
 
 
 @pytest.fixture(scope="module")

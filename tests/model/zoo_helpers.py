@@ -7,7 +7,7 @@ resumes stored conversations in a fresh process by running this file::
 
     python tests/model/zoo_helpers.py <jobs.json>
 
-``jobs.json`` is a list of ``{"family", "url", "session_id", "text"}``; the worker resumes each
+``jobs.json`` is a list of ``{"family", "url", "conversation_id", "text"}``; the worker resumes each
 session from its SQLite store with ``RESTORE_AGENT``, runs ``text`` as the next turn and prints one
 JSON line: per family, the answer's token ids and the resumed call's metrics (or the error).
 """
@@ -139,7 +139,7 @@ async def _resume_one(job: dict[str, Any]) -> dict[str, Any]:
     store = Store(job["url"])
     runtime = Runtime(engine, store, agents=[restore_agent()])
     try:
-        conversation = await runtime.resume(job["session_id"])
+        conversation = await runtime.resume(job["conversation_id"])
         report = conversation.resume_report
         assert report is not None  # set by every resume
         result = await runtime.run(conversation, job["text"])

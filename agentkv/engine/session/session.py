@@ -31,7 +31,7 @@ from agentkv.engine.decode.alignment import Alignment, validate_prompt
 from agentkv.engine.decode.loop import DecodeLoop, step_counts, with_steps
 from agentkv.engine.session.backend import SlotBackend
 from agentkv.engine.session.slot_pool import OffloadedKV
-from agentkv.errors import KVLogCorrupt, KVShiftUnsupported, SessionClosed, SnapshotIncompatible, UserError
+from agentkv.errors import KVLogCorrupt, KVShiftUnsupported, KVSessionClosed, SnapshotIncompatible, UserError
 from agentkv.kv.log import KVLog, KVSlot, KVSource
 from agentkv.kv.snapshot import KVSnapshot
 T = TypeVar("T")
@@ -113,7 +113,7 @@ class SlotSession:
 
     def _ensure_open(self) -> None:
         if self._closed:
-            raise SessionClosed(f"session {self._id} is closed; open a new one with engine.open_session()")
+            raise KVSessionClosed(f"session {self._id} is closed; open a new one with engine.open_session()")
 
     # ---- slot pool callbacks (run in worker threads, under the pool's lease) ---------
     def offload(self, slot: KVSlot) -> None:

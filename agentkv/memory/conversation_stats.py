@@ -1,9 +1,9 @@
-"""SessionStats: what a stored session's KV is and has saved — tokens, KV bytes, snapshots, the
+"""ConversationStats: what a stored conversation's KV is and has saved — tokens, KV bytes, snapshots, the
 tokens every model call reused against those it computed, the time that saved, the compactions
 and cache breaks so far, and what grammar fast-forward and prompt-lookup drafts did in each call
-(``agentkv sessions show ID --kv``)::
+(``agentkv conversations show ID --kv``)::
 
-    stats = await session_stats(store, session_id)
+    stats = await conversation_stats(store, conversation_id)
     print(stats.reused_tokens, stats.saved_s, stats.cache_breaks)
 """
 
@@ -21,7 +21,7 @@ class CallDecode:
     """One model call's decode figures: ``CallDecode(4, generated=40, forced=24).line()``."""
 
     number: int
-    """The call's place among the session's calls, from 1."""
+    """The call's place among the conversation's calls, from 1."""
     generated: int
     forced: int = 0
     drafted: int = 0
@@ -48,10 +48,10 @@ class CallDecode:
 
 
 @dataclass(frozen=True)
-class SessionStats:
-    """A stored session's KV figures (all from the store: no model needed)."""
+class ConversationStats:
+    """A stored conversation's KV figures (all from the store: no model needed)."""
 
-    session_id: str
+    conversation_id: str
     window_tokens: int
     """Tokens of the messages in the window (what the next prompt renders, roughly)."""
     kv_tokens: int
@@ -60,14 +60,14 @@ class SessionStats:
     snapshots: tuple[SnapshotRecord, ...]
     calls: int
     reused_tokens: int
-    """Prompt tokens not computed, over every call: held by the session or from the prefix cache."""
+    """Prompt tokens not computed, over every call: held by the conversation or from the prefix cache."""
     prefilled_tokens: int
     generated_tokens: int
     prefill_s_per_token: float
-    """Mean time to first token per prefilled token, over the session's calls."""
+    """Mean time to first token per prefilled token, over the conversation's calls."""
     compactions: int
     cache_breaks: tuple[str, ...]
-    """One line per call that reused less than its session held, oldest first."""
+    """One line per call that reused less than its conversation held, oldest first."""
     decode: tuple[CallDecode, ...] = ()
     """What fast-forward and drafts did in each call that recorded it (schema 9 on), oldest first."""
 
@@ -93,7 +93,7 @@ class SessionStats:
 
     @property
     def saved_s(self) -> float:
-        """The prefill the reused tokens would have cost at this session's own rate."""
+        """The prefill the reused tokens would have cost at this conversation's own rate."""
         return self.reused_tokens * self.prefill_s_per_token
 
     def lines(self, now: datetime | None = None) -> list[str]:
@@ -130,19 +130,19 @@ class SessionStats:
         return out
 
 
-async def session_stats(store: Store, session_id: str) -> SessionStats:
-    """The figures of a stored session (``SessionNotFound`` for an unknown id)."""
-    messages = await store.messages(session_id, in_window_only=True)
-    calls = await store.calls(session_id)
+async def conversation_stats(store: Store, conversation_id: str) -> ConversationStats:
+    """The figures of a stored conversation (``ConversationNotFound`` for an unknown id)."""
+    messages = await store.messages(conversation_id, in_window_only=True)
+    calls = await store.calls(conversation_id)
     last = calls[-1] if calls else None
     prefilled = sum(c.prefilled_tokens for c in calls)
     ttft = sum(c.ttft_s for c in calls if c.prefilled_tokens)
-    return SessionStats(
-        session_id=session_id,
+    return ConversationStats(
+        conversation_id=conversation_id,
         window_tokens=sum(m.token_count for m in messages),
         kv_tokens=last.kv_tokens if last else 0,
         kv_bytes=last.kv_bytes if last else 0,
-        snapshots=tuple(await store.snapshots(session_id)),
+        snapshots=tuple(await store.snapshots(conversation_id)),
         calls=len(calls),
         reused_tokens=sum(c.reused_tokens + c.prefix_cache_tokens for c in calls),
         prefilled_tokens=prefilled,

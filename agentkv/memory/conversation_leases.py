@@ -1,4 +1,4 @@
-"""The store's session leases: take, renew, give back and read them (a base class of ``Store``).
+"""The store's conversation leases: take, renew, give back and read them (a base class of ``Store``).
 
 Each call is one transaction of conditional UPDATEs, atomic across processes; times come from the
 store's clock. What holds a lease for a block, renewing it, is ``agentkv.memory.leases``::
@@ -20,18 +20,18 @@ from agentkv.memory.schema import Clock
 logger = logging.getLogger(__name__)
 
 
-class SessionLeases:
+class ConversationLeases:
     """Lease methods over ``self.database`` at ``self.clock`` (set by ``Store.__init__``)."""
 
     database: Database
     clock: Clock
     lease_wait_s: float
-    """How long ``rewind``, ``fork_session`` and ``delete_session`` wait for a run's lease."""
+    """How long ``rewind``, ``fork_conversation`` and ``delete_conversation`` wait for a run's lease."""
 
-    async def acquire_lease(self, session_id: str, holder: str, ttl_s: float = 60) -> int:
-        """Take (or renew) the session's lease for ``ttl_s`` seconds; returns its fencing token.
+    async def acquire_lease(self, conversation_id: str, holder: str, ttl_s: float = 60) -> int:
+        """Take (or renew) the conversation's lease for ``ttl_s`` seconds; returns its fencing token.
 
-        Raises ``SessionBusy`` while another holder's lease is live; an expired lease is
+        Raises ``ConversationBusy`` while another holder's lease is live; an expired lease is
         taken over, and so at once is one held by a dead process on this host (a
         ``host:pid:tag`` holder, see ``agentkv.memory.leases``). Atomic across processes (conditional
         UPDATEs). ``token = await store.acquire_lease(sid, holder_id(), ttl_s=30)``; pass the
@@ -40,42 +40,42 @@ class SessionLeases:
         if ttl_s <= 0:
             raise UserError(f"ttl_s must be > 0, got {ttl_s}")
         taken: tuple[int, str | None] = await self.database.run(
-            self.database.write, lambda s: queries.acquire_lease(s, session_id, holder, ttl_s, self.clock()))
+            self.database.write, lambda s: queries.acquire_lease(s, conversation_id, holder, ttl_s, self.clock()))
         token, dead = taken
         if dead is not None:
-            logger.warning("took over the lease of session %r from %s, whose process is gone",
-                           session_id, dead)
+            logger.warning("took over the lease of conversation %r from %s, whose process is gone",
+                           conversation_id, dead)
         return token
 
-    async def renew_lease(self, session_id: str, holder: str, fence: int, ttl_s: float = 60) -> None:
+    async def renew_lease(self, conversation_id: str, holder: str, fence: int, ttl_s: float = 60) -> None:
         """Extend the lease ``holder`` took with token ``fence`` by ``ttl_s`` seconds;
         ``LeaseLost`` once it was released (``force=True``) or passed to another holder."""
         if ttl_s <= 0:
             raise UserError(f"ttl_s must be > 0, got {ttl_s}")
         await self.database.run(self.database.write,
-                                lambda s: queries.renew_lease(s, session_id, holder, fence, ttl_s, self.clock()))
+                                lambda s: queries.renew_lease(s, conversation_id, holder, fence, ttl_s, self.clock()))
 
-    async def release_lease(self, session_id: str, holder: str | None = None, *,
+    async def release_lease(self, conversation_id: str, holder: str | None = None, *,
                             force: bool = False) -> str | None:
         """Give the lease back: ``holder``'s only, or whoever's with ``force=True``.
 
         ``await store.release_lease(sid, holder)`` does nothing unless ``holder`` has the lease
         and returns None. ``await store.release_lease(sid, force=True)`` (an operator's unlock)
-        returns the holder recorded before, possibly expired, or None; ``SessionNotFound`` for
+        returns the holder recorded before, possibly expired, or None; ``ConversationNotFound`` for
         an unknown session.
         """
         if force == (holder is not None):
             raise UserError("pass either the holder whose lease to release or force=True, "
                             "not both and not neither")
         if holder is not None:
-            await self.database.run(self.database.write, lambda s: queries.release_lease(s, session_id, holder))
+            await self.database.run(self.database.write, lambda s: queries.release_lease(s, conversation_id, holder))
             return None
-        return await self.database.run(self.database.write, lambda s: queries.force_release_lease(s, session_id))
+        return await self.database.run(self.database.write, lambda s: queries.force_release_lease(s, conversation_id))
 
-    async def lease_holder(self, session_id: str) -> str | None:
-        """Who holds the session's lease now: None if free or expired (read-only).
+    async def lease_holder(self, conversation_id: str) -> str | None:
+        """Who holds the conversation's lease now: None if free or expired (read-only).
 
-        ``SessionNotFound`` for an unknown session; ``get_session`` shows the raw columns.
+        ``ConversationNotFound`` for an unknown conversation; ``get_conversation`` shows the raw columns.
         """
         return await self.database.run(self.database.read,
-                                       lambda s: queries.lease_holder(s, session_id, live_at=self.clock()))
+                                       lambda s: queries.lease_holder(s, conversation_id, live_at=self.clock()))
