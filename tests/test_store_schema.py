@@ -4,19 +4,22 @@ build what the ORM declares, and rows an old schema stored read as they were mea
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import anyio
 import pytest
 from sqlalchemy import create_engine, insert, inspect, text
 
-from _old_schema import old_agent, schema_at
+from _old_schema import old_agent, old_session, schema_at
 from _stores import new_session
 
 from agentkv.errors import SchemaVersionError
 from agentkv.memory import Store
 from agentkv.memory.migrations import LATEST_VERSION, MIGRATIONS, schema_version
 from agentkv.memory.schema import Base, utcnow
+
+DATA = Path(__file__).parent / "data"
 
 
 async def test_a_database_from_a_newer_schema_is_refused(store: Store, store_url: str,
@@ -71,4 +74,46 @@ async def test_agents_stored_before_migration_3_keep_their_system_turn(store_url
     engine.dispose()
     upgraded = Store(store_url, snapshot_dir=tmp_path / "s")
     assert (await upgraded.get_agent("old")).instructions == "Be kind."
+    await upgraded.close()
+
+
+async def test_a_store_written_at_schema_13_reads_as_conversations_after_migration_14(tmp_path: Path) -> None:
+    # tests/data/store_schema13.sqlite was written by the store of schema 13 (table ``sessions``,
+    # columns ``session_id``): two conversations (one a fork), messages, a window move, a call, a response
+    db = tmp_path / "old.sqlite"
+    shutil.copy(DATA / "store_schema13.sqlite", db)
+    store = Store(f"sqlite:///{db}", snapshot_dir=tmp_path / "s")
+    assert sorted(c.id for c in await store.list_conversations()) == ["conv-fork", "conv-old"]
+    fork = await store.get_conversation("conv-fork")
+    assert (fork.parent_id, fork.fork_seq) == ("conv-old", 2)
+    seen = [(m.conversation_id, m.seq, m.message.content, m.in_window) for m in await store.messages("conv-fork")]
+    assert seen == [("conv-old", 1, "Hi", True), ("conv-old", 2, "Hello!", True),  # as of its fork point
+                    ("conv-fork", 3, "Another question", True)]
+    assert [m.in_window for m in await store.messages("conv-old")] == [False, True, True, True]
+    [call] = await store.calls("conv-old")
+    assert (call.conversation_id, call.prompt_tokens, call.kv_bytes) == ("conv-old", 9, 1024)
+    [response] = await store.responses("conv-old")
+    assert (response.id, response.conversation_id, response.owner) == ("resp_old", "conv-old", "tenant-a")
+    await store.delete_conversation("conv-fork")  # the foreign keys still cascade after the renames
+    assert [c.id for c in await store.list_conversations()] == ["conv-old"]
+    await store.close()
+    engine = create_engine(f"sqlite:///{db}")
+    inspector = inspect(engine)
+    assert "sessions" not in inspector.get_table_names()
+    for table in Base.metadata.sorted_tables:
+        assert {index.name for index in table.indexes} <= {i["name"] for i in inspector.get_indexes(table.name)}
+    engine.dispose()
+
+
+async def test_a_conversation_stored_at_schema_13_opens_after_migration_14_on_every_database(
+        store_url: str, tmp_path: Path) -> None:
+    engine = create_engine(store_url)
+    with engine.begin() as conn:
+        schema_at(conn, 13)
+        old_agent(conn, "old")
+        old_session(conn, "s1", "old", lease_epoch=0)
+    engine.dispose()
+    upgraded = Store(store_url, snapshot_dir=tmp_path / "s")
+    assert (await upgraded.get_conversation("s1")).agent_name == "old"
+    assert [c.id for c in await upgraded.list_conversations()] == ["s1"]
     await upgraded.close()
