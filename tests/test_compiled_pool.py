@@ -239,5 +239,25 @@ def test_a_lease_released_during_a_collection_while_the_pool_is_busy_is_counted_
     pool, graphs = CompiledPool(), held()
     lease = pool.share(key(files), opened(graphs))
     with pool._lock:  # noqa: SLF001 - what a collection inside share() looks like
-        lease.release()
+        lease.release(collecting=True)
     assert pool.users(key(files)) == 0 and pool.take(key(files)) is graphs
+
+
+def test_a_lease_released_while_another_thread_holds_the_pool_waits_and_frees_its_set_at_once(files):
+    """An engine closed while another opens: its set goes now, not at the pool's next use."""
+    pool = CompiledPool()
+    lease = pool.share(key(files), opened(held()))
+    holding, let_go = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with pool._lock:  # noqa: SLF001 - another model opening
+            holding.set()
+            let_go.wait(10)
+
+    other = threading.Thread(target=hold)
+    other.start()
+    assert holding.wait(10)
+    threading.Timer(0.1, let_go.set).start()
+    lease.release()
+    other.join(10)
+    assert pool._left.empty() and key(files) not in pool._live  # noqa: SLF001 - counted, not queued

@@ -114,8 +114,8 @@ class _LiveSet:
 @dataclass(eq=False)
 class GraphLease:
     """One model's use of a live set (``CompiledPool.share``): run steps on ``decode`` and on
-    ``whole`` once done; ``release()`` when done with them (twice is harmless, and safe in a
-    ``weakref.finalize``)."""
+    ``whole`` once done; ``release()`` when done with them (twice is harmless;
+    ``release(collecting=True)`` in a ``weakref.finalize``)."""
 
     pool: CompiledPool
     key: GraphKey
@@ -126,20 +126,22 @@ class GraphLease:
     _live: _LiveSet
     _once: threading.Lock = field(default_factory=threading.Lock)
 
-    def release(self) -> None:
+    def release(self, *, collecting: bool = False) -> None:
         """Stop using the set: the last lease's release hands it to the idle sets once whole
-        (``AGENTKV_KEEP_COMPILED``), else its graphs go once nothing else holds them::
+        (``AGENTKV_KEEP_COMPILED``), else its graphs go once nothing else holds them.
+        ``collecting=True`` (a ``weakref.finalize``): never waits for the pool's lock, counted at
+        the pool's next use when it is busy::
 
             lease.release()
         """
-        if self._once.acquire(blocking=False):  # NOTE: never blocks: a finalizer may run this
-            self.pool._leave(self.key, self._live)  # noqa: SLF001 - the pool's half of the lease
+        if self._once.acquire(blocking=False):
+            self.pool._leave(self.key, self._live, wait=not collecting)  # noqa: SLF001 - the pool's half
 
 
 class CompiledPool:
     """Live sets by key with their users, and idle ``HeldGraphs`` by key, the most recently
-    given back last. Thread-safe, and ``give_back`` and ``GraphLease.release`` may run in a
-    garbage collection (a ``weakref.finalize``): they never wait for the lock."""
+    given back last. Thread-safe, and ``give_back`` and ``GraphLease.release(collecting=True)``
+    may run in a garbage collection (a ``weakref.finalize``): they never wait for the lock."""
 
     def __init__(self) -> None:
         self._live: dict[GraphKey, _LiveSet] = {}
@@ -209,10 +211,11 @@ class CompiledPool:
             self._file_queued()
             self._idle.clear()
 
-    def _leave(self, key: GraphKey, live: _LiveSet) -> None:
-        """``GraphLease.release``: counted now when the lock is free, else when the pool is next used."""
+    def _leave(self, key: GraphKey, live: _LiveSet, *, wait: bool) -> None:
+        """``GraphLease.release``: counted now (``wait=False``: when the lock is free, else when
+        the pool is next used: a finalizer may run in a thread that holds it)."""
         self._left.put((key, live))
-        if self._lock.acquire(blocking=False):
+        if self._lock.acquire(blocking=wait):
             try:
                 self._file_queued()
             finally:

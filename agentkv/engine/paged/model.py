@@ -149,13 +149,15 @@ class PagedModel:
         lease = COMPILED.share(key, compile_now)
         self.graph_key = key
         """What the compiled graphs depend on: models with the same key share them (``COMPILED.users(key)``)."""
-        self._let_go = weakref.finalize(self, lease.release)
-        """Releases the lease once: on ``release()``, or when this model is collected."""
+        self._lease = lease
+        self._let_go = weakref.finalize(self, lease.release, collecting=True)
+        """Releases the lease if this model is collected without ``release()``."""
         self._let_go.atexit = False
         try:
             self._open(lease, num_blocks, kv_cache_bytes, kv_cache_precision, element)
         except BaseException:
-            self._let_go()
+            self._let_go.detach()
+            lease.release()
             raise
 
     def _open(self, lease: GraphLease, num_blocks: int | None, kv_cache_bytes: int | None, kv_cache_precision: str,
@@ -253,7 +255,8 @@ class PagedModel:
             del self._decode_request, self._chunk_request, self._small_request, self._alone_request
         self._graphs_in.set()
         wait([self._whole])
-        self._let_go()
+        self._let_go.detach()
+        self._lease.release()
 
     def _check_held(self) -> None:
         """Raise ``UserError`` once the model is released (``lock`` held)."""
