@@ -44,15 +44,21 @@ class Message(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     role: Role
+    """Who speaks: "system" (instructions), "user", "assistant" (the model) or "tool" (a tool's result)."""
     content: str = ""
+    """The message's text: for an assistant message the answer without tool-call markup or
+    thinking ("" when it only called tools); for a tool message the result the model reads."""
     tool_calls: tuple[ToolCall, ...] = ()
-    """Calls made in an assistant message."""
+    """Calls made in an assistant message (empty otherwise)."""
     tool_call_id: str | None = None
-    """For a tool result: the id of the call it answers."""
+    """For a tool result: the id of the call it answers; None on other messages."""
     name: str | None = None
-    """For a tool result: the tool's name."""
+    """For a tool result: the tool's name; None on other messages."""
     token_ids: tuple[int, ...] | None = None
-    """For an assistant message: the ids the model generated (rendered verbatim)."""
+    """For an assistant message the model generated: every id it generated (thinking, text, tool-call
+    markup, and the stop token when one ended it), rendered verbatim so the prompt's tokens are the
+    KV's. None on other messages, and on an assistant message whose broken tool-call markup was
+    dropped (it is rendered from ``content``)."""
     reasoning: str | None = None
     """For an assistant message of a reasoning model: its thinking (the ``<think>`` block's
     inside), kept out of ``content``; None when it wrote none."""

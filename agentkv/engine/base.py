@@ -110,7 +110,7 @@ class GenerationMetrics:
     prompt_tokens: int
     """Length of the prompt passed in."""
     reused_tokens: int
-    """Prompt tokens whose KV was already in the session (longest common prefix)."""
+    """Prompt tokens whose KV was already in the KV session (longest common prefix)."""
     prefix_cache_tokens: int
     """Prompt tokens whose KV was copied from the shared prefix cache."""
     restored_tokens: int
@@ -124,9 +124,9 @@ class GenerationMetrics:
     tpot_s: float
     """Mean seconds per output token after the first."""
     kv_tokens: int
-    """Tokens in the session's KV when the call returned."""
+    """Tokens in the KV session's KV when the call returned."""
     kv_bytes: int
-    """Bytes the session's KV occupies in the model's cache precision."""
+    """Bytes the KV session's KV occupies in the model's cache precision."""
     kv_exact: bool = True
     """False when part of the KV came from a lossy restore (u8 state-API cache, a rounding snapshot)."""
     model_steps: int = 0
@@ -134,7 +134,7 @@ class GenerationMetrics:
     mean_batch: float = 0.0
     """Sequences per step, on average (paged engine: >1 when others' tokens or own beams shared steps)."""
     queued_s: float = 0.0
-    """Seconds this call's feeds waited for their step to begin (steps ahead, sessions of the last step)."""
+    """Seconds this call's feeds waited for their step to begin (steps ahead, KV sessions of the last step)."""
     forced_tokens: int = 0
     """Generated tokens a grammar forced, taken without sampling (``GenerationConfig.fast_forward``)."""
     steps_saved: int = 0
@@ -162,8 +162,9 @@ class GenerationResult:
     text: str
     """Decoded text (stop string cut)."""
     finish_reason: str
-    """"stop" (EOS / stop token / stop string), "length" or "constraint"."""
+    """"stop" (EOS / stop token / stop string), "length" (max_new_tokens or the context's room) or "constraint"."""
     metrics: GenerationMetrics
+    """What the call cost and reused: token counts, times in seconds, the KV it left."""
     beams: tuple[BeamHypothesis, ...] = ()
     """With num_beams>1: the best ``num_return_sequences`` hypotheses, best first."""
 
@@ -179,14 +180,16 @@ class TopLogprob:
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """A generated token's log-probability at its position (log-softmax of the raw logits: before
-    penalties, masks, temperature, top-k/top-p), and the ``logprobs`` likeliest tokens there, in order."""
+    """A generated token's log-probability at its position, and the ``logprobs`` likeliest tokens there."""
 
     token_id: int
+    """The generated token's id."""
     token: str
     """The token's text alone (``tokenizer.decode([token_id])``)."""
     logprob: float
+    """Natural log, <= 0: the log-softmax of the raw logits (before penalties, masks, temperature, top-k/top-p)."""
     top: tuple[TopLogprob, ...] = ()
+    """The ``logprobs`` likeliest tokens there, most likely first (ties: lower id), the generated one or not."""
 
 
 @dataclass(frozen=True)
@@ -201,12 +204,12 @@ class TokenDelta:
 
 @dataclass
 class GenerationStream:
-    """Async iterator of ``TokenDelta``; ``result`` is set once iteration ends.
-    ``stream = session.stream(ids, cfg); async for d in stream: print(d.text, end="")``;
+    """Async iterator of ``TokenDelta``: ``stream = session.stream(ids, cfg); async for d in stream: print(d.text)``;
     use ``async with session.stream(...) as stream:`` when you may stop early."""
 
     _events: AsyncIterator[TokenDelta | GenerationResult]
     result: GenerationResult | None = field(default=None)
+    """Set once iteration ends; None before, and after a stream stopped early (``aclose``) or failed."""
 
     def __aiter__(self) -> AsyncIterator[TokenDelta]:
         return self._iterate()
@@ -274,10 +277,9 @@ class KVSession(Protocol):
         config: GenerationConfig,
         constraint: TokenConstraint | None = None,
     ) -> GenerationStream:
-        """Align to ``prompt_tokens`` (trim to the longest common prefix, prefill the rest),
-        then decode. Mutates the KV and ``tokens``; generated tokens that were fed through the
-        model join ``tokens``. Raises ``ContextOverflowError`` before touching the KV if the
-        prompt plus ``max_new_tokens`` cannot fit. Cancellation leaves KV and tokens consistent."""
+        """Align to ``prompt_tokens`` (trim to the longest common prefix, prefill the rest), then decode. Mutates the KV
+        and ``tokens``; generated tokens fed through the model join ``tokens``. Raises ``ContextOverflowError`` before
+        touching the KV if prompt plus ``max_new_tokens`` cannot fit. Cancellation leaves both consistent."""
 
     async def generate(
         self,
@@ -291,8 +293,7 @@ class KVSession(Protocol):
         """Align to ``prompt_tokens`` without generating (mutates KV and tokens)."""
 
     async def next_token_logits(self) -> Any:
-        """float32 logits ``[vocab]`` for the token after ``tokens`` (may feed the last token
-        again after a trim; does not change ``tokens``)."""
+        """float32 ``[vocab]`` logits after ``tokens`` (may feed the last token again after a trim; no state change)."""
 
     async def trim(self, n: int) -> None:
         """Keep only the first ``n`` tokens of the log and their KV (mutates)."""
@@ -314,10 +315,9 @@ class KVSession(Protocol):
         raise ``KVShiftUnsupported`` from ``drop`` if the model's RoPE cannot be measured."""
 
     async def drop(self, start: int, end: int) -> None:
-        """Remove ``tokens[start:end]`` and their KV without re-prefill: later keys are
-        re-rotated by −(end−start) positions so positions stay contiguous. Mutates KV and
-        ``tokens`` and sets ``shifted`` (the kept tokens' K/V were computed while the dropped
-        ones were visible). Raises ``UserError`` for a span outside ``tokens`` and
+        """Remove ``tokens[start:end]`` and their KV without re-prefill: later keys are re-rotated by −(end−start)
+        positions so positions stay contiguous. Mutates KV and ``tokens`` and sets ``shifted`` (the kept tokens' K/V
+        were computed while the dropped ones were visible). Raises ``UserError`` for a span outside ``tokens`` and
         ``KVShiftUnsupported`` (nothing changed) when the shift cannot be done."""
 
     async def close(self) -> None:
@@ -329,6 +329,7 @@ class Tokenizer(Protocol):
     engines' ``OVTokenizer`` and the scripted engine's tokenizer); the chat renderer uses it too."""
 
     eos_token_id: int
+    """Its end-of-sequence id; the engine's ``eos_token_ids`` holds it (and those of generation_config.json)."""
 
     def encode(self, text: str) -> list[int]:
         """Ids for ``text`` with no BOS/EOS added (special-token text still maps to its id)."""
@@ -368,10 +369,9 @@ class Engine(Protocol):
 
     @property
     def exact(self) -> bool:
-        """True when the engine's numerics are exact (f32 KV, f32 compute, no dynamic
-        quantisation: ``open_engine(exact=True)``): its KV never depends on how a prefill was
-        chunked, and what would make it only close (a RoPE shift of earlier thinking, the default
-        self-check tolerance) is not chosen by default."""
+        """True when the engine's numerics are exact (f32 KV, f32 compute, no dynamic quantisation:
+        ``open_engine(exact=True)``): its KV never depends on how a prefill was chunked, and what would make it only
+        close (a RoPE shift of earlier thinking, the default self-check tolerance) is not chosen by default."""
 
     def kv_namespace(self, *, salt: str = "", block_size: int = 32) -> KVNamespace:
         """What makes this engine's KV of the same tokens bit-identical, for tenant ``salt``: the KV

@@ -21,12 +21,18 @@ class CallDecode:
     """One model call's decode figures: ``CallDecode(4, generated=40, forced=24).line()``."""
 
     number: int
-    """The call's place among the conversation's calls, from 1."""
+    """The call's place among the conversation's recorded calls, from 1."""
     generated: int
+    """Tokens the call generated (``CallRecord.generated_tokens``)."""
     forced: int = 0
+    """Of those, tokens a grammar forced, taken without sampling (``CallRecord.forced_tokens``)."""
     drafted: int = 0
+    """Draft tokens prompt lookup proposed for the model to check (``CallRecord.drafted_tokens``)."""
     accepted: int = 0
+    """Drafted tokens the model's own choice confirmed (``CallRecord.accepted_tokens``)."""
     steps_saved: int = 0
+    """Model steps saved against one step per token: forced runs fed as one chunk, plus
+    confirmed drafted tokens (``CallRecord.steps_saved``)."""
 
     @property
     def active(self) -> bool:
@@ -52,22 +58,32 @@ class ConversationStats:
     """A stored conversation's KV figures (all from the store: no model needed)."""
 
     conversation_id: str
+    """The conversation the figures are of."""
     window_tokens: int
-    """Tokens of the messages in the window (what the next prompt renders, roughly)."""
+    """Sum of ``token_count`` over the messages in the window (what the next prompt renders,
+    roughly: the system prompt and tool schemas are not counted)."""
     kv_tokens: int
-    """Tokens the KV held after the last model call."""
+    """Tokens the KV held after the last recorded model call (0 before any call)."""
     kv_bytes: int
+    """Bytes that KV occupied in the model's cache precision (0 before any call)."""
     snapshots: tuple[SnapshotRecord, ...]
+    """The conversation's stored KV snapshots, newest first."""
     calls: int
+    """Model calls recorded for the conversation (one per ``ModelCallFinished`` of its stored runs)."""
     reused_tokens: int
     """Prompt tokens not computed, over every call: held by the conversation or from the prefix cache."""
     prefilled_tokens: int
+    """Prompt tokens run through the model, over every call."""
     generated_tokens: int
+    """Tokens generated, over every call."""
     prefill_s_per_token: float
-    """Mean time to first token per prefilled token, over the conversation's calls."""
+    """Seconds of time to first token per prefilled token: the ``ttft_s`` of the calls that
+    prefilled anything, summed, over their prefilled tokens (0.0 when no call prefilled)."""
     compactions: int
+    """Model calls that came right after a context compaction."""
     cache_breaks: tuple[str, ...]
-    """One line per call that reused less than its conversation held, oldest first."""
+    """One line per call that reused less than its conversation held (``CacheBreak.describe()``),
+    oldest first."""
     decode: tuple[CallDecode, ...] = ()
     """What fast-forward and drafts did in each call that recorded it (schema 9 on), oldest first."""
 

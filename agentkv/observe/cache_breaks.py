@@ -40,7 +40,8 @@ class CacheBreak:
     """Where and why a call's prompt left the KV the conversation held."""
 
     position: int
-    """The first token of the prompt the KV did not hold (everything before it was reused)."""
+    """The 0-based index of the first prompt token the KV did not hold: the tokens before it
+    were reused, the KV's from it on were discarded."""
     held: int
     """Tokens the KV held before the call (for a restore that fell short: the tokens the newest
     snapshot held, or the history's when there was none)."""
@@ -48,12 +49,20 @@ class CacheBreak:
     """The rendered message the position falls in — 0 is the system message when the agent has
     instructions, then the window's messages (None: before the first, or after the last)."""
     role: str | None
+    """The role of that message ("system", "user", "assistant", "tool"); for a message the KV held
+    past the prompt's end, the role its header names. None when ``message_index`` is None."""
     part: Part
+    """Which part of the prompt differs: "system prompt", "tool schemas", "content",
+    "tool-call arguments", or "template markup" (role headers and end markers, the generation prompt)."""
     kv_excerpt: str
     """What the KV held from the position on (detokenised, a few tokens)."""
     prompt_excerpt: str
-    """What the prompt has there instead."""
+    """What the prompt has there instead ("" when the prompt ends there)."""
     cause: Cause
+    """What the runtime knows made the prompt leave the KV: "window compaction", "rewind", "edit"
+    (a fork at an edited message), "instructions changed", "tool schemas changed", "partial restore"
+    (a resume's snapshot covered less of the history), "retry of a cut tool call"; else
+    "re-render drift" when both sides spell the same text in other tokens, else "unknown"."""
 
     @property
     def discarded(self) -> int:

@@ -34,7 +34,10 @@ class Decisions:
     ``reject`` (call id → the reason the model is told): ``Decisions(approve=["call_1"])``."""
 
     approve: Sequence[str] = ()
+    """Ids of the waiting calls to run (``ToolCall.id``; kept as a tuple)."""
     reject: Mapping[str, str] = field(default_factory=dict)
+    """Call id → the reason the model is told, in the call's result ``"error: the user rejected
+    this call: <reason>"`` (a blank reason leaves the ``": <reason>"`` out); kept as a dict."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "approve", tuple(self.approve))
