@@ -41,8 +41,10 @@ async def resume_turn(url: str, conversation_id: str, text: str, max_new_tokens:
     agent = AGENT if max_new_tokens is None else dataclasses.replace(
         AGENT, generation=AGENT.generation.model_copy(update={"max_new_tokens": int(max_new_tokens)}))
 
-    # NOTE: the same backend as the test's engine fixture (snapshots do not cross backends)
-    engine = open_engine(num_slots=1, backend=os.environ.get("AGENTKV_TEST_ENGINE", "paged"))
+    # NOTE: the same backend as the test's engine fixture (snapshots do not cross backends), on one
+    # graph as _approval_worker.py's: the restore and its reuse do not depend on which graph feeds a
+    # step, and the graphs not compiled save this process ~8 CPU-s
+    engine = open_engine(num_slots=1, backend=os.environ.get("AGENTKV_TEST_ENGINE", "paged"), chunk_graph=False)
     store = Store(url)
     runtime = Runtime(engine, store, agents=[agent])
     session = await runtime.resume(conversation_id)

@@ -46,12 +46,15 @@ def steps(model, spans):
             for begin, end in spans]
 
 
-def test_a_model_steps_on_its_decode_graph_while_the_others_compile_then_on_all_three(gate):
+def test_a_model_steps_on_its_decode_graph_while_the_others_compile_then_on_all_three(gate, monkeypatch):
+    import agentkv.engine.paged.model as paged_model
+    from agentkv.engine.paged.compiled_pool import CompiledPool
     from agentkv.engine.paged.model import PagedModel
 
     gate.set()
     reference = PagedModel(tiny_files(), **OPTIONS)
     assert reference.wait_for_graphs() == 3
+    monkeypatch.setattr(paged_model, "COMPILED", CompiledPool())  # compile, not share the reference's live graphs
     gate.clear()
     model = PagedModel(tiny_files(), **OPTIONS)
     assert model.graphs == 1 and model.wait_for_graphs(timeout=0.2) == 1  # the others are held back

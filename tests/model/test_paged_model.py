@@ -162,12 +162,12 @@ def test_the_graphs_compile_without_the_blob_cache_and_leave_the_process_locale_
     ``open()`` then decodes files as ASCII)."""
     import locale
 
-    from agentkv.engine.openvino.models import resolve_model
     from agentkv.engine.paged.model import PagedModel
 
     _, compiles = private_compiled_pool
     before = locale.setlocale(locale.LC_ALL), locale.getpreferredencoding(False)
-    model = PagedModel(resolve_model(None), num_blocks=4, ov_config={"CACHE_DIR": str(tmp_path)})
+    # the zoo's tiny model: the same three graphs, compiled in a twentieth of the default model's CPU
+    model = PagedModel(tiny_files(), num_blocks=4, chunk_graph=True, ov_config={"CACHE_DIR": str(tmp_path)})
     assert model.wait_for_graphs() == len(compiles) == 3 and not any(tmp_path.iterdir())
     assert (locale.setlocale(locale.LC_ALL), locale.getpreferredencoding(False)) == before
 
@@ -225,6 +225,7 @@ def test_when_an_extra_graph_fails_to_compile_the_graphs_before_it_run_its_steps
 
     monkeypatch.setattr(paged_model, "COMPILED", CompiledPool())  # compile, do not reuse
     reference = PagedModel(tiny_files(), num_blocks=8, kv_cache_precision="f32", exact=True, chunk_graph=True)
+    monkeypatch.setattr(paged_model, "COMPILED", CompiledPool())  # nor share the reference's live graphs
     monkeypatch.setattr(paged_graphs, "compile_for_device", one_fails)
     with caplog.at_level(logging.WARNING, logger="agentkv.engine.paged.graphs"):
         model = PagedModel(tiny_files(), num_blocks=8, kv_cache_precision="f32", exact=True, chunk_graph=True)
