@@ -67,10 +67,12 @@ class Message(BaseModel):
 
     @classmethod
     def system(cls, content: str) -> Message:
+        """``Message.system("Answer in French.")``."""
         return cls(role="system", content=content)
 
     @classmethod
     def user(cls, content: str) -> Message:
+        """``Message.user("What is 17 * 23?")``."""
         return cls(role="user", content=content)
 
     @classmethod
@@ -93,6 +95,7 @@ class Message(BaseModel):
 
     @classmethod
     def tool(cls, content: str, *, tool_call_id: str, name: str) -> Message:
+        """The result of a call, for the model: ``Message.tool("391", tool_call_id=call.id, name="calc")``."""
         return cls(role="tool", content=content, tool_call_id=tool_call_id, name=name)
 
     def to_openai(self) -> dict[str, Any]:
