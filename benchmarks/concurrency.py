@@ -10,7 +10,9 @@ gets a ~30-token user turn and answers 64 tokens (ignore_eos). Printed per run:
   histories so it too prefills only the new turn) on the same 8 prompts in one ``generate``:
   ``agentkv_over_cb_8`` (its wall time / ours);
 - one session decoding alone, paged vs stateful tokens/s: ``single_session_decode_ratio``;
-- tokens/s for 1, 2, 4, 8 and 16 sessions together.
+- tokens/s for 1, 2, 4, 8 and 16 sessions together, and the least of N sessions' aggregate over one
+  session's alone (N > 1): ``together_over_alone_min`` (target >= 0.95: drafts of sessions quoting at
+  once verify in shared steps, ``engine/paged/draft_share.py``).
 
 The last line is one JSON object. Run: ``python benchmarks/concurrency.py [--sessions 1 2 4 8 16]``.
 """
@@ -145,6 +147,9 @@ async def measure(counts: list[int]) -> dict:
         for session in sessions:
             await session.close()
     figures["tokens_per_s"] = {str(k): round(v, 1) for k, v in rates.items()}
+    if 1 in rates and len(rates) > 1:  # issue 47, item 6: N sessions together keep one alone's rate
+        figures["together_over_alone_min"] = round(min(v for k, v in rates.items() if k > 1) / rates[1], 2)
+        print(f"aggregate tok/s together over one alone, least over N: {figures['together_over_alone_min']:.2f}")
     paged_rate = await single_decode_rate(paged)
     await paged.aclose()
     stateful = StatefulEngine(num_slots=3)

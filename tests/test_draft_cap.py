@@ -1,6 +1,7 @@
 """Drafts share steps with other sessions within a budget: a lone session drafts up to MAX_DRAFT,
 a session sharing its steps drafts only as often as keeps the others' slowdown under 5 % (the
-credit of ``draft_share.py``), and the batcher reports the load it decides from (fake model step)."""
+credit of ``draft_share.py``), sessions that all draft verify together in every step, and the
+batcher reports the load it decides from (fake model step)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from agentkv.engine.decode.prompt_lookup import MAX_DRAFT
+from agentkv.engine.decode.prompt_lookup import MAX_DRAFT, Drafts, PromptLookup
 from agentkv.engine.paged.batcher import StepBatcher
 from agentkv.engine.paged.block_pool import BlockPool
 from agentkv.engine.paged.draft_share import DRAFT_COST, DRAFT_SHARE, MOST_DEBT, SLOWDOWN_TARGET, DraftShare
@@ -199,3 +200,70 @@ def test_each_step_record_says_when_it_ended_and_how_many_of_its_sequences_verif
     records = batcher.recent_steps()
     assert [r.drafting for r in records] == [0, 1, 0]
     assert before <= records[0].ended_at <= records[1].ended_at <= records[2].ended_at <= time.perf_counter()
+
+
+def test_steps_no_plain_session_waits_for_spend_no_credit():
+    share = DraftShare()
+    for _ in range(20):  # every session sharing the steps drafts: nobody plain waits for a verify
+        share.record(sequences=4, drafting=4, shared=True, plain=False)
+    assert share.credit == DRAFT_COST and share.drafted_steps == 20
+    share.record(sequences=4, drafting=3, shared=True)  # a plain session waited this time
+    assert share.credit < 0 and share.cap(others=3) == 0
+    assert share.cap(others=3, plain=0) == MAX_DRAFT  # drafters among themselves need no credit
+
+
+def test_sessions_that_all_draft_verify_their_drafts_in_every_shared_step():
+    pool = BlockPool(64)
+    batcher = StepBatcher(ZeroStep(seconds=0.001), max_batch=4, gather=5.0, max_gather_s=0.05)
+    slots = [slot_on(batcher, pool) for _ in range(3)]
+    rounds, caps = 40, {i: [] for i in range(3)}
+    start = threading.Barrier(3)
+
+    def draft_loop(i: int) -> None:
+        slot = slots[i]
+        for _ in range(rounds):
+            start.wait(timeout=10)
+            cap, past = slot.draft_cap(), slot.length()
+            caps[i].append(cap)
+            if cap:
+                slot.feed_rows(np.array([[5] * (1 + cap)]), past_len=past, rows=1 + cap)
+                slot.trim(past + 1)
+            else:
+                slot.feed(np.array([[5]]), past_len=past)
+
+    threads = [threading.Thread(target=draft_loop, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(cap == MAX_DRAFT for i in range(3) for cap in caps[i])
+    assert batcher.load(slots[0]).draft_credit == DRAFT_COST  # nobody plain waited: nothing spent
+    assert sum(r.drafting for r in batcher.recent_steps()) == 3 * rounds
+
+
+def test_a_plain_session_joining_drafting_ones_is_protected_by_the_credit_again():
+    batcher = StepBatcher(ZeroStep(), max_batch=4)
+    for caller in ("a", "b"):
+        batcher.run(SequenceStep([1], 0, [0]), caller=caller)
+        assert batcher.draft_cap(caller) == MAX_DRAFT
+    batcher.run(SequenceStep([1, 2, 3], 1, [0], last_rows=3), caller="a")
+    batcher.run(SequenceStep([1, 2, 3], 1, [0], last_rows=3), caller="b")
+    assert batcher.load("a").draft_credit == DRAFT_COST  # a and b only: no plain session waited
+    batcher.run(SequenceStep([7], 0, [1]), caller="plain")  # it never has a draft to feed
+    batcher.run(SequenceStep([1, 2, 3], 4, [0], last_rows=3), caller="a")
+    assert batcher.load("a").draft_credit < DRAFT_COST and batcher.draft_cap("b") == 0
+    batcher.forget("plain")
+    assert batcher.draft_cap("b") == MAX_DRAFT  # gone: the drafters again share only with drafters
+
+
+def test_a_call_asks_for_its_draft_cap_only_when_it_has_a_draft_to_feed():
+    asked = []
+
+    def cap() -> int:
+        asked.append(True)
+        return MAX_DRAFT
+
+    quoting = Drafts(PromptLookup([1, 2, 3, 4, 1, 2]), cap=cap)
+    assert quoting.next_draft(left=100)[:2] == [3, 4] and asked == [True]
+    free_text = Drafts(PromptLookup([1, 2, 3, 4, 5, 6]), cap=cap)
+    assert free_text.next_draft(left=100) == [] and asked == [True]

@@ -117,6 +117,29 @@ async def test_drafts_equal_plain_greedy_decoding_under_exact_numerics_in_fewer_
           f"{m.accepted_tokens} accepted, steps {p.model_steps} -> {m.model_steps}")
 
 
+async def test_sessions_quoting_at_once_verify_their_drafts_in_shared_steps_and_answer_as_alone(paged_exact,
+                                                                                             held_quote):
+    # issue 47, item 6: before, a draft rode in a shared step only on the 5 % credit kept for plain
+    # sessions, so two sessions quoting at once almost never drafted
+    ids = quote_prompt(paged_exact)
+    alone, *_ = await run(paged_exact, ids, ON.model_copy(update=SHORT), base=held_quote)
+    before = paged_exact.batcher.stats()
+    together: list[GenerationResult] = []
+
+    async def one() -> None:
+        together.append((await run(paged_exact, ids, ON.model_copy(update=SHORT), base=held_quote))[0])
+
+    async with anyio.create_task_group() as tasks:
+        for _ in range(2):
+            tasks.start_soon(one)
+    after = paged_exact.batcher.stats()
+    for result in together:
+        assert result.token_ids == alone.token_ids  # drafts verified in a shared step change nothing
+        m = result.metrics
+        assert m.accepted_tokens >= m.generated_tokens // 3 and m.model_steps < m.generated_tokens // 2
+    assert after.sequences - before.sequences > after.steps - before.steps  # the two did share steps
+
+
 @pytest.mark.parametrize("cut", ["max_new_tokens=1", "max_new_tokens=7", "max_new_tokens=40", "stop string"])
 async def test_max_new_tokens_and_stop_strings_cut_where_plain_decoding_does(paged_exact, held_quote, cut):
     ids = quote_prompt(paged_exact)

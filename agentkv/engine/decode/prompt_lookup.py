@@ -191,9 +191,10 @@ class Drafts:
         """The draft to feed after the pending tokens now, at most ``left`` tokens ([]: feed them
         alone; this chance to draft is spent): ``draft = drafts.next_draft(left)``."""
         size = self.budget.take(left)
-        if size > 0 and self._cap is not None:
-            size = min(size, self._cap())
         draft = self.lookup.propose(size) if size > 0 else []
+        if draft and self._cap is not None:  # NOTE: asked only with a draft: asking marks a drafter
+            size = min(size, self._cap())
+            draft = draft[:size] if size > 0 else []
         # NOTE: padded to the size asked for, one verify shape (MAX_DRAFT). A lookup is short only
         # when its match ran into the log's end, where the log goes on repeating what it found
         return draft + [draft[i % len(draft)] for i in range(size - len(draft))] if draft else []

@@ -24,7 +24,8 @@ run, ``PagedSlot.feed_run``) without going through the queue each time; it hands
 after the step during which another caller queued, so nobody waits longer than one step.
 
 Drafts (sequences asking for several positions' logits) share steps with the others within a
-budget (``draft_share.py``: ≤ 5 % slower for the others); ``load`` tells a caller its share.
+budget (``draft_share.py``: ≤ 5 % slower for plain sessions; sessions that all draft verify
+together); ``draft_cap`` tells a caller with a draft its share, ``load`` reports it.
 A failed step raises its error in every caller of that step. No sessions here.
 """
 
@@ -49,6 +50,10 @@ DEFAULT_GATHER = 0.5
 DEFAULT_MAX_GATHER_S = 0.02
 """…and never longer than this (a decode step of the default model over eight sequences takes
 ~35 ms on two cores; measured: 4 ms was too short to keep six sessions together, mean batch 3.6)."""
+DRAFTER_STEPS = 8
+"""Steps a caller that had a draft to feed counts as drafting (not a plain session the budget of
+``draft_share.py`` protects): a quoting session has one most steps, and after a missed draft its
+lookups pause for 1, 2, 4… chances (``DraftBudget``)."""
 RECENT_STEPS = 1024
 """Steps ``recent_steps()`` remembers."""
 
@@ -197,6 +202,7 @@ class StepBatcher:
         self._running = False
         self._last_step_s = 0.0
         self._recent: dict[Hashable, int] = {}  # caller -> the step it was last in
+        self._drafters: dict[Hashable, int] = {}  # caller -> the step count when it last had a draft to feed
         self._steps = self._sequences = self._tokens = self._largest = 0
         self._queued_s = self._busy_s = 0.0
         self._records: deque[StepRecord] = deque(maxlen=RECENT_STEPS)
@@ -256,6 +262,7 @@ class StepBatcher:
         stepping (``batcher.forget(slot)``). Without this, the next two steps of another caller
         would each wait ``gather`` × a step for it (measured: ~12 ms a step here)."""
         with self._changed:
+            self._drafters.pop(caller, None)
             if self._recent.pop(caller, None) is not None:
                 self._changed.notify_all()
 
@@ -273,10 +280,24 @@ class StepBatcher:
         """How many other callers stepped lately or wait for a step, and the drafted tokens
         ``caller``'s next feed may carry (``batcher.load(slot).draft_cap``). Read-only."""
         with self._changed:
-            # NOTE: a caller already queued shares the next step even when it did not step lately
-            callers = set(self._recent) | {p.caller for p in self._queue if p.caller is not None}
-            others = len(callers - {caller})
-            return StepLoad(others, self._drafts.cap(others), self._drafts.credit)
+            others, plain = self._others(caller)
+            return StepLoad(others, self._drafts.cap(others, plain), self._drafts.credit)
+
+    def draft_cap(self, caller: Hashable) -> int:
+        """The drafted tokens ``caller``, which has a draft to feed next, may feed with it
+        (``batcher.draft_cap(slot)``); asking marks the caller as drafting for ``DRAFTER_STEPS``
+        steps, so the others' drafts do not count it as a plain session to protect."""
+        with self._changed:
+            self._drafters[caller] = self._steps
+            return self._drafts.cap(*self._others(caller))
+
+    def _others(self, caller: Hashable | None) -> tuple[int, int]:
+        """How many other callers stepped lately or wait for a step, and how many of them are plain
+        (had no draft to feed in the last ``DRAFTER_STEPS`` steps) (``_changed`` held)."""
+        # NOTE: a caller already queued shares the next step even when it did not step lately
+        others = (set(self._recent) | {p.caller for p in self._queue if p.caller is not None}) - {caller}
+        plain = sum(1 for c in others if c not in self._drafters)
+        return len(others), plain
 
     # ---- the leader's part (``_changed`` held unless said otherwise) -------------------
     def _gather(self) -> None:
@@ -341,7 +362,9 @@ class StepBatcher:
             if caller is not None:
                 self._recent[caller] = self._steps
         self._recent = {c: step for c, step in self._recent.items() if step >= self._steps - 1}
-        self._drafts.record(len(callers), drafting, shared=len(self._recent) > 1)
+        self._drafters = {c: step for c, step in self._drafters.items() if step >= self._steps - DRAFTER_STEPS}
+        self._drafts.record(len(callers), drafting, shared=len(self._recent) > 1,
+                            plain=any(c not in self._drafters for c in self._recent))
         self._sequences += len(callers)
         self._tokens += tokens
         self._largest = max(self._largest, len(callers))

@@ -27,7 +27,13 @@ others then 2.1–2.3× slower)::
 
     share = DraftShare()
     share.record(sequences=8, drafting=0, shared=True)     # after each step (the batcher does)
-    cap = share.cap(others=7)    # MAX_DRAFT when the credit holds a draft (or others == 0), else 0
+    cap = share.cap(others=7, plain=3)   # MAX_DRAFT when the credit holds a draft (or no plain
+                                         # session shares the steps), else 0
+
+The budget protects *plain* sessions — those not drafting lately (free text, where lookups find
+nothing). When every other caller sharing the steps drafts too (several sessions quoting at once),
+nobody plain waits for a verify: each verifies its drafts in the shared steps, so N sessions
+together keep what one alone wins by drafting (issue 47, item 6), and such a step spends no credit.
 
 Not thread-safe: its owner (``StepBatcher``) calls it under its lock. No model here.
 """
@@ -62,16 +68,21 @@ class DraftShare:
         self.shared_steps = 0
         """Steps run while other callers were stepping too."""
 
-    def record(self, sequences: int, drafting: int, shared: bool) -> None:
+    def record(self, sequences: int, drafting: int, shared: bool, plain: bool = True) -> None:
         """Count a step of ``sequences`` sequences, ``drafting`` of them verifying a draft;
-        ``shared``: other callers were stepping too (the step's own, or the last steps')."""
+        ``shared``: other callers were stepping too (the step's own, or the last steps');
+        ``plain``: one of those callers is plain (had no draft lately) — without one, the drafts
+        made nobody plain wait, and the step spends no credit."""
         if not shared and sequences < 2:
             return
         self.shared_steps += 1
         self.drafted_steps += drafting > 0
-        self.credit = min(self.cost, max(-MOST_DEBT * self.cost, self.credit + self.share - self.cost * drafting))
+        spent = self.cost * drafting if plain else 0.0
+        self.credit = min(self.cost, max(-MOST_DEBT * self.cost, self.credit + self.share - spent))
 
-    def cap(self, others: int) -> int:
+    def cap(self, others: int, plain: int | None = None) -> int:
         """The most drafted tokens a session may feed next: ``MAX_DRAFT`` alone (``others`` == 0:
-        no other caller stepped in the last steps) or when the credit holds a draft, else 0."""
-        return MAX_DRAFT if others == 0 or self.credit >= self.cost - 1e-9 else 0
+        no other caller stepped in the last steps), when none of the others is plain (``plain``:
+        how many did not draft lately; None: all of them), or when the credit holds a draft; else 0."""
+        plain = others if plain is None else plain
+        return MAX_DRAFT if others == 0 or plain == 0 or self.credit >= self.cost - 1e-9 else 0

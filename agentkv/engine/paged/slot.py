@@ -139,10 +139,11 @@ class PagedSlot:
     def draft_cap(self) -> int:
         """The most drafted tokens this slot's next feed should carry now (``slot.draft_cap()``):
         ``MAX_DRAFT`` when it steps alone, else what the batcher's draft budget allows (0 or
-        ``MAX_DRAFT``: drafts may slow the sessions sharing their steps by ≤ 5 %; ``draft_share.py``)."""
+        ``MAX_DRAFT``: drafts may slow plain sessions sharing their steps by ≤ 5 %, and sessions that
+        all draft verify together; ``draft_share.py``). Asked only with a draft to feed."""
         if self.batcher is None:
             return MAX_DRAFT
-        return self.batcher.load(self).draft_cap
+        return self.batcher.draft_cap(self)
 
     def _feed_one(self, row: list[int], past_len: int, position_offset: int, *, last_rows: int) -> np.ndarray:
         """One row on the slot's own table: logits ``[last_rows, vocab]``."""
