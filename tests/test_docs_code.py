@@ -11,8 +11,10 @@ the only ones not run. The README's quickstart also runs on the default model in
 
 from __future__ import annotations
 
-import pytest
+import re
 from contextlib import ExitStack
+
+import pytest
 
 from _doc_blocks import NEEDS, ROOT, doc_pages, python_blocks, run_page
 from _doc_model import scripted_open_engine
@@ -68,3 +70,11 @@ def test_only_blocks_that_need_replicas_or_another_library_are_left_out_and_they
     marked_later = [block.where for page in doc_pages() for block in python_blocks(page)
                     if NEEDS in block.code and block.needs is None]
     assert marked_later == []   # the marker works on the first line only
+
+
+def test_the_readmes_links_and_pictures_name_files_that_exist():
+    """mkdocs --strict checks the site's links; the README is read on GitHub, outside the site."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    targets = [t.split("#", 1)[0] for t in re.findall(r"\]\(([^)\s]+)\)", text) if "://" not in t]
+    missing = [t for t in targets if t and not (ROOT / t).is_file()]
+    assert targets and missing == []
