@@ -156,6 +156,8 @@ def concurrency(record: Record, plots: Plots) -> str:
         axes.set(xlabel="conversations answering together", ylabel="decode tokens/s (all together)",
                  xscale="log", title="Paged engine: conversations batched in shared steps")
         axes.set_xticks([int(c) for c in counts], counts)
+        axes.minorticks_off()
+        axes.set_ylim(bottom=0)
         axes.grid(alpha=0.3)
         figure.tight_layout(rect=(0, 0.04, 1, 1))
         parts.insert(0, plots.save(figure, record, "concurrency-tokens-per-s"))
