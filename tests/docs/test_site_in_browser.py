@@ -130,6 +130,6 @@ def test_a_guide_renders_with_its_navigation_and_highlighted_code(served, screen
 def test_an_api_reference_page_renders_the_docstrings_of_runtime(served, screenshots):
     dom = open_in_chromium(f"{served}/reference/runtime/", screenshots / "reference-runtime.png")
     assert_has_navigation(dom, "API reference")
-    assert 'id="agentkv.runtime.runtime.Runtime"' in dom, "no Runtime heading from mkdocstrings"
-    assert 'id="agentkv.runtime.runtime.Runtime.open_conversation"' in dom, "no open_conversation entry"
+    assert 'id="agentkv.Runtime"' in dom, "no Runtime heading from mkdocstrings"
+    assert 'id="agentkv.Runtime.open_conversation"' in dom, "no open_conversation entry"
     assert 'class="doc doc-' in dom, "no mkdocstrings content"
