@@ -233,6 +233,9 @@ HEADLINES: dict[str, tuple[str, str]] = {
 }
 
 
+SHOWN_AS: dict[str, Callable[[dict[str, Any]], str]] = {
+    "function_calling": lambda figures: f"{figures['valid_cases']}/{figures['cases']}"}
+"""Headline figures read better another way than their key's number (valid cases of all cases)."""
 PAGE_OF = {"token_overhead": "decode.md#per-token-overhead"}
 """Results shown on another benchmark's page (the rest have a page of their own name)."""
 
@@ -251,7 +254,8 @@ def headline(records: dict[str, Record]) -> str:
     for name, (key, label) in HEADLINES.items():
         record = records.get(name)
         value = flat(record["figures"]).get(key) if record else None
-        shown = number(value) if value is not None else "not measured"
+        shown = "not measured" if value is None or record is None else (
+            SHOWN_AS[name](record["figures"]) if name in SHOWN_AS else number(value))
         where = short_machine(record) if record and value is not None else "—"
         lines.append(f"| [{name}]({PAGE_OF.get(name, name + '.md')}) | {label} (`{key}`) | {shown} | {where} |")
     return "\n".join(lines)
