@@ -19,16 +19,8 @@ from typing import TYPE_CHECKING, Any
 from agentkv.agent import Agent
 from agentkv.chat.messages import Message, ToolCall
 from agentkv.chat.openai_messages import messages_from_openai
-from agentkv.engine.base import (
-    Engine,
-    GenerationConfig,
-    GenerationMetrics,
-    GenerationResult,
-    GenerationStream,
-    KVSession,
-    TokenLogprob,
-    TopLogprob,
-)
+from agentkv.engine.base import Engine, GenerationConfig, KVSession
+from agentkv.engine.generation import GenerationMetrics, GenerationResult, GenerationStream, TokenLogprob, TopLogprob
 from agentkv.errors import (
     AgentKVError,
     ConstraintError,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Union
 
 from agentkv.chat.messages import ToolCall
-from agentkv.engine.base import GenerationMetrics, TokenLogprob
+from agentkv.engine.generation import GenerationMetrics, TokenLogprob
 
 if TYPE_CHECKING:
     from agentkv.observe.cache_breaks import CacheBreak

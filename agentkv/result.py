@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from agentkv.chat.messages import Message, ToolCall
-from agentkv.engine.base import GenerationMetrics
+from agentkv.engine.generation import GenerationMetrics
 from agentkv.observe.cache_breaks import CacheBreak
 from agentkv.observe.self_check import SelfCheckResult
 

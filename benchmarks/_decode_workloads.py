@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from agentkv.engine.base import GenerationResult
+from agentkv.engine.generation import GenerationResult
 
 
 @dataclass

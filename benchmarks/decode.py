@@ -42,7 +42,8 @@ from _decode_batched import BatchedRound, batched, batched_figures
 from _decode_workloads import CHATS, QUOTE_DOCS, Mode, quote_messages
 
 from agentkv.chat.toolcalls import tool_call_grammar
-from agentkv.engine.base import Engine, GenerationConfig, GenerationResult, TokenConstraint
+from agentkv.engine.base import Engine, GenerationConfig, TokenConstraint
+from agentkv.engine.generation import GenerationResult
 from _results import print_result
 
 CASES_PATH = Path(__file__).resolve().parents[1] / "tests" / "data" / "function_calling.json"

@@ -9,7 +9,7 @@ from typing import Any
 import anyio.lowlevel
 import numpy as np
 
-from agentkv.engine.base import TokenDelta
+from agentkv.engine.generation import TokenDelta
 from agentkv.engine.decode.loop import run_steps
 from agentkv.engine.decode.threaded import run_steps_in_thread
 from agentkv.engine.decode.model_steps import FeedRowsStep, FeedStep, ModelStep, TrimStep

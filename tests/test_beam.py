@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentkv.engine.base import BeamHypothesis, GenerationConfig
+from agentkv.engine.base import GenerationConfig
+from agentkv.engine.generation import BeamHypothesis
 from agentkv.engine.decode.beam import BeamSearch, BeamWinner
 from agentkv.engine.decode.sampling import log_softmax
 from agentkv.errors import UserError

@@ -21,7 +21,7 @@ from _old_schema import schema_at
 from agentkv import Agent, Runtime
 from agentkv.cli.app import app
 from agentkv.cli.display import TurnPrinter, decode_figures
-from agentkv.engine.base import GenerationMetrics, GenerationResult, TokenDelta
+from agentkv.engine.generation import GenerationMetrics, GenerationResult, TokenDelta
 from agentkv.errors import SchemaVersionError
 from agentkv.events import ModelCallFinished
 from agentkv.memory import Store

@@ -18,7 +18,8 @@ import anyio.to_thread
 import numpy as np
 import pytest
 
-from agentkv.engine.base import GenerationConfig, TokenDelta
+from agentkv.engine.base import GenerationConfig
+from agentkv.engine.generation import TokenDelta
 from agentkv.engine.decode.fast_forward import FastForwardCounts
 from agentkv.engine.decode.model_steps import FeedRowsStep, FeedStep, ModelStep, RunStep, TrimStep
 from agentkv.engine.decode.prompt_lookup import Drafts, PromptLookup

@@ -11,7 +11,8 @@ import pytest
 
 from agentkv.chat.messages import ToolCall
 from agentkv.chat.toolcalls import format_tool_calls, tool_call_grammar
-from agentkv.engine.base import GenerationConfig, TokenDelta
+from agentkv.engine.base import GenerationConfig
+from agentkv.engine.generation import TokenDelta
 from agentkv.engine.decode.constraints import ConstraintFactory
 from agentkv.engine.decode.fast_forward import FastForwardCounts, ForcingConstraint, forced_source
 from agentkv.engine.decode.token_steps import DecodeOutcome, TokenSteps

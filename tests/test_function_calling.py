@@ -18,6 +18,8 @@ pytest.importorskip("jsonschema")
 def benchmark_module() -> ModuleType:
     """``benchmarks/function_calling.py`` (the benchmarks folder is scripts, not a package)."""
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "function_calling.py"
+    if str(path.parent) not in sys.path:  # its helpers (``_results``) sit beside it
+        sys.path.append(str(path.parent))
     spec = importlib.util.spec_from_file_location("function_calling_benchmark", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

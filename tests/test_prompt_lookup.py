@@ -14,7 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentkv.engine.base import GenerationConfig, TokenDelta
+from agentkv.engine.base import GenerationConfig
+from agentkv.engine.generation import TokenDelta
 from agentkv.engine.decode.fast_forward import FastForwardCounts
 from agentkv.engine.decode.prompt_lookup import (GOOD_DRAFT, MAX_BACKOFF, SMALL_DRAFT, DraftBudget, Drafts,
                                                  PromptLookup)

@@ -21,7 +21,8 @@ from agentkv.chat.reasoning import ReasoningSplitter, split_reasoning, with_reas
 from agentkv.chat.tool_formats import HERMES, LLAMA3_JSON, MISTRAL, PHI4_MINI
 from agentkv.chat.toolcalls import tool_call_grammar
 from agentkv.chat.stream_filter import MarkupFilter, VisibleTokens
-from agentkv.engine.base import GenerationConfig, TokenDelta, TokenLogprob
+from agentkv.engine.base import GenerationConfig
+from agentkv.engine.generation import TokenDelta, TokenLogprob
 from agentkv.events import ReasoningDelta, RunFinished, TextDelta, ToolCalled
 from agentkv.memory import Store
 from agentkv.testing import ScriptedEngine

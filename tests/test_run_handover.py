@@ -16,7 +16,8 @@ import anyio.to_thread
 import numpy as np
 import pytest
 
-from agentkv.engine.base import GenerationConfig, TokenDelta
+from agentkv.engine.base import GenerationConfig
+from agentkv.engine.generation import TokenDelta
 from agentkv.engine.decode.model_steps import ModelStep, RunStep
 from agentkv.engine.decode.sampling import greedy_pick
 from agentkv.engine.decode.threaded import run_steps_in_thread

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from agentkv.chat.stream_filter import MarkupFilter, VisibleTokens
-from agentkv.engine.base import TokenDelta, TokenLogprob
+from agentkv.engine.generation import TokenDelta, TokenLogprob
 from agentkv.memory import Store
 from agentkv.server import create_app
 from agentkv.testing import ScriptedEngine

@@ -19,7 +19,8 @@ import anyio
 import numpy as np
 import pytest
 
-from agentkv.engine.base import GenerationConfig, TokenDelta
+from agentkv.engine.base import GenerationConfig
+from agentkv.engine.generation import TokenDelta
 from agentkv.engine.decode.fast_forward import FastForwardCounts
 from agentkv.engine.decode.prompt_lookup import Drafts, PromptLookup
 from agentkv.engine.decode.sampling import make_rng, sample_next, target_distribution

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 import sniffio
 
-from agentkv.engine.base import GenerationConfig, TokenDelta
+from agentkv.engine.base import GenerationConfig
+from agentkv.engine.generation import TokenDelta
 from agentkv.engine.decode.model_steps import FeedStep, ModelStep, TrimStep
 from agentkv.engine.decode.threaded import DELTAS_AHEAD, run_steps_in_thread
 from agentkv.engine.decode.token_steps import DecodeOutcome, TokenSteps

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from agentkv.engine.base import TokenDelta, TokenLogprob
+from agentkv.engine.generation import TokenDelta, TokenLogprob
 
 
 class ThoughtSplitter(Protocol):

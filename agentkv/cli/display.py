@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from agentkv.chat.messages import Message, ToolCall
-from agentkv.engine.base import GenerationMetrics
+from agentkv.engine.generation import GenerationMetrics
 from agentkv.events import RunEvent
 from agentkv.memory.records import ConversationSummary
 from agentkv.result import RunResult

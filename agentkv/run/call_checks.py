@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 from agentkv.agent import Agent
 from agentkv.chat.render import RenderedPrompt
-from agentkv.engine.base import Engine, GenerationMetrics, KVSession, Tokenizer
+from agentkv.engine.base import Engine, KVSession, Tokenizer
+from agentkv.engine.generation import GenerationMetrics
 from agentkv.observe import tracing
 from agentkv.observe.cache_breaks import CacheBreak, Cause, agent_shape, find_break
 from agentkv.observe.self_check import SelfCheckResult, check_call

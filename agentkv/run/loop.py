@@ -38,7 +38,7 @@ from agentkv.chat.reasoning import ReasoningSplitter
 from agentkv.chat.render import RenderedPrompt
 from agentkv.chat.stream_filter import MarkupFilter, VisibleTokens
 from agentkv.chat.structured_output import OutputInvalid
-from agentkv.engine.base import GenerationMetrics, GenerationResult, TokenLogprob
+from agentkv.engine.generation import GenerationMetrics, GenerationResult, TokenLogprob
 from agentkv.errors import ContextOverflowError, MaxModelCallsExceeded
 from agentkv.events import (
     ApprovalRequired,

@@ -9,7 +9,7 @@ from agentkv.agent import Agent
 from agentkv.chat.messages import ToolCall
 from agentkv.chat.reasoning import ReasoningTags, split_reasoning
 from agentkv.chat.tool_formats import HERMES, ToolCallFormat
-from agentkv.engine.base import GenerationResult
+from agentkv.engine.generation import GenerationResult
 from agentkv.result import FinishReason
 from agentkv.run.call_settings import reasoning_tags_of, tool_format_of
 

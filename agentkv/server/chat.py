@@ -32,7 +32,7 @@ from openai.types.chat import ChatCompletionMessage
 from openai.types.chat.chat_completion_chunk import ChoiceDelta
 
 from agentkv.chat.openai_messages import messages_from_openai
-from agentkv.engine.base import TokenLogprob
+from agentkv.engine.generation import TokenLogprob
 from agentkv.events import ReasoningDelta, RunFinished, TextDelta
 from agentkv.result import RunResult
 from agentkv.server.access_log import AccessNote

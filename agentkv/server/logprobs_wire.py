@@ -16,7 +16,7 @@ from typing import Any
 from openai.types.chat import ChatCompletionTokenLogprob
 from openai.types.chat.chat_completion_token_logprob import TopLogprob
 
-from agentkv.engine.base import TokenLogprob
+from agentkv.engine.generation import TokenLogprob
 
 
 def token_logprobs(logprobs: Sequence[TokenLogprob]) -> list[ChatCompletionTokenLogprob]:

@@ -33,7 +33,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from agentkv.observe.cache_breaks import CacheBreak
 from agentkv.chat.messages import ToolCall
-from agentkv.engine.base import MAX_LOGPROBS, GenerationConfig, GenerationMetrics
+from agentkv.engine.base import MAX_LOGPROBS, GenerationConfig
+from agentkv.engine.generation import GenerationMetrics
 from agentkv.server.request_agents import AgentDefaults
 
 

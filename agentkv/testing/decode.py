@@ -18,13 +18,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
-from agentkv.engine.base import (
-    BeamHypothesis,
-    GenerationResult,
-    TokenDelta,
-    TokenLogprob,
-    TopLogprob,
-)
+from agentkv.engine.generation import BeamHypothesis, GenerationResult, TokenDelta, TokenLogprob, TopLogprob
 from agentkv.engine.decode.loop import DecodeLoop
 
 ORDINARY_IDS = 100_000

@@ -28,7 +28,8 @@ from typing import Any, TypeVar
 import anyio
 import anyio.lowlevel
 
-from agentkv.engine.base import GenerationConfig, GenerationMetrics, GenerationResult
+from agentkv.engine.base import GenerationConfig
+from agentkv.engine.generation import GenerationMetrics, GenerationResult
 from agentkv.kv.rope import FIT_TOLERANCE
 from agentkv.engine.session.backend import RopeReference, SlotBackend
 from agentkv.engine.session.slot_engine import SlotEngine

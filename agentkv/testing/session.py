@@ -15,7 +15,8 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from agentkv.engine.base import GenerationConfig, GenerationResult, TokenConstraint, TokenDelta
+from agentkv.engine.base import GenerationConfig, TokenConstraint
+from agentkv.engine.generation import GenerationResult, TokenDelta
 from agentkv.engine.session.session import SlotSession
 from agentkv.testing.decode import ScriptedDecode
 

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from agentkv.chat.toolcalls import parse_tool_calls, tool_call_grammar
-from agentkv.engine.base import Engine, GenerationConfig, GenerationResult, KVSession
+from agentkv.engine.base import Engine, GenerationConfig, KVSession
+from agentkv.engine.generation import GenerationResult
 
 pytestmark = pytest.mark.model
 

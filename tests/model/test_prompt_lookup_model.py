@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 
 from agentkv.chat.toolcalls import tool_call_grammar
-from agentkv.engine.base import Engine, GenerationConfig, GenerationResult, KVSession
+from agentkv.engine.base import Engine, GenerationConfig, KVSession
+from agentkv.engine.generation import GenerationResult
 from _sessions import one_pass_logits
 
 pytestmark = pytest.mark.model

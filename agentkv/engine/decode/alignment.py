@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from agentkv.engine.base import GenerationConfig, GenerationMetrics
+from agentkv.engine.base import GenerationConfig
+from agentkv.engine.generation import GenerationMetrics
 from agentkv.errors import ContextOverflowError, UserError
 
 

@@ -46,7 +46,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from agentkv.engine.base import BeamHypothesis, GenerationConfig, common_prefix_len
+from agentkv.engine.base import GenerationConfig, common_prefix_len
+from agentkv.engine.generation import BeamHypothesis
 from agentkv.engine.decode.sampling import log_softmax
 from agentkv.errors import UserError
 

@@ -17,7 +17,8 @@ from typing import Any, Protocol
 
 import anyio
 
-from agentkv.engine.base import BeamHypothesis, GenerationConfig, GenerationResult, Tokenizer
+from agentkv.engine.base import GenerationConfig, Tokenizer
+from agentkv.engine.generation import BeamHypothesis, GenerationResult
 from agentkv.engine.decode.beam import BeamSearch, BeamWinner
 from agentkv.kv.log import KVLog, KVSlot
 

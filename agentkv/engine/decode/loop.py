@@ -20,14 +20,12 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import anyio
 import anyio.lowlevel
 
-from agentkv.engine.base import (
+from agentkv.engine.base import GenerationConfig, TokenConstraint, Tokenizer
+from agentkv.engine.generation import (
     BeamHypothesis,
-    GenerationConfig,
     GenerationMetrics,
     GenerationResult,
-    TokenConstraint,
     TokenDelta,
-    Tokenizer,
     TokenLogprob,
     TopLogprob,
 )

@@ -31,7 +31,7 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 
-from agentkv.engine.base import TokenDelta
+from agentkv.engine.generation import TokenDelta
 from agentkv.engine.decode.model_steps import MODEL_STEPS, ModelStep, RunStep
 from agentkv.engine.decode.thread_channel import ThreadChannel
 from agentkv.engine.decode.token_steps import DecodeOutcome, TokenSteps

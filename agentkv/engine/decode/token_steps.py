@@ -34,7 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from agentkv.engine.base import GenerationConfig, TokenConstraint, TokenDelta, TokenLogprob
+from agentkv.engine.base import GenerationConfig, TokenConstraint
+from agentkv.engine.generation import TokenDelta, TokenLogprob
 from agentkv.engine.decode.detokenize import IncrementalDecoder
 from agentkv.engine.decode.fast_forward import FastForwardCounts, ForcingConstraint, next_forced
 from agentkv.engine.decode.model_steps import FeedStep, ModelStep, RunStep, TrimStep

@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import anyio
 import numpy as np
 
-from agentkv.engine.base import GenerationMetrics, Tokenizer
+from agentkv.engine.base import Tokenizer
+from agentkv.engine.generation import GenerationMetrics
 from agentkv.engine.decode.alignment import Alignment
 from agentkv.engine.prefix.radix import PrefixCache
 from agentkv.engine.prefix.stats import CapturableSession, PrefixCacheStats

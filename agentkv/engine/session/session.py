@@ -25,8 +25,8 @@ from typing import Any, TypeVar
 import anyio
 import numpy as np
 
-from agentkv.engine.base import (GenerationConfig, GenerationMetrics, GenerationResult, GenerationStream,
-                                 TokenConstraint, TokenDelta, common_prefix_len)
+from agentkv.engine.base import GenerationConfig, TokenConstraint, common_prefix_len
+from agentkv.engine.generation import GenerationMetrics, GenerationResult, GenerationStream, TokenDelta
 from agentkv.engine.decode.alignment import Alignment, validate_prompt
 from agentkv.engine.decode.loop import DecodeLoop, step_counts, with_steps
 from agentkv.engine.session.backend import SlotBackend
