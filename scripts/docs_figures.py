@@ -92,10 +92,13 @@ def flat(figures: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def figures_table(record: Record, skip: tuple[str, ...] = ()) -> str:
-    """Every figure of a run's last line, one row each."""
-    rows = [f"| `{key}` | {number(value)} |" for key, value in flat(record["figures"]).items()
-            if not key.startswith(skip)]
-    return "| figure | value |\n|---|---:|\n" + "\n".join(rows)
+    """Every figure of a run's last line, one row each; the figures the run left out (None: a workload
+    not asked for) are named after the table, not shown as numbers."""
+    figures = {key: value for key, value in flat(record["figures"]).items() if not key.startswith(skip)}
+    rows = [f"| `{key}` | {number(value)} |" for key, value in figures.items() if value is not None]
+    table = "| figure | value |\n|---|---:|\n" + "\n".join(rows)
+    left_out = [f"`{key}`" for key, value in figures.items() if value is None]
+    return table + (f"\n\nNot measured in this run: {', '.join(left_out)}." if left_out else "")
 
 
 class Plots:
@@ -210,13 +213,39 @@ def token_overhead(record: Record, plots: Plots) -> str:
     return "\n\n".join(parts)
 
 
+def decode(record: Record, plots: Plots) -> str:
+    """Decode tokens/s per workload, plain against agentkv's defaults (fast-forward and drafts), as bars."""
+    f = record["figures"]
+    pairs = {}
+    if f.get("plain_decode_tps_toolcalls") and f.get("spec_over_plain_toolcalls"):
+        pairs["tool calls"] = (f["plain_decode_tps_toolcalls"],
+                               f["plain_decode_tps_toolcalls"] * f["spec_over_plain_toolcalls"])
+    for key, label in (("quote", "quoting"), ("freetext", "free text")):
+        if f.get(f"plain_decode_tps_{key}") and f.get(f"spec_decode_tps_{key}"):
+            pairs[label] = (f[f"plain_decode_tps_{key}"], f[f"spec_decode_tps_{key}"])
+    parts = [figures_table(record)]
+    if pairs:
+        figure, axes = plt.subplots(figsize=(7, 3.8))
+        xs = range(len(pairs))
+        axes.bar([x - 0.2 for x in xs], [plain for plain, _ in pairs.values()], 0.4, label="plain decoding")
+        axes.bar([x + 0.2 for x in xs], [fast for _, fast in pairs.values()], 0.4,
+                 label="agentkv's defaults (fast-forward, drafts)")
+        axes.set_xticks(list(xs), list(pairs))
+        axes.set(ylabel="decode tokens/s", title="Decoding: same answers, fewer model steps")
+        axes.legend(fontsize=8)
+        figure.tight_layout(rect=(0, 0.05, 1, 1))
+        parts.insert(0, plots.save(figure, record, "decode-tokens-per-s"))
+    return "\n\n".join(parts)
+
+
 def generic(record: Record, plots: Plots) -> str:
     """A run's figures as a table (benchmarks without a plot of their own)."""
     return figures_table(record)
 
 
 RENDERERS: dict[str, Callable[[Record, Plots], str]] = {
-    "multiturn": multiturn, "concurrency": concurrency, "window": window, "token_overhead": token_overhead}
+    "multiturn": multiturn, "concurrency": concurrency, "window": window, "token_overhead": token_overhead,
+    "decode": decode}
 
 HEADLINES: dict[str, tuple[str, str]] = {
     "multiturn": ("paged_over_genai_default_ttft", "TTFT against openvino-genai's default pipeline (median, turns 2+)"),
