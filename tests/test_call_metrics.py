@@ -112,11 +112,11 @@ async def test_a_model_calls_span_carries_its_decode_figures():
 
 def test_session_totals_count_only_calls_that_recorded_figures_and_say_how_many_did():
     stats = ConversationStats(conversation_id="s", window_tokens=0, kv_tokens=0, kv_bytes=0, snapshots=(), calls=4,
-                         reused_tokens=0, prefilled_tokens=0, generated_tokens=97, prefill_s_per_token=0.0,
-                         compactions=0, cache_breaks=(),
-                         decode=(CallDecode(2, generated=40, forced=24, steps_saved=20),
-                                 CallDecode(3, generated=20, drafted=10, accepted=5, steps_saved=5),
-                                 CallDecode(4, generated=7)))
+                              reused_tokens=0, prefilled_tokens=0, generated_tokens=97, prefill_s_per_token=0.0,
+                              compactions=0, cache_breaks=(),
+                              decode=(CallDecode(2, generated=40, forced=24, steps_saved=20),
+                                      CallDecode(3, generated=20, drafted=10, accepted=5, steps_saved=5),
+                                      CallDecode(4, generated=7)))
     [total, *calls] = [line for line in stats.lines() if "forced" in line]
     assert total == ("decode: 24 of 67 generated tokens forced, 10 drafted, 5 accepted (50%); 25 model steps saved "
                      "(3 of 4 calls recorded these)")
@@ -126,8 +126,8 @@ def test_session_totals_count_only_calls_that_recorded_figures_and_say_how_many_
 
 def test_a_session_without_recorded_figures_prints_no_decode_line():
     stats = ConversationStats(conversation_id="s", window_tokens=0, kv_tokens=0, kv_bytes=0, snapshots=(), calls=2,
-                         reused_tokens=0, prefilled_tokens=0, generated_tokens=9, prefill_s_per_token=0.0,
-                         compactions=0, cache_breaks=())
+                              reused_tokens=0, prefilled_tokens=0, generated_tokens=9, prefill_s_per_token=0.0,
+                              compactions=0, cache_breaks=())
     assert stats.steps_saved == 0 and not any(line.startswith("decode") for line in stats.lines())
 
 
@@ -164,7 +164,7 @@ def _database_at(store_url: str, version: int) -> None:
 
 
 async def test_calls_stored_before_schema_9_keep_every_figure_and_read_as_not_recorded(store_url: str,
-                                                                                      tmp_path: Path):
+                                                                                       tmp_path: Path):
     _database_at(store_url, 8)
     store = Store(store_url, snapshot_dir=tmp_path / "s")
     [old] = await store.calls("s1")

@@ -309,4 +309,4 @@ def test_sessions_export_starts_with_the_system_prompt_and_marks_rewound_message
     assert [m.get("agentkv", {}).get("in_window", True) for m in lines[1:]] == [True, True, False, False]
     window = cli("conversations", "export", sid, "--window", "--db", db)
     assert [json.loads(line)["content"] for line in window.output.splitlines()] == [lines[0]["content"],
-                                                                                     "first", "One."]
+                                                                                    "first", "One."]

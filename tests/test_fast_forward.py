@@ -149,7 +149,7 @@ async def test_a_stop_string_inside_a_forced_run_stops_where_one_by_one_decoding
 async def test_a_forced_stop_id_ends_generation_unfed():
     answer = [10, 11, EOS, 13]
     deltas, outcome, feeds, _, counts, _ = await decode(GenerationConfig(), fast=True, stop_ids=frozenset({EOS}),
-                                                     answer=answer)
+                                                        answer=answer)
     assert outcome.generated == [10, 11, EOS] and outcome.finish_reason == "stop"
     assert feeds == [[10, 11]] and counts.forced == 3
 

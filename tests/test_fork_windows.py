@@ -217,7 +217,7 @@ def test_every_forks_window_is_its_parents_at_the_fork_point_then_its_own(operat
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(operations=OPERATIONS)
 def test_every_forks_window_is_its_parents_at_the_fork_point_then_its_own_on_postgresql(operations,
-                                                                                       postgres_store: Store):
+                                                                                        postgres_store: Store):
     anyio.run(check_against_copies, postgres_store, operations)
 
 

@@ -219,7 +219,7 @@ def test_a_repeating_answer_is_taken_in_fewer_feeds_and_the_counts_add_up():
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 10_000), max_new=st.integers(0, 40), grammar=st.booleans())
 def test_steps_saved_are_the_feeds_one_by_one_decoding_runs_that_the_drafts_and_forced_runs_did_not(seed, max_new,
-                                                                                                     grammar):
+                                                                                                    grammar):
     prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11] * 2
     args = {"max_new": max_new, "stop_ids": frozenset(), "stop_strings": (), "grammar": grammar}
     counts = FastForwardCounts()

@@ -60,7 +60,7 @@ def age(store: Store, conversation_id: str, days: int) -> None:
     from agentkv.memory.schema import ConversationRow, utcnow
 
     store.database.write(lambda s: s.execute(update(ConversationRow).where(ConversationRow.id == conversation_id)
-                                     .values(updated_at=utcnow() - timedelta(days=days))))
+                                             .values(updated_at=utcnow() - timedelta(days=days))))
 
 
 async def test_each_session_keeps_its_newest_snapshots_as_configured(make_store):

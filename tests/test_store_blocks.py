@@ -211,7 +211,7 @@ async def test_a_whole_snapshot_saved_before_blocks_still_restores(block_store: 
 
 
 async def test_a_database_and_snapshot_file_from_before_blocks_upgrade_and_restore(store_url: str,
-                                                                                    tmp_path: Path) -> None:
+                                                                                   tmp_path: Path) -> None:
     from sqlalchemy import create_engine, text
 
     from _old_schema import schema_at

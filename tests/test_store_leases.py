@@ -49,7 +49,7 @@ async def test_a_lease_on_a_missing_session_is_not_found(store: Store) -> None:
 
 
 async def test_processes_racing_for_one_lease_exactly_one_wins(store: Store, store_url: str,
-                                                                tmp_path: Path) -> None:
+                                                               tmp_path: Path) -> None:
     sid = await new_session(store)
     outputs = await race_for_lease(store_url, tmp_path, sid, [f"proc-{i}" for i in range(3)])
     results = sorted(out.strip() for out, _ in outputs)

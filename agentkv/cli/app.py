@@ -36,7 +36,7 @@ from agentkv.chat.messages import pending_tool_calls
 from agentkv.cli.display import format_call, conversations_table, show_message
 from agentkv.cli.help_text import (AGENT_HELP, CHAT_POLICY_HELP, CHAT_TOOLS_HELP, DB_HELP, DRAIN_HELP, ENGINE_HELP,
                                    EXACT_HELP, KV_DISK_GB_HELP, KV_DISK_HELP, KV_HOST_HELP, KV_REUSE_HELP,
-                                   LEASE_WAIT_HELP, MAX_SESSIONS_HELP, MODEL_HELP, SERVE_POLICY_HELP, SESSION_HELP,
+                                   LEASE_WAIT_HELP, MAX_SESSIONS_HELP, MODEL_HELP, SERVE_POLICY_HELP, CONVERSATION_HELP,
                                    SNAPSHOTS_HELP)
 from agentkv.cli.models import models_app
 from agentkv.errors import AgentKVError, UserError
@@ -51,8 +51,8 @@ app = typer.Typer(help="agentkv: chat with a local model whose conversations kee
                   "turns, store and resume them, or serve the model over the OpenAI API.",
                   epilog=ENVIRONMENT_HELP, no_args_is_help=True, rich_markup_mode=None)
 conversations_app = typer.Typer(help="Stored conversations: list, show, fork, rewind, export or delete them, prune old "
-                           "ones, unlock one a crashed process left leased.", no_args_is_help=True,
-                           rich_markup_mode=None)
+                                "ones, unlock one a crashed process left leased.", no_args_is_help=True,
+                                rich_markup_mode=None)
 app.add_typer(conversations_app, name="conversations")
 app.add_typer(models_app, name="models")
 out = Console()
@@ -72,7 +72,7 @@ def chat(
     metrics: bool = typer.Option(False, "--metrics", help="Print token and timing metrics after each model call."),
     tools: Optional[bool] = typer.Option(None, "--tools/--no-tools", help=CHAT_TOOLS_HELP),
     system: Optional[str] = typer.Option(None, "--system", metavar="TEXT",
-                                          help="The agent's instructions (system prompt)."),
+                                         help="The agent's instructions (system prompt)."),
     policy: Optional[PolicyName] = typer.Option(None, "--policy", case_sensitive=False, help=CHAT_POLICY_HELP),
     max_prompt_len: Optional[int] = typer.Option(
         None, "--max-prompt-len", min=1, metavar="TOKENS",
@@ -93,7 +93,7 @@ def chat(
 
 @app.command()
 def resume(
-    conversation_id: str = typer.Argument(..., metavar="SESSION_ID", help=SESSION_HELP),
+    conversation_id: str = typer.Argument(..., metavar="CONVERSATION_ID", help=CONVERSATION_HELP),
     model: Optional[str] = typer.Option(None, "--model", "-m", metavar="PATH", help=MODEL_HELP),
     db: Optional[str] = typer.Option(None, "--db", metavar="URL", help=DB_HELP),
     metrics: bool = typer.Option(False, "--metrics", help="Print token and timing metrics after each model call."),
@@ -127,7 +127,7 @@ def conversations_list(db: Optional[str] = typer.Option(None, "--db", metavar="U
 
 @conversations_app.command("show")
 def conversations_show(
-    conversation_id: str = typer.Argument(..., metavar="SESSION_ID", help=SESSION_HELP),
+    conversation_id: str = typer.Argument(..., metavar="CONVERSATION_ID", help=CONVERSATION_HELP),
     kv: bool = typer.Option(False, "--kv", help="Also its KV: tokens, bytes, snapshots, reuse and what it "
                             "saved, compactions and cache breaks (with their causes); per model call, the tokens a "
                             "grammar forced, drafts proposed and the model accepted, and the steps that saved."),
@@ -150,8 +150,8 @@ def conversations_show(
 
 @conversations_app.command("pending")
 def conversations_pending(
-    conversation_id: Optional[str] = typer.Argument(None, metavar="SESSION_ID",
-                                               help="Only this conversation (default: every one)."),
+    conversation_id: Optional[str] = typer.Argument(None, metavar="CONVERSATION_ID",
+                                                    help="Only this conversation (default: every one)."),
     db: Optional[str] = typer.Option(None, "--db", metavar="URL", help=DB_HELP),
 ) -> None:
     """Tool calls waiting in stored conversations: for a person's approval (given from Python:
@@ -172,7 +172,7 @@ def conversations_pending(
 
 @conversations_app.command("fork")
 def conversations_fork(
-    conversation_id: str = typer.Argument(..., metavar="SESSION_ID", help=SESSION_HELP),
+    conversation_id: str = typer.Argument(..., metavar="CONVERSATION_ID", help=CONVERSATION_HELP),
     at: Optional[int] = typer.Option(None, "--at", min=0, metavar="SEQ", help="Share messages 1..AT (default: all)."),
     db: Optional[str] = typer.Option(None, "--db", metavar="URL", help=DB_HELP),
 ) -> None:
@@ -189,7 +189,7 @@ def conversations_fork(
 
 @conversations_app.command("rewind")
 def conversations_rewind(
-    conversation_id: str = typer.Argument(..., metavar="SESSION_ID", help=SESSION_HELP),
+    conversation_id: str = typer.Argument(..., metavar="CONVERSATION_ID", help=CONVERSATION_HELP),
     before: int = typer.Option(..., "--before", min=1, metavar="SEQ",
                                help="The first message (seq) to take out of the window."),
     db: Optional[str] = typer.Option(None, "--db", metavar="URL", help=DB_HELP),
@@ -227,7 +227,7 @@ def conversations_prune(
 
 @conversations_app.command("export")
 def conversations_export(
-    conversation_id: str = typer.Argument(..., metavar="SESSION_ID", help=SESSION_HELP),
+    conversation_id: str = typer.Argument(..., metavar="CONVERSATION_ID", help=CONVERSATION_HELP),
     window: bool = typer.Option(False, "--window", help="Only the messages in the context window: the "
                                 "conversation as the model reads it, a valid OpenAI messages list."),
     db: Optional[str] = typer.Option(None, "--db", metavar="URL", help=DB_HELP),
@@ -245,7 +245,7 @@ def conversations_export(
 
 @conversations_app.command("rm")
 def conversations_rm(
-    conversation_id: str = typer.Argument(..., metavar="SESSION_ID", help=SESSION_HELP),
+    conversation_id: str = typer.Argument(..., metavar="CONVERSATION_ID", help=CONVERSATION_HELP),
     db: Optional[str] = typer.Option(None, "--db", metavar="URL", help=DB_HELP),
 ) -> None:
     """Delete a conversation: its rows and its snapshot files."""
@@ -261,7 +261,7 @@ def conversations_rm(
 
 @conversations_app.command("unlock")
 def conversations_unlock(
-    conversation_id: str = typer.Argument(..., metavar="SESSION_ID", help=SESSION_HELP),
+    conversation_id: str = typer.Argument(..., metavar="CONVERSATION_ID", help=CONVERSATION_HELP),
     force: bool = typer.Option(False, "--force", help="Release it even from a process still running on this "
                                "host: that run then stops at its next write, and a tool it is running "
                                "gets its result recorded by no one."),

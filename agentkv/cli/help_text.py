@@ -10,7 +10,7 @@ DB_HELP = ("Database of the store, as a SQLAlchemy URL: sqlite:///path/agentkv.d
            "postgresql+psycopg2://user:password@host/db (default: $AGENTKV_DB_URL, else $AGENTKV_HOME/agentkv.db).")
 MODEL_HELP = ("GGUF file or OpenVINO IR directory (default: $AGENTKV_MODEL, else SmolLM2-135M-Instruct, "
               "converted on first use); $AGENTKV_ENGINE picks the engine (see below).")
-SESSION_HELP = "The conversation's id (`agentkv conversations list` shows them)."
+CONVERSATION_HELP = "The conversation's id (`agentkv conversations list` shows them)."
 AGENT_HELP = ("Agent name (default: the conversation's agent, else 'assistant', or 'assistant+tools' with --tools, "
               "'assistant+system-HASH' with --system: each stored as itself). A stored agent is used as stored; "
               "options may not give it other instructions or tools.")

@@ -38,7 +38,7 @@ def load_block_snapshot(blocks: BlockStore, record: SnapshotRecord, load_tail: C
     if namespace is None or namespace.id != record.kv_namespace or namespace.block_size != record.block_size:
         raise SnapshotIncompatible(
             f"KV snapshot {record.path} is stored as {record.block_size}-token blocks of namespace "
-            f"{record.kv_namespace}, not this engine's and tenant's; the session re-prefills from its history")
+            f"{record.kv_namespace}, not this engine's and tenant's; the conversation re-prefills from its history")
     loaded = blocks.load(namespace, record.block_keys)
     spans = loaded.spans
     if sources is not None:
@@ -50,7 +50,7 @@ def load_block_snapshot(blocks: BlockStore, record: SnapshotRecord, load_tail: C
         return join_blocks([*spans, tail]) if spans else tail
     if not spans:
         raise SnapshotCorrupt(f"no block of KV snapshot {record.path} is held in any tier any more "
-                              f"({len(record.block_keys)} blocks); the session re-prefills from its history")
+                              f"({len(record.block_keys)} blocks); the conversation re-prefills from its history")
     held = len(spans) * namespace.block_size
     logger.warning("KV snapshot %s: %d of its %d blocks are held (%d of %d tokens); the rest is re-prefilled",
                    record.path, len(spans), len(record.block_keys), held, record.num_tokens)

@@ -43,14 +43,14 @@ class Shared:
     """The newest of its window versions the reader sees (None: all)."""
 
 
-def lineage(s: Session, session: ConversationRow) -> list[Shared]:
+def lineage(s: Session, conversation: ConversationRow) -> list[Shared]:
     """The conversation and its ancestors, each with the newest seq and window version the branch
     below shares of it. NOTE: where a branch further down forked at an earlier seq than the
     one above it, it sees an ancestor as it was just before that seq's next message."""
-    chain = [Shared(session, None, None)]
+    chain = [Shared(conversation, None, None)]
     upto_seq: int | None = None
     upto_version: int | None = None
-    child = session
+    child = conversation
     while child.parent_id is not None:
         assert child.fork_seq is not None and child.fork_version is not None
         parent = s.get(ConversationRow, child.parent_id)
@@ -65,20 +65,20 @@ def lineage(s: Session, session: ConversationRow) -> list[Shared]:
     return chain
 
 
-def version_before(s: Session, session: ConversationRow, seq: int) -> int:
+def version_before(s: Session, conversation: ConversationRow, seq: int) -> int:
     """The conversation's window version when it appended message ``seq``: the moves up to it came
     before. 0 (none of its moves) when ``seq`` is a row it shares: it was appended before the
     conversation existed."""
     stamp = s.execute(select(MessageRow.window_version)
-                      .where(MessageRow.conversation_id == session.id, MessageRow.seq == seq)).scalar()
+                      .where(MessageRow.conversation_id == conversation.id, MessageRow.seq == seq)).scalar()
     return 0 if stamp is None else int(stamp)
 
 
-def view(s: Session, session: ConversationRow) -> list[Seen]:
+def view(s: Session, conversation: ConversationRow) -> list[Seen]:
     """Every message ``session`` sees, in seq order, with its window state for that session."""
     rows: dict[int, MessageRow] = {}
     state: dict[int, tuple[bool, int | None]] = {}
-    for shared in reversed(lineage(s, session)):  # the oldest ancestor first: later moves override
+    for shared in reversed(lineage(s, conversation)):  # the oldest ancestor first: later moves override
         node, upto_seq, upto_version = shared.node, shared.upto_seq, shared.upto_version
         query = select(MessageRow).where(MessageRow.conversation_id == node.id)
         moves = select(WindowMoveRow).where(WindowMoveRow.conversation_id == node.id)
@@ -94,47 +94,47 @@ def view(s: Session, session: ConversationRow) -> list[Seen]:
     return [Seen(rows[seq], *state.get(seq, (True, None))) for seq in sorted(rows)]
 
 
-def last_seq(s: Session, session: ConversationRow) -> int:
+def last_seq(s: Session, conversation: ConversationRow) -> int:
     """The newest seq the conversation sees (its own rows continue after its fork point)."""
-    own = s.execute(select(func.max(MessageRow.seq)).where(MessageRow.conversation_id == session.id)).scalar()
-    return max(int(own or 0), session.fork_seq or 0)
+    own = s.execute(select(func.max(MessageRow.seq)).where(MessageRow.conversation_id == conversation.id)).scalar()
+    return max(int(own or 0), conversation.fork_seq or 0)
 
 
-def move(s: Session, session: ConversationRow, changes: dict[int, tuple[bool, int | None]]) -> None:
+def move(s: Session, conversation: ConversationRow, changes: dict[int, tuple[bool, int | None]]) -> None:
     """Record one window version of the conversation: each seq moves in or out (``(in_window,
     replaced_by_seq)``). Its own rows' flags follow; the rows it shares are left as their conversation
     has them. The seqs are checked by the caller against ``view``."""
     if not changes:
         return
-    session.window_version += 1
-    version = session.window_version
-    s.add_all(WindowMoveRow(conversation_id=session.id, version=version, seq=seq, in_window=inside,
+    conversation.window_version += 1
+    version = conversation.window_version
+    s.add_all(WindowMoveRow(conversation_id=conversation.id, version=version, seq=seq, in_window=inside,
                             replaced_by_seq=replaced_by)
               for seq, (inside, replaced_by) in changes.items())
-    for row in s.scalars(select(MessageRow).where(MessageRow.conversation_id == session.id,
+    for row in s.scalars(select(MessageRow).where(MessageRow.conversation_id == conversation.id,
                                                   MessageRow.seq.in_(list(changes)))):
         row.in_window, row.replaced_by_seq = changes[row.seq]
-    session.updated_at = utcnow()
+    conversation.updated_at = utcnow()
 
 
-def move_out(s: Session, session: ConversationRow, seqs: Iterable[int], replaced_by_seq: int | None) -> None:
+def move_out(s: Session, conversation: ConversationRow, seqs: Iterable[int], replaced_by_seq: int | None) -> None:
     """Move messages out of the conversation's window, replaced by ``replaced_by_seq`` (a summary) or
     by nothing (a truncation); one window version."""
-    move(s, session, {seq: (False, replaced_by_seq) for seq in seqs})
+    move(s, conversation, {seq: (False, replaced_by_seq) for seq in seqs})
 
 
-def rewind(s: Session, session: ConversationRow, after_seq: int) -> int:
+def rewind(s: Session, conversation: ConversationRow, after_seq: int) -> int:
     """Take the messages after ``after_seq`` out of the conversation's window and put back the ones up
     to it that a later message had replaced; returns how many left. One window version of this
     conversation: rows stay stored, and no other conversation's window changes."""
     changes: dict[int, tuple[bool, int | None]] = {}
-    for item in view(s, session):
+    for item in view(s, conversation):
         seq = item.row.seq
         if seq > after_seq and item.in_window:
             changes[seq] = (False, None)
         elif seq <= after_seq and not item.in_window and (item.replaced_by_seq or 0) > after_seq:
             changes[seq] = (True, None)
-    move(s, session, changes)
+    move(s, conversation, changes)
     return sum(1 for inside, _ in changes.values() if not inside)
 
 
@@ -151,8 +151,8 @@ def fork(s: Session, parent: ConversationRow, new_id: str, at: int | None,
     version = parent.window_version if point == newest else version_before(s, parent, point + 1)
     now = utcnow()
     row = ConversationRow(id=new_id, agent_name=parent.agent_name, created_at=now, updated_at=now, lease_holder=None,
-                     lease_expires_at=None, lease_epoch=0, metadata_=metadata, parent_id=parent.id, fork_seq=point,
-                     window_version=0, fork_version=version)
+                          lease_expires_at=None, lease_epoch=0, metadata_=metadata, parent_id=parent.id, fork_seq=point,
+                          window_version=0, fork_version=version)
     s.add(row)
     s.flush()
     return row

@@ -62,7 +62,7 @@ class ConversationLeases:
         ``await store.release_lease(sid, holder)`` does nothing unless ``holder`` has the lease
         and returns None. ``await store.release_lease(sid, force=True)`` (an operator's unlock)
         returns the holder recorded before, possibly expired, or None; ``ConversationNotFound`` for
-        an unknown session.
+        an unknown conversation.
         """
         if force == (holder is not None):
             raise UserError("pass either the holder whose lease to release or force=True, "

@@ -37,9 +37,9 @@ def agent_record(row: AgentRow) -> AgentRecord:
 
 def conversation_record(row: ConversationRow) -> ConversationRecord:
     return ConversationRecord(id=row.id, agent_name=row.agent_name, created_at=row.created_at,
-                         updated_at=row.updated_at, lease_holder=row.lease_holder,
-                         lease_expires_at=row.lease_expires_at, metadata=dict(row.metadata_),
-                         parent_id=row.parent_id, fork_seq=row.fork_seq)
+                              updated_at=row.updated_at, lease_holder=row.lease_holder,
+                              lease_expires_at=row.lease_expires_at, metadata=dict(row.metadata_),
+                              parent_id=row.parent_id, fork_seq=row.fork_seq)
 
 
 def message_fields(message: Message) -> dict[str, Any]:

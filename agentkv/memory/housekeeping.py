@@ -54,7 +54,7 @@ def save_snapshot(db: Database, files: SnapshotStorage, conversation_id: str, sn
         pruned = retention.excess_snapshots(s, files, keep, conversation_id=conversation_id)
         if budget_bytes is not None:
             s.flush()
-            pruned += retention.over_budget(s, budget_bytes, keep_session=conversation_id)
+            pruned += retention.over_budget(s, budget_bytes, keep_conversation=conversation_id)
         return record, pruned
 
     try:

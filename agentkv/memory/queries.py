@@ -67,14 +67,14 @@ def get_agent(s: Session, name: str) -> AgentRecord:
 
 
 def create_conversation(s: Session, agent_name: str, conversation_id: str,
-                   metadata: dict[str, Any]) -> ConversationRecord:
+                        metadata: dict[str, Any]) -> ConversationRecord:
     if s.get(AgentRow, agent_name) is None:
         raise AgentNotFound(agent_name)
     if s.get(ConversationRow, conversation_id) is not None:
         raise ConversationExists(conversation_id)
     now = utcnow()
     row = ConversationRow(id=conversation_id, agent_name=agent_name, created_at=now, updated_at=now,
-                     lease_holder=None, lease_expires_at=None, lease_epoch=0, metadata_=metadata, window_version=0)
+                          lease_holder=None, lease_expires_at=None, lease_epoch=0, metadata_=metadata, window_version=0)
     s.add(row)
     s.flush()
     return convert.conversation_record(row)
@@ -113,9 +113,9 @@ def list_conversations(s: Session) -> list[ConversationSummary]:
     )
     return [
         ConversationSummary(id=row.id, agent_name=row.agent_name, created_at=row.created_at,
-                       updated_at=row.updated_at, message_count=int(count),
-                       total_tokens=int(total), in_window_tokens=int(in_window),
-                       parent_id=row.parent_id, fork_seq=row.fork_seq)
+                            updated_at=row.updated_at, message_count=int(count),
+                            total_tokens=int(total), in_window_tokens=int(in_window),
+                            parent_id=row.parent_id, fork_seq=row.fork_seq)
         for row, count, total, in_window in s.execute(query)
     ]
 
@@ -124,16 +124,17 @@ def append_message(s: Session, conversation_id: str, message: Message, token_cou
                    in_window: bool, fence: int | None = None) -> StoredMessage:
     # NOTE: the row lock (PostgreSQL) or BEGIN IMMEDIATE (SQLite) serialises appends to one
     # conversation, so max(seq) + 1 is unique without a retry loop.
-    session = fenced_row(s, conversation_id, fence)
+    conversation = fenced_row(s, conversation_id, fence)
     now = utcnow()
-    row = MessageRow(conversation_id=conversation_id, seq=branches.last_seq(s, session) + 1, token_count=token_count,
-                     in_window=True, replaced_by_seq=None, created_at=now, window_version=session.window_version,
+    row = MessageRow(conversation_id=conversation_id, seq=branches.last_seq(s, conversation) + 1,
+                     token_count=token_count, in_window=True, replaced_by_seq=None, created_at=now,
+                     window_version=conversation.window_version,
                      **convert.message_fields(message))
     s.add(row)
-    session.updated_at = now
+    conversation.updated_at = now
     s.flush()
     if not in_window:  # stored out of the window: a move of its own, as any other
-        branches.move_out(s, session, [row.seq], None)
+        branches.move_out(s, conversation, [row.seq], None)
         s.flush()
     return convert.stored_message(row)
 
@@ -147,14 +148,14 @@ def messages(s: Session, conversation_id: str, in_window_only: bool) -> list[Sto
 
 def mark_out_of_window(s: Session, conversation_id: str, seqs: Sequence[int],
                        replaced_by_seq: int | None, fence: int | None = None) -> None:
-    session = fenced_row(s, conversation_id, fence)
+    conversation = fenced_row(s, conversation_id, fence)
     wanted = set(seqs) | ({replaced_by_seq} if replaced_by_seq is not None else set())
-    found = {item.row.seq for item in branches.view(s, session)}
+    found = {item.row.seq for item in branches.view(s, conversation)}
     if missing := sorted(wanted - found):
         raise UserError(f"conversation {conversation_id!r} has no messages with seq {missing}")
     if replaced_by_seq is not None and replaced_by_seq in seqs:
         raise UserError(f"message {replaced_by_seq} cannot replace itself")
-    branches.move_out(s, session, seqs, replaced_by_seq)
+    branches.move_out(s, conversation, seqs, replaced_by_seq)
 
 
 def rewind(s: Session, conversation_id: str, after_seq: int, keep_responses: bool = False,
@@ -163,18 +164,18 @@ def rewind(s: Session, conversation_id: str, after_seq: int, keep_responses: boo
     they had replaced (a summary made after it); returns how many left. Rows stay stored.
     ``keep_responses``: ``ResponseSuperseded`` instead when a stored response covers a later message;
     ``fence`` as for ``fenced_row``."""
-    session = fenced_row(s, conversation_id, fence)
+    conversation = fenced_row(s, conversation_id, fence)
     if keep_responses:
         newer = s.scalars(select(ResponseRow).where(ResponseRow.conversation_id == conversation_id,
                                                     ResponseRow.last_seq > after_seq)
                           .order_by(ResponseRow.last_seq.desc()).limit(1)).first()
         if newer is not None:
             raise ResponseSuperseded(conversation_id, newer.id)
-    return branches.rewind(s, session, after_seq)
+    return branches.rewind(s, conversation, after_seq)
 
 
 def fork_conversation(s: Session, conversation_id: str, new_id: str, at: int | None,
-                 metadata: dict[str, Any], fence: int | None = None) -> ConversationRecord:
+                      metadata: dict[str, Any], fence: int | None = None) -> ConversationRecord:
     parent = fenced_row(s, conversation_id, fence)
     return convert.conversation_record(branches.fork(s, parent, new_id, at, metadata))
 

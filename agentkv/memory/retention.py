@@ -5,7 +5,7 @@ removes).
 
 ::
 
-    names = over_budget(s, budget_bytes=4 << 30, keep_session="abc")
+    names = over_budget(s, budget_bytes=4 << 30, keep_conversation="abc")
     deleted, names = old_conversations(s, cutoff, now=utcnow())
 
 Which snapshots of a conversation stay: whole files before known-damaged ones (missing, or cut
@@ -25,15 +25,15 @@ from agentkv.memory.schema import AnswerTokensRow, PromptBlockRow, ConversationR
 from agentkv.memory.snapshots import SnapshotStorage
 
 
-def over_budget(s: Session, budget_bytes: int, keep_session: str) -> list[str]:
+def over_budget(s: Session, budget_bytes: int, keep_conversation: str) -> list[str]:
     """Delete the snapshots of the conversations used longest ago (by their newest snapshot) until the
-    snapshots' bytes fit ``budget_bytes``; ``keep_session``'s are never chosen."""
+    snapshots' bytes fit ``budget_bytes``; ``keep_conversation``'s are never chosen."""
     total = int(s.execute(select(func.coalesce(func.sum(SnapshotRow.nbytes), 0))).scalar() or 0)
     if total <= budget_bytes:
         return []
     newest = func.max(SnapshotRow.created_at)
     by_age = s.execute(select(SnapshotRow.conversation_id, func.sum(SnapshotRow.nbytes))
-                       .where(SnapshotRow.conversation_id != keep_session)
+                       .where(SnapshotRow.conversation_id != keep_conversation)
                        .group_by(SnapshotRow.conversation_id).order_by(newest, SnapshotRow.conversation_id)).all()
     names: list[str] = []
     for conversation_id, nbytes in by_age:

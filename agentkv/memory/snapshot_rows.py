@@ -3,7 +3,7 @@
 Every function takes an open SQLAlchemy ``Session`` (one transaction of ``Store``'s)::
 
     record = snapshot_rows.add(s, files, "sess-1", snapshot, name, fence=3)
-    newest = snapshot_rows.of_session(s, files, "sess-1")[0]
+    newest = snapshot_rows.of_conversation(s, files, "conv-1")[0]
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from agentkv.memory.snapshots import SnapshotStorage
 
 
 def add(s: Session, files: SnapshotStorage, conversation_id: str, snapshot: KVSnapshot,
-                 name: str, fence: int | None = None, *, blocks: BlockChain | None = None,
-                 stored: KVSnapshot | None = None, tokens: Sequence[int] | None = None) -> SnapshotRecord:
+        name: str, fence: int | None = None, *, blocks: BlockChain | None = None,
+        stored: KVSnapshot | None = None, tokens: Sequence[int] | None = None) -> SnapshotRecord:
     """Insert the row of a written file (retention then decides what else stays): the whole of
     ``snapshot``, or with ``blocks`` the keyed blocks of its KV and ``stored``, the tail in the file;
     ``tokens``: the whole log's, when ``snapshot`` is a span of it."""
@@ -46,7 +46,7 @@ def add(s: Session, files: SnapshotStorage, conversation_id: str, snapshot: KVSn
     return convert.snapshot_record(row, files)
 
 
-def of_session(s: Session, files: SnapshotStorage, conversation_id: str) -> list[SnapshotRecord]:
+def of_conversation(s: Session, files: SnapshotStorage, conversation_id: str) -> list[SnapshotRecord]:
     conversation_row(s, conversation_id)
     return [convert.snapshot_record(row, files) for row in s.scalars(newest_first(conversation_id))]
 

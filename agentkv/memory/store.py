@@ -168,7 +168,7 @@ class Store(ConversationLeases):
         return await self.database.run(self.database.read, lambda s: queries.get_agent(s, name))
 
     async def create_conversation(self, agent_name: str, *, conversation_id: str | None = None,
-                             metadata: dict[str, Any] | None = None) -> ConversationRecord:
+                                  metadata: dict[str, Any] | None = None) -> ConversationRecord:
         """A new conversation of a stored agent; ``UserError`` if ``conversation_id`` is taken."""
         sid = conversation_id or uuid.uuid4().hex
         meta = convert.json_object(metadata, "conversation metadata")
@@ -181,7 +181,7 @@ class Store(ConversationLeases):
         return await self.database.run(create)
 
     async def fork_conversation(self, conversation_id: str, *, at: int | None = None, new_id: str | None = None,
-                           metadata: dict[str, Any] | None = None, fence: int | None = None) -> ConversationRecord:
+                                metadata: dict[str, Any] | None = None, fence: int | None = None) -> ConversationRecord:
         """A new conversation sharing this one's messages 1..``at`` (default: all) without copying
         them; both go on independently: ``fork = await store.fork_conversation(sid, at=4)``. A fork of
         a fork works; the parent cannot be deleted while forks share its messages. The parent is
@@ -325,7 +325,7 @@ class Store(ConversationLeases):
     async def snapshots(self, conversation_id: str) -> list[SnapshotRecord]:
         """The conversation's snapshot records, newest first."""
         return await self.database.run(self.database.read,
-                                       lambda s: snapshot_rows.of_session(s, self.files, conversation_id))
+                                       lambda s: snapshot_rows.of_conversation(s, self.files, conversation_id))
 
     async def load_snapshot(self, record: SnapshotRecord, *, expected_fingerprint: str,
                             namespace: KVNamespace | None = None,

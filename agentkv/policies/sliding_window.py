@@ -41,7 +41,7 @@ class SlidingWindow(WindowPolicy):
             return 0, None
         if not conversation.supports_drop:
             reason = "the conversation's engine cannot drop KV spans"
-            logger.warning("session %s: %s; falling back to truncation", conversation.id, reason)
+            logger.warning("conversation %s: %s; falling back to truncation", conversation.id, reason)
             await truncate(conversation, agent, plan)
             return len(plan.entries), reason
         # Only what the KV holds can be dropped from it (a span may be held in part: the last

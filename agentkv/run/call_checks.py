@@ -94,10 +94,10 @@ class CallChecks:
             return None
         checked = await check_call(engine, kv, prompt.token_ids, call_index)
         if checked.passed:
-            logger.info("session %s: %s", label, checked.describe())
+            logger.info("conversation %s: %s", label, checked.describe())
             self.operations.clear()
         else:
-            logger.warning("session %s: %s; operations since the last check: %s", label, checked.describe(),
+            logger.warning("conversation %s: %s; operations since the last check: %s", label, checked.describe(),
                            "; ".join(self.operations))
         return checked
 

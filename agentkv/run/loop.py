@@ -66,7 +66,7 @@ from agentkv.run.approvals import (
 )
 from agentkv.run.call_checks import describe_call
 from agentkv.run.call_settings import (call_config, call_constraint, reasoning_ids_of, reasoning_tags_of, room,
-                                      tool_format_of)
+                                       tool_format_of)
 from agentkv.run.conversation import Conversation, WindowEntry
 from agentkv.run.input import RunInput, checked_input
 from agentkv.run.past_reasoning import drop_left_out_reasoning

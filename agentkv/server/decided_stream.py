@@ -138,7 +138,7 @@ class DecidedStream(Response):
 
 
 async def _first_unless_hung_up_or_stopped(received: ObjectReceiveStream[_Item],
-                                          receive: Receive) -> _Item | _Stopped | None:
+                                           receive: Receive) -> _Item | _Stopped | None:
     """The first item; None once the client has hung up (``http.disconnect``) before it; ``_Stopped``
     once the server has begun to shut down before it (a run still waiting for its lease or in its
     prefill is then cancelled, and the request answered 503 with ``Retry-After``)."""

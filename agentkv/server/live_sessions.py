@@ -159,7 +159,7 @@ class LiveSessions:
         """
         for live in self._live:
             if conversation_id in (live.id, live.pin) and (live.salt == salt_prefix
-                                                      or live.salt.startswith(salt_prefix + "/")):
+                                                           or live.salt.startswith(salt_prefix + "/")):
                 return len(live.kv.tokens)
         return None
 

@@ -96,7 +96,7 @@ async def run(engine, ids: list[int], config: GenerationConfig, grammar: str | N
 
 @pytest.mark.parametrize("prompt", [quote_prompt, chat_prompt], ids=["quote", "free text"])
 async def test_drafts_equal_plain_greedy_decoding_under_exact_numerics_in_fewer_steps(paged_exact, held_quote,
-                                                                                     prompt):
+                                                                                      prompt):
     ids = prompt(paged_exact)
     base = held_quote if prompt is quote_prompt else None  # the free-text prompt is a short one
     plain, plain_ids, plain_text, plain_log, _ = await run(paged_exact, ids, OFF.model_copy(update=SHORT), base=base)
@@ -119,7 +119,7 @@ async def test_drafts_equal_plain_greedy_decoding_under_exact_numerics_in_fewer_
 
 
 async def test_sessions_quoting_at_once_verify_their_drafts_in_shared_steps_and_answer_as_alone(paged_exact,
-                                                                                             held_quote):
+                                                                                                held_quote):
     # issue 47, item 6: before, a draft rode in a shared step only on the 5 % credit kept for plain
     # sessions, so two sessions quoting at once almost never drafted
     ids = quote_prompt(paged_exact)
