@@ -39,7 +39,9 @@ class Tolerance:
     """How far the cached path may be from a fresh prefill on this engine's numerics."""
 
     max_abs: float
+    """The largest absolute difference allowed between any two next-token logits."""
     kl: float
+    """The largest KL divergence (nats) allowed between the two next-token distributions."""
     exact: bool
     """True for f32 numerics (``exact=True``): only chunking noise (~5e-5) is allowed."""
 
@@ -57,10 +59,15 @@ class SelfCheckResult:
     call_index: int
     """0-based index of the model call within the run."""
     prompt_tokens: int
+    """Tokens of the prompt both paths computed the next-token logits for."""
     max_abs_diff: float
+    """The largest absolute difference between the cached path's and the fresh prefill's logits."""
     kl: float
+    """KL(fresh ‖ cached) in nats: the fresh prefill's next-token distribution against the cached path's."""
     argmax_agrees: bool
+    """Whether both paths' likeliest next token is the same."""
     tolerance: Tolerance
+    """The bounds it was held to (this engine's numerics: ``EXACT_TOLERANCE`` or ``DEFAULT_TOLERANCE``)."""
     cost_s: float
     """What the check took (a fork and a cold prefill)."""
 
