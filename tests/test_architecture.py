@@ -177,7 +177,7 @@ PAGED = "agentkv.engine.paged."
 PAGED_CACHE_SIDE = {PAGED + m for m in ("block_pool", "block_table", "prefix", "shared_blocks")}
 """Which blocks hold which session's KV, what is shared and cached: block ids only, no tensors."""
 PAGED_RUNNER_SIDE = {PAGED + m for m in ("model", "graphs", "compiled_pool", "request_inputs", "batcher",
-                                         "draft_share", "block_precision", "block_io")}
+                                         "draft_share", "draft_payoff", "block_precision", "block_io")}
 """The compiled graphs, their inputs, the step batcher and the KV tensors themselves."""
 PAGED_COMPOSED = {PAGED + m for m in ("slot", "backend", "engine")}
 """Where the two sides meet: a slot is a block table fed by the model (vLLM v1's core / worker line)."""

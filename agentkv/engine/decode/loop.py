@@ -312,8 +312,9 @@ class DecodeLoop:
         if not (cfg.prompt_lookup and cfg.logprobs is None and cfg.num_beams == 1) \
                 or not feeds_rows(self.slot) or type(self).chooser is not DecodeLoop.chooser:
             return None
-        cap = getattr(self.slot, "draft_cap", None)
-        return Drafts(PromptLookup(self.log.tokens), cap=cap if callable(cap) else None)
+        cap, outcome = getattr(self.slot, "draft_cap", None), getattr(self.slot, "draft_outcome", None)
+        return Drafts(PromptLookup(self.log.tokens), cap=cap if callable(cap) else None,
+                      outcome=outcome if callable(outcome) else None)
 
     def skip_draw(self) -> None:
         """Stand for the draw sampling would have made for a forced token (its mask allowed only

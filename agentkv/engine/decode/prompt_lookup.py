@@ -139,6 +139,8 @@ class DraftBudget:
 DraftCap = Callable[[], int]
 """``cap()``: the most drafted tokens the next feed may carry now (the slot's share of a step it
 shares with other sessions: ``PagedSlot.draft_cap``)."""
+DraftOutcome = Callable[[int, int], None]
+"""``outcome(drafted, accepted)``: a draft ended (``PagedSlot.draft_outcome``)."""
 
 
 class Drafts:
@@ -154,10 +156,12 @@ class Drafts:
         fed = yield from drafts.accept(token)       # a TrimStep when the draft ends here
     """
 
-    def __init__(self, lookup: PromptLookup, budget: DraftBudget | None = None, cap: DraftCap | None = None) -> None:
+    def __init__(self, lookup: PromptLookup, budget: DraftBudget | None = None, cap: DraftCap | None = None,
+                 outcome: DraftOutcome | None = None) -> None:
         self.lookup = lookup
         self.budget = budget if budget is not None else DraftBudget()
         self._cap = cap
+        self._outcome = outcome
         self.ahead: list[int] = []
         """Drafted tokens fed but not chosen yet, in order."""
         self._rows: np.ndarray | None = None
@@ -211,6 +215,12 @@ class Drafts:
             return False
         return bool(self.lookup.propose(1))
 
+    def _ended(self) -> None:
+        """The current draft ended: the budget learns from it, and so does whoever asked (``outcome``)."""
+        self.budget.update(self._draft_len, self._hits)
+        if self._outcome is not None:
+            self._outcome(self._draft_len, self._hits)
+
     def verify(self, pending: list[int], draft: list[int]) -> Generator[ModelStep, Any, None]:
         """Feed ``pending`` and ``draft`` (``next_draft``) in one step, keeping the rows of logits
         the loop chooses from next."""
@@ -235,9 +245,9 @@ class Drafts:
             self._hits += 1
             self.accepted += 1
             if not self.ahead:
-                self.budget.update(self._draft_len, self._hits)
+                self._ended()
             return True
-        self.budget.update(self._draft_len, self._hits)
+        self._ended()
         yield TrimStep(self.in_kv - len(self.ahead))
         self.in_kv -= len(self.ahead)
         self.forget_ahead()

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from agentkv.engine.paged.draft_payoff import DraftPayoff
 from agentkv.engine.paged.draft_share import DraftShare
 from agentkv.engine.paged.model import SequenceStep, logit_rows
 from agentkv.errors import UserError
@@ -207,6 +208,7 @@ class StepBatcher:
         self._queued_s = self._busy_s = 0.0
         self._records: deque[StepRecord] = deque(maxlen=RECENT_STEPS)
         self._drafts = DraftShare()
+        self._payoff = DraftPayoff()
 
     def run(self, sequence: SequenceStep, caller: Hashable | None = None) -> StepOutcome:
         """Feed ``sequence`` in the next step that has room; its logits and how its step went.
@@ -289,7 +291,16 @@ class StepBatcher:
         steps, so the others' drafts do not count it as a plain session to protect."""
         with self._changed:
             self._drafters[caller] = self._steps
-            return self._drafts.cap(*self._others(caller))
+            others, plain = self._others(caller)
+            if others and not plain and not self._payoff.pays(
+                    [(r.tokens, r.seconds) for r in self._records], others + 1):
+                return 0  # many sessions drafting at once: plain steps give more tokens per second
+            return self._drafts.cap(others, plain)
+
+    def note_draft(self, drafted: int, accepted: int) -> None:
+        """A draft ended: ``drafted`` tokens fed, ``accepted`` confirmed (``DraftPayoff.note``)."""
+        with self._changed:
+            self._payoff.note(drafted, accepted)
 
     def _others(self, caller: Hashable | None) -> tuple[int, int]:
         """How many other callers stepped lately or wait for a step, and how many of them are plain

@@ -145,6 +145,12 @@ class PagedSlot:
             return MAX_DRAFT
         return self.batcher.draft_cap(self)
 
+    def draft_outcome(self, drafted: int, accepted: int) -> None:
+        """A draft this slot fed ended, ``accepted`` of its ``drafted`` tokens confirmed: the
+        batcher weighs drafting together by it (``draft_payoff.py``)."""
+        if self.batcher is not None:
+            self.batcher.note_draft(drafted, accepted)
+
     def _feed_one(self, row: list[int], past_len: int, position_offset: int, *, last_rows: int) -> np.ndarray:
         """One row on the slot's own table: logits ``[last_rows, vocab]``."""
         self.table.prepare_write(self.table.row, past_len, len(row))
