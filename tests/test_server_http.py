@@ -112,7 +112,7 @@ async def test_each_request_leaves_one_access_log_line(caplog):
             events = [json.loads(line[5:]) async for line in streamed.aiter_lines() if line.startswith("data:")]
         await client.get("/v1/models", headers={"Authorization": "Bearer wrong"})
     lines = [r.getMessage() for r in caplog.records if r.name == "agentkv.server.access"]
-    pattern = re.compile(r"^(GET|POST) (\S+) (\d{3}) (\d+\.\d)ms id=(\S+) session=(\S+) cached_tokens=(\S+)$")
+    pattern = re.compile(r"^(GET|POST) (\S+) (\d{3}) (\d+\.\d)ms id=(\S+) conversation=(\S+) cached_tokens=(\S+)$")
     parsed = [pattern.match(line) for line in lines]
     assert len(lines) == 4 and all(parsed), lines
     assert [(m[1], m[2], m[3]) for m in parsed] == [  # type: ignore[index]

@@ -1,13 +1,13 @@
 """AccessLog: one line per HTTP request on the ``agentkv.server.access`` logger — method, path,
 status, duration (to the last byte of a stream), and what the route noted: the completion or
-response id, the session, the prompt tokens whose KV was reused (and, of those the store restored,
-the tokens each tier gave: ``kv_from=host:64,s3:320``).
+response id, the conversation (the ``X-Session-Id``), the prompt tokens whose KV was reused (and,
+of those the store restored, the tokens each tier gave: ``kv_from=host:64,s3:320``).
 
 ::
 
     app.add_middleware(AccessLog, served=ServedCounts())      # served: what /metrics adds up
-    AccessNote.of(request).update(id="resp_1", session="sess_1", cached_tokens=120)   # in a route
-    # → POST /v1/responses 200 412.3ms id=resp_1 session=sess_1 cached_tokens=120
+    AccessNote.of(request).update(id="resp_1", conversation="sess_1", cached_tokens=120)   # in a route
+    # → POST /v1/responses 200 412.3ms id=resp_1 conversation=sess_1 cached_tokens=120
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ class AccessNote:
 
     id: str | None = None
     """The ``chatcmpl-…`` / ``resp_…`` id."""
-    session: str | None = None
-    """The pinned chat session, or the stored conversation of a response."""
+    conversation: str | None = None
+    """The conversation's id (``X-Session-Id``): a chat request's live KV session, or a response's
+    stored conversation."""
     cached_tokens: int | None = None
     """Prompt tokens whose KV was reused instead of computed."""
     kv_from: dict[str, int] | None = None
@@ -44,11 +45,11 @@ class AccessNote:
         assert isinstance(note, cls)
         return note
 
-    def update(self, *, id: str | None = None, session: str | None = None, cached_tokens: int | None = None,
+    def update(self, *, id: str | None = None, conversation: str | None = None, cached_tokens: int | None = None,
                kv_from: dict[str, int] | None = None) -> None:
         """Set the fields given (the others keep their value)."""
         self.id = id or self.id
-        self.session = session or self.session
+        self.conversation = conversation or self.conversation
         self.cached_tokens = self.cached_tokens if cached_tokens is None else cached_tokens
         self.kv_from = kv_from or self.kv_from
 
@@ -85,6 +86,7 @@ class AccessLog:
             if self.served is not None and note.cached_tokens is not None:
                 self.served.cached_prompt_tokens += note.cached_tokens
             tiers = "" if not note.kv_from else " kv_from=" + ",".join(f"{t}:{n}" for t, n in note.kv_from.items())
-            ACCESS_LOGGER.info("%s %s %d %.1fms id=%s session=%s cached_tokens=%s%s", scope["method"], scope["path"],
-                               status, (time.perf_counter() - started) * 1000, note.id or "-", note.session or "-",
-                               "-" if note.cached_tokens is None else note.cached_tokens, tiers)
+            ACCESS_LOGGER.info("%s %s %d %.1fms id=%s conversation=%s cached_tokens=%s%s", scope["method"],
+                               scope["path"], status, (time.perf_counter() - started) * 1000, note.id or "-",
+                               note.conversation or "-", "-" if note.cached_tokens is None else note.cached_tokens,
+                               tiers)

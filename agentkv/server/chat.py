@@ -100,7 +100,7 @@ class ChatCompletions:
         """The ``chat.completion`` object for ``request`` (already ``prepare``d, on the live
         session ``conversation_id`` from ``route``; ``note``: what the access log says)."""
         request_id, note = _request_id(), note or AccessNote()
-        note.update(id=request_id, session=conversation_id)
+        note.update(id=request_id, conversation=conversation_id)
         result = None
         logprobs: list[TokenLogprob] = []
         async for event in self._result(prepared, conversation_id, pin):
@@ -128,7 +128,7 @@ class ChatCompletions:
         before its first)."""
         request_id, created = _request_id(), int(time.time())
         note = note or AccessNote()
-        note.update(id=request_id, session=conversation_id)
+        note.update(id=request_id, conversation=conversation_id)
         result, began = None, False
         async with aclosing(self._result(prepared, conversation_id, pin)) as run, \
                 aclosing(ready_batches(run)) as batches:

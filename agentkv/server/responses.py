@@ -225,7 +225,7 @@ class Responses:
         async with self.runs.admitted():
             with self.runs.waiting_for_kv():
                 session = await self._conversation(plan) if plan.request.store else None
-            note.update(session=plan.conversation_id)
+            note.update(conversation=plan.conversation_id)
             try:
                 events = self._stored_events(plan, session) if session else self._unstored_events(plan)
                 # NOTE: the deltas ready at once (a decode run's) go out as one delta event (stream_batches.py)
