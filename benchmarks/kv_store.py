@@ -41,6 +41,8 @@ from _results import print_result
 
 ANSWER = GenerationConfig(max_new_tokens=32)
 SHORT = GenerationConfig(max_new_tokens=16)
+RESERVE = 256
+"""Tokens of the context a prompt leaves for the answer (the agent's default ``max_new_tokens``)."""
 
 
 def user_turn(engine, i: int, tokens: int) -> str:
@@ -57,6 +59,14 @@ def written_bytes(store: Store) -> int:
 
 def directory_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def fitting_turn_tokens(engine, turns: int, wanted: int = 335) -> int:
+    """``wanted`` tokens a user turn, or fewer so that ``turns`` turns with their answers and template
+    markup (~55 tokens a turn beyond the user's on the default model, its answer included) fit the
+    model's context less the answer's reserve (the default model's 8K holds 30 turns of ~190 tokens)."""
+    per_turn = (engine.max_context_len - RESERVE) // turns - ANSWER.max_new_tokens - 40
+    return max(32, min(wanted, per_turn))
 
 
 async def turn_bytes(engine, turns: int, turn_tokens: int, workdir: Path, block_size: int = 32) -> dict:
@@ -168,7 +178,8 @@ async def main_async(args: argparse.Namespace) -> dict:
     out: dict = {}
     with tempfile.TemporaryDirectory(prefix="agentkv-kvstore-") as tmp:
         work = Path(tmp)
-        out.update(await turn_bytes(engine, args.turns, args.turn_tokens, work, args.block_size))
+        out.update(await turn_bytes(engine, args.turns, args.turn_tokens or fitting_turn_tokens(engine, args.turns),
+                                    work, args.block_size))
         out.update(await shared_prefix(engine, args.agents, args.prompt_tokens, args.agent_turns, work,
                                        args.block_size))
         if not args.bytes_only:
@@ -182,7 +193,8 @@ def main() -> None:
     parser.add_argument("--model", help="a model path open_engine takes, or a realistic-size model's name "
                         f"({', '.join(sized_model_names())}: built on demand; default: the default model)")
     parser.add_argument("--turns", type=int, default=30)
-    parser.add_argument("--turn-tokens", type=int, default=335)
+    parser.add_argument("--turn-tokens", type=int, default=None,
+                        help="tokens of each user turn (default: 335, or less so that --turns fit the model's context)")
     parser.add_argument("--agents", type=int, default=32)
     parser.add_argument("--prompt-tokens", type=int, default=2048)
     parser.add_argument("--agent-turns", type=int, default=4)
