@@ -209,7 +209,7 @@ def conversations_prune(
     older_than: Optional[str] = typer.Option(
         None, "--older-than", metavar="AGE", help="Delete conversations not updated for this long: 30d, 12h, 90m, 2w."),
     keep_snapshots: Optional[int] = typer.Option(
-        None, "--keep-snapshots", min=1, metavar="N", help="Keep only this many newest snapshots of each session."),
+        None, "--keep-snapshots", min=1, metavar="N", help="Keep only the N newest snapshots of each conversation."),
     db: Optional[str] = typer.Option(None, "--db", metavar="URL", help=DB_HELP),
 ) -> None:
     """Delete old conversations and surplus snapshots, and snapshot files no row points to (left by a
