@@ -1,5 +1,5 @@
 """What the Store tests share: a session of a stored agent, a random snapshot, and a lease race
-between processes: ``sid = await new_session(store)``; ``await race_for_lease(url, tmp, sid, ["a", "b"])``."""
+between processes: ``sid = await new_conversation(store)``; ``await race_for_lease(url, tmp, sid, ["a", "b"])``."""
 
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ REPO = Path(__file__).resolve().parents[1]
 FP = "test-model|kv:u8"
 
 
-async def new_session(store: Store, conversation_id: str | None = None) -> str:
-    """A new session of the stored agent "helper" (stored or updated first): ``sid = await new_session(store)``."""
+async def new_conversation(store: Store, conversation_id: str | None = None) -> str:
+    """A new conversation of the stored agent "helper" (stored or updated first):
+    ``sid = await new_conversation(store)``."""
     await store.upsert_agent("helper", "Be brief.", ["calc"], {"temperature": 0})
     return (await store.create_conversation("helper", conversation_id=conversation_id)).id
 

@@ -189,11 +189,11 @@ async def test_prune_keeps_a_conversation_whose_run_is_live(store_url: str, tmp_
 
 
 async def test_a_holder_passes_its_own_token_and_a_lost_token_changes_nothing(store: Store) -> None:
-    from _stores import new_session
+    from _stores import new_conversation
 
     from agentkv.chat.messages import Message
 
-    sid = await new_session(store)
+    sid = await new_conversation(store)
     token = await store.acquire_lease(sid, "host-a:1:run001", ttl_s=60)
     for text in ["q1", "a1", "q2"]:
         await store.append_message(sid, Message.user(text), token_count=2, fence=token)
@@ -252,13 +252,13 @@ async def test_prune_keeps_a_conversation_whose_run_took_the_lease_while_prune_c
     """PostgreSQL only: SQLite runs one write transaction at a time, so nothing comes between."""
     if not store_url.startswith("postgresql"):
         pytest.skip("SQLite serialises write transactions: a run cannot take the lease mid-prune there")
-    from _stores import new_session
+    from _stores import new_conversation
 
     from agentkv.memory import queries, retention
     from agentkv.memory.schema import utcnow
 
     async with Store(store_url, snapshot_dir=tmp_path / "s") as pruner, Store(store_url) as runner:
-        sid = await new_session(pruner)
+        sid = await new_conversation(pruner)
         forks_of = retention.branches.forks_of
 
         def run_takes_the_lease(s, conversation_id):  # after prune read its candidates, before it deletes

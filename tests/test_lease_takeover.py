@@ -17,7 +17,7 @@ from pathlib import Path
 import anyio
 import pytest
 from test_run_recovery import call
-from _stores import new_session
+from _stores import new_conversation
 
 from agentkv import Agent, Runtime, tool
 from agentkv.chat.messages import Message
@@ -65,7 +65,7 @@ def test_a_crashed_hosts_lease_is_taken_over_before_a_waiting_request_gives_up()
 
 async def test_another_hosts_lease_is_taken_over_once_its_default_ttl_has_passed(
         host_a: Store, host_b: Store, clock: FakeClock) -> None:
-    sid = await new_session(host_a)
+    sid = await new_conversation(host_a)
     old = await host_a.acquire_lease(sid, HOST_A, DEFAULT_LEASE_TTL_S)  # then host a dies: no renewal
     clock.advance(DEFAULT_LEASE_TTL_S - 0.5)
     with pytest.raises(ConversationBusy, match="host-a"):
@@ -166,7 +166,7 @@ async def test_a_stalled_holder_that_lost_its_lease_to_another_host_writes_nothi
 
 async def test_a_keeper_that_stalled_past_its_ttl_says_so_when_it_renews(
         store: Store, caplog: pytest.LogCaptureFixture) -> None:
-    sid = await new_session(store)
+    sid = await new_conversation(store)
     with caplog.at_level(logging.WARNING, logger="agentkv.memory.leases"):
         async with LeaseKeeper(store, sid, HOST_A, ttl_s=0.3) as lease:
             time.sleep(0.4)  # a blocked event loop: no renewal can run

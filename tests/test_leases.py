@@ -17,7 +17,7 @@ from pathlib import Path
 
 import anyio
 import pytest
-from _stores import REPO, new_session, race_for_lease
+from _stores import REPO, new_conversation, race_for_lease
 
 from agentkv.errors import LeaseLost, ConversationBusy, ConversationNotFound, UserError
 from agentkv.memory.leases import (
@@ -73,7 +73,7 @@ def test_holder_ids_parse_back_to_this_host_and_pid() -> None:
 # -- takeover --------------------------------------------------------------------------------
 
 async def test_a_dead_local_holder_is_taken_over_at_once(store: Store) -> None:
-    sid = await new_session(store)
+    sid = await new_conversation(store)
     dead = f"{HOST}:{dead_pid()}:dead01"
     await store.acquire_lease(sid, dead, ttl_s=600)
     await store.acquire_lease(sid, "worker-b", ttl_s=60)
@@ -81,7 +81,7 @@ async def test_a_dead_local_holder_is_taken_over_at_once(store: Store) -> None:
 
 
 async def test_a_live_local_holder_keeps_its_lease_until_it_dies(store: Store) -> None:
-    sid = await new_session(store)
+    sid = await new_conversation(store)
     await store.acquire_lease(sid, f"{HOST}:{os.getpid()}:other1", ttl_s=600)
     with pytest.raises(ConversationBusy, match="other1"):
         await store.acquire_lease(sid, f"{HOST}:{os.getpid()}:mine01")
@@ -101,7 +101,7 @@ async def test_a_live_local_holder_keeps_its_lease_until_it_dies(store: Store) -
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="zombies are read from /proc")
 async def test_a_killed_but_unreaped_local_holder_counts_as_dead(store: Store) -> None:
-    sid = await new_session(store)
+    sid = await new_conversation(store)
     child = sleeping_child()
     try:
         await store.acquire_lease(sid, f"{HOST}:{child.pid}:zombie", ttl_s=600)
@@ -119,7 +119,7 @@ async def test_a_killed_but_unreaped_local_holder_counts_as_dead(store: Store) -
 async def test_a_holder_on_another_host_is_taken_over_only_after_expiry(
         clocked_store: Store, clock: FakeClock) -> None:
     store = clocked_store
-    sid = await new_session(store)
+    sid = await new_conversation(store)
     await store.acquire_lease(sid, f"elsewhere.invalid:{dead_pid()}:far001", ttl_s=0.3)
     with pytest.raises(ConversationBusy, match="elsewhere.invalid"):
         await store.acquire_lease(sid, "worker-b")
@@ -131,7 +131,7 @@ async def test_a_holder_on_another_host_is_taken_over_only_after_expiry(
 
 async def test_processes_racing_to_take_over_a_dead_holder_exactly_one_wins(
         store: Store, store_url: str, tmp_path: Path) -> None:
-    sid = await new_session(store)
+    sid = await new_conversation(store)
     await store.acquire_lease(sid, f"{HOST}:{dead_pid()}:dead01", ttl_s=600)
     outputs = await race_for_lease(store_url, tmp_path, sid, [f"{HOST}:{os.getpid()}:proc{i}" for i in range(3)])
     assert sorted(out.strip() for out, _ in outputs) == ["busy", "busy", "won"], outputs
@@ -141,7 +141,7 @@ async def test_processes_racing_to_take_over_a_dead_holder_exactly_one_wins(
 # -- operator release ------------------------------------------------------------------------
 
 async def test_force_release_frees_the_lease_and_names_the_previous_holder(store: Store) -> None:
-    sid = await new_session(store)
+    sid = await new_conversation(store)
     await store.acquire_lease(sid, "worker-a", ttl_s=600)
     assert await store.lease_holder(sid) == "worker-a"
     assert await store.release_lease(sid, force=True) == "worker-a"
@@ -166,7 +166,7 @@ async def test_force_release_of_an_unknown_session_is_not_found(store: Store) ->
 # -- LeaseKeeper -----------------------------------------------------------------------------
 
 async def test_lease_keeper_renews_while_the_block_runs(store: Store) -> None:
-    sid = await new_session(store)
+    sid = await new_conversation(store)
     async with LeaseKeeper(store, sid, "keeper", ttl_s=0.6) as lease:
         for _ in range(3):
             await anyio.sleep(0.5)
@@ -179,7 +179,7 @@ async def test_lease_keeper_renews_while_the_block_runs(store: Store) -> None:
 
 
 async def test_lease_keeper_releases_on_cancellation_and_on_errors(store: Store) -> None:
-    sid = await new_session(store)
+    sid = await new_conversation(store)
     with anyio.move_on_after(0.2) as scope:
         async with LeaseKeeper(store, sid, "keeper", ttl_s=0.3):
             await anyio.sleep(10)
@@ -203,7 +203,7 @@ async def test_lease_keeper_releases_on_cancellation_and_on_errors(store: Store)
 
 async def test_lease_keeper_that_loses_its_lease_says_so_without_crashing(
         store: Store, caplog: pytest.LogCaptureFixture) -> None:
-    sid = await new_session(store)
+    sid = await new_conversation(store)
     await store.acquire_lease(sid, "other", ttl_s=600)
     with pytest.raises(ConversationBusy, match="other"):
         async with LeaseKeeper(store, sid, "keeper", ttl_s=0.3):
@@ -239,7 +239,7 @@ anyio.run(main)
 
 async def test_a_sigkilled_keeper_does_not_block_the_next_process(store: Store, store_url: str,
                                                                   tmp_path: Path) -> None:
-    sid = await new_session(store)
+    sid = await new_conversation(store)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     worker = subprocess.Popen([sys.executable, "-c", HOLDING_WORKER, store_url,
                                str(tmp_path / "snapshots"), sid],
@@ -265,7 +265,7 @@ async def test_a_sigkilled_keeper_does_not_block_the_next_process(store: Store, 
 async def test_a_write_fenced_by_a_lost_lease_is_refused_and_leaves_nothing(store: Store) -> None:
     from agentkv.chat.messages import Message
 
-    sid = await new_session(store)
+    sid = await new_conversation(store)
     old = await store.acquire_lease(sid, "old-holder", ttl_s=600)
     await store.append_message(sid, Message.user("hi"), token_count=2, fence=old)
     assert await store.release_lease(sid, force=True) == "old-holder"  # an operator's unlock
@@ -340,7 +340,7 @@ def test_cli_unlock_refuses_a_holder_still_running_here_unless_forced(tmp_path: 
     async def lease_to(holder: str) -> str:
         async with Store(url) as store:
             stored = await store.list_conversations()
-            sid = stored[0].id if stored else await new_session(store)
+            sid = stored[0].id if stored else await new_conversation(store)
             await store.release_lease(sid, force=True)
             await store.acquire_lease(sid, holder, ttl_s=600)
             return sid
@@ -364,7 +364,7 @@ def test_cli_unlock_refuses_a_holder_still_running_here_unless_forced(tmp_path: 
 # -- waiting for a lease another replica holds ------------------------------------------------
 
 async def test_a_lease_keeper_that_may_wait_gets_the_lease_once_the_holder_releases_it(store: Store) -> None:
-    sid = await new_session(store)
+    sid = await new_conversation(store)
     took = await store.acquire_lease(sid, "other-replica", 30)
 
     async def release_soon() -> None:
@@ -382,7 +382,7 @@ async def test_a_lease_keeper_that_may_wait_gets_the_lease_once_the_holder_relea
 
 
 async def test_a_lease_keeper_gives_up_with_session_busy_after_its_wait(store: Store) -> None:
-    sid = await new_session(store)
+    sid = await new_conversation(store)
     await store.acquire_lease(sid, "other-replica", 30)
     started = time.monotonic()
     with pytest.raises(ConversationBusy, match="other-replica"):

@@ -11,7 +11,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from _stores import CONVERSATION, append_all, make_snapshot, new_session
+from _stores import CONVERSATION, append_all, make_snapshot, new_conversation
 
 from agentkv.chat.messages import Message
 from agentkv.errors import AgentNotFound, ConversationNotFound, UserError
@@ -19,7 +19,7 @@ from agentkv.memory import Store
 
 
 async def test_messages_come_back_in_append_order_with_seqs_1_to_n(store: Store) -> None:
-    sid = await new_session(store)
+    sid = await new_conversation(store)
     await append_all(store, sid, CONVERSATION)
     stored = await store.messages(sid)
     assert [m.seq for m in stored] == [1, 2, 3, 4, 5]
@@ -29,7 +29,7 @@ async def test_messages_come_back_in_append_order_with_seqs_1_to_n(store: Store)
 
 
 async def test_out_of_window_messages_stay_stored_with_their_summary(store: Store) -> None:
-    sid = await new_session(store)
+    sid = await new_conversation(store)
     await append_all(store, sid, CONVERSATION)
     summary = await store.append_message(sid, Message.user("[summary] asked 1+1, got 2"),
                                          token_count=8)
@@ -46,8 +46,8 @@ async def test_out_of_window_messages_stay_stored_with_their_summary(store: Stor
 
 
 async def test_list_sessions_counts_messages_and_tokens(store: Store) -> None:
-    busy = await new_session(store, "busy")
-    await new_session(store, "empty")
+    busy = await new_conversation(store, "busy")
+    await new_conversation(store, "empty")
     await append_all(store, busy, CONVERSATION[:3])  # token counts 10, 11, 12
     await store.mark_out_of_window(busy, [1])
 
@@ -78,7 +78,7 @@ async def test_agents_upsert_and_sessions_need_a_stored_agent(store: Store) -> N
 
 async def test_history_survives_reopening_the_store(store_url: str, tmp_path: Path) -> None:
     first = Store(store_url, snapshot_dir=tmp_path / "snaps")
-    sid = await new_session(first)
+    sid = await new_conversation(first)
     await append_all(first, sid, CONVERSATION)
     await first.close()
     second = Store(store_url, snapshot_dir=tmp_path / "snaps")
@@ -87,7 +87,7 @@ async def test_history_survives_reopening_the_store(store_url: str, tmp_path: Pa
 
 
 async def test_delete_session_removes_rows_and_snapshot_files(store: Store) -> None:
-    doomed, kept = await new_session(store, "doomed"), await new_session(store, "kept")
+    doomed, kept = await new_conversation(store, "doomed"), await new_conversation(store, "kept")
     await append_all(store, doomed, CONVERSATION)
     await append_all(store, kept, CONVERSATION[:2])
     doomed_files = [(await store.save_snapshot(doomed, make_snapshot(4, s))).path for s in (1, 2)]
@@ -104,7 +104,7 @@ async def test_delete_session_removes_rows_and_snapshot_files(store: Store) -> N
 
 
 async def test_export_jsonl_writes_openai_chat_messages_one_per_line(store: Store) -> None:
-    sid = await new_session(store)
+    sid = await new_conversation(store)
     await append_all(store, sid, CONVERSATION)
     exported = await store.export_jsonl(sid)
     lines = exported.splitlines()
@@ -117,7 +117,7 @@ async def test_export_jsonl_writes_openai_chat_messages_one_per_line(store: Stor
 
 
 async def test_concurrent_appends_keep_every_message_with_unique_seqs(store: Store) -> None:
-    sid = await new_session(store)
+    sid = await new_conversation(store)
     async with anyio.create_task_group() as tg:
         for i in range(40):
             tg.start_soon(lambda i=i: store.append_message(sid, Message.user(f"m{i}"),
@@ -128,7 +128,7 @@ async def test_concurrent_appends_keep_every_message_with_unique_seqs(store: Sto
 
 
 async def test_cancelled_appends_leave_a_gapless_history(store: Store) -> None:
-    sid = await new_session(store)
+    sid = await new_conversation(store)
     with anyio.move_on_after(0.05):
         async with anyio.create_task_group() as tg:
             for i in range(30):

@@ -35,7 +35,7 @@ def log_snapshot(n: int, *, cuts: tuple[int, ...] = (), tokens: tuple[int, ...] 
     return KVSnapshot.from_float(tokens[:n], keys, keys * 0.5, precision="f32", fingerprint=FP, cuts=cuts)
 
 
-async def new_session(store: Store) -> str:
+async def new_conversation(store: Store) -> str:
     await store.upsert_agent("helper", "Be brief.", [], {})
     return (await store.create_conversation("helper")).id
 
@@ -57,7 +57,7 @@ async def block_store(store_url: str, tmp_path: Path):
 
 
 async def test_a_block_snapshot_restores_bit_for_bit_and_its_file_holds_only_the_tail(block_store: Store) -> None:
-    sid = await new_session(block_store)
+    sid = await new_conversation(block_store)
     snap = log_snapshot(150, cuts=(20, 100, 101, 102))
     record = await block_store.save_snapshot(sid, snap, namespace=SPACE)
     assert len(record.block_keys) == 4 and record.block_size == 32 and record.kv_namespace == SPACE.id
@@ -69,7 +69,7 @@ async def test_a_block_snapshot_restores_bit_for_bit_and_its_file_holds_only_the
 
 
 async def test_the_next_turn_writes_only_its_new_blocks(block_store: Store) -> None:
-    sid = await new_session(block_store)
+    sid = await new_conversation(block_store)
     await block_store.save_snapshot(sid, log_snapshot(150, cuts=(100,)), namespace=SPACE)
     assert block_store.blocks.flush(10)
     first = block_store.blocks.usage().write_behind
@@ -84,7 +84,7 @@ async def test_the_next_turn_writes_only_its_new_blocks(block_store: Store) -> N
 async def test_conversations_sharing_a_prompt_store_its_blocks_once(block_store: Store) -> None:
     shared = HISTORY[:200]
     for i in range(3):
-        sid = await new_session(block_store)
+        sid = await new_conversation(block_store)
         own = shared + tuple(range(1000 * (i + 1), 1000 * (i + 1) + 70))
         await block_store.save_snapshot(sid, log_snapshot(270, cuts=(200,), tokens=own), namespace=SPACE)
     assert block_store.blocks.flush(10)
@@ -94,7 +94,7 @@ async def test_conversations_sharing_a_prompt_store_its_blocks_once(block_store:
 
 async def test_a_store_opened_later_restores_from_disk_alone(store_url: str, tmp_path: Path) -> None:
     first = Store(store_url, snapshot_dir=tmp_path / "snap")
-    sid = await new_session(first)
+    sid = await new_conversation(first)
     snap = log_snapshot(200, cuts=(64, 90))
     record = await first.save_snapshot(sid, snap, namespace=SPACE)
     await first.close()
@@ -112,7 +112,7 @@ async def test_a_store_opened_later_restores_from_disk_alone(store_url: str, tmp
 
 
 async def test_a_lost_block_restores_the_blocks_before_it(block_store: Store, caplog) -> None:
-    sid = await new_session(block_store)
+    sid = await new_conversation(block_store)
     snap = log_snapshot(200)
     record = await block_store.save_snapshot(sid, snap, namespace=SPACE)
     assert block_store.blocks.flush(10)
@@ -128,7 +128,7 @@ async def test_a_lost_block_restores_the_blocks_before_it(block_store: Store, ca
 async def test_a_corrupt_block_on_disk_is_skipped_and_removed(store_url: str, tmp_path: Path, caplog) -> None:
     store = Store(store_url, snapshot_dir=tmp_path / "snap", kv_host_bytes=0)
     try:
-        sid = await new_session(store)
+        sid = await new_conversation(store)
         snap = log_snapshot(100)
         record = await store.save_snapshot(sid, snap, namespace=SPACE)
         assert store.blocks.flush(10)
@@ -143,7 +143,7 @@ async def test_a_corrupt_block_on_disk_is_skipped_and_removed(store_url: str, tm
 
 
 async def test_no_block_left_is_a_corrupt_snapshot(block_store: Store) -> None:
-    sid = await new_session(block_store)
+    sid = await new_conversation(block_store)
     record = await block_store.save_snapshot(sid, log_snapshot(64), namespace=SPACE)
     assert block_store.blocks.flush(10)
     for tier in block_store.blocks.tiers:
@@ -154,7 +154,7 @@ async def test_no_block_left_is_a_corrupt_snapshot(block_store: Store) -> None:
 
 
 async def test_another_tenants_namespace_cannot_read_the_blocks(block_store: Store) -> None:
-    sid = await new_session(block_store)
+    sid = await new_conversation(block_store)
     record = await block_store.save_snapshot(sid, log_snapshot(100), namespace=SPACE)
     for other in (dataclasses.replace(SPACE, salt="tenant-b"), None):
         with pytest.raises(SnapshotIncompatible):
@@ -162,14 +162,14 @@ async def test_another_tenants_namespace_cannot_read_the_blocks(block_store: Sto
 
 
 async def test_two_tenants_with_the_same_prompt_share_no_block(block_store: Store) -> None:
-    sid = await new_session(block_store)
+    sid = await new_conversation(block_store)
     a = await block_store.save_snapshot(sid, log_snapshot(128), namespace=SPACE)
     b = await block_store.save_snapshot(sid, log_snapshot(128), namespace=dataclasses.replace(SPACE, salt="t-b"))
     assert not set(a.block_keys) & set(b.block_keys)
 
 
 async def test_a_snapshot_without_cuts_or_shifted_is_saved_whole(block_store: Store) -> None:
-    sid = await new_session(block_store)
+    sid = await new_conversation(block_store)
     plain = log_snapshot(100)
     unknown = KVSnapshot.from_float(plain.tokens, *plain.to_float(), precision="f32", fingerprint=FP)
     shifted = KVSnapshot.from_float(plain.tokens, *plain.to_float(), precision="f32", fingerprint=FP,
@@ -182,13 +182,13 @@ async def test_a_snapshot_without_cuts_or_shifted_is_saved_whole(block_store: St
 
 
 async def test_a_namespace_of_another_block_size_is_refused(block_store: Store) -> None:
-    sid = await new_session(block_store)
+    sid = await new_conversation(block_store)
     with pytest.raises(UserError, match="block_size=store.block_size"):
         await block_store.save_snapshot(sid, log_snapshot(100), namespace=dataclasses.replace(SPACE, block_size=64))
 
 
 async def test_prune_collects_the_blocks_no_row_names_and_keeps_shared_ones(block_store: Store) -> None:
-    keep, drop = await new_session(block_store), await new_session(block_store)
+    keep, drop = await new_conversation(block_store), await new_conversation(block_store)
     kept = await block_store.save_snapshot(keep, log_snapshot(128), namespace=SPACE)
     other = HISTORY[:64] + tuple(range(5000, 5064))
     dropped = await block_store.save_snapshot(drop, log_snapshot(128, tokens=other), namespace=SPACE)
@@ -203,7 +203,7 @@ async def test_prune_collects_the_blocks_no_row_names_and_keeps_shared_ones(bloc
 
 
 async def test_a_whole_snapshot_saved_before_blocks_still_restores(block_store: Store) -> None:
-    sid = await new_session(block_store)
+    sid = await new_conversation(block_store)
     snap = log_snapshot(90)
     record = await block_store.save_snapshot(sid, snap)  # no namespace: the way every snapshot was saved
     assert record.block_keys == ()
@@ -257,7 +257,7 @@ async def test_another_store_on_the_same_bucket_restores_the_blocks_a_replica_wr
         pytest.skip("no S3 server: set AGENTKV_TEST_S3_URL (eval \"$(bash scripts/start_s3.sh)\")")
     bucket_url = f"{base.rstrip('/')}/{uuid.uuid4().hex[:12]}"
     writer = Store(store_url, snapshots=bucket_url)
-    sid = await new_session(writer)
+    sid = await new_conversation(writer)
     first = await writer.save_snapshot(sid, log_snapshot(100, cuts=(40,)), namespace=SPACE)
     snap = log_snapshot(260, cuts=(40, 100, 101))
     record = await writer.save_snapshot(sid, snap, namespace=SPACE)
@@ -284,7 +284,7 @@ async def test_a_full_disk_costs_the_blocks_not_the_save(block_store: Store, mon
         raise BlockTierUnavailable(f"no space left on the device ({errno.ENOSPC})")
 
     monkeypatch.setattr(DiskBlocks, "put", full)
-    sid = await new_session(block_store)
+    sid = await new_conversation(block_store)
     record = await block_store.save_snapshot(sid, log_snapshot(100), namespace=SPACE)  # no exception
     assert len(record.block_keys) == 3
     usage = block_store.blocks.usage().write_behind
@@ -302,7 +302,7 @@ async def test_a_full_disk_costs_the_blocks_not_the_save(block_store: Store, mon
 
 
 async def test_a_save_of_the_span_past_the_stored_blocks_restores_the_whole_log(block_store: Store) -> None:
-    sid = await new_session(block_store)
+    sid = await new_conversation(block_store)
     await block_store.save_snapshot(sid, log_snapshot(150, cuts=(100,)), namespace=SPACE)
     whole = log_snapshot(260, cuts=(100, 150, 151))
     log = (whole.tokens, whole.cuts)
@@ -314,7 +314,7 @@ async def test_a_save_of_the_span_past_the_stored_blocks_restores_the_whole_log(
 
 
 async def test_a_span_without_its_log_or_a_namespace_is_refused(block_store: Store) -> None:
-    sid = await new_session(block_store)
+    sid = await new_conversation(block_store)
     whole = log_snapshot(96)
     with pytest.raises(UserError, match="whole log"):
         await block_store.save_snapshot(sid, whole.span(64, 96), log=(whole.tokens, ()))

@@ -9,14 +9,14 @@ from pathlib import Path
 import anyio
 import pytest
 
-from _stores import new_session, race_for_lease
+from _stores import new_conversation, race_for_lease
 
 from agentkv.errors import ConversationBusy, ConversationNotFound
 from agentkv.memory import Store
 
 
 async def test_second_holder_is_busy_until_the_lease_is_released(store: Store) -> None:
-    sid = await new_session(store)
+    sid = await new_conversation(store)
     await store.acquire_lease(sid, "worker-a", ttl_s=30)
     with pytest.raises(ConversationBusy, match="worker-a") as busy:
         await store.acquire_lease(sid, "worker-b")
@@ -36,7 +36,7 @@ async def test_second_holder_is_busy_until_the_lease_is_released(store: Store) -
 
 
 async def test_an_expired_lease_is_taken_over(store: Store) -> None:
-    sid = await new_session(store)
+    sid = await new_conversation(store)
     await store.acquire_lease(sid, "crashed-worker", ttl_s=0.05)
     await anyio.sleep(0.1)
     await store.acquire_lease(sid, "worker-b")
@@ -50,7 +50,7 @@ async def test_a_lease_on_a_missing_session_is_not_found(store: Store) -> None:
 
 async def test_processes_racing_for_one_lease_exactly_one_wins(store: Store, store_url: str,
                                                                tmp_path: Path) -> None:
-    sid = await new_session(store)
+    sid = await new_conversation(store)
     outputs = await race_for_lease(store_url, tmp_path, sid, [f"proc-{i}" for i in range(3)])
     results = sorted(out.strip() for out, _ in outputs)
     assert results == ["busy", "busy", "won"], [err for _, err in outputs]

@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import create_engine, insert, inspect, text
 
 from _old_schema import old_agent, old_session, schema_at
-from _stores import new_session
+from _stores import new_conversation
 
 from agentkv.errors import SchemaVersionError
 from agentkv.memory import Store
@@ -24,7 +24,7 @@ DATA = Path(__file__).parent / "data"
 
 async def test_a_database_from_a_newer_schema_is_refused(store: Store, store_url: str,
                                                          tmp_path: Path) -> None:
-    await new_session(store)  # creates the schema
+    await new_conversation(store)  # creates the schema
     engine = create_engine(store_url)
     with engine.begin() as conn:
         conn.execute(insert(schema_version).values(version=LATEST_VERSION + 1, name="future",

@@ -8,14 +8,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from _stores import CONVERSATION, FP, append_all, make_snapshot, new_session
+from _stores import CONVERSATION, FP, append_all, make_snapshot, new_conversation
 
 from agentkv.errors import ConversationNotFound, SnapshotCorrupt, SnapshotIncompatible
 from agentkv.memory import Store
 
 
 async def test_snapshot_save_and_load_round_trip(store: Store) -> None:
-    sid = await new_session(store)
+    sid = await new_conversation(store)
     snapshot = make_snapshot(7)
     record = await store.save_snapshot(sid, snapshot)
     assert (record.num_tokens, record.precision, record.fingerprint) == (7, "u8", FP)
@@ -31,7 +31,7 @@ async def test_snapshot_save_and_load_round_trip(store: Store) -> None:
 
 
 async def test_saving_prunes_all_but_the_newest_snapshots(store: Store) -> None:
-    sid = await new_session(store)
+    sid = await new_conversation(store)
     records = [await store.save_snapshot(sid, make_snapshot(3 + i, seed=i)) for i in range(3)]
     listed = await store.snapshots(sid)
     assert [r.num_tokens for r in listed] == [5, 4]  # newest first
@@ -41,7 +41,7 @@ async def test_saving_prunes_all_but_the_newest_snapshots(store: Store) -> None:
 
 
 async def test_a_corrupt_snapshot_raises_and_nothing_else_is_lost(store: Store) -> None:
-    sid = await new_session(store)
+    sid = await new_conversation(store)
     await append_all(store, sid, CONVERSATION)
     older = await store.save_snapshot(sid, make_snapshot(4, seed=1))
     newer = await store.save_snapshot(sid, make_snapshot(6, seed=2))
@@ -58,7 +58,7 @@ async def test_a_corrupt_snapshot_raises_and_nothing_else_is_lost(store: Store) 
 
 
 async def test_a_missing_or_swapped_snapshot_file_is_corrupt(store: Store) -> None:
-    sid = await new_session(store)
+    sid = await new_conversation(store)
     first = await store.save_snapshot(sid, make_snapshot(4, seed=1))
     second = await store.save_snapshot(sid, make_snapshot(4, seed=2))
     second.path.write_bytes(first.path.read_bytes())  # valid file, but not this row's

@@ -12,7 +12,7 @@ import anyio
 import pytest
 from sqlalchemy.exc import OperationalError
 
-from _stores import make_snapshot, new_session
+from _stores import make_snapshot, new_conversation
 
 from agentkv.chat.messages import Message
 from agentkv.errors import StoreLocked
@@ -22,7 +22,7 @@ from agentkv.memory.database import retry_locked
 
 async def test_a_write_waits_for_another_connections_lock(tmp_path: Path) -> None:
     store = Store(f"sqlite:///{tmp_path / 'a.db'}")
-    sid = await new_session(store)
+    sid = await new_conversation(store)
     blocker = sqlite3.connect(tmp_path / "a.db", isolation_level=None, check_same_thread=False)
     blocker.execute("BEGIN IMMEDIATE")
     threading.Timer(0.3, lambda: blocker.execute("COMMIT")).start()
@@ -77,7 +77,7 @@ async def test_from_env_reads_the_url_and_keeps_snapshots_beside_the_db(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AGENTKV_DB_URL", f"sqlite:///{tmp_path / 'env.db'}")
     store = Store.from_env()
-    sid = await new_session(store)
+    sid = await new_conversation(store)
     record = await store.save_snapshot(sid, make_snapshot(2))
     assert (tmp_path / "env.db").exists()
     assert record.path.parent == tmp_path / "snapshots"
@@ -86,7 +86,7 @@ async def test_from_env_reads_the_url_and_keeps_snapshots_beside_the_db(
 
 async def test_an_in_memory_database_supports_concurrent_use(tmp_path: Path) -> None:
     store = Store("sqlite://", snapshot_dir=tmp_path / "snaps")
-    sid = await new_session(store)
+    sid = await new_conversation(store)
     async with anyio.create_task_group() as tg:
         for i in range(10):
             tg.start_soon(lambda i=i: store.append_message(sid, Message.user(str(i)),
