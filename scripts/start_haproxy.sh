@@ -11,32 +11,7 @@ set -euo pipefail
 
 log() { echo "start_haproxy: $*" >&2; }
 
-find_haproxy() {
-    command -v haproxy 2>/dev/null || { [[ -x /usr/sbin/haproxy ]] && echo /usr/sbin/haproxy; } || true
-}
-
-BIN="$(find_haproxy)"
-if [[ -z "$BIN" ]]; then
-    if [[ "$(id -u)" -ne 0 ]]; then
-        log "haproxy is not installed and this is not root: run 'sudo apt-get install -y haproxy'"
-        exit 1
-    fi
-    if ! command -v apt-get >/dev/null 2>&1; then
-        log "haproxy is not installed and there is no apt-get: install HAProxy >= 2.6 with this system's packages"
-        exit 1
-    fi
-    log "installing haproxy with apt-get"
-    export DEBIAN_FRONTEND=noninteractive
-    if ! apt-get install -y haproxy >&2; then
-        log "apt-get install failed; updating the package lists and trying again"
-        apt-get update >&2 && apt-get install -y haproxy >&2 || {
-            log "could not install haproxy with apt-get (see above)"; exit 1; }
-    fi
-    BIN="$(find_haproxy)"
-    if [[ -z "$BIN" ]]; then
-        log "apt-get installed haproxy but no haproxy binary is on PATH or in /usr/sbin"
-        exit 1
-    fi
-fi
+# installed with apt-get when missing: scripts/debian_program.sh
+BIN="$(bash "$(dirname "$0")/debian_program.sh" start_haproxy haproxy /usr/sbin/haproxy "HAProxy >= 2.6")"
 log "$("$BIN" -v | head -n 1)"
 echo "$BIN"
