@@ -185,16 +185,11 @@ def window(record: Record, plots: Plots) -> str:
                          f"{pair(p['other_turn_ms'])} | {p['compactions']} | {pair(p['compaction_cost_ms'])} | "
                          f"{number(p['max_prompt_tokens'])} |")
         parts.append("\n".join(lines))
-        figure, axes = plt.subplots(figsize=(7, 4))
-        xs = range(len(names))
-        axes.bar([x - 0.2 for x in xs], [policies[n]["compacting_turn_ms"]["mean"] or 0 for n in names], 0.4,
-                 label="turn that compacts (mean)")
-        axes.bar([x + 0.2 for x in xs], [policies[n]["other_turn_ms"]["mean"] or 0 for n in names], 0.4,
-                 label="other turns (mean)")
-        axes.set_xticks(list(xs), names)
-        axes.set(ylabel="ms to the first token, as a user waits", title="Context-window policies")
-        axes.legend(fontsize=8)
-        figure.tight_layout(rect=(0, 0.04, 1, 1))
+        figure = paired_bars(names, ([policies[n]["compacting_turn_ms"]["mean"] or 0 for n in names],
+                                     [policies[n]["other_turn_ms"]["mean"] or 0 for n in names]),
+                             ("turn that compacts (mean)", "other turns (mean)"),
+                             ylabel="ms to the first token, as a user waits", title="Context-window policies",
+                             size=(7, 4), bottom=0.04)
         parts.insert(0, plots.save(figure, record, "window-turn-latency"))
     return "\n\n".join(parts)
 
@@ -225,17 +220,31 @@ def decode(record: Record, plots: Plots) -> str:
             pairs[label] = (f[f"plain_decode_tps_{key}"], f[f"spec_decode_tps_{key}"])
     parts = [figures_table(record)]
     if pairs:
-        figure, axes = plt.subplots(figsize=(7, 3.8))
-        xs = range(len(pairs))
-        axes.bar([x - 0.2 for x in xs], [plain for plain, _ in pairs.values()], 0.4, label="plain decoding")
-        axes.bar([x + 0.2 for x in xs], [fast for _, fast in pairs.values()], 0.4,
-                 label="agentkv's defaults (fast-forward, drafts)")
-        axes.set_xticks(list(xs), list(pairs))
-        axes.set(ylabel="decode tokens/s", title="Decoding: same answers, fewer model steps")
-        axes.legend(fontsize=8)
-        figure.tight_layout(rect=(0, 0.05, 1, 1))
+        heights = ([plain for plain, _ in pairs.values()], [fast for _, fast in pairs.values()])
+        figure = paired_bars(list(pairs), heights,
+                             ("plain decoding", "agentkv's defaults (fast-forward, drafts)"),
+                             ylabel="decode tokens/s", title="Decoding: same answers, fewer model steps",
+                             size=(7, 3.8), bottom=0.05)
         parts.insert(0, plots.save(figure, record, "decode-tokens-per-s"))
     return "\n\n".join(parts)
+
+
+def paired_bars(groups: list[str], values: tuple[list[float], list[float]], labels: tuple[str, str], *, ylabel: str,
+                title: str, size: tuple[float, float], bottom: float) -> Any:
+    """Two bars per group, side by side, with a legend (the window and decode plots)::
+
+        paired_bars(["tool calls"], ([40.1], [126.0]), ("plain", "fast"), ylabel="tokens/s", title="Decoding",
+                    size=(7, 4), bottom=0.05)
+    """
+    figure, axes = plt.subplots(figsize=size)
+    xs = range(len(groups))
+    for offset, heights, label in zip((-0.2, 0.2), values, labels):
+        axes.bar([x + offset for x in xs], heights, 0.4, label=label)
+    axes.set_xticks(list(xs), groups)
+    axes.set(ylabel=ylabel, title=title)
+    axes.legend(fontsize=8)
+    figure.tight_layout(rect=(0, bottom, 1, 1))
+    return figure
 
 
 def generic(record: Record, plots: Plots) -> str:
