@@ -34,14 +34,15 @@ def test_drafting_together_pays_while_acceptance_beats_the_share_of_step_time_to
                                                                                           pays):
     payoff = DraftPayoff()
     payoff.note(drafted=100, accepted=round(100 * acceptance))
-    steps = steps_costing(0.008, 0.001, [1, 17, 2, 34, 4, 68, 8, 16] * 4)
+    payoff.refit(steps_costing(0.008, 0.001, [1, 17, 2, 34, 4, 68, 8, 16] * 4))
     # the rule: acceptance > N·c1 / (c0 + N·c1); N = 4 at c1/c0 = 1/8 is 1/3 > 0.3
-    assert payoff.pays(steps, sequences) is pays
+    assert payoff.pays(sequences) is pays
 
 
 def test_acceptance_decays_so_recent_drafts_weigh_most_and_nothing_known_means_try():
     payoff = DraftPayoff()
-    assert payoff.acceptance is None and payoff.pays([], sequences=16)
+    payoff.refit([])
+    assert payoff.acceptance is None and payoff.pays(sequences=16)
     for _ in range(200):
         payoff.note(drafted=16, accepted=16)
     for _ in range(200):

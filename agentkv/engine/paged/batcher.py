@@ -36,10 +36,11 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from itertools import islice
 
 import numpy as np
 
-from agentkv.engine.paged.draft_payoff import DraftPayoff
+from agentkv.engine.paged.draft_payoff import FIT_STEPS, REFIT_STEPS, DraftPayoff
 from agentkv.engine.paged.draft_share import DraftShare
 from agentkv.engine.paged.model import SequenceStep, logit_rows
 from agentkv.errors import UserError
@@ -292,8 +293,7 @@ class StepBatcher:
         with self._changed:
             self._drafters[caller] = self._steps
             others, plain = self._others(caller)
-            if others and not plain and not self._payoff.pays(
-                    [(r.tokens, r.seconds) for r in self._records], others + 1):
+            if others and not plain and not self._payoff.pays(others + 1):
                 return 0  # many sessions drafting at once: plain steps give more tokens per second
             return self._drafts.cap(others, plain)
 
@@ -382,3 +382,5 @@ class StepBatcher:
         self._queued_s += sum(waits)
         self._busy_s += ended - started
         self._records.append(StepRecord(len(callers), tokens, ended - started, max(waits), ended, drafting))
+        if self._steps <= REFIT_STEPS or self._steps % REFIT_STEPS == 0:  # NOTE: each step while few
+            self._payoff.refit([(r.tokens, r.seconds) for r in islice(reversed(self._records), FIT_STEPS)])

@@ -11,12 +11,14 @@ Measured on the default model (avx2 EPYC, 2 cores): one sequence alone verifying
 drafting together pays up to ~4 sequences; 8 and 16 sessions drafting together decoded slower in
 aggregate than 4 (``benchmarks/concurrency.py``).
 
-``c0`` and ``c1`` are fitted to the batcher's recent steps (least squares of seconds on tokens),
-``a`` is a decaying count of the drafts' outcomes::
+``c0`` and ``c1`` are fitted to the batcher's recent steps (least squares of seconds on tokens,
+refitted every ``REFIT_STEPS`` steps: not on each draft's question), ``a`` is a decaying count of
+the drafts' outcomes::
 
     payoff = DraftPayoff()
     payoff.note(drafted=16, accepted=5)                    # each draft's outcome (the slots report it)
-    payoff.pays([(1, 0.008), (17, 0.021)], sequences=4)    # recent steps' (tokens, seconds)
+    payoff.refit([(1, 0.008), (17, 0.021)])                # recent steps' (tokens, seconds)
+    payoff.pays(sequences=4)
 
 Not thread-safe: its owner (``StepBatcher``) calls it under its lock. No model here.
 """
@@ -31,6 +33,8 @@ DECAY = 0.98
 """Weight each earlier draft outcome keeps per new one (~50 drafts' memory)."""
 FIT_STEPS = 256
 """Recent steps the cost fit reads."""
+REFIT_STEPS = 32
+"""Steps between two fits of the step cost (the batcher refits as it counts a step)."""
 
 
 class DraftPayoff:
@@ -42,6 +46,8 @@ class DraftPayoff:
         """Drafted tokens, decayed (``DECAY`` per draft)."""
         self.accepted = 0.0
         """Of them, those the model confirmed, decayed alike."""
+        self.token_cost = PRIOR_TOKEN_COST
+        """``c1 / c0`` of the last fit (``refit``)."""
 
     def note(self, drafted: int, accepted: int) -> None:
         """Count one finished draft: ``drafted`` tokens fed, ``accepted`` of them confirmed."""
@@ -54,14 +60,17 @@ class DraftPayoff:
         """The confirmed share of drafted tokens lately (None before any draft ended)."""
         return self.accepted / self.drafted if self.drafted > 0 else None
 
-    def pays(self, steps: Sequence[tuple[int, float]], sequences: int) -> bool:
-        """Whether ``sequences`` sequences that all draft gain tokens per second by drafting, given
-        the recent ``steps`` as ``(tokens, seconds)``. True before any draft's outcome is known."""
+    def refit(self, steps: Sequence[tuple[int, float]]) -> None:
+        """Fit the step cost to recent ``steps`` as ``(tokens, seconds)`` (its last ``FIT_STEPS``)."""
+        self.token_cost = token_cost_ratio(steps[-FIT_STEPS:])
+
+    def pays(self, sequences: int) -> bool:
+        """Whether ``sequences`` sequences that all draft gain tokens per second by drafting, at the
+        last fit's step cost. True before any draft's outcome is known."""
         acceptance = self.acceptance
         if acceptance is None:
             return True
-        ratio = token_cost_ratio(steps[-FIT_STEPS:])
-        share = sequences * ratio / (1 + sequences * ratio)
+        share = sequences * self.token_cost / (1 + sequences * self.token_cost)
         return acceptance > share
 
 
